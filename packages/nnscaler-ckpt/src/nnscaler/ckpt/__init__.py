@@ -1,0 +1,1 @@
+"""nnscaler.ckpt: Checkpoint formats (sharded, deduped, merged), merge, reshard."""

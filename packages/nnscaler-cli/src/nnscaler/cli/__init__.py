@@ -1,0 +1,1 @@
+"""nnscaler.cli: The `nnscaler` command."""

@@ -1,0 +1,1 @@
+"""nnscaler.codegen: Code generation: one Python module per rank under gen_savedir, plus the manifest."""

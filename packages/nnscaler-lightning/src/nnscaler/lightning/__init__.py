@@ -1,0 +1,1 @@
+"""nnscaler.lightning: NnScalerStrategy, NnScalerPrecision and a Fabric strategy."""

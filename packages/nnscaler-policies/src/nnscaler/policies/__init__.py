@@ -1,0 +1,1 @@
+"""nnscaler.policies: PAS primitives (select, partition, replicate, assign) and built-in policies by name."""

@@ -1,0 +1,1 @@
+"""nnscaler.trainer: TrainerArgs, Trainer and `nnscaler train`."""
