@@ -1,1 +1,37 @@
-"""nnscaler.codegen: Code generation: one Python module per rank under gen_savedir, plus the manifest."""
+"""nnscaler.codegen: turn a planned IRGraph into one Python module per runtime rank.
+
+`generate(graph, compute_config, outdir, policy=...)` writes ``gencode{rank}.py`` for every
+runtime rank and returns their paths. Reuse decisions and the manifest are the runtime's
+(`nnscaler.runtime.parallelize`), which calls this only when code must be (re)generated.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List
+
+from .emit import GenerationError, emit_rank, param_local_names
+
+
+def gencode_name(rank: int) -> str:
+    return f"gencode{rank}.py"
+
+
+def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str = "") -> List[Path]:
+    """Write one module per runtime rank into `outdir`; returns the written paths."""
+    cfg = compute_config.to_dict() if hasattr(compute_config, "to_dict") else dict(compute_config)
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rank in range(cfg["runtime_ngpus"]):
+        text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint())
+        compile(text, gencode_name(rank), "exec")  # a bug here must not reach the ranks
+        path = outdir / gencode_name(rank)
+        tmp = path.with_suffix(".py.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+__all__ = ["GenerationError", "generate", "gencode_name", "param_local_names"]

@@ -1,1 +1,22 @@
-"""nnscaler.ir: Tracing into the IR: ComputeConfig, IRGraph, trace(), the op registry with dimension annotations, register_op."""
+"""nnscaler.ir: the intermediate representation.
+
+`ComputeConfig`, `trace()` into an `IRGraph`, and the op registry with dimension annotations
+(`register_op` for custom ops).
+"""
+from .config import ComputeConfig, ConfigError, OptionalComputeConfig
+from .graph import IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value
+from .trace import TraceError, trace
+
+__all__ = [
+    "ComputeConfig", "ConfigError", "OptionalComputeConfig",
+    "IRGraph", "InputSpec", "Node", "Ref", "SourceLoc", "TensorSpec", "Value",
+    "TraceError", "trace",
+]
+
+try:  # the op registry (annotations) lives beside the tracer
+    from .annotation import AnnotationError, parse_annotation
+    from .registry import REGISTRY, register_op
+    from . import builtin_ops as _builtin_ops  # noqa: F401  (registers the built-in annotations)
+    __all__ += ["AnnotationError", "parse_annotation", "REGISTRY", "register_op"]
+except ImportError:  # pragma: no cover - only while the registry is being written
+    pass

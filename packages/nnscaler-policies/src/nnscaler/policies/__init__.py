@@ -1,1 +1,23 @@
-"""nnscaler.policies: PAS primitives (select, partition, replicate, assign) and built-in policies by name."""
+"""nnscaler.policies: how a traced graph is partitioned and placed (PAS policies).
+
+A policy is a function ``(graph, compute_config) -> graph`` built from the primitives `select`,
+`partition`, `replicate` and `assign`; built-in policies are found by name (`get_policy`).
+"""
+from .plan import Piece, PlanError, validate_plan
+from .primitives import assign, partition, replicate, select
+from .registry import available_policies, get_policy, policy_name, register_policy
+from . import builtin as _builtin  # noqa: F401  (registers dp, ...)
+
+
+def apply_policy(graph, compute_config, policy):
+    """Run `policy` (a name or a callable) on `graph` and check the result is a complete plan."""
+    fn = get_policy(policy)
+    result = fn(graph, compute_config)
+    if result is None:
+        result = graph
+    validate_plan(result, compute_config.plan_ngpus, policy_name(policy))
+    return result
+
+
+__all__ = ["Piece", "PlanError", "apply_policy", "assign", "available_policies", "get_policy", "partition",
+           "policy_name", "register_policy", "replicate", "select", "validate_plan"]

@@ -1,1 +1,21 @@
-"""nnscaler.runtime: What generated code imports: ParallelModule, reducer, process groups; parallelize() and build_optimizer()."""
+"""nnscaler.runtime: what generated code imports, and `parallelize()`.
+
+`ParallelModule` (the base of generated per-rank modules), the `RankGrid` that owns every
+process group, the data-parallel `Reducer`, `build_optimizer`, `sync_grad_when`, and
+`parallelize()` / `ReuseType`. Code generation itself (nnscaler-policies, nnscaler-codegen) is
+imported only when code must be generated: install ``nnscaler-runtime[compile]`` for that.
+"""
+from .device import default_backend, default_device
+from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
+from .gen_dir import ReuseType
+from .grid import RankGrid
+from .module import ParallelModule
+from .optimizer import build_optimizer
+from .parallelize import load_generated_class, parallelize
+from .reducer import Reducer, sync_grad_when
+
+__all__ = [
+    "ConfigError", "GenerationError", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
+    "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
+    "load_generated_class", "parallelize", "sync_grad_when",
+]

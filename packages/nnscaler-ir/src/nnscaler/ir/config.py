@@ -1,0 +1,165 @@
+"""ComputeConfig: the compute environment and code-generation switches of one parallelization.
+
+Fields and defaults follow the user's specification (native-trainer.rst, "Appendix:
+ComputeConfig") plus the optional fields of `OptionalComputeConfig` (`use_async_reducer`,
+`reducer_bucket_cap_mb`, `zero_use_reduce_scatter`). Every value is checked on construction and a
+bad one raises `ConfigError` naming the field and what to do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+TRACE_STRATEGIES = ("cpu", "cuda", "meta", "cuda_run_cpu_offload", "reuse_cache")
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+class ConfigError(ValueError):
+    """A compute configuration value is invalid; the message names the field and the fix."""
+
+
+def _check_type(name: str, value: Any, types, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    # bool is an int subclass: do not let True pass as a count.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ConfigError(f"ComputeConfig.{name} must be {_type_names(types)}, got bool {value!r}")
+    if not isinstance(value, types):
+        raise ConfigError(
+            f"ComputeConfig.{name} must be {_type_names(types)}, got {type(value).__name__} {value!r}")
+
+
+def _type_names(types) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in types)
+
+
+def _check_json(name: str, value: Dict[str, Any]) -> None:
+    try:
+        json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(
+            f"ComputeConfig.{name} must hold only JSON values (str, numbers, bools, None, lists, "
+            f"dicts with str keys) because it is saved with the generated code: {e}") from None
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """Where and how a module is parallelized.
+
+    `plan_ngpus` devices hold one copy of the model (partitioned by the policy); `runtime_ngpus`
+    is the world size and must be a multiple of it; the data-parallel degree is their quotient.
+    """
+
+    plan_ngpus: int
+    runtime_ngpus: int
+
+    constant_folding: bool = False
+    trace_strategy: str = "cuda_run_cpu_offload"
+
+    use_zero: bool = False
+    zero_ngroups: int = 1
+    zero_use_reduce_scatter: bool = False
+
+    use_async_reducer: bool = False
+    reducer_bucket_cap_mb: Optional[float] = None
+
+    inference_only: bool = False
+    use_end2end: bool = False
+
+    pas_config: Dict[str, Any] = field(default_factory=dict)
+    user_config: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("plan_ngpus", "runtime_ngpus", "zero_ngroups"):
+            _check_type(name, getattr(self, name), int)
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ComputeConfig.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.runtime_ngpus % self.plan_ngpus:
+            raise ConfigError(
+                f"ComputeConfig.runtime_ngpus ({self.runtime_ngpus}) must be a multiple of plan_ngpus "
+                f"({self.plan_ngpus}): every plan_ngpus ranks hold one copy of the model. "
+                f"Use runtime_ngpus={self.plan_ngpus * max(1, self.runtime_ngpus // self.plan_ngpus)} "
+                f"or change plan_ngpus.")
+        for name in ("constant_folding", "use_zero", "zero_use_reduce_scatter", "use_async_reducer",
+                     "inference_only", "use_end2end"):
+            _check_type(name, getattr(self, name), bool)
+        _check_type("trace_strategy", self.trace_strategy, str)
+        if self.trace_strategy not in TRACE_STRATEGIES:
+            raise ConfigError(
+                f"ComputeConfig.trace_strategy must be one of {', '.join(TRACE_STRATEGIES)}; "
+                f"got {self.trace_strategy!r}")
+        _check_type("reducer_bucket_cap_mb", self.reducer_bucket_cap_mb, (int, float), allow_none=True)
+        if self.reducer_bucket_cap_mb is not None and not self.reducer_bucket_cap_mb > 0:
+            raise ConfigError(
+                f"ComputeConfig.reducer_bucket_cap_mb must be > 0 (MB per gradient bucket), "
+                f"got {self.reducer_bucket_cap_mb}")
+        if self.use_zero:
+            dp = self.runtime_ngpus // self.plan_ngpus
+            if dp % self.zero_ngroups:
+                raise ConfigError(
+                    f"ComputeConfig.zero_ngroups ({self.zero_ngroups}) must divide the data-parallel "
+                    f"degree runtime_ngpus // plan_ngpus = {dp}")
+        for name in ("pas_config", "user_config"):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, {})
+                continue
+            _check_type(name, value, dict)
+            _check_json(name, value)
+
+    # -- derived values ------------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree: runtime_ngpus // plan_ngpus."""
+        return self.runtime_ngpus // self.plan_ngpus
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The gradient bucket size in MB actually used (the default when unset)."""
+        return DEFAULT_BUCKET_CAP_MB if self.reducer_bucket_cap_mb is None else float(self.reducer_bucket_cap_mb)
+
+    # -- (de)serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "ComputeConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown ComputeConfig field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def graph_key(self) -> Dict[str, Any]:
+        """The fields that change the traced graph (used by ReuseType.GRAPH)."""
+        return {"constant_folding": self.constant_folding, "user_config": self.user_config}
+
+    def differences(self, other: "ComputeConfig") -> Dict[str, tuple]:
+        """field -> (self value, other value) for every field that differs."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+
+
+@dataclass(frozen=True)
+class OptionalComputeConfig:
+    """A partial ComputeConfig: None means "take the value from the base config"."""
+
+    constant_folding: Optional[bool] = None
+    trace_strategy: Optional[str] = None
+    use_zero: Optional[bool] = None
+    zero_ngroups: Optional[int] = None
+    zero_use_reduce_scatter: Optional[bool] = None
+    use_async_reducer: Optional[bool] = None
+    reducer_bucket_cap_mb: Optional[float] = None
+
+    pas_config: Optional[Dict[str, Any]] = None
+    user_config: Optional[Dict[str, Any]] = None
+
+    def resolve(self, base: ComputeConfig) -> ComputeConfig:
+        """`base` with every field set here (not None) replaced; validated like any ComputeConfig."""
+        overrides = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return dataclasses.replace(base, **overrides)

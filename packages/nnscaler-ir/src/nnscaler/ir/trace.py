@@ -1,0 +1,393 @@
+"""`trace(module, dummy_forward_args)`: run the forward once and record it as an IRGraph.
+
+The front end is a concrete tracer built on ``torch.overrides.TorchFunctionMode``: the user's
+forward runs for real (on the device the trace strategy picks) while every torch-level call
+(``F.linear``, ``Tensor.view``, ``x + y``...) is recorded with its inputs, outputs, module path
+and source line. Python control flow therefore runs on real values: branches on shapes and
+constants trace (the taken path is recorded). Why this front end and not torch.fx or
+torch.export is written down in docs/architecture.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import os
+import sys
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import tracing_context
+from .graph import (IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode,
+                    iter_refs)
+from .op_names import op_name
+from .symbolic_int import TracedInt
+from .trace_device import ExecutionDevice
+
+_SIZE_FUNCS = {"size", "numel"}
+_FOLDED_ATTRS = {"dtype", "device", "is_cuda", "is_meta", "requires_grad", "ndim", "layout", "is_leaf",
+                 "grad_fn", "names", "is_sparse", "is_quantized", "data_ptr", "dim", "element_size",
+                 "is_contiguous", "is_floating_point", "is_complex", "get_device", "__len__", "__format__",
+                 "__repr__", "__bool__", "__int__", "__float__", "__index__", "__hash__", "item", "tolist",
+                 "stride", "storage_offset", "untyped_storage", "__array__"}
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
+
+_PKG_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
+             os.path.dirname(contextlib.__file__))
+
+
+class TraceError(RuntimeError):
+    """Tracing the user's module failed; the message names the user's source line."""
+
+
+class _RecordingMode(TorchFunctionMode):
+    def __init__(self, tracer: "Tracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.tracer.on_call(func, args, kwargs or {})
+
+
+class Tracer:
+    def __init__(self, module: torch.nn.Module, constant_folding: bool, device: ExecutionDevice):
+        self.module = module
+        self.constant_folding = constant_folding
+        self.device = device
+        self.values: Dict[int, Value] = {}
+        self.nodes: list = []
+        self._ids = itertools.count()
+        self._tensor_values: Dict[int, tuple] = {}  # id(tensor) -> (tensor, Ref); keeps tensors alive
+        self.constants: Dict[str, TensorSpec] = {}
+        self._module_stack = [""]
+        self._module_names = {}
+        for name, mod in module.named_modules(remove_duplicate=False):
+            self._module_names.setdefault(id(mod), name)
+
+    # -- values ----------------------------------------------------------------------------------
+    def new_value(self, obj, hint: str) -> Ref:
+        vid = next(self._ids)
+        if isinstance(obj, torch.Tensor):
+            v = Value(vid, "tensor", hint, tuple(obj.shape), dtype_name(obj.dtype), obj.requires_grad)
+        elif isinstance(obj, int):
+            v = Value(vid, "int", hint)
+        else:
+            v = Value(vid, "object", hint)
+        self.values[vid] = v
+        return Ref(vid)
+
+    def bind_tensor(self, tensor: torch.Tensor, ref: Ref) -> None:
+        self._tensor_values[id(tensor)] = (tensor, ref)
+
+    def ref_of_tensor(self, tensor: torch.Tensor) -> Ref:
+        hit = self._tensor_values.get(id(tensor))
+        if hit is not None and hit[0] is tensor:
+            return hit[1]
+        # A tensor that is neither an input, a parameter/buffer nor an op's output: a tensor
+        # constant captured by the user's code (a plain attribute, a global). Saved with the weights.
+        name = f"_constant_{len(self.constants)}"
+        ref = self.new_value(tensor, name)
+        self.constants[name] = TensorSpec(name, ref, tuple(tensor.shape), dtype_name(tensor.dtype),
+                                          False, [], True)
+        self.constants[name].tensor = tensor.detach().to("cpu") if tensor.device.type != "meta" else None
+        self.bind_tensor(tensor, ref)
+        return ref
+
+    def _to_refs(self, obj):
+        if isinstance(obj, TracedInt) and obj._tracer is self:
+            return obj._ref
+        if isinstance(obj, torch.Tensor):
+            return self.ref_of_tensor(obj)
+        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+            items = [self._to_refs(x) for x in obj]
+            return items if isinstance(obj, list) else tuple(items)
+        if isinstance(obj, dict):
+            return {k: self._to_refs(v) for k, v in obj.items()}
+        if isinstance(obj, slice):
+            return slice(self._to_refs(obj.start), self._to_refs(obj.stop), self._to_refs(obj.step))
+        encode(obj)  # raises TypeError for objects generated code could not rebuild
+        return obj
+
+    # -- recording -----------------------------------------------------------------------------
+    def source_location(self) -> Optional[SourceLoc]:
+        frame = sys._getframe(2)
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if not filename.startswith(_PKG_DIRS) and not filename.startswith("<"):
+                import linecache
+                code = linecache.getline(filename, frame.f_lineno).strip()
+                return SourceLoc(filename, frame.f_lineno, code, frame.f_code.co_qualname)
+            frame = frame.f_back
+        return None
+
+    def _add_node(self, target: str, args, kwargs, outputs, annotation=None, inplace=False) -> Node:
+        node = Node(len(self.nodes), target, list(args), dict(kwargs), outputs, self._module_stack[-1],
+                    self.source_location(), annotation, inplace)
+        self.nodes.append(node)
+        return node
+
+    def _wrap_outputs(self, result, hint: str, inplace_target=None):
+        """Give every tensor (and traced int) in `result` a fresh value; return (refs, result)."""
+        if isinstance(result, torch.Tensor):
+            ref = self.new_value(result, hint)
+            self.bind_tensor(result, ref)
+            return ref, result
+        if isinstance(result, (tuple, list)) and not isinstance(result, torch.Size):
+            pairs = [self._wrap_outputs(r, hint) for r in result]
+            refs = [p[0] for p in pairs]
+            objs = [p[1] for p in pairs]
+            if isinstance(result, list):
+                return refs, objs
+            if hasattr(result, "_fields"):  # namedtuple (torch.return_types.max ...)
+                return tuple(refs), type(result)(*objs)
+            return tuple(refs), tuple(objs)
+        if isinstance(result, int) and not isinstance(result, bool) and not self.constant_folding:
+            ref = self.new_value(result, hint)
+            return ref, TracedInt(result, self, ref)
+        return result, result
+
+    def on_call(self, func, args, kwargs):
+        name = getattr(func, "__name__", "")
+        owner = getattr(func, "__self__", None)
+        if name == "__get__" and owner is not None:  # a Tensor property such as x.shape or x.T
+            attr = owner.__name__
+            real = self.device.run(func, args, kwargs)
+            if attr == "shape" and not self.constant_folding:
+                return self._record_size(args[0], real, "getattr", (args[0], "shape"))
+            if isinstance(real, torch.Tensor):
+                refs, real = self._wrap_outputs(real, attr.strip("_"))
+                self._add_node("getattr", (self._to_refs(args[0]), attr), {}, refs)
+            return real
+        if name in _FOLDED_ATTRS:
+            return self.device.run(func, args, kwargs)
+        if name in _SIZE_FUNCS:
+            real = self.device.run(func, args, kwargs)
+            if self.constant_folding:
+                return real
+            return self._record_size(args[0], real, op_name(func), args, kwargs)
+        if name == "__iter__":  # iterate a tensor -> unbind(0)
+            return iter(self.on_call(torch.Tensor.unbind, (args[0],), {}))
+        return self.record_call(func, op_name(func), args, kwargs, name)
+
+    def record_call(self, func, target: str, args, kwargs, name: str, annotation_fn=None):
+        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
+        try:
+            real = self.device.run(func, args, kwargs)
+        except Exception as e:
+            loc = self.source_location()
+            raise TraceError(f"tracing failed in {target} called at {loc}: {type(e).__name__}: {e}") from e
+        inplace = ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+                   or kwargs.get("out") is not None)
+        if name == "__setitem__":
+            real = args[0]
+        if real is None or (not _has_tensor(real) and self.constant_folding):
+            if inplace:  # mutation with no tensor result: record it for its effect
+                self._add_node(target, arg_refs, kwarg_refs, None, inplace=True)
+            return real
+        hint = name.strip("_") or "out"
+        refs, result = self._wrap_outputs(real, hint)
+        annotation = self._annotation(func, args, kwargs, annotation_fn)
+        self._add_node(target, arg_refs, kwarg_refs, refs, annotation, inplace)
+        return result
+
+    def _annotation(self, func, args, kwargs, annotation_fn):
+        try:
+            from .registry import REGISTRY
+        except ImportError:  # registry not built yet
+            return None
+        try:
+            return REGISTRY.lookup(func, args, kwargs)
+        except Exception:
+            return None
+
+    def _record_size(self, tensor, real, target, args, kwargs=None):
+        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs or {}))
+        if isinstance(real, int):
+            ref = self.new_value(real, "size")
+            self._add_node(target, arg_refs, kwarg_refs, ref)
+            return TracedInt(real, self, ref)
+        refs = tuple(self.new_value(int(d), f"size") for d in real)
+        self._add_node(target, arg_refs, kwarg_refs, refs)
+        return TracedSize(TracedInt(int(d), self, r) for d, r in zip(real, refs))
+
+    def record_int_op(self, op, args):
+        plain = [int(a) for a in args]
+        result = op(*plain)
+        ref = self.new_value(result, op.__name__)
+        self._add_node(f"operator.{op.__name__}", self._to_refs(tuple(args)), {}, ref)
+        return TracedInt(result, self, ref)
+
+    def record_custom_op(self, fn, args, kwargs):
+        """Record a call of a `register_op` function as one node (called by its wrapper)."""
+        module = getattr(fn, "__module__", None)
+        qualname = getattr(fn, "__qualname__", "")
+        if not module or "<locals>" in qualname or module == "__main__":
+            raise TraceError(
+                f"custom op {qualname or fn!r} must be a module-level function in an importable module "
+                f"(generated code imports it by name); it is defined in {module}.{qualname}")
+        from .registry import REGISTRY
+        wrapper = getattr(fn, "__nnscaler_wrapper__", fn)
+        annotation = REGISTRY.lookup(wrapper, args, kwargs) or REGISTRY.lookup(fn, args, kwargs)
+        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
+        real = self.device.run(fn, args, kwargs, mode_off=True)
+        refs, result = self._wrap_outputs(real, qualname.rsplit(".", 1)[-1])
+        self._add_node(f"{module}.{qualname}", arg_refs, kwarg_refs, refs, annotation)
+        return result
+
+    # -- module path bookkeeping ------------------------------------------------------------------
+    def _pre_hook(self, mod, args):
+        self._module_stack.append(self._module_names.get(id(mod), self._module_stack[-1]))
+
+    def _post_hook(self, mod, args, out):
+        if len(self._module_stack) > 1:
+            self._module_stack.pop()
+
+
+class TracedSize(tuple):
+    """The shape of a tensor whose entries are TracedInts (constant folding off)."""
+
+    def numel(self):
+        n = 1
+        for d in self:
+            n = n * d
+        return n
+
+
+def _has_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_has_tensor(x) for x in obj)
+    return isinstance(obj, TracedInt)
+
+
+def _input_leaves(tracer: Tracer, obj, path: tuple, hint: str, leaves: list):
+    """Bind every tensor in a (nested) forward argument to a graph input value."""
+    if isinstance(obj, torch.Tensor):
+        ref = tracer.new_value(obj, hint)
+        leaves.append((path, ref))
+        twin = tracer.device.input_twin(obj)
+        tracer.bind_tensor(twin, ref)
+        return twin
+    if isinstance(obj, dict):
+        return type(obj)((k, _input_leaves(tracer, v, path + (k,), f"{hint}_{k}", leaves)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        items = [_input_leaves(tracer, v, path + (i,), f"{hint}_{i}", leaves) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, constant_folding: bool = False,
+          trace_strategy: str = "cpu") -> IRGraph:
+    """Run `module.forward(**dummy_forward_args)` once and record it as an IRGraph.
+
+    `dummy_forward_args` maps forward parameter names to example values (tensors, nested
+    dicts/lists of tensors, or constants); parameters left out use their defaults. The module's
+    weights, buffers and the global RNG state are left as they were.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"trace() needs a torch.nn.Module instance, got {type(module).__name__}")
+    if not isinstance(dummy_forward_args, dict):
+        raise TypeError("dummy_forward_args must be a dict mapping forward parameter names to example "
+                        f"values, got {type(dummy_forward_args).__name__}")
+    signature = inspect.signature(module.forward)
+    unknown = set(dummy_forward_args) - set(signature.parameters)
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        raise TypeError(f"dummy_forward_args has {sorted(unknown)}, which {type(module).__qualname__}.forward"
+                        f" does not take; its parameters are {list(signature.parameters)}")
+    device = ExecutionDevice.for_strategy(trace_strategy)
+    tracer = Tracer(module, constant_folding, device)
+
+    params: Dict[str, TensorSpec] = {}
+    by_id: Dict[int, TensorSpec] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            by_id[id(p)].aliases.append(name)
+            continue
+        ref = tracer.new_value(p, name.replace(".", "_"))
+        tracer.bind_tensor(p, ref)
+        by_id[id(p)] = params[name] = TensorSpec(name, ref, tuple(p.shape), dtype_name(p.dtype), p.requires_grad)
+    buffers: Dict[str, TensorSpec] = {}
+    persistent = set(module.state_dict().keys())
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if id(b) in by_id:
+            by_id[id(b)].aliases.append(name)
+            continue
+        ref = tracer.new_value(b, name.replace(".", "_"))
+        tracer.bind_tensor(b, ref)
+        by_id[id(b)] = buffers[name] = TensorSpec(name, ref, tuple(b.shape), dtype_name(b.dtype), False, [],
+                                                  name in persistent)
+
+    inputs, call_kwargs = [], {}
+    for pname, param in signature.parameters.items():
+        spec = InputSpec(pname, param.kind.name, param.default is not param.empty,
+                         encode(param.default) if param.default is not param.empty and _encodable(param.default) else None,
+                         pname in dummy_forward_args)
+        if pname in dummy_forward_args:
+            call_kwargs[pname] = _input_leaves(tracer, dummy_forward_args[pname], (), pname, spec.leaves)
+        elif param.default is param.empty and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"dummy_forward_args is missing {pname!r}, a required parameter of "
+                            f"{type(module).__qualname__}.forward")
+        inputs.append(spec)
+
+    saved = _SavedState(module)
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer._pre_hook),
+             torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
+    try:
+        with torch.no_grad(), tracing_context.activate(tracer), \
+                _RecordingMode(tracer):
+            out = module(**call_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+        saved.restore()
+    output = tracer._to_refs(out)
+    graph = IRGraph(f"{type(module).__module__}.{type(module).__qualname__}", inputs, params, buffers,
+                    tracer.constants, tracer.values, tracer.nodes, output, constant_folding)
+    _eliminate_dead_code(graph)
+    return graph
+
+
+def _encodable(obj) -> bool:
+    try:
+        encode(obj)
+        return True
+    except TypeError:
+        return False
+
+
+class _SavedState:
+    """Buffers and RNG state, restored after tracing (the trace must not change the model)."""
+
+    def __init__(self, module):
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def restore(self):
+        with torch.no_grad():
+            for b, v in self.buffers:
+                b.copy_(v)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def _eliminate_dead_code(graph: IRGraph) -> None:
+    live = {r.id for r in iter_refs(graph.output)}
+    kept = []
+    for node in reversed(graph.nodes):
+        outs = {r.id for r in node.output_refs()}
+        if node.inplace or outs & live:
+            kept.append(node)
+            live.update(r.id for r in node.input_refs())
+    kept.reverse()
+    graph.nodes = kept
+    used = live | {s.value.id for s in graph.tensor_specs()} | {r.id for i in graph.inputs for _, r in i.leaves}
+    used |= {r.id for n in kept for r in n.output_refs()}
+    graph.constants = {k: v for k, v in graph.constants.items() if v.value.id in live}
+    graph.values = {k: v for k, v in graph.values.items() if k in used}

@@ -1,0 +1,131 @@
+"""Where traced functions execute: the five trace strategies of ComputeConfig.
+
+- ``cpu``: weights and intermediates on the CPU.
+- ``meta``: weights stay on the CPU, intermediates are meta tensors (shapes only, no compute).
+- ``cuda``: weights and intermediates on the GPU.
+- ``cuda_run_cpu_offload``: run on the GPU, retry a function on the CPU when it runs out of memory.
+- ``reuse_cache``: like ``cuda_run_cpu_offload``, and a function called again with inputs of the
+  same metadata (shape, dtype, stride, requires_grad) and equal constants returns the cached
+  result instead of running (fast, but wrong for value-dependent functions such as nonzero).
+
+Without a CUDA device the GPU strategies run on the CPU; a warning says so once per trace.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Optional
+
+import torch
+
+_GPU_STRATEGIES = ("cuda", "cuda_run_cpu_offload", "reuse_cache")
+
+
+class ExecutionDevice:
+    def __init__(self, device: str, offload_on_oom: bool = False, cache: bool = False):
+        self.device = torch.device(device)
+        self.offload_on_oom = offload_on_oom
+        self.cache: Optional[Dict] = {} if cache else None
+        self._twins: Dict[int, tuple] = {}
+        self.fallbacks = 0
+
+    @classmethod
+    def for_strategy(cls, strategy: str) -> "ExecutionDevice":
+        if strategy == "cpu":
+            return cls("cpu")
+        if strategy == "meta":
+            return cls("meta")
+        if strategy in _GPU_STRATEGIES:
+            if torch.cuda.is_available():
+                return cls(f"cuda:{torch.cuda.current_device()}", offload_on_oom=strategy != "cuda",
+                           cache=strategy == "reuse_cache")
+            warnings.warn(f"trace_strategy {strategy!r} needs a CUDA device and none is present: tracing "
+                          f"runs on the CPU instead (same graph, CPU speed)"
+                          + (" with the reuse cache" if strategy == "reuse_cache" else ""), stacklevel=3)
+            return cls("cpu", cache=strategy == "reuse_cache")
+        raise ValueError(f"unknown trace_strategy {strategy!r}; use one of cpu, meta, cuda, "
+                         f"cuda_run_cpu_offload, reuse_cache")
+
+    # -- tensors ---------------------------------------------------------------------------------
+    def twin(self, t: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+        """`t` on the execution device (cached, so a weight is copied once)."""
+        device = device or self.device
+        if t.device == device:
+            return t
+        key = (id(t), str(device))
+        hit = self._twins.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        copy = t.detach().to(device)
+        if t.requires_grad and copy.is_floating_point():
+            copy.requires_grad_(True)
+        self._twins[key] = (t, copy)
+        return copy
+
+    def input_twin(self, t: torch.Tensor) -> torch.Tensor:
+        return self.twin(t)
+
+    def _move(self, obj, device=None):
+        if isinstance(obj, torch.Tensor):
+            return self.twin(obj, device)
+        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+            moved = [self._move(x, device) for x in obj]
+            if hasattr(obj, "_fields"):
+                return type(obj)(*moved)
+            return moved if isinstance(obj, list) else tuple(moved)
+        if isinstance(obj, dict):
+            return {k: self._move(v, device) for k, v in obj.items()}
+        return obj
+
+    # -- execution -------------------------------------------------------------------------------
+    def run(self, func, args, kwargs, mode_off: bool = False):
+        args, kwargs = self._move(tuple(args)), self._move(dict(kwargs))
+        key = self._cache_key(func, args, kwargs) if self.cache is not None else None
+        if key is not None and key in self.cache:
+            return _fresh(self.cache[key])
+        try:
+            out = _call(func, args, kwargs, mode_off)
+        except torch.cuda.OutOfMemoryError:
+            if not self.offload_on_oom:
+                raise
+            self.fallbacks += 1
+            cpu = torch.device("cpu")
+            out = _call(func, self._move(args, cpu), self._move(kwargs, cpu), mode_off)
+        if key is not None:
+            self.cache[key] = out
+        return out
+
+    def _cache_key(self, func, args, kwargs):
+        try:
+            return (id(func), _signature(args), _signature(kwargs))
+        except TypeError:
+            return None
+
+
+def _call(func, args, kwargs, mode_off):
+    if mode_off:
+        with torch.overrides._pop_mode_temporarily():
+            return func(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
+def _signature(obj):
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), obj.dtype, obj.stride(), obj.requires_grad, str(obj.device))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__,) + tuple(_signature(x) for x in obj)
+    if isinstance(obj, dict):
+        return ("dict",) + tuple((k, _signature(v)) for k, v in sorted(obj.items()))
+    hash(obj)
+    return obj
+
+
+def _fresh(out):
+    """A cached result as new tensor objects (each graph value needs its own tensor)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (list, tuple)) and not isinstance(out, torch.Size):
+        items = [_fresh(x) for x in out]
+        if hasattr(out, "_fields"):
+            return type(out)(*items)
+        return items if isinstance(out, list) else tuple(items)
+    return out

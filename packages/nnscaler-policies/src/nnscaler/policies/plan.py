@@ -1,0 +1,58 @@
+"""How a policy's decisions are stored on the graph: every op gets one or more pieces.
+
+A `Piece` is one sub-op: the placements (R / V / D(dim), see `nnscaler.ir.layout`) of the op's
+tensor inputs and outputs for that piece, and the plan device that runs it. An op replicated on
+two devices has two pieces with all-R placements; an op partitioned along a dimension into n has
+n pieces with the placements its annotation gives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from nnscaler.ir.graph import IRGraph, Node
+from nnscaler.ir.layout import Replicate
+
+
+class PlanError(ValueError):
+    """A policy produced an invalid plan, or a primitive was used wrongly; names the op."""
+
+
+@dataclass
+class Piece:
+    index: int
+    num: int
+    inputs: list  # placements of the op's tensor inputs
+    outputs: list  # placements of the op's tensor outputs
+    dim: Optional[str] = None  # the annotated dimension split, None when replicated
+    device: Optional[int] = None
+
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in list(self.inputs) + list(self.outputs))
+
+    def describe(self) -> str:
+        how = f"split {self.dim} {self.index}/{self.num}" if self.dim else f"replica {self.index}/{self.num}"
+        return f"{how} on device {self.device}: in {self.inputs} out {self.outputs}"
+
+
+def tensor_inputs(graph: IRGraph, node: Node) -> list:
+    return [r for r in node.input_refs() if graph.value(r).is_tensor]
+
+
+def tensor_outputs(graph: IRGraph, node: Node) -> list:
+    return [r for r in node.output_refs() if graph.value(r).is_tensor]
+
+
+def validate_plan(graph: IRGraph, plan_ngpus: int, policy_name: str) -> None:
+    """Every op has pieces, every piece a device in range(plan_ngpus)."""
+    for node in graph.nodes:
+        if not node.pieces:
+            raise PlanError(f"policy {policy_name!r} left op {node.describe()} without a plan: "
+                            f"partition, replicate or assign it")
+        for piece in node.pieces:
+            if piece.device is None:
+                raise PlanError(f"policy {policy_name!r} did not assign {piece.describe()} of op "
+                                f"{node.describe()} to a device: call assign()")
+            if not 0 <= piece.device < plan_ngpus:
+                raise PlanError(f"policy {policy_name!r} assigned op {node.describe()} to device "
+                                f"{piece.device}, but plan_ngpus is {plan_ngpus} (devices 0..{plan_ngpus - 1})")

@@ -1,0 +1,261 @@
+"""`parallelize()`: trace, plan and generate on rank 0, share, and load on every rank."""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Type, Union
+
+import torch
+import torch.distributed as dist
+
+from .broadcast import broadcast_files, check_strategy
+from .errors import ConfigError, GenerationError, ReuseError
+from .gen_dir import (CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, Action, Identity, ReuseType, decide,
+                      instance_dir, read_manifest, write_manifest)
+
+
+def parallelize(
+    module_or_module_class: Union[torch.nn.Module, Type[torch.nn.Module]],
+    dummy_forward_args: Dict[str, Any],
+    pas_policy: Union[str, Callable],
+    compute_config,
+    *,
+    gen_savedir: Union[str, os.PathLike] = "./.nnscaler",
+    reuse: Union[ReuseType, str] = ReuseType.MATCH,
+    instance_name: Optional[str] = None,
+    load_module: bool = True,
+    module_fn: Optional[Callable[[], torch.nn.Module]] = None,
+    init_module_params: bool = True,
+    broadcast_strategy: str = "none",
+):
+    """Parallelize a single-device module with a policy and load this rank's part.
+
+    module_or_module_class: an instance (returns a `ParallelModule` instance with the same
+        initial weights) or a class (returns the generated `ParallelModule` subclass; its
+        ``__init__(init_params=True)`` loads the initial weights saved at generation).
+    dummy_forward_args: example arguments of ``forward`` by name, used to trace.
+    pas_policy: a built-in policy name (``'dp'``) or a function ``(graph, compute_config) -> graph``.
+    compute_config: a `ComputeConfig`.
+    gen_savedir / instance_name: where the generated code goes
+        (``<gen_savedir>/<module class>/<instance_name or _>/gencode{rank}.py``).
+    reuse: a `ReuseType` (or its value) deciding whether earlier generated code is reused.
+    load_module: False only generates (on rank 0) and returns None.
+    module_fn: builds the instance to trace when a class is given (default: ``cls()``).
+    init_module_params: for an instance, whether to copy its weights into the parallel module.
+    broadcast_strategy: ``none``, ``all``, ``no_weights`` or ``code`` (see nnscaler.runtime.broadcast).
+    """
+    from nnscaler.ir import ComputeConfig
+
+    if not isinstance(compute_config, ComputeConfig):
+        raise ConfigError(f"compute_config must be a nnscaler.ComputeConfig, got {type(compute_config).__name__}")
+    is_class = isinstance(module_or_module_class, type)
+    if is_class and not issubclass(module_or_module_class, torch.nn.Module) or \
+            not is_class and not isinstance(module_or_module_class, torch.nn.Module):
+        raise TypeError(f"parallelize() needs a torch.nn.Module instance or subclass, got {module_or_module_class!r}")
+    if not isinstance(dummy_forward_args, dict):
+        raise TypeError("dummy_forward_args must be a dict of forward arguments by name, got "
+                        f"{type(dummy_forward_args).__name__}")
+    reuse = ReuseType.parse(reuse)
+    strategy = check_strategy(broadcast_strategy)
+    if not isinstance(gen_savedir, (str, os.PathLike)):
+        raise TypeError(f"gen_savedir must be a path, got {type(gen_savedir).__name__}")
+    if instance_name is not None and (not isinstance(instance_name, str) or not instance_name
+                                      or "/" in instance_name or instance_name in (".", "..")):
+        raise ValueError(f"instance_name must be a non-empty name without '/', got {instance_name!r}")
+    _check_policy_argument(pas_policy)
+
+    cls = module_or_module_class if is_class else type(module_or_module_class)
+    class_path = f"{cls.__module__}.{cls.__qualname__}"
+    directory = instance_dir(gen_savedir, class_path, instance_name).resolve()
+    rank, world = _rank_world()
+    if load_module and world != compute_config.runtime_ngpus:
+        raise ConfigError(
+            f"compute_config.runtime_ngpus is {compute_config.runtime_ngpus} but this job has {world} "
+            f"process(es); launch {compute_config.runtime_ngpus} processes (torchrun --nproc_per_node ...) "
+            f"and call torch.distributed.init_process_group() first, or pass load_module=False to only generate")
+
+    identity = Identity(class_path, compute_config.to_dict(), _policy_name(pas_policy),
+                        _input_schema(dummy_forward_args))
+    error = None
+    if rank == 0:
+        try:
+            _generate_if_needed(module_or_module_class, module_fn, dummy_forward_args, pas_policy,
+                                compute_config, directory, reuse, identity)
+        except Exception as e:  # shared with every rank below, so none of them hangs
+            error = e
+    _share_outcome(error, rank)
+    if world > 1:
+        broadcast_files(directory, strategy, rank)
+        dist.barrier()
+    if not load_module:
+        return None
+    gen_cls = load_generated_class(directory, rank, strategy)
+    if is_class:
+        return gen_cls
+    pm = gen_cls(init_params=False)
+    if init_module_params:
+        pm.load_full_state(_full_state(module_or_module_class, directory))
+        _broadcast_from_first_replica(pm)
+    return pm
+
+
+# -- rank 0: generation -----------------------------------------------------------------------------
+
+def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg, directory: Path,
+                        reuse: ReuseType, identity: Identity) -> None:
+    action = decide(directory, reuse, identity)
+    if action is Action.REUSE:
+        return
+    try:
+        import nnscaler.codegen as codegen
+        import nnscaler.policies as policies
+    except ImportError as e:
+        raise GenerationError(
+            f"code for {identity.module_class} must be generated ({action.value}) but the compile-time "
+            f"packages are not installed ({e}); pip install 'nnscaler-runtime[compile]' or provide "
+            f"pre-generated code in {directory}") from None
+    from nnscaler.ir import IRGraph, trace
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST).unlink(missing_ok=True)  # invalid until regenerated completely
+    if action is Action.REUSE_GRAPH:
+        graph = IRGraph.from_json(json.loads((directory / GRAPH_FILE).read_text()))
+    else:
+        module = module_or_class
+        if isinstance(module_or_class, type):
+            module = module_fn() if module_fn is not None else module_or_class()
+        graph = trace(module, dummy_args, constant_folding=cfg.constant_folding, trace_strategy=cfg.trace_strategy)
+        _write_json(directory / GRAPH_FILE, graph.to_json())
+        _save_tensors(directory / CONSTANTS_FILE,
+                      {name: getattr(spec, "tensor", None) for name, spec in graph.constants.items()})
+        _save_tensors(directory / WEIGHTS_FILE, _module_tensors(module))
+    fingerprint = graph.fingerprint()
+    for old in directory.glob("gencode*.py"):
+        old.unlink()
+    graph = policies.apply_policy(graph, cfg, pas_policy)
+    codegen.generate(graph, cfg, directory, policy=identity.policy, fingerprint=fingerprint)
+    write_manifest(directory, identity, fingerprint, graph.module_class.rsplit(".", 1)[-1])
+
+
+def _write_json(path: Path, data) -> None:
+    import json
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _save_tensors(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+    missing = [n for n, t in tensors.items() if t is None]
+    if missing:
+        raise GenerationError(f"tensor constant(s) {missing} were traced on the meta device and have no value; "
+                              f"register them as buffers of the module or trace with trace_strategy='cpu'")
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _module_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Full parameters and buffers by canonical name (tied tensors once)."""
+    out: Dict[str, torch.Tensor] = {}
+    seen = set()
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + \
+            list(module.named_buffers(remove_duplicate=False)):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = t
+    return out
+
+
+# -- every rank ---------------------------------------------------------------------------------------
+
+def _share_outcome(error: Optional[BaseException], rank: int) -> None:
+    """Raise rank 0's generation error on every rank (with its cause), instead of hanging."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [None]
+        if rank == 0 and error is not None:
+            box = [(type(error).__name__, str(error), "".join(traceback.format_exception(error)))]
+        dist.broadcast_object_list(box, src=0)
+        if rank != 0 and box[0] is not None:
+            name, message, tb = box[0]
+            raise GenerationError(f"rank 0 failed to generate code: {name}: {message}")
+    if error is not None:
+        raise error
+
+
+def load_generated_class(directory: Path, rank: int, strategy: str = "none"):
+    """Import ``gencode{rank}.py`` from `directory` and return its ParallelModule class."""
+    manifest = read_manifest(directory)
+    path = directory / f"gencode{rank}.py"
+    if manifest is None or not path.exists():
+        hint = ("every node must see rank 0's gen_savedir (a shared file system), or use "
+                "broadcast_strategy='all'") if strategy == "none" else "it should have come from rank 0"
+        raise GenerationError(f"generated code for rank {rank} not found in {directory}: {hint}")
+    module_name = f"_nnscaler_gen_{abs(hash(str(directory))):x}_rank{rank}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return getattr(module, manifest["class_name"])
+
+
+def _full_state(module: torch.nn.Module, directory: Path) -> Dict[str, torch.Tensor]:
+    state = dict(_module_tensors(module))
+    constants = directory / CONSTANTS_FILE
+    if constants.exists():
+        from safetensors.torch import load_file
+        state.update(load_file(str(constants)))
+    return state
+
+
+def _broadcast_from_first_replica(pm) -> None:
+    """Make replicas identical to the first rank of their sync group (as DDP does)."""
+    grid = pm.grid
+    if len(grid.sync_ranks) <= 1:
+        return
+    with torch.no_grad():
+        for t in list(pm.parameters()) + list(pm.buffers()):
+            dist.broadcast(t.data, src=grid.sync_ranks[0], group=grid.sync_group)
+
+
+def _rank_world():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _policy_name(policy) -> str:
+    if isinstance(policy, str):
+        return policy
+    return f"{getattr(policy, '__module__', '?')}.{getattr(policy, '__qualname__', repr(policy))}"
+
+
+def _check_policy_argument(policy) -> None:
+    if callable(policy):
+        try:
+            inspect.signature(policy).bind(None, None)
+        except TypeError:
+            raise TypeError(f"pas_policy {policy!r} must take (graph, compute_config)") from None
+    elif not isinstance(policy, str):
+        raise TypeError(f"pas_policy must be a policy name or a function (graph, compute_config) -> graph, "
+                        f"got {type(policy).__name__}")
+
+
+def _input_schema(args: Dict[str, Any]) -> dict:
+    def describe(obj):
+        if isinstance(obj, torch.Tensor):
+            return {"tensor": list(obj.shape), "dtype": str(obj.dtype)}
+        if isinstance(obj, dict):
+            return {str(k): describe(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [describe(v) for v in obj]
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        return repr(type(obj))
+    return {k: describe(v) for k, v in args.items()}
