@@ -73,7 +73,7 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
             prev_src = src
         stmt = _statement(node, renderer, graph)
         for line in stmt:
-            source_of_line[len(body)] = src or node.target
+            source_of_line[len(body)] = _describe_source(node, full=True) or node.target
             body.append(line)
         dead = [names[r] for r in last_use.get(idx, []) if not names[r].startswith("self.")
                 and names[r] not in arg_names]
@@ -145,10 +145,11 @@ def _unpack_target(outputs, renderer) -> str:
     return f"({inner})" if outputs else "_"
 
 
-def _describe_source(node: Node) -> str:
+def _describe_source(node: Node, full: bool = False) -> str:
     if node.source is None:
         return f"({node.module_path})" if node.module_path else ""
-    where = f"{os.path.basename(node.source.file)}:{node.source.line}"
+    path = node.source.file if full else os.path.basename(node.source.file)
+    where = f"{path}:{node.source.line}"
     mod = f" ({node.module_path})" if node.module_path else ""
     fn = f" in {node.source.function}" if node.source.function else ""
     return f"{where}{fn}{mod}: {node.source.code}"

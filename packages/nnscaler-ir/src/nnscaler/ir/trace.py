@@ -14,7 +14,6 @@ import inspect
 import itertools
 import os
 import sys
-import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -26,6 +25,7 @@ from .graph import (IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value,
 from .op_names import op_name
 from .symbolic_int import TracedInt
 from .trace_device import ExecutionDevice
+from .user_code import is_internal
 
 _SIZE_FUNCS = {"size", "numel"}
 _FOLDED_ATTRS = {"dtype", "device", "is_cuda", "is_meta", "requires_grad", "ndim", "layout", "is_leaf",
@@ -36,8 +36,6 @@ _FOLDED_ATTRS = {"dtype", "device", "is_cuda", "is_meta", "requires_grad", "ndim
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
 
-_PKG_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)),
-             os.path.dirname(contextlib.__file__))
 
 
 class TraceError(RuntimeError):
@@ -117,7 +115,7 @@ class Tracer:
         frame = sys._getframe(2)
         while frame is not None:
             filename = frame.f_code.co_filename
-            if not filename.startswith(_PKG_DIRS) and not filename.startswith("<"):
+            if not is_internal(filename):
                 import linecache
                 code = linecache.getline(filename, frame.f_lineno).strip()
                 return SourceLoc(filename, frame.f_lineno, code, frame.f_code.co_qualname)

@@ -12,10 +12,11 @@ Without a CUDA device the GPU strategies run on the CPU; a warning says so once 
 """
 from __future__ import annotations
 
-import warnings
 from typing import Dict, Optional
 
 import torch
+
+from .user_code import warn_user
 
 _GPU_STRATEGIES = ("cuda", "cuda_run_cpu_offload", "reuse_cache")
 
@@ -38,9 +39,9 @@ class ExecutionDevice:
             if torch.cuda.is_available():
                 return cls(f"cuda:{torch.cuda.current_device()}", offload_on_oom=strategy != "cuda",
                            cache=strategy == "reuse_cache")
-            warnings.warn(f"trace_strategy {strategy!r} needs a CUDA device and none is present: tracing "
+            warn_user(f"trace_strategy {strategy!r} needs a CUDA device and none is present: tracing "
                           f"runs on the CPU instead (same graph, CPU speed)"
-                          + (" with the reuse cache" if strategy == "reuse_cache" else ""), stacklevel=3)
+                          + (" with the reuse cache" if strategy == "reuse_cache" else ""))
             return cls("cpu", cache=strategy == "reuse_cache")
         raise ValueError(f"unknown trace_strategy {strategy!r}; use one of cpu, meta, cuda, "
                          f"cuda_run_cpu_offload, reuse_cache")

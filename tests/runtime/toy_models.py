@@ -1,0 +1,66 @@
+"""Small single-device models used by the parallelize tests (importable by spawned workers)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nnscaler import register_op
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 16, nlayers: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(nlayers))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return F.mse_loss(x.sum(-1), y)
+
+
+def mlp_batch(step: int, n: int, dim: int = 16):
+    g = torch.Generator().manual_seed(step)
+    return {"x": torch.randn(n, dim, generator=g), "y": torch.randn(n, generator=g)}
+
+
+class TiedFrozen(nn.Module):
+    """A tied encoder/decoder weight and a frozen (requires_grad=False) projection."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.enc = nn.Linear(dim, 8, bias=False)
+        self.dec = nn.Linear(8, dim, bias=False)
+        self.dec.weight = nn.Parameter(torch.randn(dim, 8) * 0.3)
+        self.enc.weight = nn.Parameter(self.dec.weight.detach().t().contiguous())
+        self.head = nn.Linear(8, 8, bias=False)
+        self.tail = nn.Linear(8, 8, bias=False)
+        self.tail.weight = self.head.weight  # tied: one tensor, two names
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.shared = nn.Linear(dim, dim)
+        self.shared_again = self.shared  # the same module under two names
+
+    def forward(self, x, y):
+        h = self.tail(torch.tanh(self.head(torch.tanh(self.enc(x)))))
+        x = self.dec(h) + self.frozen(x)
+        x = self.shared_again(torch.relu(self.shared(x)))
+        return F.mse_loss(x.sum(-1), y)
+
+
+@register_op("b d^, d^ -> b d^")
+def scaled_cumsum(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A custom op: registered with an annotation, recorded as one node, imported by generated code."""
+    return torch.cumsum(x, dim=-1) * scale
+
+
+class CustomOpModel(nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x, y):
+        h = scaled_cumsum(self.fc(x), self.scale)
+        h = torch.logcumsumexp(h, dim=-1)  # an op with no annotation: runs replicated
+        return F.mse_loss(h.sum(-1), y)
