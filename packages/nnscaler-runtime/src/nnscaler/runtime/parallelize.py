@@ -47,7 +47,28 @@ def parallelize(
     module_fn: builds the instance to trace when a class is given (default: ``cls()``).
     init_module_params: for an instance, whether to copy its weights into the parallel module.
     broadcast_strategy: ``none``, ``all``, ``no_weights`` or ``code`` (see nnscaler.runtime.broadcast).
+
+    Deliberate errors (bad input, a refused reuse, a failed trace or plan) are raised with the
+    traceback cut at this call, so what is shown is the user's code and the message.
     """
+    try:
+        return _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute_config,
+                            gen_savedir=gen_savedir, reuse=reuse, instance_name=instance_name,
+                            load_module=load_module, module_fn=module_fn,
+                            init_module_params=init_module_params, broadcast_strategy=broadcast_strategy)
+    except _deliberate_errors() as e:
+        raise e.with_traceback(None) from None
+
+
+def _deliberate_errors() -> tuple:
+    from nnscaler.ir import ConfigError as IrConfigError, TraceError
+    from .errors import NnScalerError
+    errors = [NnScalerError, IrConfigError, TraceError, TypeError, ValueError]
+    return tuple(errors)
+
+
+def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute_config, *, gen_savedir,
+                 reuse, instance_name, load_module, module_fn, init_module_params, broadcast_strategy):
     from nnscaler.ir import ComputeConfig
 
     if not isinstance(compute_config, ComputeConfig):
