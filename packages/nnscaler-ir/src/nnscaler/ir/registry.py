@@ -1,0 +1,190 @@
+"""The op registry: which dimension annotation an operator call has.
+
+Keys are function objects as a ``__torch_function__`` handler receives them
+(``torch.nn.functional.linear``, ``torch.matmul``, ``torch.Tensor.view``, ...). A value is an
+annotation string (see `nnscaler.ir.annotation`) or a callable ``(*args, **kwargs) -> str | None``
+that computes the annotation of one call.
+
+Convention: the tensor entries of an annotation correspond *only* to the tensor arguments of the
+call, in their order of appearance in the flattened ``(args, kwargs)``: positional arguments left
+to right (lists, tuples and dict values are entered), then keyword arguments in the order given.
+Python numbers, None, shapes, dtypes and strings are not entries. The outputs are the tensors of
+the result, flattened the same way. `tensor_leaves` implements this order.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+
+from nnscaler.ir.annotation import AnnotationError, parse_annotation
+from nnscaler.ir.tracing_context import current_tracer
+
+__all__ = ["OpRegistry", "REGISTRY", "register_op", "tensor_leaves", "Annotation"]
+
+Annotation = Union[str, Callable[..., Optional[str]]]
+
+
+def tensor_leaves(obj: Any) -> List[torch.Tensor]:
+    """The tensors in ``obj`` (nested lists/tuples/dict values), in annotation-entry order."""
+    out: List[torch.Tensor] = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(obj)
+    return out
+
+
+@dataclass(frozen=True)
+class _Entry:
+    annotation: Annotation
+    name: str
+
+
+def _derived_name(fn: Any) -> str:
+    name = getattr(fn, "__name__", None) or repr(fn)
+    if getattr(fn, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase) or \
+            getattr(torch.Tensor, name, None) is fn:
+        return f"torch.Tensor.{name}"
+    for prefix, ns in (("torch.nn.functional", torch.nn.functional), ("torch", torch)):
+        if getattr(ns, name, None) is fn:
+            return f"{prefix}.{name}"
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", name)
+    return f"{module}.{qualname}" if module else qualname
+
+
+class OpRegistry:
+    """Maps operator functions to annotations (a string, or a callable computing one per call)."""
+
+    def __init__(self) -> None:
+        self._ops: Dict[Any, _Entry] = {}
+
+    def register(self, fn: Any, annotation: Annotation, name: Optional[str] = None) -> None:
+        """Register (or replace) ``fn``'s annotation; a string is validated at once."""
+        if isinstance(annotation, str):
+            parse_annotation(annotation)
+        elif not callable(annotation):
+            raise TypeError(f"an annotation must be a string or a callable, got {annotation!r}")
+        self._ops[fn] = _Entry(annotation, name or _derived_name(fn))
+
+    def lookup(self, fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Optional[str]:
+        """The annotation string of the call ``fn(*args, **kwargs)``; None means unannotated (the op
+        runs replicated), also when a callable annotation raises or returns None."""
+        try:
+            entry = self._ops.get(fn)
+        except TypeError:  # unhashable
+            return None
+        if entry is None:
+            return None
+        anno = entry.annotation
+        if isinstance(anno, str):
+            return anno
+        try:
+            text = anno(*args, **(kwargs or {}))
+        except Exception:
+            return None
+        if text is None:
+            return None
+        try:
+            parse_annotation(text)
+        except AnnotationError as e:
+            raise AnnotationError(f"the annotation computed for {entry.name} is invalid: "
+                                  f"{e.reason}", e.annotation, e.position) from None
+        return text
+
+    def name_of(self, fn: Any) -> str:
+        """A dotted name under which ``fn`` can be found: the registered one, else a derived one."""
+        entry = self._ops.get(fn)
+        return entry.name if entry is not None else _derived_name(fn)
+
+    def annotation_of(self, fn: Any) -> Optional[Annotation]:
+        """The registered annotation (string or callable) of ``fn``, or None."""
+        entry = self._ops.get(fn)
+        return entry.annotation if entry is not None else None
+
+    def __contains__(self, fn: Any) -> bool:
+        try:
+            return fn in self._ops
+        except TypeError:
+            return False
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def functions(self) -> List[Any]:
+        """All registered functions."""
+        return list(self._ops)
+
+
+REGISTRY = OpRegistry()
+
+
+def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] = None, *,
+                name: Optional[str] = None):
+    """Register a custom op with its annotation; usable as ``register_op(fn, "a b -> a b")``,
+    ``@register_op("a b -> a b")`` or ``@register_op(annotation=...)``.
+
+    Returns a wrapper that, while a trace is running, asks the tracer to record one node
+    (``tracer.record_custom_op(fn, args, kwargs)``) and otherwise calls ``fn``. Both the wrapper
+    and ``fn`` are registered in `REGISTRY`; ``wrapper.__nnscaler_op__`` is ``fn`` and
+    ``fn.__nnscaler_wrapper__`` the wrapper.
+    """
+    if fn is None or isinstance(fn, str):
+        if isinstance(fn, str):
+            if annotation is not None:
+                raise TypeError("register_op(annotation_string) takes no second annotation")
+            annotation = fn
+        if annotation is None:
+            raise TypeError("register_op needs an annotation, e.g. @register_op('a b -> a b')")
+        _validate(annotation, "register_op")
+        return lambda f: register_op(f, annotation, name=name)
+    if not callable(fn):
+        raise TypeError(f"register_op: {fn!r} is not callable")
+    fn = getattr(fn, "__nnscaler_op__", fn)
+    label = f"register_op({getattr(fn, '__qualname__', fn)!r})"
+    if annotation is None:
+        raise TypeError(f"{label} needs an annotation, e.g. register_op(fn, 'a b -> a b')")
+    _validate(annotation, label)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        tracer = current_tracer()
+        if tracer is not None:
+            return tracer.record_custom_op(fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__nnscaler_op__ = fn
+    try:  # lets a tracer holding ``fn`` find the wrapper
+        fn.__nnscaler_wrapper__ = wrapper
+    except (AttributeError, TypeError):
+        pass
+    REGISTRY.register(fn, annotation, name)
+    REGISTRY.register(wrapper, annotation, name or REGISTRY.name_of(fn))
+    return wrapper
+
+
+def _validate(annotation: Annotation, label: str) -> None:
+    if isinstance(annotation, str):
+        try:
+            parse_annotation(annotation)
+        except AnnotationError as e:
+            raise AnnotationError(f"{label}: {e.reason}", e.annotation, e.position) from None
+    elif not callable(annotation):
+        raise TypeError(f"{label}: an annotation must be a string or a callable, "
+                        f"got {annotation!r}")
+
+
+from nnscaler.ir.builtin_ops import register_builtins  # noqa: E402  (populates REGISTRY)
+
+register_builtins(REGISTRY)
