@@ -1,0 +1,4 @@
+"""``python -m nnscaler.cli`` is the ``nnscaler`` command."""
+from .main import run
+
+run()

@@ -1,0 +1,323 @@
+"""Package dependencies point one way (docs/architecture.md, "Dependency rules").
+
+Three checks, each able to fail on its own:
+- the import graph: every ``.py`` file of a part is parsed with ``ast`` and each import of
+  another part must be allowed by ``ALLOWED`` (module level) or ``LAZY_ALLOWED`` (inside a
+  function body or an ``if TYPE_CHECKING:`` block only);
+- the declared dependencies: each part's ``pyproject.toml`` names only allowed parts, and
+  installs every part it imports;
+- the real import: each part imports in a fresh interpreter and loads no part it may not use.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement  # pytest depends on packaging
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pytest depends on tomli there
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("ir", "policies", "codegen", "runtime", "ckpt", "trainer", "lightning", "cli")
+_ABOVE_RUNTIME = {"runtime", "ir", "policies", "codegen", "ckpt"}
+
+# The parts each part may import at module level (DESIGN "Packages" table, made transitive).
+ALLOWED: dict[str, set[str]] = {
+    "ir": set(),
+    "policies": {"ir"},
+    "codegen": {"ir"},
+    "runtime": {"ir"},
+    "ckpt": {"ir"},
+    "trainer": _ABOVE_RUNTIME,
+    "lightning": _ABOVE_RUNTIME,
+    "cli": set(),  # finds the other packages through entry points only
+}
+# Parts that may be imported only when needed (inside functions): runtime's `compile` extra.
+LAZY_ALLOWED: dict[str, set[str]] = {"runtime": {"policies", "codegen"}}
+UMBRELLA = "nnscaler (the umbrella package's re-exports)"
+
+
+def part_dir(part: str) -> Path:
+    return ROOT / "packages" / f"nnscaler-{part}"
+
+
+# --------------------------------------------------------------------------- the checker
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    target: str  # a part name, or UMBRELLA for `from nnscaler import <not a part>`
+    line: int
+    lazy: bool  # inside a function body or an `if TYPE_CHECKING:` block
+
+
+def _target(module: str, names: list[str]) -> list[str]:
+    """The parts a `from <module> import <names>` (or `import <module>`) reaches."""
+    pieces = module.split(".")
+    if pieces[0] != "nnscaler":
+        return []
+    if len(pieces) > 1:
+        return [pieces[1]]
+    # `from nnscaler import x`: a part, or an attribute of the umbrella package.
+    # (`import nnscaler` alone, names == [], is the parent package every part already has.)
+    return [name if name in PARTS else UMBRELLA for name in names]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _dynamic_import(node: ast.Call) -> str | None:
+    """The module of `importlib.import_module("nnscaler.x")` / `__import__("nnscaler.x")`."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name in ("import_module", "__import__") and node.args:
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+    return None
+
+
+def nnscaler_imports(source: str, package: str, filename: str = "<string>") -> list[Import]:
+    """Every reference to an nnscaler package in ``source``, a module of ``package``
+    (``nnscaler.ir`` for ``nnscaler/ir/x.py`` and for ``nnscaler/ir/__init__.py``)."""
+    found: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                targets += _target(alias.name, [])
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")
+                if node.level - 1 >= len(base):
+                    raise ValueError(f"{filename}:{node.lineno}: relative import beyond the top")
+                base = base[:len(base) - (node.level - 1)]
+                module = ".".join(base + ([module] if module else []))
+            targets += _target(module, [alias.name for alias in node.names])
+        elif isinstance(node, ast.Call):
+            module = _dynamic_import(node)
+            if module:
+                targets += _target(module, [])
+        found.extend(Import(t, node.lineno, lazy) for t in targets)
+
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for child in ast.iter_child_nodes(node):
+                # decorators and defaults run at definition time, the body does not
+                is_body = child not in getattr(node, "decorator_list", []) and not (
+                    isinstance(child, ast.arguments))
+                visit(child, lazy or is_body)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, True)
+            for child in node.orelse:
+                visit(child, lazy)
+        else:
+            for child in ast.iter_child_nodes(node):
+                visit(child, lazy)
+
+    visit(ast.parse(source, filename), False)
+    return found
+
+
+def violations(part: str, source: str, package: str, filename: str = "<string>") -> list[str]:
+    """Messages for each import in ``source`` that breaks the rules for ``part``."""
+    out = []
+    for imp in nnscaler_imports(source, package, filename):
+        if imp.target == part or imp.target in ALLOWED[part]:
+            continue
+        if imp.lazy and imp.target in LAZY_ALLOWED.get(part, set()):
+            continue
+        where = f"{filename}:{imp.line}"
+        if imp.target == UMBRELLA:
+            out.append(f"{where}: nnscaler.{part} imports from the umbrella package `nnscaler`, "
+                       "which depends on every part; import from nnscaler.<part> instead")
+        elif imp.target in LAZY_ALLOWED.get(part, set()):
+            out.append(f"{where}: nnscaler.{part} imports nnscaler.{imp.target} at module "
+                       "level; it is an optional extra, import it inside the function using it")
+        else:
+            allowed = sorted(ALLOWED[part]) or "no other part"
+            out.append(f"{where}: nnscaler.{part} imports nnscaler.{imp.target}; "
+                       f"it may import {allowed}")
+    return out
+
+
+def part_sources(part: str):
+    """``(path, package)`` for every module of a part."""
+    src = part_dir(part) / "src"
+    for path in sorted((src / "nnscaler" / part).rglob("*.py")):
+        package_dir = path.parent
+        yield path, ".".join(package_dir.relative_to(src).parts)
+
+
+# ---------------------------------------------------------------- the checker can fail
+
+
+def _check(part: str, source: str, package: str | None = None) -> list[str]:
+    return violations(part, textwrap.dedent(source), package or f"nnscaler.{part}")
+
+
+@pytest.mark.parametrize("part, source, package", [
+    ("ir", "import nnscaler.runtime", None),
+    ("ir", "import nnscaler.runtime.module as m", None),
+    ("ir", "from nnscaler.runtime import ParallelModule", None),
+    ("ir", "from nnscaler import runtime", None),
+    ("ir", "from ...runtime import x", "nnscaler.ir.sub"),
+    ("ir", "from .. import policies", "nnscaler.ir"),
+    ("ir", "import importlib\nm = importlib.import_module('nnscaler.codegen')", None),
+    ("policies", "from nnscaler.codegen import emit", None),
+    ("codegen", "from nnscaler.policies import get_policy", None),
+    ("runtime", "from nnscaler.policies import get_policy", None),
+    ("runtime", "import nnscaler.codegen", None),
+    ("runtime", "class A:\n    from nnscaler.codegen import emit", None),
+    ("runtime", "@functools.wraps(importlib.import_module('nnscaler.codegen'))\n"
+                "def f():\n    pass", None),
+    ("runtime", "def f(x=__import__('nnscaler.policies')):\n    pass", None),
+    ("runtime", "from nnscaler.trainer import Trainer", None),
+    ("ckpt", "def f():\n    from nnscaler.runtime import x", None),
+    ("trainer", "from nnscaler import parallelize", None),
+    ("trainer", "from nnscaler.lightning import NnScalerStrategy", None),
+    ("cli", "import nnscaler.ir", None),
+    ("cli", "def f():\n    import nnscaler.trainer", None),
+])
+def test_checker_reports_violations(part, source, package):
+    assert _check(part, source, package), f"not caught in {part}: {source!r}"
+
+
+@pytest.mark.parametrize("part, source, package", [
+    ("ir", "from . import graph\nfrom .layout import Shard", None),
+    ("ir", "from ..ir import graph", "nnscaler.ir"),
+    ("ir", "from .. import layout", "nnscaler.ir.sub"),
+    ("ir", "import nnscaler.ir.graph\nimport nnscaler\nimport torch", None),
+    ("ir", "def f():\n    import nnscaler\n    return nnscaler.__path__", None),
+    ("policies", "from nnscaler.ir.graph import IRGraph", None),
+    ("runtime", "def compile():\n    import nnscaler.codegen\n"
+                "    from nnscaler.policies import get_policy", None),
+    ("runtime", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from nnscaler.policies import Plan", None),
+    ("runtime", "class A:\n    def f(self):\n        from nnscaler import codegen", None),
+    ("trainer", "from nnscaler.runtime import parallelize\nfrom nnscaler.ckpt import save\n"
+                "import nnscaler.policies", None),
+    ("cli", "from importlib import metadata\nimport typer", None),
+])
+def test_checker_accepts_allowed_imports(part, source, package):
+    assert _check(part, source, package) == []
+
+
+def test_checker_messages_name_file_line_and_fix():
+    [msg] = _check("runtime", "x = 1\nfrom nnscaler.codegen import emit")
+    assert msg.startswith("<string>:2: ")
+    assert "inside the function" in msg
+    [msg] = _check("trainer", "from nnscaler import parallelize")
+    assert "umbrella" in msg
+
+
+# ------------------------------------------------------------------- the real packages
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_imports_follow_dependency_rules(part):
+    problems = []
+    for path, package in part_sources(part):
+        problems += violations(part, path.read_text(), package, str(path.relative_to(ROOT)))
+    assert not problems, "\n".join(problems)
+
+
+def _pyproject(path: Path) -> dict:
+    return tomllib.loads(path.read_text())["project"]
+
+
+def _nnscaler_requirements(reqs) -> list[Requirement]:
+    return [r for r in map(Requirement, reqs) if r.name.startswith("nnscaler-")]
+
+
+def _part_of(req: Requirement) -> str:
+    return req.name[len("nnscaler-"):]
+
+
+def installed_parts(part: str, extras=()) -> set[str]:
+    """The parts pip installs along with ``nnscaler-<part>[extras]`` (itself included)."""
+    project = _pyproject(part_dir(part) / "pyproject.toml")
+    reqs = list(project.get("dependencies", []))
+    for extra in extras:
+        reqs += project.get("optional-dependencies", {})[extra]
+    parts = {part}
+    for req in _nnscaler_requirements(reqs):
+        parts |= installed_parts(_part_of(req), sorted(req.extras))
+    return parts
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_pyproject_dependencies_follow_rules(part):
+    project = _pyproject(part_dir(part) / "pyproject.toml")
+    assert project["name"] == f"nnscaler-{part}"
+    for req in _nnscaler_requirements(project.get("dependencies", [])):
+        assert _part_of(req) in ALLOWED[part], f"nnscaler-{part} must not depend on {req}"
+    for extra, reqs in project.get("optional-dependencies", {}).items():
+        for req in _nnscaler_requirements(reqs):
+            assert _part_of(req) in ALLOWED[part] | LAZY_ALLOWED.get(part, set()), (
+                f"nnscaler-{part}[{extra}] must not depend on {req}")
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_pyproject_installs_what_the_code_imports(part):
+    eager, lazy = set(), set()
+    for path, package in part_sources(part):
+        for imp in nnscaler_imports(path.read_text(), package, str(path)):
+            (lazy if imp.lazy else eager).add(imp.target)
+    missing = eager - installed_parts(part)
+    assert not missing, f"nnscaler-{part} imports {sorted(missing)} but does not depend on them"
+    extras = _pyproject(part_dir(part) / "pyproject.toml").get("optional-dependencies", {})
+    missing = (lazy & LAZY_ALLOWED.get(part, set())) - installed_parts(part, extras)
+    assert not missing, f"nnscaler-{part} imports {sorted(missing)} lazily but no extra has them"
+
+
+def test_runtime_compile_extra_brings_the_compile_time_parts():
+    assert installed_parts("runtime") == {"runtime", "ir"}
+    assert installed_parts("runtime", ["compile"]) == {"runtime", "ir", "policies", "codegen"}
+
+
+def test_umbrella_depends_on_every_part():
+    project = _pyproject(ROOT / "pyproject.toml")
+    reqs = {req.name: req for req in _nnscaler_requirements(project["dependencies"])}
+    assert set(reqs) == {f"nnscaler-{part}" for part in PARTS}
+    assert "compile" in reqs["nnscaler-runtime"].extras
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_parts_are_namespace_portions(part):
+    src = part_dir(part) / "src" / "nnscaler"
+    assert not (src / "__init__.py").exists(), (
+        f"{src}/__init__.py: only the umbrella owns nnscaler/__init__.py (PEP 420)")
+    assert (src / part / "__init__.py").is_file()
+    assert (part_dir(part) / "README.md").is_file()
+
+
+def test_every_package_directory_is_a_known_part():
+    found = {p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists()}
+    assert found == {f"nnscaler-{part}" for part in PARTS}
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_part_imports_in_fresh_interpreter(part):
+    code = (f"import sys, nnscaler.{part}\n"
+            "print(' '.join(sorted({m.split('.')[1] for m in sys.modules\n"
+            "                       if m.startswith('nnscaler.')})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT / "packages")
+    assert out.returncode == 0, out.stderr
+    loaded = set(out.stdout.split())
+    assert part in loaded
+    assert loaded <= {part} | ALLOWED[part], (
+        f"import nnscaler.{part} loaded {sorted(loaded - {part} - ALLOWED[part])}")
