@@ -39,7 +39,9 @@ def _batch(name, step, n):
 
 
 CASES = [("mlp", "plain"), ("mlp", "end2end"), ("gpt", "plain"), ("gpt", "end2end"),
-         ("gpt_sdpa", "plain"), ("tied_frozen", "plain"), ("custom_op", "end2end")]
+         ("gpt_sdpa", "plain"), ("tied_frozen", "plain"), ("custom_op", "end2end"), ("gpt", "async")]
+# the async case overlaps the all-reduce of many small buckets with the rest of backward
+ASYNC_CFG = dict(use_async_reducer=True, reducer_bucket_cap_mb=0.004)
 
 
 def reference(name):
@@ -56,12 +58,13 @@ def reference(name):
     return losses, {k: v.detach().clone() for k, v in tensors.items()}
 
 
-def train_case(rank, world, name, mode, gen_dir, cfg_kwargs=None):
+def train_case(rank, world, name, mode, gen_dir):
     import torch.distributed as dist
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
     per = GLOBAL_BATCH // world
-    cfg = ComputeConfig(1, world, use_end2end=mode == "end2end", trace_strategy="cpu", **(cfg_kwargs or {}))
+    extra = ASYNC_CFG if mode == "async" else {}
+    cfg = ComputeConfig(1, world, use_end2end=mode == "end2end", trace_strategy="cpu", **extra)
     pm = parallelize(_make(name), _batch(name, 0, per), "dp", cfg, gen_savedir=gen_dir,
                      instance_name=f"{name}_{mode}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
@@ -81,6 +84,8 @@ def train_case(rank, world, name, mode, gen_dir, cfg_kwargs=None):
         losses.append(t.item() / world)
     params = {rec.full_name: getattr(pm, local).detach().clone() for local, rec in pm.fullmap.items()}
     n_opt = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    if mode == "async":  # several buckets, each all-reduced once per step
+        assert pm.reducer.stats.allreduce_calls >= 3 * STEPS, pm.reducer.stats
     return losses, params, n_opt
 
 
