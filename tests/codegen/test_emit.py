@@ -111,3 +111,27 @@ def test_renderer_constants_and_operators():
     assert eval(r.value(-math.inf), {}) == -math.inf
     assert r.value(torch.Size([2, 3])) == "torch.Size([2, 3])"
     assert r.value({"k": (1,)}) == "{'k': (1,)}"
+
+
+def test_parameter_names_never_shadow_module_attributes(tmp_path):
+    class Clashing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.grid = nn.Parameter(torch.ones(3))
+            self.device = nn.Parameter(torch.ones(3))
+            self.rank = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return (self.rank(x) * self.grid + self.device).sum()
+
+    from nnscaler.codegen.emit import param_local_names
+    graph, config = planned(Clashing(), {"x": torch.ones(2, 3)}, world=1)
+    names = param_local_names(graph)
+    assert names["grid"] != "grid" and names["device"] != "device" and names["rank.weight"] == "rank_weight"
+    text = emit_rank(graph, config.to_dict(), 0, "dp", graph.fingerprint())
+    namespace = {}
+    exec(compile(text, "gencode0.py", "exec"), namespace)
+    pm = namespace["Clashing"](init_params=False)
+    model = Clashing()
+    pm.load_full_state(dict(model.named_parameters()))
+    assert torch.allclose(pm(torch.ones(2, 3)), model(torch.ones(2, 3)))

@@ -101,7 +101,15 @@ def python_name(text: str, taken: set) -> str:
     return name
 
 
+# Attributes of ParallelModule (besides nn.Module's) that a parameter name must not shadow.
+_MODULE_ATTRS = {"device", "rank", "grid", "reducer", "fullmap", "full_aliases", "compute_config", "train_step",
+                 "infer_step", "sync_grad_when", "load_full_state", "add_full_map", "add_full_alias",
+                 "parameters_for_optimizer", "COMPUTE_CONFIG", "RANK", "SOURCE_MAP", "GRAPH_FINGERPRINT",
+                 "FULL_NAMES"}
+
+
 def _is_reserved(name: str) -> bool:
     import builtins
     import keyword
-    return keyword.iskeyword(name) or name in {"self", "torch", "nr"} or hasattr(builtins, name)
+    return (keyword.iskeyword(name) or name in {"self", "torch", "nr"} or hasattr(builtins, name)
+            or name in _MODULE_ATTRS or hasattr(torch.nn.Module, name))

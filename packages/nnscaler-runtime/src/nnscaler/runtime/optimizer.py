@@ -1,0 +1,136 @@
+"""build_optimizer: an ordinary torch optimizer over a parallelized module, plus the few
+operations that need to know about ranks (global gradient norm, gradient scaling).
+
+The returned optimizer is an instance of a subclass of the optimizer's own class (so
+`isinstance(opt, torch.optim.Adam)` still holds) that adds `clip_gnorm`, `scale_grads` and
+`sync_shard_grad`, and `opt._nnscaler_module` points back at the module.
+
+The gradient norm counts every full gradient element once. Replicas across data-parallel units
+hold identical (already averaged) gradients, so only the ranks of one unit contribute: each
+rank sums the squares of its local gradients, each divided by the number of plan devices in the
+unit that hold the same tensor (`FullMapEntry.replicas`, 1 when the tensor lives on one plan
+device), and the sums are all-reduced over the unit group.
+
+A module that is not itself a ParallelModule but contains some keeps its ordinary parameters
+replicated on every rank; their gradients are averaged over all ranks by an extra Reducer that
+`build_optimizer` attaches to the module (`module._nnscaler_reducer`), so they count
+`plan_ngpus` times per unit in the norm and are weighted accordingly.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+from .grid import RankGrid
+from .module import ParallelModule
+from .reducer import Reducer
+
+__all__ = ["build_optimizer", "NnScalerOptimizerMixin"]
+
+_CLASSES: Dict[type, type] = {}
+
+
+class NnScalerOptimizerMixin:
+    """The methods build_optimizer adds to the optimizer's class."""
+
+    _nnscaler_module: torch.nn.Module
+    _nnscaler_grid: RankGrid
+    _nnscaler_replicas: Dict[int, int]  # id(param) -> plan devices holding a copy
+
+    def _nnscaler_grads(self) -> List[torch.Tensor]:
+        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+
+    def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
+        """The global L2 norm of all gradients (a 0-d tensor); when `max_norm` is given, scales
+        every gradient by min(1, max_norm / (norm + 1e-6)) like `torch.nn.utils.clip_grad_norm_`.
+        Collective over the unit group when plan_ngpus > 1."""
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        device = params[0].grad.device if params else torch.device("cpu")
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        by_replicas: Dict[int, List[torch.Tensor]] = {}
+        for p in params:
+            by_replicas.setdefault(self._nnscaler_replicas.get(id(p), 1), []).append(p.grad)
+        for replicas, grads in by_replicas.items():
+            norms = torch._foreach_norm(grads)
+            total = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
+            squares = squares + (total / replicas if replicas != 1 else total)
+        grid = self._nnscaler_grid
+        if grid.plan_ngpus > 1:
+            dist.all_reduce(squares, group=grid.unit_group)
+        total_norm = squares.sqrt()
+        if max_norm is not None:
+            coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+            for grads in _by_device([p.grad for p in params]).values():
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total_norm
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every gradient by `factor` (e.g. 1 / number of accumulated micro-batches)."""
+        for grads in _by_device(self._nnscaler_grads()).values():
+            torch._foreach_mul_(grads, factor)
+
+    def sync_shard_grad(self) -> None:
+        """Hook for ZeRO (reduce-scatter of sharded gradients); nothing to do without it."""
+
+
+def _by_device(tensors: List[torch.Tensor]) -> Dict[Any, List[torch.Tensor]]:
+    groups: Dict[Any, List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _optimizer_class(base: type) -> type:
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"NnScaler{base.__name__}", (NnScalerOptimizerMixin, base),
+                              {"__module__": base.__module__})
+    return _CLASSES[base]
+
+
+def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.optim.Optimizer],
+                    **kwargs) -> torch.optim.Optimizer:
+    """`optimizer_fn(params, **kwargs)` over the trainable parameters of `module`, extended
+    with `clip_gnorm`, `scale_grads`, `sync_shard_grad` and `_nnscaler_module`.
+
+    `module` is a ParallelModule, or any module containing ParallelModules (then all its
+    trainable parameters are optimized; see the module docstring for the ordinary ones).
+    """
+    if not callable(optimizer_fn):
+        raise TypeError(f"build_optimizer: optimizer_fn must be an optimizer class or a factory called as "
+                        f"optimizer_fn(params, **kwargs), got {type(optimizer_fn).__name__} {optimizer_fn!r}")
+    pms = [m for m in module.modules() if isinstance(m, ParallelModule)] \
+        if isinstance(module, torch.nn.Module) else []
+    if not pms:
+        raise TypeError(f"build_optimizer: {type(module).__name__} is not a ParallelModule and contains none: "
+                        f"parallelize the model first (nnscaler.parallelize) and pass its result")
+    grids = {id(pm.grid): pm.grid for pm in pms}
+    if len(grids) > 1:
+        raise ConfigError("build_optimizer: all parallelized modules must use the same plan_ngpus and "
+                          f"runtime_ngpus, got {sorted({(g.plan_ngpus, g.runtime_ngpus) for g in grids.values()})}")
+    grid = pms[0].grid
+    replicas: Dict[int, int] = {}
+    for pm in pms:
+        for name, p in pm.named_parameters():
+            entry = pm.fullmap.get(name)
+            replicas[id(p)] = entry.replicas if entry is not None else 1
+    params = [p for p in module.parameters() if p.requires_grad]
+    ordinary = [p for p in params if id(p) not in replicas]
+    for p in ordinary:
+        replicas[id(p)] = grid.plan_ngpus
+    if ordinary and grid.world_size > 1 and getattr(module, "_nnscaler_reducer", None) is None:
+        reducer = Reducer(ordinary, group=grid.group(range(grid.world_size)),
+                          bucket_cap_mb=getattr(pms[0].compute_config, "reducer_bucket_cap_mb", None),
+                          async_op=getattr(pms[0].compute_config, "use_async_reducer", False))
+        object.__setattr__(module, "_nnscaler_reducer", reducer)
+    optimizer = optimizer_fn(params, **kwargs)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"build_optimizer: optimizer_fn returned {type(optimizer).__name__}, "
+                        f"not a torch.optim.Optimizer")
+    optimizer.__class__ = _optimizer_class(type(optimizer))
+    optimizer._nnscaler_module = module
+    optimizer._nnscaler_grid = grid
+    optimizer._nnscaler_replicas = replicas
+    return optimizer

@@ -1,0 +1,283 @@
+"""Data-parallel gradient synchronisation that happens inside `loss.backward()`.
+
+`Reducer(params, group)` packs the trainable parameters, in reverse registration order (roughly
+the order backward produces their gradients), into buckets of at most `bucket_cap_mb` MB (a
+parameter larger than that gets a bucket of its own; a bucket never mixes dtypes or devices) and
+hooks every parameter with `register_post_accumulate_grad_hook`. The first hook of a backward pass
+queues a callback on the autograd engine that runs when that backward pass ends, so the plain loop
+
+    opt.zero_grad(); loss = model(x); loss.backward(); opt.step()
+
+needs no extra call. At that point every bucket is all-reduced (grads flattened into the bucket
+buffer, divided by the group size, summed, copied back): the gradients become the mean over the
+group. With `async_op=True` a bucket is launched (`async_op=True` collective) as soon as all its
+parameters have their gradient, in bucket order so every rank issues the same sequence, and the
+end of backward waits for all of them; nothing is left pending after backward.
+
+Parameters without a gradient on some ranks count as zeros there: after the sync every rank holds
+the group mean. A parameter that no rank gave a gradient keeps `.grad = None` on every rank, as in
+single-device training (optimizers such as Adam skip it instead of stepping on a zero gradient);
+one flag per parameter travels in the bucket buffer for that, no extra collective. (A single-rank
+group does no communication and leaves `.grad` untouched.)
+
+`sync_grad_when(cond)` (module-level: every reducer; or `Reducer.sync_grad_when` for one): a
+backward pass that starts inside a `False` block only accumulates locally; the next synchronising
+pass all-reduces the accumulated gradients. Whether a pass synchronises is decided when its first
+gradient arrives, so put the `backward()` call inside the block. Several backward passes per step
+are fine: each synchronising pass averages `.grad`, and because the mean is linear and already
+averaged parts are equal on all ranks, the result is the mean of the sums.
+
+An unused parameter delays the launch of its bucket (and, to keep the order, of the buckets
+after it) to the end of backward; results stay correct.
+
+Not supported: reentrant activation checkpointing (`use_reentrant=True`) runs a nested backward
+whose end would trigger the sync too early; use `use_reentrant=False`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .device import is_distributed
+
+__all__ = ["Reducer", "ReducerStats", "sync_grad_when", "DEFAULT_BUCKET_CAP_MB"]
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+_NOSYNC_DEPTH = 0  # > 0 inside a module-level sync_grad_when(False) block (process-wide)
+
+
+@contextlib.contextmanager
+def sync_grad_when(cond: bool) -> Iterator[None]:
+    """Inside `sync_grad_when(False)`, backward passes only accumulate gradients locally (for
+    every Reducer in the process); `True` changes nothing. Nested `False` blocks stay local."""
+    global _NOSYNC_DEPTH
+    if cond:
+        yield
+        return
+    _NOSYNC_DEPTH += 1
+    try:
+        yield
+    finally:
+        _NOSYNC_DEPTH -= 1
+
+
+def _graph_task_id() -> int:
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return get() if get is not None else 0
+
+
+@dataclass
+class ReducerStats:
+    """Counters for tests and benchmarks."""
+
+    allreduce_calls: int = 0
+    allreduce_bytes: int = 0
+    synced_passes: int = 0  # backward passes (or sync_grads() calls) that all-reduced
+    local_passes: int = 0  # backward passes that only accumulated locally
+
+    def reset(self) -> None:
+        self.allreduce_calls = self.allreduce_bytes = self.synced_passes = self.local_passes = 0
+
+
+class _Bucket:
+    """Parameters whose gradients travel in one flat buffer: the gradients, then one "has a
+    gradient" flag per parameter (so a parameter no rank used keeps `.grad = None`)."""
+
+    def __init__(self, params: List[torch.nn.Parameter]):
+        self.params = params
+        self.offsets = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel += p.numel()
+        self.numel = numel
+        self.buffer: Optional[torch.Tensor] = None
+        self.ready = 0
+        self.work = None
+
+    @property
+    def nbytes(self) -> int:
+        return (self.numel + len(self.params)) * self.params[0].element_size()
+
+    def flatten(self) -> torch.Tensor:
+        p0 = self.params[0]
+        if self.buffer is None or self.buffer.device != p0.device or self.buffer.dtype != p0.dtype:
+            self.buffer = torch.empty(self.numel + len(self.params), dtype=p0.dtype, device=p0.device)
+        flags = self.buffer[self.numel:]
+        flags.fill_(1)
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            view = self.buffer[off:off + p.numel()]
+            if p.grad is None:
+                view.zero_()
+                flags[i] = 0  # rare: no per-element write in the common case
+            else:
+                view.copy_(p.grad.reshape(-1))
+        return self.buffer
+
+    def unflatten(self) -> None:
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        used = set()
+        if missing:  # read flags back (a device sync on CUDA) only when a local gradient is missing
+            flags = self.buffer[self.numel:][missing].tolist()
+            used = {i for i, flag in zip(missing, flags) if flag > 0}
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            view = self.buffer[off:off + p.numel()].view_as(p)
+            if p.grad is not None:
+                p.grad.copy_(view)
+            elif i in used:  # another rank produced a gradient: take the mean, like every rank
+                p.grad = view.clone()
+
+
+class Reducer:
+    """Averages the gradients of `params` over `group` at the end of every backward pass.
+
+    `params`: the trainable parameters in registration order (frozen ones are skipped,
+    duplicates kept once). `group`: a process group (None: the default group; a process without
+    torch.distributed or a single-rank group does no communication).
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], group=None,
+                 bucket_cap_mb: Optional[float] = DEFAULT_BUCKET_CAP_MB, async_op: bool = False):
+        unique, seen = [], set()
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                unique.append(p)
+        self.group = group
+        self.group_size = dist.get_world_size(group) if is_distributed() else 1
+        self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
+        self.async_op = bool(async_op)
+        self.stats = ReducerStats()
+        self._buckets = self._make_buckets(list(reversed(unique)), int(self.bucket_cap_mb * 1024 * 1024))
+        self._local_nosync = 0
+        self._pass_task: Optional[int] = None  # graph task id of the running backward pass
+        self._pass_sync = False
+        self._next_launch = 0
+        self._handles = []
+        if self.group_size > 1:
+            for bucket in self._buckets:
+                for p in bucket.params:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket)))
+
+    @staticmethod
+    def _make_buckets(params: List[torch.nn.Parameter], cap_bytes: int) -> List[_Bucket]:
+        buckets, current, size = [], [], 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > cap_bytes or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            buckets.append(_Bucket(current))
+        return buckets
+
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def buckets(self) -> List[List[torch.nn.Parameter]]:
+        """The parameters of each bucket, in the order buckets are all-reduced."""
+        return [list(b.params) for b in self._buckets]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @contextlib.contextmanager
+    def sync_grad_when(self, cond: bool) -> Iterator[None]:
+        """Like the module-level `sync_grad_when`, for this reducer only."""
+        if cond:
+            yield
+            return
+        self._local_nosync += 1
+        try:
+            yield
+        finally:
+            self._local_nosync -= 1
+
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether a backward pass starting now would synchronise."""
+        return _NOSYNC_DEPTH == 0 and self._local_nosync == 0
+
+    def sync_grads(self) -> None:
+        """All-reduce the current gradients now (outside backward), e.g. after accumulating
+        inside `sync_grad_when(False)` without a final synchronising backward. Collective."""
+        if self._pass_task is not None:  # a backward pass that raised before its end
+            self._finish_pass(reduce=False)
+        if self.group_size > 1:
+            self._reduce_remaining()
+
+    def remove(self) -> None:
+        """Detach the hooks; the reducer does nothing afterwards."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- backward pass --------------------------------------------------------------------------
+    def _hook(self, bucket: _Bucket):
+        def on_grad(param: torch.nn.Parameter) -> None:
+            task = _graph_task_id()
+            if self._pass_task != task:
+                if self._pass_task is not None:  # the previous backward raised before its end
+                    self._finish_pass(reduce=False)
+                self._start_pass(task)
+            if self._pass_sync and self.async_op:
+                bucket.ready += 1
+                self._launch_ready()
+        return on_grad
+
+    def _start_pass(self, task: int) -> None:
+        self._pass_task = task
+        self._pass_sync = self.sync_enabled
+        self._next_launch = 0
+        for bucket in self._buckets:
+            bucket.ready = 0
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
+
+    def _launch_ready(self) -> None:
+        # Launch in bucket order only, so every rank issues the same sequence of collectives.
+        while (self._next_launch < len(self._buckets)
+               and self._buckets[self._next_launch].ready == len(self._buckets[self._next_launch].params)):
+            self._launch(self._buckets[self._next_launch], async_op=True)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket, async_op: bool) -> None:
+        buffer = bucket.flatten()
+        buffer.div_(self.group_size)  # gloo has no AVG: pre-divide, then sum
+        bucket.work = dist.all_reduce(buffer, group=self.group, async_op=async_op)
+        self.stats.allreduce_calls += 1
+        self.stats.allreduce_bytes += bucket.nbytes
+
+    def _reduce_remaining(self) -> None:
+        for bucket in self._buckets[self._next_launch:]:
+            self._launch(bucket, async_op=self.async_op)
+        self._next_launch = len(self._buckets)
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            bucket.unflatten()
+        self.stats.synced_passes += 1
+
+    def _finish_pass(self, reduce: bool = True) -> None:
+        sync, self._pass_task = self._pass_sync, None
+        try:
+            if sync and reduce:
+                self._reduce_remaining()
+            elif not sync:
+                self.stats.local_passes += 1
+        finally:
+            for bucket in self._buckets:  # never leave work pending
+                if bucket.work is not None:
+                    bucket.work.wait()
+                    bucket.work = None
+            self._next_launch = 0
+
+    def __repr__(self) -> str:
+        return (f"Reducer({sum(len(b.params) for b in self._buckets)} params, {len(self._buckets)} buckets, "
+                f"group_size={self.group_size}, bucket_cap_mb={self.bucket_cap_mb}, async_op={self.async_op})")

@@ -1,0 +1,143 @@
+"""Run a function on N real torch.distributed (gloo) processes and collect what each returns.
+
+    from launch import run_workers
+    results = run_workers(fn, 2, arg1, arg2, timeout=120)   # fn(rank, world_size, arg1, arg2)
+
+`fn` must be a module-level function (it is pickled by reference into spawned interpreters) and
+its arguments and return value must be picklable with torch.save. Every worker sets
+MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, runs with one thread, joins a gloo
+group, and always destroys it (and nnscaler's cached groups) on the way out. A worker's exception
+fails the call with its traceback text; a worker that dies, or a run that exceeds `timeout`,
+fails it too. No process is left behind.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List
+
+GRACE_S = 10.0  # how long the other ranks get to finish once one has failed
+
+
+class WorkerError(RuntimeError):
+    """One or more workers failed; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    import torch
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, timeout: float, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            try:
+                from nnscaler.runtime.grid import RankGrid
+                RankGrid.destroy_all()
+            finally:
+                dist.destroy_process_group()
+        out.put((rank, True, _dumps(result)))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> List[Any]:
+    """`fn(rank, world_size, *args)` on `world_size` gloo processes; returns the results by rank."""
+    import torch
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, timeout, out), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                errors.setdefault(-1, f"timed out after {timeout}s; ranks without a result: "
+                                      f"{sorted(set(range(world_size)) - set(results) - set(errors))}")
+                break
+            try:
+                rank, ok, payload = out.get(timeout=min(0.5, deadline - now + 0.01))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode is not None and r not in results and r not in errors]
+                if dead:  # died without reporting (crash, signal); let a late report arrive first
+                    time.sleep(0.5)
+                    if out.empty():
+                        for r in dead:
+                            errors[r] = f"rank {r} died with exit code {procs[r].exitcode} and no report"
+                continue
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+    finally:
+        for p in procs:
+            p.join(timeout=1.0 if errors else 5.0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        out.close()
+        out.join_thread()
+    if errors:
+        raise WorkerError("\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(errors.items())))
+    return [results[r] for r in range(world_size)]
+
+
+# -- single-process fixtures (import them into a test module to use them) ---------------------
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def world1():
+    """A real one-rank gloo process group for the duration of a test."""
+    import torch.distributed as dist
+    from nnscaler.runtime.grid import RankGrid
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        RankGrid.destroy_all()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=False)
+def no_leaks():
+    """Empties nnscaler's group registry after the test and fails it if a process group leaked."""
+    import torch.distributed as dist
+    from nnscaler.runtime.grid import RankGrid
+    yield
+    RankGrid.destroy_all()
+    assert not dist.is_initialized(), "the test left a torch.distributed process group initialized"
