@@ -38,7 +38,9 @@ def _type_names(types) -> str:
 
 def _check_json(name: str, value: Dict[str, Any]) -> None:
     try:
-        json.dumps(value, sort_keys=True)
+        text = json.dumps(value, sort_keys=True, allow_nan=False)
+        if json.loads(text) != value:  # int keys or tuples would come back changed: never matches again
+            raise ValueError("it does not survive a JSON round trip (tuples or non-str dict keys?)")
     except (TypeError, ValueError) as e:
         raise ConfigError(
             f"ComputeConfig.{name} must hold only JSON values (str, numbers, bools, None, lists, "

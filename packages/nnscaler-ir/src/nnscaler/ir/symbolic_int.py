@@ -47,5 +47,8 @@ class TracedInt(int):
     def __reduce__(self):  # pickling/copying folds the value
         return (int, (int(self),))
 
+    def __str__(self):  # str(d) / f"{d}" give the number, as for a plain int
+        return str(int(self))
+
     def __repr__(self):
         return f"TracedInt({int(self)})"

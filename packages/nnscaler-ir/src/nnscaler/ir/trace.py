@@ -107,6 +107,8 @@ class Tracer:
             return {k: self._to_refs(v) for k, v in obj.items()}
         if isinstance(obj, slice):
             return slice(self._to_refs(obj.start), self._to_refs(obj.stop), self._to_refs(obj.step))
+        if type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0:
+            return obj.item()  # a numpy scalar (np.prod(shape)): record the Python number
         encode(obj)  # raises TypeError for objects generated code could not rebuild
         return obj
 
@@ -179,7 +181,7 @@ class Tracer:
             loc = self.source_location()
             raise TraceError(f"tracing failed in {target} called at {loc}: {type(e).__name__}: {e}") from e
         inplace = ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
-                   or kwargs.get("out") is not None)
+                   or kwargs.get("out") is not None or kwargs.get("inplace") is True)
         if name == "__setitem__":
             real = args[0]
         if real is None or (not _has_tensor(real) and self.constant_folding):
@@ -273,8 +275,10 @@ def _input_leaves(tracer: Tracer, obj, path: tuple, hint: str, leaves: list):
         return twin
     if isinstance(obj, dict):
         return type(obj)((k, _input_leaves(tracer, v, path + (k,), f"{hint}_{k}", leaves)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+    if isinstance(obj, (list, tuple)):
         items = [_input_leaves(tracer, v, path + (i,), f"{hint}_{i}", leaves) for i, v in enumerate(obj)]
+        if hasattr(obj, "_fields"):  # namedtuple: indexable by position like a tuple
+            return type(obj)(*items)
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
@@ -297,6 +301,11 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         raise TypeError(f"dummy_forward_args has {sorted(unknown)}, which {type(module).__qualname__}.forward"
                         f" does not take; its parameters are {list(signature.parameters)}")
+    for pname, param in signature.parameters.items():
+        if param.kind is param.VAR_POSITIONAL and pname in dummy_forward_args:
+            raise TypeError(f"dummy_forward_args cannot give {pname!r}, the *{pname} parameter of "
+                            f"{type(module).__qualname__}.forward: arguments are passed by name; "
+                            f"give the forward named parameters instead")
     device = ExecutionDevice.for_strategy(trace_strategy)
     tracer = Tracer(module, constant_folding, device)
 
@@ -322,6 +331,11 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
 
     inputs, call_kwargs = [], {}
     for pname, param in signature.parameters.items():
+        if param.kind is param.VAR_KEYWORD:  # names forward does not list go to **kwargs (keyword-only)
+            for extra in (n for n in dummy_forward_args if n in unknown):
+                spec = InputSpec(extra, "KEYWORD_ONLY", False, None, True)
+                call_kwargs[extra] = _input_leaves(tracer, dummy_forward_args[extra], (), extra, spec.leaves)
+                inputs.append(spec)
         spec = InputSpec(pname, param.kind.name, param.default is not param.empty,
                          encode(param.default) if param.default is not param.empty and _encodable(param.default) else None,
                          pname in dummy_forward_args)
@@ -363,10 +377,14 @@ class _SavedState:
 
     def __init__(self, module):
         self.buffers = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+        # forward may also rebind a buffer (self.steps = self.steps + 1): put the original back
+        self.slots = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
 
     def restore(self):
+        for m, n, b in self.slots:
+            m._buffers[n] = b
         with torch.no_grad():
             for b, v in self.buffers:
                 b.copy_(v)
@@ -385,7 +403,7 @@ def _eliminate_dead_code(graph: IRGraph) -> None:
             live.update(r.id for r in node.input_refs())
     kept.reverse()
     graph.nodes = kept
+    graph.constants = {k: v for k, v in graph.constants.items() if v.value.id in live}
     used = live | {s.value.id for s in graph.tensor_specs()} | {r.id for i in graph.inputs for _, r in i.leaves}
     used |= {r.id for n in kept for r in n.output_refs()}
-    graph.constants = {k: v for k, v in graph.constants.items() if v.value.id in live}
     graph.values = {k: v for k, v in graph.values.items() if k in used}

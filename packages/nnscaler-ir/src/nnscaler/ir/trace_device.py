@@ -91,7 +91,7 @@ class ExecutionDevice:
             self.fallbacks += 1
             cpu = torch.device("cpu")
             out = _call(func, self._move(args, cpu), self._move(kwargs, cpu), mode_off)
-        if key is not None:
+        if key is not None and not _is_inplace(out, args, kwargs):
             self.cache[key] = out
         return out
 
@@ -117,7 +117,27 @@ def _signature(obj):
     if isinstance(obj, dict):
         return ("dict",) + tuple((k, _signature(v)) for k, v in sorted(obj.items()))
     hash(obj)
-    return obj
+    return (type(obj), obj)  # 2 and 2.0 (and True) are equal but give different dtypes
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+def _is_inplace(out, args, kwargs) -> bool:
+    """A call returning None or one of its inputs (add_, __setitem__, relu(inplace=True)) mutates
+    its input: it must run every time, and its result is the mutated input, not a copy."""
+    if out is None:
+        return True
+    inputs = {id(t) for t in _tensors((args, kwargs))}
+    return any(id(t) in inputs for t in _tensors(out))
 
 
 def _fresh(out):
