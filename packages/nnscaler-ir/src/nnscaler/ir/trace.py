@@ -309,25 +309,25 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
     device = ExecutionDevice.for_strategy(trace_strategy)
     tracer = Tracer(module, constant_folding, device)
 
-    params: Dict[str, TensorSpec] = {}
     by_id: Dict[int, TensorSpec] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in by_id:
-            by_id[id(p)].aliases.append(name)
-            continue
-        ref = tracer.new_value(p, name.replace(".", "_"))
-        tracer.bind_tensor(p, ref)
-        by_id[id(p)] = params[name] = TensorSpec(name, ref, tuple(p.shape), dtype_name(p.dtype), p.requires_grad)
-    buffers: Dict[str, TensorSpec] = {}
     persistent = set(module.state_dict().keys())
-    for name, b in module.named_buffers(remove_duplicate=False):
-        if id(b) in by_id:
-            by_id[id(b)].aliases.append(name)
-            continue
-        ref = tracer.new_value(b, name.replace(".", "_"))
-        tracer.bind_tensor(b, ref)
-        by_id[id(b)] = buffers[name] = TensorSpec(name, ref, tuple(b.shape), dtype_name(b.dtype), False, [],
-                                                  name in persistent)
+
+    def bind_named(named) -> Dict[str, TensorSpec]:
+        """One spec per tensor; later names of the same tensor (tied weights) become aliases."""
+        specs: Dict[str, TensorSpec] = {}
+        for name, t in named:
+            if id(t) in by_id:
+                by_id[id(t)].aliases.append(name)
+                continue
+            ref = tracer.new_value(t, name.replace(".", "_"))
+            tracer.bind_tensor(t, ref)
+            is_param = isinstance(t, torch.nn.Parameter)
+            by_id[id(t)] = specs[name] = TensorSpec(name, ref, tuple(t.shape), dtype_name(t.dtype),
+                                                    t.requires_grad and is_param, [], is_param or name in persistent)
+        return specs
+
+    params = bind_named(module.named_parameters(remove_duplicate=False))
+    buffers = bind_named(module.named_buffers(remove_duplicate=False))
 
     inputs, call_kwargs = [], {}
     for pname, param in signature.parameters.items():
