@@ -21,7 +21,10 @@ def _ids(buckets):
 def test_buckets_reverse_order_cap_and_dtype():
     a, b, big, d = _p(4), _p(4), _p(100), _p(4)  # 16, 16, 400, 16 bytes
     r = Reducer([a, b, big, d], bucket_cap_mb=40 / MB)
-    assert _ids(r.buckets) == _ids([[d], [big], [b, a]])  # a larger param gets its own bucket
+    # reverse order; a bucket closes once it reaches the cap (DDP's rule): no tiny leftovers
+    assert _ids(r.buckets) == _ids([[d, big], [b, a]])
+    r = Reducer([a, b, big, d], bucket_cap_mb=16 / MB)
+    assert _ids(r.buckets) == _ids([[d], [big], [b], [a]])  # every param reaches the cap alone
     e = _p(2, dtype=torch.float64)
     frozen = _p(4, requires_grad=False)
     r = Reducer([a, e, b, frozen, a], bucket_cap_mb=1.0)

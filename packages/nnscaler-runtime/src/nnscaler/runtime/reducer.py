@@ -166,13 +166,17 @@ class Reducer:
     @staticmethod
     def _make_buckets(params: List[torch.nn.Parameter], cap_bytes: int) -> List[_Bucket]:
         buckets, current, size = [], [], 0
+        # As DDP: a bucket closes once it reaches the cap (so it may exceed it by its last
+        # parameter), which avoids the tiny trailing buckets of closing before the cap.
         for p in params:
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > cap_bytes or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
+            if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
                 buckets.append(_Bucket(current))
                 current, size = [], 0
             current.append(p)
-            size += nbytes
+            size += p.numel() * p.element_size()
+            if size >= cap_bytes:
+                buckets.append(_Bucket(current))
+                current, size = [], 0
         if current:
             buckets.append(_Bucket(current))
         return buckets
