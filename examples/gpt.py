@@ -29,17 +29,18 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.use_sdpa = cfg.use_sdpa
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
         self.register_buffer("mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
     def forward(self, x):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         if self.use_sdpa:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

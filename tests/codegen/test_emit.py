@@ -48,7 +48,7 @@ def test_one_readable_module_per_rank(tmp_path):
     assert imports == {"torch", "nnscaler.runtime"}
     assert "RANK = 1" in text and "class GPT(nr.ParallelModule)" in text
     # names follow the user's modules; the tied head is an alias, not a second tensor
-    assert "'h_0_attn_c_attn_weight'" in text and "add_full_alias('lm_head.weight', 'wte_weight')" in text
+    assert "'h_0_attn_q_proj_weight'" in text and "add_full_alias('lm_head.weight', 'wte_weight')" in text
     # every op is preceded by the user's source line
     assert f"# {os.path.basename(GPT.__module__)}.py:" in text or "# gpt.py:" in text
     assert "x = x + self.attn(self.ln_1(x))" in text
@@ -86,14 +86,28 @@ def test_dead_values_are_freed_and_shapes_recomputed_without_folding():
     assert ".size()" not in folded and ".view(2, 8, 2, 8)" in folded
 
 
-def test_partitioned_plan_is_refused_until_adapters_exist():
+def test_partitioned_op_gets_sharded_weights_and_adapters():
+    graph = trace(WithOptional(), {"x": torch.ones(2, 4)}, trace_strategy="cpu")
+    for node in graph.nodes:
+        for device, piece in enumerate(replicate(graph, node, 2)):
+            assign(piece, device)
+    fc = select(graph, op="linear")[0]
+    for i, piece in enumerate(partition(graph, fc, "n", 2)):  # column-parallel
+        assign(piece, i)
+    text = emit_rank(graph, ComputeConfig(2, 4).to_dict(), 3, "x", "f")
+    # rank 3 is plan device 1 of the second unit (ranks 2, 3); the weight rows 2..4 live here
+    assert "torch.empty((2, 4), dtype=torch.float32)" in text
+    assert "slices=((2, 4), (0, 4)), value_split=(0, 1), replicas=1" in text
+    assert "nr.comm.grad_all_reduce(x, ranks=(2, 3))" in text  # Megatron's f: partial input grads
+    assert text.count("nr.comm.all_gather(") == 1  # the split output is gathered for the replicated sum
+    assert "for _ranks in ((0, 1), (2, 3)):" in text  # every unit's group, created on every rank
+
+
+def test_ops_not_covering_the_unit_are_refused():
     graph = trace(WithOptional(), {"x": torch.ones(2, 4)}, trace_strategy="cpu")
     for node in graph.nodes:
         assign(replicate(graph, node, 1)[0], 0)
-    fc = select(graph, op="linear")[0]
-    for i, piece in enumerate(partition(graph, fc, "n", 2)):
-        assign(piece, i)
-    with pytest.raises(GenerationError, match="linear.*partitioned"):
+    with pytest.raises(GenerationError, match="every op must run on all 2 devices"):
         emit_rank(graph, ComputeConfig(2, 2).to_dict(), 0, "x", "f")
 
 

@@ -10,7 +10,9 @@ import os
 from pathlib import Path
 from typing import List
 
-from .emit import GenerationError, emit_rank, param_local_names
+from .emit import emit_rank, param_local_names
+from .errors import GenerationError
+from .layouts import plan_unit
 
 
 def gencode_name(rank: int) -> str:
@@ -23,8 +25,9 @@ def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str 
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
+    unit = plan_unit(graph, cfg["plan_ngpus"])
     for rank in range(cfg["runtime_ngpus"]):
-        text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint())
+        text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint(), unit=unit)
         compile(text, gencode_name(rank), "exec")  # a bug here must not reach the ranks
         path = outdir / gencode_name(rank)
         tmp = path.with_suffix(".py.tmp")

@@ -18,6 +18,13 @@ REVERSED = {"__radd__": "+", "__rsub__": "-", "__rmul__": "*", "__rtruediv__": "
 UNARY = {"__neg__": "-", "neg": "-", "__invert__": "~", "__pos__": "+", "__abs__": "abs"}
 
 
+class RawExpr:
+    """A piece of generated code computed by codegen itself; subclasses define `render`."""
+
+    def render(self, renderer: "Renderer") -> str:
+        raise NotImplementedError
+
+
 class Renderer:
     """Renders constants and Refs; `names` maps value ids to Python expressions."""
 
@@ -27,6 +34,8 @@ class Renderer:
     def value(self, obj, in_index: bool = False) -> str:
         if isinstance(obj, Ref):
             return self.names[obj.id]
+        if isinstance(obj, RawExpr):
+            return obj.render(self)
         if obj is None or isinstance(obj, (bool, str)):
             return repr(obj)
         if isinstance(obj, int):

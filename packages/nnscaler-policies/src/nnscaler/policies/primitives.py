@@ -65,16 +65,32 @@ def partition(graph: IRGraph, node: Node, dim: str, num: int) -> List[Piece]:
     if node.annotation is None:
         raise PlanError(f"cannot partition op {node.describe()}: it has no dimension annotation "
                         f"(register one with nnscaler.register_op) and can only be replicated")
+    bound = bind_annotation(graph, node)
+    if bound is None:
+        raise PlanError(f"cannot partition op {node.describe()}: its annotation {node.annotation!r} does not "
+                        f"fit its tensor shapes, so it can only be replicated")
+    try:
+        in_places, out_places = bound.partition(dim, num)
+    except ValueError as e:
+        can = bound.splittable_dims(num)
+        raise PlanError(f"cannot partition op {node.describe()} along {dim!r} into {num}: {e}. "
+                        f"Dims it can split into {num}: {', '.join(can) if can else 'none (replicate it)'}") from None
+    node.pieces = [Piece(i, num, list(in_places), list(out_places), dim) for i in range(num)]
+    return node.pieces
+
+
+def bind_annotation(graph: IRGraph, node: Node):
+    """The node's annotation bound to its tensor shapes (a BoundAnnotation), or None when the
+    node has no annotation or it does not fit."""
+    if node.annotation is None:
+        return None
     from nnscaler.ir.annotation import parse_annotation
     ins = [graph.value(r).shape for r in tensor_inputs(graph, node)]
     outs = [graph.value(r).shape for r in tensor_outputs(graph, node)]
     try:
-        bound = parse_annotation(node.annotation).bind(ins, outs)
-        in_places, out_places = bound.partition(dim, num)
-    except ValueError as e:
-        raise PlanError(f"cannot partition op {node.describe()} along {dim!r} into {num}: {e}") from None
-    node.pieces = [Piece(i, num, list(in_places), list(out_places), dim) for i in range(num)]
-    return node.pieces
+        return parse_annotation(node.annotation).bind(ins, outs)
+    except ValueError:
+        return None
 
 
 def assign(piece_or_node, device: int):

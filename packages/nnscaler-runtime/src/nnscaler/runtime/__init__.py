@@ -5,6 +5,7 @@ process group, the data-parallel `Reducer`, `build_optimizer`, `sync_grad_when`,
 `parallelize()` / `ReuseType`. Code generation itself (nnscaler-policies, nnscaler-codegen) is
 imported only when code must be generated: install ``nnscaler-runtime[compile]`` for that.
 """
+from . import comm
 from .device import default_backend, default_device
 from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
 from .gen_dir import ReuseType
@@ -15,7 +16,7 @@ from .parallelize import load_generated_class, parallelize
 from .reducer import Reducer, sync_grad_when
 
 __all__ = [
-    "ConfigError", "GenerationError", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
+    "comm", "ConfigError", "GenerationError", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
     "load_generated_class", "parallelize", "sync_grad_when",
 ]

@@ -1,0 +1,132 @@
+"""Which layout every value has inside a unit, and what each consumer needs.
+
+A planned op runs on every plan device of the unit: either replicated (each device runs it
+whole) or partitioned into `plan_ngpus` pieces, piece i on device i. A value's layout is the
+placement its producer's pieces give it (graph inputs are replicated). A consumer piece names
+the placement it needs for each tensor input; a partitioned consumer reading a replicated input
+produces only partial gradients for it, recorded as ``grad_partial``. Parameters, buffers and
+constants are stored sharded when every consumer wants the same shard, else whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from nnscaler.ir.graph import IRGraph, Node
+from nnscaler.ir.layout import Partial, Replicate, Shard
+
+from .errors import GenerationError
+
+R = Replicate()
+
+
+@dataclass
+class Need:
+    """What one consumer needs of one tensor input."""
+
+    ref_id: int
+    placement: object
+    grad_partial: bool = False
+
+
+@dataclass
+class UnitPlan:
+    plan_ngpus: int
+    partitioned: Dict[int, bool] = field(default_factory=dict)  # node id -> split into pieces?
+    produced: Dict[int, object] = field(default_factory=dict)  # value id -> placement
+    needs: Dict[int, List[Need]] = field(default_factory=dict)  # node id -> tensor input needs
+    stored: Dict[str, object] = field(default_factory=dict)  # param/buffer/constant name -> placement
+
+    def piece_of(self, node: Node, device: int):
+        return next(p for p in node.pieces if p.device == device)
+
+
+def plan_unit(graph: IRGraph, plan_ngpus: int) -> UnitPlan:
+    """Layouts of all values for a plan where every op covers the whole unit."""
+    plan = UnitPlan(plan_ngpus)
+    for spec in graph.inputs:
+        for _, ref in spec.leaves:
+            plan.produced[ref.id] = R
+    for node in graph.nodes:
+        _check_pieces(node, plan_ngpus)
+        piece = node.pieces[0]
+        partitioned = not piece.is_replicated() and plan_ngpus > 1
+        plan.partitioned[node.id] = partitioned
+        ins = [r for r in node.input_refs() if graph.value(r).is_tensor]
+        outs = [r for r in node.output_refs() if graph.value(r).is_tensor]
+        in_places = piece.inputs if partitioned else [R] * len(ins)
+        out_places = piece.outputs if partitioned else [R] * len(outs)
+        if len(in_places) != len(ins) or len(out_places) != len(outs):
+            raise GenerationError(f"op {node.describe()}: the plan gives {len(in_places)} input and "
+                                  f"{len(out_places)} output placements for {len(ins)} tensor inputs "
+                                  f"and {len(outs)} tensor outputs")
+        if is_shape_query(node):  # reads no data: the local piece is enough (sizes are rescaled)
+            plan.needs[node.id] = [Need(r.id, plan.produced[r.id]) for r in ins]
+        else:
+            plan.needs[node.id] = [Need(r.id, p, partitioned and isinstance(p, Replicate))
+                                   for r, p in zip(ins, in_places)]
+        for r, p in zip(outs, out_places):
+            plan.produced[r.id] = p
+    _choose_storage(graph, plan)
+    return plan
+
+
+def is_shape_query(node: Node) -> bool:
+    """size() / numel() / .shape: ops that read only a tensor's shape."""
+    return node.target in ("torch.Tensor.size", "torch.Tensor.numel") or (
+        node.target == "getattr" and list(node.args[1:]) == ["shape"])
+
+
+def _check_pieces(node: Node, plan_ngpus: int) -> None:
+    devices = sorted(p.device for p in node.pieces)
+    if devices != list(range(plan_ngpus)):
+        raise GenerationError(
+            f"op {node.describe()} runs on plan devices {devices}; every op must run on all "
+            f"{plan_ngpus} devices of the unit (replicated, or split into {plan_ngpus} pieces)")
+    piece = node.pieces[0]
+    if not piece.is_replicated():
+        if any(p.device != p.index for p in node.pieces) or piece.num != plan_ngpus:
+            raise GenerationError(f"op {node.describe()}: piece i of a partitioned op must run on "
+                                  f"device i, with {plan_ngpus} pieces")
+
+
+def _choose_storage(graph: IRGraph, plan: UnitPlan) -> None:
+    """Store a tensor of the module sharded when all its consumers want the same shard."""
+    wants: Dict[int, set] = {}
+    for node in graph.nodes:
+        for need in plan.needs[node.id]:
+            wants.setdefault(need.ref_id, set()).add((_key(need.placement), need.grad_partial))
+    for spec in graph.tensor_specs():
+        vid = spec.value.id
+        placements = wants.get(vid, set())
+        stored = R
+        if len(placements) == 1:
+            (key, grad_partial), = placements
+            if key[0] == "D":
+                stored = Shard(key[1])
+        plan.stored[spec.name] = stored
+        plan.produced[vid] = stored
+
+
+def _key(p) -> Tuple:
+    if isinstance(p, Shard):
+        return ("D", p.dim)
+    return ("V",) if isinstance(p, Partial) else ("R",)
+
+
+def local_slices(shape: tuple, placement, index: int, n: int) -> Tuple[tuple, tuple]:
+    """(local shape, ((start, stop) per dim)) of piece `index` of `n` of a full tensor."""
+    slices = [(0, d) for d in shape]
+    if isinstance(placement, Shard):
+        dim = placement.dim % len(shape)
+        size = shape[dim]
+        if size % n:
+            raise GenerationError(f"cannot split size {size} of dim {dim} into {n} even pieces")
+        step = size // n
+        slices[dim] = (index * step, (index + 1) * step)
+    local = tuple(b - a for a, b in slices)
+    return local, tuple(slices)
+
+
+def shard_dim(placement) -> Optional[int]:
+    return placement.dim if isinstance(placement, Shard) else None

@@ -1,0 +1,35 @@
+"""Helpers shared by the tensor-parallel policies: split an op over the whole unit, or replicate it."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..primitives import assign, bind_annotation, partition, replicate
+
+
+def split_over_unit(graph, node, dim: str, n: int) -> None:
+    """Piece i of `node` (split along `dim`) on device i."""
+    for device, piece in enumerate(partition(graph, node, dim, n)):
+        assign(piece, device)
+
+
+def replicate_over_unit(graph, node, n: int) -> None:
+    for device, piece in enumerate(replicate(graph, node, n)):
+        assign(piece, device)
+
+
+def splittable(graph, node, n: int) -> list:
+    """The annotated dims of `node` that split evenly into n (empty when unannotated)."""
+    bound = bind_annotation(graph, node)
+    return bound.splittable_dims(n) if bound is not None else []
+
+
+def dim_of_input_axis(graph, node, input_index: int, axis: int) -> Optional[str]:
+    """The annotation's name of axis `axis` of tensor input `input_index` (None if unknown)."""
+    bound = bind_annotation(graph, node)
+    if bound is None or input_index >= len(bound.inputs) or bound.inputs[input_index] is None:
+        return None
+    names = bound.inputs[input_index]
+    if not -len(names) <= axis < len(names):
+        return None
+    name = names[axis]
+    return name[1:-1].split()[0] if name.startswith("(") else name

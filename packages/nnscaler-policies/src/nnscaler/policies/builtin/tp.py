@@ -1,0 +1,25 @@
+"""`tp`: tensor parallelism inside a unit, data parallelism across units.
+
+Every annotated op is split over the `plan_ngpus` devices of the unit along one of the dims it
+can split evenly, chosen at random with `pas_config['seed']` (default 1); other ops are
+replicated. The adapters make any choice correct; the seed only changes the communication.
+"""
+from __future__ import annotations
+
+import random
+
+from ..registry import register_policy
+from ._spread import replicate_over_unit, split_over_unit, splittable
+
+
+@register_policy("tp")
+def tp(graph, compute_config):
+    n = compute_config.plan_ngpus
+    rng = random.Random(compute_config.pas_config.get("seed", 1))
+    for node in graph.nodes:
+        dims = splittable(graph, node, n) if n > 1 else []
+        if dims:
+            split_over_unit(graph, node, rng.choice(sorted(dims)), n)
+        else:
+            replicate_over_unit(graph, node, n)
+    return graph

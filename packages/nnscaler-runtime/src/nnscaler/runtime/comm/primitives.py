@@ -1,0 +1,231 @@
+"""Raw (non-autograd) collectives over a tuple of runtime ranks, counted and with fallbacks.
+
+`ranks` lists the ranks holding the pieces of a value in piece order: piece i lives on
+``ranks[i]``. The process group is the cached one of `nnscaler.runtime.grid` for the sorted
+ranks (the default group when they are the whole world). torch orders a group's ranks
+ascending, so when `ranks` is not sorted the pieces are permuted around each collective.
+
+Every function here takes and returns whole local tensors (any dim, any strides) and returns a
+fresh contiguous tensor that shares no memory with its input.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.ir.layout import LayoutError
+
+from ..device import is_distributed
+from ..errors import NnScalerError
+from .. import grid as _grid
+from . import fallbacks
+from .stats import record
+
+__all__ = ["CommError", "UnevenSplitError", "RankSet", "group_for", "resolve", "as_ranks",
+           "normalize_dim", "check_divisible", "local_slice", "all_reduce_", "all_gather_",
+           "reduce_scatter_", "all_to_all_"]
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommError(NnScalerError, ValueError):
+    """A collective was called with ranks or arguments that cannot work."""
+
+
+class UnevenSplitError(CommError, LayoutError):
+    """A dimension does not split evenly over the ranks (nnscaler only splits evenly)."""
+
+
+def group_for(ranks: Iterable[int], create: bool = True):
+    """The cached process group of `ranks` (any order): the default group for the whole world,
+    `None` without a process group.
+
+    With ``create=True`` a missing group is created, which is COLLECTIVE over the default group:
+    every rank (member or not) must ask for the same rank sets in the same order, as
+    `RankGrid` does for its sync and unit groups. The collectives of this package look groups up
+    with ``create=False`` and raise `CommError` for a missing one instead of creating it on the
+    member ranks only (which would hang): create sub-unit groups up front with this function or
+    `RankGrid.group_of`.
+    """
+    key = tuple(sorted({int(r) for r in ranks}))
+    if not create and is_distributed() and key != tuple(range(dist.get_world_size())):
+        _grid._check_owner()
+        if key not in _grid._GROUPS:
+            raise CommError(
+                f"no process group exists yet for ranks {key}: create it on every rank, in the same "
+                f"order, before the first collective over it (nnscaler.runtime.comm.group_for({key}) "
+                f"or RankGrid.group_of); creating it lazily on its members only would hang")
+    return _grid._get_group(key)
+
+
+class RankSet:
+    """A resolved rank tuple: group, size, this rank's piece index, permutations."""
+
+    __slots__ = ("ranks", "n", "index", "group", "backend", "to_group", "to_piece", "is_world", "key")
+
+    def __init__(self, ranks: Tuple[int, ...], index: int, group, is_world: bool,
+                 to_group: Optional[torch.Tensor], to_piece: Optional[torch.Tensor]):
+        self.ranks, self.n, self.index, self.group = ranks, len(ranks), index, group
+        self.is_world, self.key = is_world, tuple(sorted(ranks))
+        self.backend = str(dist.get_backend(group))
+        # to_group[g] = piece held by group rank g; to_piece[k] = group rank holding piece k;
+        # None when ranks are sorted (piece order == group order).
+        self.to_group, self.to_piece = to_group, to_piece
+
+
+_RESOLVED: Dict[Tuple[int, ...], RankSet] = {}
+_RESOLVED_OWNER: Optional[object] = None
+
+
+def as_ranks(ranks) -> Tuple[int, ...]:
+    if isinstance(ranks, int):
+        raise CommError(f"ranks must be a tuple of runtime ranks, got the int {ranks!r}")
+    out = tuple(int(r) for r in ranks)
+    if not out:
+        raise CommError("ranks must not be empty")
+    if len(set(out)) != len(out):
+        raise CommError(f"ranks {out} name a rank twice")
+    return out
+
+
+def resolve(ranks: Tuple[int, ...], op: str) -> RankSet:
+    """Resolve a rank tuple of length >= 2 for this process (cached per default group)."""
+    global _RESOLVED_OWNER
+    owner = dist.group.WORLD if is_distributed() else None
+    if owner is not _RESOLVED_OWNER:
+        _RESOLVED.clear()
+        _RESOLVED_OWNER = owner
+    found = _RESOLVED.get(ranks)
+    if found is not None and (found.is_world or _grid._GROUPS.get(found.key) is found.group):
+        return found  # (a sub-group destroyed by RankGrid.destroy_all() is looked up afresh)
+    if owner is None:
+        raise CommError(
+            f"nnscaler.runtime.comm.{op} over ranks {ranks} needs torch.distributed: launch "
+            f"{max(ranks) + 1} or more processes and call torch.distributed.init_process_group() first")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if min(ranks) < 0 or max(ranks) >= world:
+        raise CommError(f"nnscaler.runtime.comm.{op}: ranks {ranks} are not all in 0..{world - 1} "
+                        f"(the world has {world} ranks)")
+    if rank not in ranks:
+        raise CommError(f"nnscaler.runtime.comm.{op}: this rank ({rank}) is not one of ranks {ranks}; "
+                        f"only the ranks holding the value may call it")
+    ordered = tuple(sorted(ranks))
+    to_group = to_piece = None
+    if ordered != ranks:
+        to_group = torch.tensor([ranks.index(r) for r in ordered])
+        to_piece = torch.tensor([ordered.index(r) for r in ranks])
+    found = RankSet(ranks, ranks.index(rank), group_for(ordered, create=False),
+                    ordered == tuple(range(world)), to_group, to_piece)
+    _RESOLVED[ranks] = found
+    return found
+
+
+def normalize_dim(dim: int, ndim: int, op: str, what: str = "dim") -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise CommError(f"nnscaler.runtime.comm.{op}: {what} must be an int, got {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise CommError(f"nnscaler.runtime.comm.{op}: {what}={dim} is out of range for a "
+                        f"{ndim}-dimensional tensor")
+    return dim % ndim
+
+
+def check_divisible(x: torch.Tensor, dim: int, n: int, op: str, ranks) -> int:
+    size = x.shape[dim]
+    if size % n:
+        raise UnevenSplitError(
+            f"nnscaler.runtime.comm.{op}: dim {dim} of size {size} (tensor shape {tuple(x.shape)}) "
+            f"does not split evenly over n={n} ranks {tuple(ranks)}; nnscaler splits only evenly: "
+            f"make that size a multiple of {n} or partition another dimension")
+    return size // n
+
+
+def _pieces_to_group(stacked: torch.Tensor, rs: RankSet) -> torch.Tensor:
+    return stacked if rs.to_group is None else stacked.index_select(0, rs.to_group.to(stacked.device))
+
+
+def _group_to_pieces(stacked: torch.Tensor, rs: RankSet) -> torch.Tensor:
+    return stacked if rs.to_piece is None else stacked.index_select(0, rs.to_piece.to(stacked.device))
+
+
+def _merge_first(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """(n, *shape) -> concatenation of the n pieces along `dim` (contiguous)."""
+    n, shape = stacked.shape[0], stacked.shape[1:]
+    merged = shape[:dim] + (n * shape[dim],) + shape[dim + 1:]
+    return stacked.movedim(0, dim).reshape(merged).contiguous()
+
+
+def _split_first(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """x -> (n, *chunk shape): its n even chunks along `dim` stacked first (contiguous)."""
+    shape = tuple(x.shape)
+    parts = shape[:dim] + (n, shape[dim] // n) + shape[dim + 1:]
+    return x.reshape(parts).movedim(dim, 0).contiguous()
+
+
+def _gather_stacked(x: torch.Tensor, rs: RankSet, fallback: bool) -> torch.Tensor:
+    """All ranks' `x` stacked as (n, *x.shape) in piece order."""
+    x = x.contiguous()
+    if fallback:
+        out = [torch.empty_like(x) for _ in range(rs.n)]
+        dist.all_gather(out, x, group=rs.group)
+        stacked = torch.stack(out)
+    else:
+        stacked = x.new_empty((rs.n,) + tuple(x.shape))
+        _all_gather_single(stacked.view(-1), x.view(-1), group=rs.group)
+    return _group_to_pieces(stacked, rs)
+
+
+def all_reduce_(x: torch.Tensor, rs: RankSet) -> torch.Tensor:
+    """Sum of every rank's `x` (full shape)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    record("all_reduce", out.nbytes)
+    dist.all_reduce(out, group=rs.group)
+    return out
+
+
+def all_gather_(x: torch.Tensor, dim: int, rs: RankSet) -> torch.Tensor:
+    """The pieces of every rank concatenated along `dim`, in piece order."""
+    fb = fallbacks.uses_fallback("all_gather", rs.backend, x.device.type)
+    record("all_gather(fallback)" if fb else "all_gather", x.nbytes)
+    return _merge_first(_gather_stacked(x, rs, fb), dim)
+
+
+def reduce_scatter_(x: torch.Tensor, dim: int, rs: RankSet) -> torch.Tensor:
+    """Slice `rs.index` along `dim` of the sum of every rank's `x` (full shape, dim divisible)."""
+    n = rs.n
+    if fallbacks.uses_fallback("reduce_scatter", rs.backend, x.device.type):
+        total = x.clone(memory_format=torch.contiguous_format)
+        record("reduce_scatter(fallback)", total.nbytes)
+        dist.all_reduce(total, group=rs.group)
+        c = x.shape[dim] // n
+        return total.narrow(dim, rs.index * c, c).clone(memory_format=torch.contiguous_format)
+    stacked = _pieces_to_group(_split_first(x, dim, n), rs).contiguous()
+    out = stacked.new_empty(stacked.shape[1:])
+    record("reduce_scatter", stacked.nbytes)
+    _reduce_scatter_single(out.view(-1), stacked.view(-1), group=rs.group)
+    return out
+
+
+def all_to_all_(x: torch.Tensor, src_dim: int, dst_dim: int, rs: RankSet) -> torch.Tensor:
+    """From piece `rs.index` along `src_dim` to piece `rs.index` along `dst_dim` (dims differ)."""
+    n = rs.n
+    if fallbacks.uses_fallback("all_to_all", rs.backend, x.device.type):
+        record("all_to_all(fallback)", x.nbytes)
+        ag_fb = fallbacks.uses_fallback("all_gather", rs.backend, x.device.type)
+        full = _merge_first(_gather_stacked(x, rs, ag_fb), src_dim)
+        c = full.shape[dst_dim] // n
+        return full.narrow(dst_dim, rs.index * c, c).clone(memory_format=torch.contiguous_format)
+    send = _pieces_to_group(_split_first(x, dst_dim, n), rs).contiguous()
+    recv = torch.empty_like(send)
+    record("all_to_all", send.nbytes)
+    dist.all_to_all_single(recv.view(-1), send.view(-1), group=rs.group)
+    return _merge_first(_group_to_pieces(recv, rs), src_dim)
+
+
+def local_slice(x: torch.Tensor, dim: int, rs_index: int, n: int) -> torch.Tensor:
+    """Chunk `rs_index` of `n` along `dim`, as a fresh contiguous tensor."""
+    c = x.shape[dim] // n
+    return x.narrow(dim, rs_index * c, c).clone(memory_format=torch.contiguous_format)
+
