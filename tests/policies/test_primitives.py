@@ -108,3 +108,23 @@ def test_policy_returning_none_keeps_the_graph(graph):
             assign(replicate(g, node, 1)[0], 0)
 
     assert apply_policy(graph, ComputeConfig(1, 1), in_place) is graph
+
+
+def test_partition_error_names_the_users_line_and_the_splittable_dims(graph):
+    fc1 = select(graph, module="fc1")[0]
+    with pytest.raises(PlanError) as info:
+        partition(graph, fc1, "zz", 2)
+    message = str(info.value)
+    assert "(module fc1)" in message and f"{__file__}:" in message and "h = torch.logcumsumexp" in message
+    assert "Dims it can split into 2: " in message and "n" in message.split("Dims it can split into 2: ")[1]
+
+
+def test_tp_data_and_megatron_cover_the_unit(graph):
+    from nnscaler.policies import get_policy
+    for name in ("tp", "data", "megatron"):
+        planned = apply_policy(graph, ComputeConfig(2, 4), name)
+        for node in planned.nodes:
+            assert sorted(p.device for p in node.pieces) == [0, 1], (name, node.describe())
+    planned = apply_policy(graph, ComputeConfig(2, 2), "data")
+    fc1 = select(planned, module="fc1")[0]
+    assert fc1.pieces[0].dim == "b0" and fc1.pieces[0].inputs[0] == Shard(0)

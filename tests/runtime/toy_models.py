@@ -64,3 +64,53 @@ class CustomOpModel(nn.Module):
         h = scaled_cumsum(self.fc(x), self.scale)
         h = torch.logcumsumexp(h, dim=-1)  # an op with no annotation: runs replicated
         return F.mse_loss(h.sum(-1), y)
+
+
+class SmallCNN(nn.Module):
+    """conv -> relu -> max-pool -> conv -> relu -> avg-pool -> flatten -> linear -> cross-entropy."""
+
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, kernel_size=3, padding=1)
+        self.head = nn.Linear(8 * 2 * 2, classes)
+
+    def forward(self, image, label):
+        h = F.max_pool2d(F.relu(self.conv1(image)), 2)
+        h = F.avg_pool2d(F.relu(self.conv2(h)), 2)
+        return F.cross_entropy(self.head(torch.flatten(h, 1)), label)
+
+
+def cnn_batch(step: int, n: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return {"image": torch.randn(n, 2, 8, 8, generator=g), "label": torch.randint(0, 4, (n,), generator=g)}
+
+
+class FanOut(nn.Module):
+    """One tensor read by three ops that the `fan_out_policy` gives three different layouts."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, x, y):
+        h = torch.tanh(x)
+        return F.mse_loss((self.fc1(h) + self.fc2(h) + h * 2).sum(-1), y)
+
+
+def fan_out_policy(graph, cfg):
+    """fc1 column-parallel (reads h replicated), fc2 split on the batch (reads h split), the rest
+    replicated: h's gradient comes back from three layouts and must add up."""
+    from nnscaler.policies import assign, partition, replicate
+    n = cfg.plan_ngpus
+    for node in graph.nodes:
+        if node.module_path == "fc1":
+            pieces = partition(graph, node, "n", n)
+        elif node.module_path == "fc2":
+            pieces = partition(graph, node, "b0", n)
+        else:
+            pieces = replicate(graph, node, n)
+        for device, piece in enumerate(pieces):
+            assign(piece, device)
+    return graph

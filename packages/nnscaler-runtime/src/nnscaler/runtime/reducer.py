@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .device import is_distributed
+from .comm.stats import record
 
 __all__ = ["Reducer", "ReducerStats", "sync_grad_when", "DEFAULT_BUCKET_CAP_MB"]
 
@@ -256,6 +257,7 @@ class Reducer:
         bucket.work = dist.all_reduce(buffer, group=self.group, async_op=async_op)
         self.stats.allreduce_calls += 1
         self.stats.allreduce_bytes += bucket.nbytes
+        record("dp_all_reduce", bucket.nbytes)  # counted apart from tensor-parallel traffic
 
     def _reduce_remaining(self) -> None:
         for bucket in self._buckets[self._next_launch:]:
