@@ -121,3 +121,16 @@ def test_decide_without_existing_code_generates(tmp_path):
     ident = Identity("m.C", cfg().to_dict(), "dp", {})
     for reuse in ReuseType:
         assert decide(tmp_path / "nothing", reuse, ident) is Action.GENERATE
+
+
+def test_code_from_another_nnscaler_version_is_not_a_match(tmp_path):
+    gen(tmp_path, "match")
+    d, _ = files(tmp_path)
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["generator"]  # the hash of the tracer, policies and codegen that wrote it
+    manifest["generator"] = "0123456789abcdef"
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ReuseError, match="generator: existing '0123456789abcdef'"):
+        gen(tmp_path, "match")
+    gen(tmp_path, "moo")  # regenerates
+    assert json.loads((d / "manifest.json").read_text())["generator"] != "0123456789abcdef"

@@ -74,6 +74,7 @@ class Identity:
     compute_config: dict
     policy: str
     input_schema: dict
+    generator: Optional[str] = None  # hash of the compile-time packages (None: not installed)
 
     def graph_part(self) -> dict:
         cfg = self.compute_config
@@ -103,7 +104,8 @@ def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_
         files[path.name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
     data = {"format": FORMAT_VERSION, "module_class": identity.module_class, "class_name": class_name,
             "compute_config": identity.compute_config, "policy": identity.policy,
-            "input_schema": identity.input_schema, "graph_fingerprint": fingerprint, "files": files}
+            "input_schema": identity.input_schema, "generator": identity.generator,
+            "graph_fingerprint": fingerprint, "files": files}
     tmp = directory / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
@@ -139,7 +141,29 @@ def differences(old: dict, new: Identity) -> Dict[str, tuple]:
     for key in sorted(set(old_cfg) | set(new.compute_config)):
         if old_cfg.get(key) != new.compute_config.get(key):
             diffs[f"compute_config.{key}"] = (old_cfg.get(key), new.compute_config.get(key))
+    # Code written by another version of nnscaler's tracer/policies/codegen is not a match; a
+    # machine without them (runtime only) cannot tell and trusts the files.
+    if new.generator is not None and old.get("generator") != new.generator:
+        diffs["generator"] = (old.get("generator"), new.generator)
     return diffs
+
+
+def generator_identity() -> Optional[str]:
+    """A hash of the sources of nnscaler-ir, -policies and -codegen, or None without them."""
+    import importlib.util
+    h = hashlib.sha256()
+    for part in ("nnscaler.ir", "nnscaler.policies", "nnscaler.codegen"):
+        try:
+            spec = importlib.util.find_spec(part)
+        except ImportError:
+            return None
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        for root in spec.submodule_search_locations:
+            for path in sorted(Path(root).rglob("*.py")):
+                h.update(path.relative_to(root).as_posix().encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def decide(directory: Path, reuse: ReuseType, identity: Identity) -> Action:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .broadcast import broadcast_files, check_strategy
 from .errors import ConfigError, GenerationError, ReuseError
 from .gen_dir import (CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, Action, Identity, ReuseType, decide,
-                      instance_dir, read_manifest, write_manifest)
+                      generator_identity, instance_dir, read_manifest, write_manifest)
 
 
 def parallelize(
@@ -100,7 +100,7 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
             f"and call torch.distributed.init_process_group() first, or pass load_module=False to only generate")
 
     identity = Identity(class_path, compute_config.to_dict(), _policy_name(pas_policy),
-                        _input_schema(dummy_forward_args))
+                        _input_schema(dummy_forward_args), generator_identity() if rank == 0 else None)
     error = None
     if rank == 0:
         try:
