@@ -29,6 +29,8 @@ place is refused by autograd; clone it first if a consumer must).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.autograd import Function
 
@@ -165,92 +167,67 @@ class _AllReduceAR(Function):
 
 
 # -- public functions (what generated code calls as nr.comm.<name>) -------------------------------
+def _apply(fn, name: str, x: torch.Tensor, ranks, dims=(), divisible: Optional[int] = None):
+    """Validate the arguments, skip a group of one, and run autograd function `fn`.
+
+    dims: (label, value) pairs normalised against x; divisible: index into dims of the dim that
+    must split evenly over the ranks.
+    """
+    ranks = as_ranks(ranks)
+    dims = [normalize_dim(value, x.dim(), name, label) for label, value in dims]
+    if len(ranks) == 1 or (name == "all_to_all" and dims[0] == dims[1]):
+        return x
+    if divisible is not None:
+        check_divisible(x, dims[divisible], len(ranks), name, ranks)
+    return fn.apply(x, *dims, resolve(ranks, name))
+
+
 def split(x: torch.Tensor, dim: int, ranks) -> torch.Tensor:
     """R -> D(dim): this rank's chunk of `x` along `dim` (no communication); bwd all-gather."""
-    ranks = as_ranks(ranks)
-    dim = normalize_dim(dim, x.dim(), "split")
-    if len(ranks) == 1:
-        return x
-    check_divisible(x, dim, len(ranks), "split", ranks)
-    return _Split.apply(x, dim, resolve(ranks, "split"))
+    return _apply(_Split, "split", x, ranks, [("dim", dim)], divisible=0)
 
 
 def all_gather(x: torch.Tensor, dim: int, ranks) -> torch.Tensor:
     """D(dim) -> R: concatenate every rank's piece along `dim`; bwd keeps the own chunk."""
-    ranks = as_ranks(ranks)
-    dim = normalize_dim(dim, x.dim(), "all_gather")
-    if len(ranks) == 1:
-        return x
-    return _AllGather.apply(x, dim, resolve(ranks, "all_gather"))
+    return _apply(_AllGather, "all_gather", x, ranks, [("dim", dim)])
 
 
 def all_reduce(x: torch.Tensor, ranks) -> torch.Tensor:
     """V -> R: sum the partial values; bwd identity."""
-    ranks = as_ranks(ranks)
-    if len(ranks) == 1:
-        return x
-    return _AllReduce.apply(x, resolve(ranks, "all_reduce"))
+    return _apply(_AllReduce, "all_reduce", x, ranks)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, ranks) -> torch.Tensor:
     """V -> D(dim): this rank's chunk along `dim` of the sum; bwd all-gather."""
-    ranks = as_ranks(ranks)
-    dim = normalize_dim(dim, x.dim(), "reduce_scatter")
-    if len(ranks) == 1:
-        return x
-    check_divisible(x, dim, len(ranks), "reduce_scatter", ranks)
-    return _ReduceScatter.apply(x, dim, resolve(ranks, "reduce_scatter"))
+    return _apply(_ReduceScatter, "reduce_scatter", x, ranks, [("dim", dim)], divisible=0)
 
 
 def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, ranks) -> torch.Tensor:
     """D(src_dim) -> D(dst_dim); bwd the reverse all-to-all. Identity when the dims are equal."""
-    ranks = as_ranks(ranks)
-    src_dim = normalize_dim(src_dim, x.dim(), "all_to_all", "src_dim")
-    dst_dim = normalize_dim(dst_dim, x.dim(), "all_to_all", "dst_dim")
-    if len(ranks) == 1 or src_dim == dst_dim:
-        return x
-    check_divisible(x, dst_dim, len(ranks), "all_to_all", ranks)
-    return _AllToAll.apply(x, src_dim, dst_dim, resolve(ranks, "all_to_all"))
+    return _apply(_AllToAll, "all_to_all", x, ranks, [("src_dim", src_dim), ("dst_dim", dst_dim)], divisible=1)
 
 
 def to_partial(x: torch.Tensor, ranks) -> torch.Tensor:
     """R -> V: piece 0 keeps `x`, the others hold zeros (no communication); bwd identity."""
-    ranks = as_ranks(ranks)
-    if len(ranks) == 1:
-        return x
-    return _ToPartial.apply(x, resolve(ranks, "to_partial"))
+    return _apply(_ToPartial, "to_partial", x, ranks)
 
 
 def shard_to_partial(x: torch.Tensor, dim: int, ranks) -> torch.Tensor:
     """D(dim) -> V: zeros of the full shape with the own slice filled (no communication);
     bwd keeps the own chunk."""
-    ranks = as_ranks(ranks)
-    dim = normalize_dim(dim, x.dim(), "shard_to_partial")
-    if len(ranks) == 1:
-        return x
-    return _ShardToPartial.apply(x, dim, resolve(ranks, "shard_to_partial"))
+    return _apply(_ShardToPartial, "shard_to_partial", x, ranks, [("dim", dim)])
 
 
 def grad_all_reduce(x: torch.Tensor, ranks) -> torch.Tensor:
     """R -> R*: identity forward; bwd all-reduces the partial gradients (Megatron's "f")."""
-    ranks = as_ranks(ranks)
-    if len(ranks) == 1:
-        return x
-    return _GradAllReduce.apply(x, resolve(ranks, "grad_all_reduce"))
+    return _apply(_GradAllReduce, "grad_all_reduce", x, ranks)
 
 
 def all_gather_rs(x: torch.Tensor, dim: int, ranks) -> torch.Tensor:
     """D(dim) -> R*: all-gather; bwd reduce-scatters the partial gradients (sum, own chunk)."""
-    ranks = as_ranks(ranks)
-    dim = normalize_dim(dim, x.dim(), "all_gather_rs")
-    if len(ranks) == 1:
-        return x
-    return _AllGatherRS.apply(x, dim, resolve(ranks, "all_gather_rs"))
+    return _apply(_AllGatherRS, "all_gather_rs", x, ranks, [("dim", dim)])
 
 
 def all_reduce_ar(x: torch.Tensor, ranks) -> torch.Tensor:
     """V -> R*: all-reduce; bwd all-reduces the partial gradients."""
-    ranks = as_ranks(ranks)
-    if len(ranks) == 1:
-        return x
-    return _AllReduceAR.apply(x, resolve(ranks, "all_reduce_ar"))
+    return _apply(_AllReduceAR, "all_reduce_ar", x, ranks)
