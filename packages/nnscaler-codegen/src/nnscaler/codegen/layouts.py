@@ -63,12 +63,18 @@ def plan_unit(graph: IRGraph, plan_ngpus: int) -> UnitPlan:
         if is_shape_query(node):  # reads no data: the local piece is enough (sizes are rescaled)
             plan.needs[node.id] = [Need(r.id, plan.produced[r.id]) for r in ins]
         else:
-            plan.needs[node.id] = [Need(r.id, p, partitioned and isinstance(p, Replicate))
+            # Only floating-point values carry gradients: an int or bool input needs no R*.
+            plan.needs[node.id] = [Need(r.id, p, partitioned and isinstance(p, Replicate)
+                                        and _differentiable(graph.value(r).dtype))
                                    for r, p in zip(ins, in_places)]
         for r, p in zip(outs, out_places):
             plan.produced[r.id] = p
     _choose_storage(graph, plan)
     return plan
+
+
+def _differentiable(dtype: Optional[str]) -> bool:
+    return dtype is not None and (dtype.startswith(("float", "bfloat")) or dtype.startswith("complex"))
 
 
 def is_shape_query(node: Node) -> bool:
