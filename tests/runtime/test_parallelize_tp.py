@@ -40,6 +40,11 @@ def _clips(policy):
     return policy == "megatron"
 
 
+# Which linears the Megatron-style policy splits by columns / rows, per model (GPT: defaults).
+MEGATRON_LAYERS = {"mlp": {"column": ["layers.0", "layers.2"], "row": ["layers.1"]},
+                   "cnn": {"column": ["head"], "row": []}}
+
+
 def reference(name, clip):
     model = _make(name)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -62,7 +67,9 @@ def train(rank, world, name, policy, plan, gen_dir):
     dp = world // plan
     per = GLOBAL_BATCH // dp
     dp_rank = rank // plan
-    pm = parallelize(_make(name), _batch(name, 0, per), policy, ComputeConfig(plan, world, trace_strategy="cpu"),
+    pas_config = MEGATRON_LAYERS.get(name, {}) if policy == "megatron" else {}
+    cfg = ComputeConfig(plan, world, trace_strategy="cpu", pas_config=pas_config)
+    pm = parallelize(_make(name), _batch(name, 0, per), policy, cfg,
                      gen_savedir=gen_dir, instance_name=f"{name}_{policy}_{plan}_{world}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
     losses = []
@@ -85,7 +92,7 @@ def train(rank, world, name, policy, plan, gen_dir):
 
 FAN_OUT = "toy_models.fan_out_policy"  # a user policy, by dotted path
 CASES = {2: [("mlp", "tp", 2), ("gpt", "tp", 2), ("cnn", "tp", 2), ("gpt", "megatron", 2), ("gpt", "data", 2),
-             ("fanout", FAN_OUT, 2)],
+             ("fanout", FAN_OUT, 2), ("mlp", "megatron", 2), ("cnn", "megatron", 2)],
          4: [("mlp", "tp", 4), ("gpt", "tp", 4), ("cnn", "tp", 4),
              ("mlp", "tp", 2), ("gpt", "tp", 2), ("cnn", "tp", 2), ("gpt", "megatron", 2)]}
 
