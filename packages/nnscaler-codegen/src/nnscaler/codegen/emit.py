@@ -9,7 +9,7 @@ Generated code imports only torch, nnscaler.runtime and the user's modules of cu
 from __future__ import annotations
 
 import os
-import textwrap
+import re
 from typing import Dict, List, Optional
 
 from nnscaler.ir.graph import IRGraph, Node, Ref, decode, iter_refs, map_refs
@@ -73,21 +73,41 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
     body = _untraced_checks(graph) + lines
     source_of_line: Dict[int, str] = {}  # body index -> source description
     last_use = _last_uses(graph, graph.nodes)
-    prev_src = None
-    for idx, node in enumerate(graph.nodes):
+    defined = {names[r.id] for i in graph.inputs for _, r in i.leaves}  # variables assigned so far
+    prev_src = [None]
+
+    def node_lines(idx: int, node: Node, out: List[str], with_dels: bool) -> None:
         src = _describe_source(node)
-        if src != prev_src and src:
-            body.append(f"# {src}")
-            prev_src = src
+        if src != prev_src[0] and src:
+            out.append(f"# {src}")
+            prev_src[0] = src
         stmt = adapt.inputs(node) + _statement(node, adapt.renderer_for(node), graph, unit) + \
             _rescale_sizes(node, unit, names, graph)
         for line in stmt:
-            source_of_line[len(body)] = _describe_source(node, full=True) or node.target
-            body.append(line)
-        dead = [names[r] for r in last_use.get(idx, []) if not names[r].startswith("self.")
-                and names[r] not in arg_names]
-        if dead:
-            body.append("del " + ", ".join(dead))
+            source_of_line[(id(out), len(out))] = _describe_source(node, full=True) or node.target
+            out.append(line)
+        if with_dels:
+            dead = [names[r] for r in last_use.get(idx, []) if not names[r].startswith("self.")
+                    and names[r] not in arg_names]
+            if dead:
+                out.append("del " + ", ".join(dead))
+
+    idx = 0
+    nodes = graph.nodes
+    while idx < len(nodes):
+        node = nodes[idx]
+        if node.recompute is None:
+            node_lines(idx, node, body, True)
+            defined.update(names[r.id] for r in node.output_refs())
+            idx += 1
+            continue
+        end = idx
+        while end < len(nodes) and nodes[end].recompute == node.recompute:
+            end += 1
+        _emit_recompute(graph, nodes, idx, end, names, defined, adapt, node_lines, last_use, arg_names,
+                        body, source_of_line, taken)
+        idx = end
+    source_of_line = {k[1]: v for k, v in source_of_line.items() if k[0] == id(body)}
     body.extend(adapt.outputs(graph))
     body.append("return " + adapt.renderer_for(None).value(graph.output))
 
@@ -95,7 +115,8 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
     init = _init_lines(graph, local, unit, device, compute_config)
     out = [HEADER.format(rank=rank, world=compute_config["runtime_ngpus"], device=device, plan=n,
                          module_class=graph.module_class, policy=policy, fingerprint=fingerprint)]
-    out.append("import torch\nimport nnscaler.runtime as nr\n")
+    out.append("import torch\nimport torch.utils.checkpoint\nimport nnscaler.runtime as nr\n"
+               if any(nd.recompute for nd in graph.nodes) else "import torch\nimport nnscaler.runtime as nr\n")
     for module in sorted(_user_imports(graph.nodes)):
         out.append(f"import {module}")
     out.append(f"\n\nclass {class_name}(nr.ParallelModule):")
@@ -182,6 +203,41 @@ def _statement(node: Node, renderer: Renderer, graph: IRGraph, unit: UnitPlan) -
     if isinstance(node.outputs, (tuple, list)):
         lhs = _unpack_target(node.outputs, renderer)
     return [f"{lhs} = {expr}"]
+
+
+def _emit_recompute(graph, nodes, start, end, names, defined, adapt, node_lines, last_use, arg_names,
+                    body, source_of_line, taken) -> None:
+    """Ops start..end as a nested function run under torch.utils.checkpoint (non-reentrant)."""
+    group = nodes[start].recompute
+    converted_before = dict(adapt.converted)
+    inner: List[str] = []
+    for i in range(start, end):
+        node_lines(i, nodes[i], inner, False)
+    seg_ids = {r.id for n in nodes[start:end] for r in n.output_refs()}
+    later = {r.id for n in nodes[end:] for r in n.input_refs()} | {r.id for r in iter_refs(graph.output)}
+    outputs = [names[v] for v in sorted(seg_ids & later)]
+    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", "\n".join(inner)))
+    outer = set(defined) | set(converted_before.values())
+    args = sorted(used & outer)
+    # conversions made inside the segment are local to it: later consumers convert again
+    adapt.converted = converted_before
+    fn = python_name(f"_recompute_{group}", taken)
+    body.append(f"# recomputed in backward: {group}")
+    body.append(f"def {fn}({', '.join(args)}):")
+    for i, line in enumerate(inner):
+        if (id(inner), i) in source_of_line:
+            source_of_line[(id(body), len(body))] = source_of_line[(id(inner), i)]
+        body.append("    " + line)
+    ret = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
+    body.append(f"    return ({ret})")
+    lhs = f"({ret})" if outputs else "_"
+    body.append(f"{lhs} = torch.utils.checkpoint.checkpoint({fn}, {', '.join(args)}{', ' if args else ''}"
+                f"use_reentrant=False)")
+    defined.update(outputs)
+    dead = sorted({names[r] for i in range(start, end) for r in last_use.get(i, [])
+                   if names[r] in outer and not names[r].startswith("self.") and names[r] not in arg_names})
+    if dead:
+        body.append("del " + ", ".join(dead))
 
 
 def _localize_shape_args(node: Node, graph: IRGraph, unit: UnitPlan) -> list:

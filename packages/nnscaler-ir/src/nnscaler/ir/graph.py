@@ -69,8 +69,10 @@ class Node:
     source: Optional[SourceLoc] = None
     annotation: Optional[str] = None
     inplace: bool = False
-    # Filled by policies: one entry per piece of this op (see nnscaler.policies).
+    # Filled by policies: one entry per piece of this op (see nnscaler.policies), and the
+    # recompute group the op belongs to (ops of one group are recomputed together in backward).
     pieces: list = field(default_factory=list)
+    recompute: Optional[str] = None
 
     @property
     def short_name(self) -> str:
@@ -124,6 +126,7 @@ class IRGraph:
     nodes: List[Node]
     output: Any  # nested structure of Refs and constants
     constant_folding: bool = False
+    module_types: Dict[str, str] = field(default_factory=dict)  # module path -> "pkg.mod.Class"
 
     # -- queries -----------------------------------------------------------------------------
     def value(self, ref: Ref) -> Value:
@@ -157,6 +160,7 @@ class IRGraph:
         return {
             "module_class": self.module_class,
             "constant_folding": self.constant_folding,
+            "module_types": dict(self.module_types),
             "inputs": [{"name": i.name, "kind": i.kind, "has_default": i.has_default,
                         "default": i.default, "traced": i.traced,
                         "leaves": [[encode(p), r.id] for p, r in i.leaves]} for i in self.inputs],
@@ -185,7 +189,8 @@ class IRGraph:
                    {s["name"]: _spec_from(s) for s in data["params"]},
                    {s["name"]: _spec_from(s) for s in data["buffers"]},
                    {s["name"]: _spec_from(s) for s in data["constants"]},
-                   values, nodes, decode(data["output"]), data.get("constant_folding", False))
+                   values, nodes, decode(data["output"]), data.get("constant_folding", False),
+                   dict(data.get("module_types", {})))
 
     def fingerprint(self) -> str:
         """A hash identifying the traced program (ops, shapes, names), independent of source lines."""

@@ -63,6 +63,7 @@ class Tracer:
         self.constants: Dict[str, TensorSpec] = {}
         self._module_stack = [""]
         self._module_names = {}
+        self.module_types: Dict[str, str] = {}  # module path -> "package.module.Class"
         for name, mod in module.named_modules(remove_duplicate=False):
             self._module_names.setdefault(id(mod), name)
 
@@ -240,7 +241,9 @@ class Tracer:
 
     # -- module path bookkeeping ------------------------------------------------------------------
     def _pre_hook(self, mod, args):
-        self._module_stack.append(self._module_names.get(id(mod), self._module_stack[-1]))
+        path = self._module_names.get(id(mod), self._module_stack[-1])
+        self._module_stack.append(path)
+        self.module_types.setdefault(path, f"{type(mod).__module__}.{type(mod).__qualname__}")
 
     def _post_hook(self, mod, args, out):
         if len(self._module_stack) > 1:
@@ -359,7 +362,8 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
         saved.restore()
     output = tracer._to_refs(out)
     graph = IRGraph(f"{type(module).__module__}.{type(module).__qualname__}", inputs, params, buffers,
-                    tracer.constants, tracer.values, tracer.nodes, output, constant_folding)
+                    tracer.constants, tracer.values, tracer.nodes, output, constant_folding,
+                    dict(tracer.module_types))
     _eliminate_dead_code(graph)
     return graph
 

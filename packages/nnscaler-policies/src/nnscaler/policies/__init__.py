@@ -5,6 +5,7 @@ A policy is a function ``(graph, compute_config) -> graph`` built from the primi
 """
 from .plan import Piece, PlanError, validate_plan
 from .primitives import assign, partition, replicate, select
+from .recompute import recompute, recompute_modules
 from .registry import available_policies, get_policy, policy_name, register_policy
 from . import builtin as _builtin  # noqa: F401  (registers dp, ...)
 
@@ -15,9 +16,13 @@ def apply_policy(graph, compute_config, policy):
     result = fn(graph, compute_config)
     if result is None:
         result = graph
+    modules = compute_config.pas_config.get("recompute_modules")
+    if modules:  # the config key works with every policy
+        recompute_modules(result, modules)
     validate_plan(result, compute_config.plan_ngpus, policy_name(policy))
     return result
 
 
 __all__ = ["Piece", "PlanError", "apply_policy", "assign", "available_policies", "get_policy", "partition",
-           "policy_name", "register_policy", "replicate", "select", "validate_plan"]
+           "policy_name", "recompute", "recompute_modules", "register_policy", "replicate", "select",
+           "validate_plan"]
