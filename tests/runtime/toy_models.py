@@ -114,3 +114,12 @@ def fan_out_policy(graph, cfg):
         for device, piece in enumerate(pieces):
             assign(piece, device)
     return graph
+
+
+class SumMLP(MLP):
+    """The MLP with a loss summed over the samples (tokens), for grad_reduction='per-token-mean'."""
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return F.mse_loss(x.sum(-1), y, reduction="sum")

@@ -9,6 +9,8 @@ from . import comm
 from .device import default_backend, default_device
 from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
 from .gen_dir import ReuseType
+from .gradients import (AggregatedOutputs, aggregate_outputs, count_tokens, grad_scale, reduce_gradients,
+                        reduce_loss)
 from .grid import RankGrid
 from .module import ParallelModule
 from .optimizer import build_optimizer
@@ -16,6 +18,7 @@ from .parallelize import load_generated_class, parallelize
 from .reducer import Reducer, sync_grad_when
 
 __all__ = [
+    "AggregatedOutputs", "aggregate_outputs", "count_tokens", "grad_scale", "reduce_gradients", "reduce_loss",
     "comm", "ConfigError", "GenerationError", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
     "load_generated_class", "parallelize", "sync_grad_when",
