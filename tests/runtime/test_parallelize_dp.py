@@ -13,6 +13,7 @@ import torch
 import toy_models
 from gpt import GPT, GPTConfig, random_batch
 from launch import run_workers
+from parity import train_steps
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -59,7 +60,6 @@ def reference(name):
 
 
 def train_case(rank, world, name, mode, gen_dir):
-    import torch.distributed as dist
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
     per = GLOBAL_BATCH // world
@@ -68,20 +68,8 @@ def train_case(rank, world, name, mode, gen_dir):
     pm = parallelize(_make(name), _batch(name, 0, per), "dp", cfg, gen_savedir=gen_dir,
                      instance_name=f"{name}_{mode}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
-    losses = []
-    for step in range(STEPS):
-        full = _batch(name, step, GLOBAL_BATCH)
-        mine = {k: v[rank * per:(rank + 1) * per] for k, v in full.items()}
-        opt.zero_grad()
-        if mode == "end2end":
-            loss = pm.train_step([mine])[0]
-        else:
-            loss = pm(**mine)
-            loss.backward()
-        opt.step()
-        t = loss.detach().reshape(1).clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_steps(pm, opt, lambda step, n: _batch(name, step, n), steps=STEPS, global_batch=GLOBAL_BATCH,
+                         dp_rank=rank, dp=world, end2end=mode == "end2end")
     params = {rec.full_name: getattr(pm, local).detach().clone() for local, rec in pm.fullmap.items()}
     n_opt = sum(p.numel() for g in opt.param_groups for p in g["params"])
     if mode == "async":  # several buckets, each all-reduced once per step

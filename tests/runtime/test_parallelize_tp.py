@@ -12,6 +12,7 @@ import torch
 import toy_models
 from gpt import GPT, GPTConfig, random_batch
 from launch import run_workers
+from parity import train_steps
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -61,7 +62,6 @@ def reference(name, clip):
 
 
 def train(rank, world, name, policy, plan, gen_dir):
-    import torch.distributed as dist
     from nnscaler import ComputeConfig, build_optimizer, parallelize
 
     dp = world // plan
@@ -72,19 +72,8 @@ def train(rank, world, name, policy, plan, gen_dir):
     pm = parallelize(_make(name), _batch(name, 0, per), policy, cfg,
                      gen_savedir=gen_dir, instance_name=f"{name}_{policy}_{plan}_{world}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
-    losses = []
-    for step in range(STEPS):
-        full = _batch(name, step, GLOBAL_BATCH)
-        mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()}
-        opt.zero_grad()
-        loss = pm(**mine)
-        loss.backward()
-        if _clips(policy):
-            opt.clip_gnorm(CLIP)
-        opt.step()
-        t = loss.detach().reshape(1).clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_steps(pm, opt, lambda step, n: _batch(name, step, n), steps=STEPS, global_batch=GLOBAL_BATCH,
+                         dp_rank=dp_rank, dp=dp, clip=CLIP if _clips(policy) else None)
     shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
               for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
     return losses, shards

@@ -1,0 +1,28 @@
+"""The training loop the parity tests run on every rank (importable by spawned workers)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def train_steps(pm, opt, batch_fn, *, steps, global_batch, dp_rank, dp, end2end=False, clip=None):
+    """`steps` Adam steps, each data-parallel replica on its slice of the global batch; returns
+    the loss of every step averaged over all ranks."""
+    per = global_batch // dp
+    losses = []
+    for step in range(steps):
+        full = batch_fn(step, global_batch)
+        mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()}
+        opt.zero_grad()
+        if end2end:
+            loss = pm.train_step([mine])[0]
+        else:
+            loss = pm(**mine)
+            loss.backward()
+        if clip is not None:
+            opt.clip_gnorm(clip)
+        opt.step()
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / dist.get_world_size())
+    return losses
