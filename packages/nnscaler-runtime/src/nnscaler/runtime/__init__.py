@@ -15,10 +15,14 @@ from .grid import RankGrid
 from .module import ParallelModule
 from .optimizer import build_optimizer
 from .parallelize import load_generated_class, parallelize
+from .precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin, apply_precision,
+                        parse_precision, with_master_weights)
 from .reducer import Reducer, sync_grad_when
 
 __all__ = [
     "AggregatedOutputs", "aggregate_outputs", "count_tokens", "grad_scale", "reduce_gradients", "reduce_loss",
+    "GradScaler", "MixedPrecisionOptimizer", "PrecisionConfig", "PrecisionPlugin", "apply_precision",
+    "parse_precision", "with_master_weights",
     "comm", "ConfigError", "GenerationError", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
     "load_generated_class", "parallelize", "sync_grad_when",
