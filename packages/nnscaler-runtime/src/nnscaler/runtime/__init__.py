@@ -18,12 +18,13 @@ from .parallelize import load_generated_class, parallelize
 from .precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin, apply_precision,
                         parse_precision, with_master_weights)
 from .reducer import Reducer, sync_grad_when
+from .zero_layout import ZeroShardLayout
 
 __all__ = [
     "AggregatedOutputs", "aggregate_outputs", "count_tokens", "grad_scale", "reduce_gradients", "reduce_loss",
     "GradScaler", "MixedPrecisionOptimizer", "PrecisionConfig", "PrecisionPlugin", "apply_precision",
     "parse_precision", "with_master_weights",
-    "comm", "ConfigError", "GenerationError", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
+    "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
     "load_generated_class", "parallelize", "sync_grad_when",
 ]

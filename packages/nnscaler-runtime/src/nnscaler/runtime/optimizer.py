@@ -15,6 +15,13 @@ A module that is not itself a ParallelModule but contains some keeps its ordinar
 replicated on every rank; their gradients are averaged over all ranks by an extra Reducer that
 `build_optimizer` attaches to the module (`module._nnscaler_reducer`), so they count
 `plan_ngpus` times per unit in the norm and are weighted accordingly.
+
+With `ComputeConfig(use_zero=True)` (every ParallelModule in the module must agree on `use_zero`,
+`zero_ngroups` and `zero_use_reduce_scatter`) the optimizer is built over this rank's owned
+shards instead of the parameters (ZeRO stage 1, see `nnscaler.runtime.zero`): `step()` sets the
+shard gradients if not done yet, steps, and all-gathers the parameters; `zero_grad()`
+clears the parameters' gradients too; `clip_gnorm` / `scale_grads` act on the shard gradients;
+`opt.zero_layout` is the public `ZeroShardLayout` (None without ZeRO).
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ import torch.distributed as dist
 from .errors import ConfigError
 from .grid import RankGrid
 from .module import ParallelModule
-from .reducer import Reducer
+from .reducer import DEFAULT_BUCKET_CAP_MB, Reducer
+from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
 
 __all__ = ["build_optimizer", "NnScalerOptimizerMixin"]
 
@@ -39,6 +47,33 @@ class NnScalerOptimizerMixin:
     _nnscaler_module: torch.nn.Module
     _nnscaler_grid: RankGrid
     _nnscaler_replicas: Dict[int, int]  # id(param) -> plan devices holding a copy
+    _nnscaler_zero: Optional[ZeroEngine] = None  # set under ZeRO
+
+    @property
+    def zero_layout(self) -> Optional[ZeroShardLayout]:
+        """The ZeRO sharding metadata of this rank (`nnscaler.runtime.zero.ZeroShardLayout`), or
+        None without ZeRO."""
+        return self._nnscaler_zero.layout if self._nnscaler_zero is not None else None
+
+    def step(self, closure=None):
+        """The optimizer's step; under ZeRO it first sets the shard gradients (if not done yet in
+        this step) and afterwards all-gathers the updated parameters (collective)."""
+        zero = self._nnscaler_zero
+        if zero is None:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        zero.sync_grads()
+        super().step()
+        zero.gather_params(self)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self._nnscaler_zero is not None:  # the optimizer holds the shards: clear the parameters' too
+            self._nnscaler_zero.zero_grad(set_to_none)
 
     def _nnscaler_grads(self) -> List[torch.Tensor]:
         return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -46,9 +81,16 @@ class NnScalerOptimizerMixin:
     def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
         """The global L2 norm of all gradients (a 0-d tensor); when `max_norm` is given, scales
         every gradient by min(1, max_norm / (norm + 1e-6)) like `torch.nn.utils.clip_grad_norm_`.
-        Collective over the unit group when plan_ngpus > 1."""
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        device = params[0].grad.device if params else torch.device("cpu")
+        Collective over the unit group when plan_ngpus > 1; under ZeRO over the units of the zero
+        group, on the shard gradients (after `sync_shard_grad`)."""
+        grid, zero = self._nnscaler_grid, self._nnscaler_zero
+        if zero is not None:
+            zero.sync_grads()
+            group = zero.groups.norm_group
+        else:
+            group = grid.unit_group if grid.plan_ngpus > 1 else None
+        params = [p for group_ in self.param_groups for p in group_["params"] if p.grad is not None]
+        device = params[0].grad.device if params else _device_of(self)
         squares = torch.zeros((), dtype=torch.float32, device=device)
         by_replicas: Dict[int, List[torch.Tensor]] = {}
         for p in params:
@@ -57,9 +99,8 @@ class NnScalerOptimizerMixin:
             norms = torch._foreach_norm(grads)
             total = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
             squares = squares + (total / replicas if replicas != 1 else total)
-        grid = self._nnscaler_grid
-        if grid.plan_ngpus > 1:
-            dist.all_reduce(squares, group=grid.unit_group)
+        if group is not None:
+            dist.all_reduce(squares, group=group)
         total_norm = squares.sqrt()
         if max_norm is not None:
             coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
@@ -68,12 +109,31 @@ class NnScalerOptimizerMixin:
         return total_norm
 
     def scale_grads(self, factor: float) -> None:
-        """Multiply every gradient by `factor` (e.g. 1 / number of accumulated micro-batches)."""
+        """Multiply every gradient by `factor` (e.g. 1 / number of accumulated micro-batches);
+        under ZeRO the shard gradients (after `sync_shard_grad`)."""
+        if self._nnscaler_zero is not None:
+            self._nnscaler_zero.sync_grads()
         for grads in _by_device(self._nnscaler_grads()).values():
             torch._foreach_mul_(grads, factor)
 
     def sync_shard_grad(self) -> None:
-        """Hook for ZeRO (reduce-scatter of sharded gradients); nothing to do without it."""
+        """Under ZeRO: set the shard gradients the optimizer steps on, once per step (with
+        zero_use_reduce_scatter this is the reduce-scatter: COLLECTIVE). Called by `clip_gnorm`,
+        `scale_grads` and `step`. No-op without ZeRO."""
+        if self._nnscaler_zero is not None:
+            self._nnscaler_zero.sync_grads()
+
+
+# The base class's step (already wrapped by torch) runs the step hooks; keep torch from wrapping
+# this one too when it re-patches (Optimizer.__setstate__, e.g. in load_state_dict).
+NnScalerOptimizerMixin.step.hooked = True
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")
 
 
 def _by_device(tensors: List[torch.Tensor]) -> Dict[Any, List[torch.Tensor]]:
@@ -125,12 +185,59 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
                           bucket_cap_mb=getattr(pms[0].compute_config, "reducer_bucket_cap_mb", None),
                           async_op=getattr(pms[0].compute_config, "use_async_reducer", False))
         object.__setattr__(module, "_nnscaler_reducer", reducer)
-    optimizer = optimizer_fn(params, **kwargs)
+    zero = _zero_engine(module, pms, params, replicas, grid)
+    optimizer = optimizer_fn(zero.optimizer_params() if zero is not None else params, **kwargs)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"build_optimizer: optimizer_fn returned {type(optimizer).__name__}, "
                         f"not a torch.optim.Optimizer")
+    if zero is not None:
+        zero.bind(optimizer)
     optimizer.__class__ = _optimizer_class(type(optimizer))
     optimizer._nnscaler_module = module
     optimizer._nnscaler_grid = grid
     optimizer._nnscaler_replicas = replicas
+    optimizer._nnscaler_zero = zero
     return optimizer
+
+
+def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: List[torch.nn.Parameter],
+                 replicas: Dict[int, int], grid: RankGrid) -> Optional[ZeroEngine]:
+    """The ZeRO engine when the ParallelModules ask for it (None otherwise)."""
+    keys = ("use_zero", "zero_ngroups", "zero_use_reduce_scatter")
+    settings = {tuple(getattr(pm.compute_config, k, d) for k, d in zip(keys, (False, 1, False))) for pm in pms}
+    if len(settings) > 1:
+        raise ConfigError("build_optimizer: all parallelized modules must use the same use_zero, zero_ngroups and "
+                          f"zero_use_reduce_scatter, got {sorted(settings)}: regenerate them with one ComputeConfig")
+    use_zero, ngroups, reduce_scatter = settings.pop()
+    if not use_zero:
+        return None
+    groups = make_zero_groups(grid, ngroups)  # collective: before any other decision that could differ
+    paths = {id(m): name for name, m in module.named_modules()}
+    entries: List[ZeroParam] = []
+    seen = set()
+    for pm in pms:
+        if reduce_scatter and pm.reducer is not None:  # ZeRO reduce-scatters these gradients instead
+            pm.reducer.remove()
+            pm.reducer = None
+        for name, p in pm.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            e = pm.fullmap.get(name)
+            full = (e.full_name, e.full_shape, e.slices, e.value_split, e.replicas) if e is not None else \
+                (name, tuple(p.shape), tuple((0, d) for d in p.shape), (0, 1), 1)
+            entries.append(ZeroParam(p, paths.get(id(pm), ""), True, name, *full, reduce=reduce_scatter))
+    names: Dict[int, str] = {}
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            name = names[id(p)]
+            entries.append(ZeroParam(p, "", False, name, name, tuple(p.shape), tuple((0, d) for d in p.shape),
+                                     (0, 1), replicas[id(p)]))
+    cap = getattr(pms[0].compute_config, "reducer_bucket_cap_mb", None)
+    engine = ZeroEngine(entries, groups, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap)
+    for piece in engine.pieces:  # gradient-norm weights of the tensors the optimizer holds
+        replicas[id(piece.tensor)] = piece.param.replicas
+    return engine

@@ -1,0 +1,459 @@
+"""ZeRO stage 1: the optimizer state (and the fp32 master copy, where there is one) of every
+trainable tensor is sharded across the data-parallel replicas of that tensor.
+
+Turned on by ``ComputeConfig(use_zero=True)``; `build_optimizer` builds it (this module holds the
+machinery and the public metadata). The training loop does not change::
+
+    opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
+    opt.zero_grad(); loss = pm(**batch); loss.backward(); opt.clip_gnorm(1.0); opt.step()
+
+Groups
+------
+The ranks that run the same plan device (the gradient-sync group, one rank per unit, in unit
+order) are cut into ``zero_ngroups`` contiguous *zero groups* of ``z = dp // zero_ngroups``
+ranks: with sync ranks ``(s0, ..., s7)`` and ``zero_ngroups=2`` they are ``(s0..s3)`` and
+``(s4..s7)``. Each zero group holds one complete, sharded copy of the optimizer state; rank ``i``
+of a group owns shard ``i``. The ranks holding the same shard index in the other groups form the
+*cross group* (only used when ``zero_ngroups > 1``). Plain (not parallelized) parameters of a
+container module are replicated on every rank and sharded the same way over this rank's zero
+group. All groups come from `RankGrid.group` and are created collectively, in one fixed order.
+
+Flat buckets
+------------
+This rank's trainable tensors (each ParallelModule's, in module order, then the plain ones) are
+laid out back to back in flat *buckets* of about ``reducer_bucket_cap_mb`` (closed once they reach
+the cap, as the Reducer's; never mixing dtypes, devices or reduction modes). A bucket of ``numel``
+elements is padded to ``padded_numel``, a multiple of ``z``; rank ``i`` owns its contiguous range
+``[i * shard_numel, (i + 1) * shard_numel)``. Every rank of a zero group builds the same buckets.
+Where a tensor crosses a range boundary it is split; each owned part is a *piece*.
+
+The optimizer
+-------------
+The torch optimizer is built over the pieces, not over the parameters: one 1-D tensor per piece,
+a view of the parameter's memory (a copy for a non-contiguous parameter), so its state exists
+only for the owned elements. ``opt.state_dict()`` therefore holds only this rank's shard:
+``state_dict()["state"][k]`` belongs to the piece whose ``state_index`` is ``k`` (tensors of shape
+``(stop - start,)``; scalars such as Adam's ``step`` are per piece). ``load_state_dict`` expects a
+state saved under the same layout (resharding is the checkpoint's job, from `ZeroShardLayout`).
+A rank that owns no element at all (a tiny model) gets one empty placeholder tensor, never
+stepped, so that the optimizer can be built.
+
+fp32 master weights: ``nnscaler.runtime.precision.with_master_weights(opt)`` applied to a ZeRO
+optimizer replaces the fp16/bf16 pieces in ``param_groups`` by fp32 copies of the pieces, so the
+masters are sharded too (``state_dict()["master_weights"]`` is keyed by the same ``state_index``);
+after the step the owned values are read from whatever tensors ``param_groups`` holds.
+
+Only element-wise optimizers are exact under sharding (SGD, Adam, AdamW, Adagrad, RMSprop, ...);
+optimizers that look at a whole tensor (LAMB, Adafactor, Shampoo) would see pieces.
+
+Gradients
+---------
+The optimizer steps on *shard gradients*, the ``.grad`` of the pieces, set once per step by
+`sync_shard_grad()` (the first of ``clip_gnorm``, ``scale_grads``, ``step`` or an explicit call; it
+is set afresh after ``zero_grad()`` and after the step), from the parameters' accumulated
+``.grad``:
+
+* default (``zero_use_reduce_scatter=False``): the module's Reducer all-reduces (averages) the
+  gradients over the whole sync group during ``backward()``, as without ZeRO; the sync copies
+  each rank's owned ranges (no communication).
+* ``zero_use_reduce_scatter=True``: `build_optimizer` detaches the module's Reducer (``pm.reducer``
+  becomes None, ``backward()`` only accumulates locally) and the sync reduce-scatters each bucket
+  (pre-divided sum) within the zero group, then, when ``zero_ngroups > 1``, all-reduces the shard
+  over the cross group: each rank receives only its shard. This is done at the step rather than
+  inside backward: no overlap with backward, but exactly one reduction per step however many
+  backward passes accumulated into ``.grad`` (``sync_grad_when`` has nothing left to skip). A "has
+  a gradient" flag per tensor travels in the same collective, so a tensor that no rank gave a
+  gradient is skipped by the optimizer, as in single-device training. Plain parameters of a
+  container keep their all-reduce (their Reducer).
+
+A backward pass after the sync and before the step is not seen by that step. ``clip_gnorm`` and
+``scale_grads`` act on the shard gradients; ``p.grad`` keeps what backward left (averaged by
+default, the local sum with reduce-scatter). ``zero_grad()`` clears both.
+
+After the step every zero group all-gathers its updated shards (one all-gather per bucket) and
+every rank copies the full values into its parameters.
+
+Gradient norm: squares of the shard gradients, each tensor's divided by its number of copies in
+the unit (``FullMapEntry.replicas``; ``plan_ngpus`` for plain parameters), summed over the ranks
+of the units of this zero group: every full gradient element counts once.
+
+Collectives are recorded in the comm stats as ``zero_reduce_scatter``, ``zero_all_reduce`` and
+``zero_all_gather`` (payload convention of `nnscaler.runtime.comm.stats`); backends without a
+native reduce-scatter / all-gather take the fallbacks of `nnscaler.runtime.comm.fallbacks`.
+
+Checkpoint metadata
+-------------------
+`ZeroShardLayout` (``opt.zero_layout``; ``to_dict()`` is JSON, ``from_dict()`` reads it back)
+says which slice of which parameter's state lives on which rank; see its docstring. It is the
+public contract: a checkpoint reader needs only these dataclasses, or just the dict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .comm import fallbacks
+from .comm.stats import record
+from .errors import ConfigError
+from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroPiece, ZeroShardLayout
+
+__all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
+           "ZeroParam", "ZeroEngine", "ZeroStats"]
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# -- groups -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ZeroGroups:
+    """This rank's zero group, cross group and norm group (ranks and process groups; a group of
+    one rank is None and never communicated over)."""
+
+    rank: int
+    world_size: int
+    plan_ngpus: int
+    dp_size: int
+    ngroups: int
+    group_ranks: Tuple[int, ...]
+    group_index: int
+    group_id: int
+    cross_ranks: Tuple[int, ...]
+    norm_ranks: Tuple[int, ...]  # the units of this zero group: where the gradient norm is summed
+    group: Any = None
+    cross_group: Any = None
+    norm_group: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(self.group_ranks)
+
+
+def make_zero_groups(grid, ngroups: int) -> ZeroGroups:
+    """The zero groups of `grid` (a RankGrid) split `zero_ngroups` ways. COLLECTIVE the first time:
+    every rank creates every group, in the same order (all plan devices' zero groups, then their
+    cross groups, then the norm groups)."""
+    plan, dp = grid.plan_ngpus, grid.dp_degree
+    if isinstance(ngroups, bool) or not isinstance(ngroups, int) or ngroups < 1 or dp % ngroups:
+        raise ConfigError(f"ComputeConfig.zero_ngroups ({ngroups!r}) must be a positive integer dividing the "
+                          f"data-parallel degree runtime_ngpus // plan_ngpus = {dp}")
+    z = dp // ngroups
+
+    def make(sets: Sequence[Tuple[int, ...]]) -> Dict[Tuple[int, ...], Any]:
+        return {s: (grid.group(s) if len(s) > 1 else None) for s in sets}
+
+    zero_sets = [grid.sync_ranks_of(d)[g * z:(g + 1) * z] for d in range(plan) for g in range(ngroups)]
+    cross_sets = [grid.sync_ranks_of(d)[i::z] for d in range(plan) for i in range(z)]
+    norm_sets = [tuple(range(g * z * plan, (g + 1) * z * plan)) for g in range(ngroups)]
+    zero_groups, cross_groups, norm_groups = make(zero_sets), make(cross_sets), make(norm_sets)
+    sync = grid.sync_ranks
+    index, group_id = grid.dp_rank % z, grid.dp_rank // z
+    mine = sync[group_id * z:(group_id + 1) * z]
+    cross = sync[index::z]
+    norm = tuple(range(group_id * z * plan, (group_id + 1) * z * plan))
+    return ZeroGroups(grid.rank, grid.runtime_ngpus, plan, dp, ngroups, mine, index, group_id, cross, norm,
+                      zero_groups[mine], cross_groups[cross], norm_groups[norm])
+
+
+# -- the engine ---------------------------------------------------------------------------------------
+@dataclass
+class ZeroParam:
+    """A trainable tensor handed to the engine, with the names the layout records.
+
+    reduce: True when the engine reduces its gradient (reduce-scatter); False when it arrives
+    averaged (by a Reducer during backward) or has nothing to average."""
+
+    param: torch.nn.Parameter
+    module_path: str
+    parallel: bool
+    local_name: str
+    full_name: str
+    full_shape: Tuple[int, ...]
+    slices: Tuple[Tuple[int, int], ...]
+    value_split: Tuple[int, int] = (0, 1)
+    replicas: int = 1
+    reduce: bool = False
+
+
+@dataclass
+class ZeroStats:
+    """Counters for tests and benchmarks."""
+
+    reduce_scatter_calls: int = 0  # per bucket
+    cross_all_reduce_calls: int = 0  # per bucket
+    all_gather_calls: int = 0  # per bucket
+    syncs: int = 0  # times the shard gradients were set (once per step)
+
+
+class _Piece:
+    __slots__ = ("param", "start", "stop", "shard_offset", "bucket_offset", "tensor", "index")
+
+    def __init__(self, param: ZeroParam, start: int, stop: int, bucket_offset: int, shard_offset: int):
+        self.param, self.start, self.stop = param, start, stop
+        self.bucket_offset, self.shard_offset = bucket_offset, shard_offset
+        self.index = -1  # position in the optimizer's param_groups (set by ZeroEngine.bind)
+        p = param.param.detach()
+        # a view: the optimizer updates the parameter in place (a copy for a non-contiguous one)
+        self.tensor = p.view(-1)[start:stop] if p.is_contiguous() else p.reshape(-1)[start:stop].clone()
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+class _Bucket:
+    def __init__(self, params: List[ZeroParam], group_size: int, reduce: bool):
+        self.params = params
+        self.offsets, numel = [], 0
+        for zp in params:
+            self.offsets.append(numel)
+            numel += zp.param.numel()
+        self.numel = numel
+        self.shard = -(-numel // group_size)  # ceil
+        self.padded = self.shard * group_size
+        self.reduce = reduce  # the engine reduce-scatters this bucket (else: copies the owned ranges)
+        self.pieces: List[_Piece] = []
+        self.shard_grad: Optional[torch.Tensor] = None  # copied buckets: persistent buffer
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].param.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].param.device
+
+
+def _segments(offset: int, numel: int, width: int) -> Iterator[Tuple[int, int, int, int]]:
+    """(row, column, source offset, length) of flat range [offset, offset + numel) in rows of `width`."""
+    pos, end = offset, offset + numel
+    while pos < end:
+        row, col = divmod(pos, width)
+        length = min(end - pos, width - col)
+        yield row, col, pos - offset, length
+        pos += length
+
+
+class ZeroEngine:
+    """The sharding machinery behind a ZeRO optimizer (built by `build_optimizer`).
+
+    `params`: the trainable tensors in layout order; `groups`: from `make_zero_groups`. Build the
+    optimizer over `optimizer_params()`, then call `bind(optimizer)`. The shard gradients are set
+    once per step by `sync_grads()` (see the module docstring).
+    """
+
+    def __init__(self, params: Sequence[ZeroParam], groups: ZeroGroups, bucket_cap_mb: float = 25.0):
+        self.groups = groups
+        self.params = list(params)
+        self.stats = ZeroStats()
+        self.layout: Optional[ZeroShardLayout] = None
+        self._synced = False
+        self._buckets = self._make_buckets(self.params, int(float(bucket_cap_mb) * 1024 * 1024))
+        self.pieces: List[_Piece] = []
+        for bucket in self._buckets:
+            lo, hi = groups.group_index * bucket.shard, (groups.group_index + 1) * bucket.shard
+            for zp, off in zip(bucket.params, bucket.offsets):
+                a, b = max(off, lo), min(off + zp.param.numel(), hi)
+                if a < b:
+                    piece = _Piece(zp, a - off, b - off, a, a - lo)
+                    bucket.pieces.append(piece)
+                    self.pieces.append(piece)
+        self._placeholder: Optional[torch.Tensor] = None
+        if not self.pieces:
+            self._placeholder = torch.empty(0, device=self.params[0].param.device if self.params else "cpu")
+
+    def _make_buckets(self, params: List[ZeroParam], cap_bytes: int) -> List[_Bucket]:
+        rs = self.groups.dp_size > 1
+
+        def kind(zp: ZeroParam):
+            return zp.param.dtype, zp.param.device, zp.reduce and rs
+
+        buckets, current, size = [], [], 0
+        for zp in params:
+            if current and kind(zp) != kind(current[0]):
+                buckets.append(_Bucket(current, self.groups.size, current[0].reduce and rs))
+                current, size = [], 0
+            current.append(zp)
+            size += zp.param.numel() * zp.param.element_size()
+            if size >= cap_bytes:  # closes once it reaches the cap, as the Reducer's buckets
+                buckets.append(_Bucket(current, self.groups.size, current[0].reduce and rs))
+                current, size = [], 0
+        if current:
+            buckets.append(_Bucket(current, self.groups.size, current[0].reduce and rs))
+        return buckets
+
+    # -- optimizer binding --------------------------------------------------------------------
+    def optimizer_params(self) -> List[torch.Tensor]:
+        """What the torch optimizer is built over: one tensor per owned piece (or a placeholder)."""
+        return [p.tensor for p in self.pieces] if self.pieces else [self._placeholder]
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> ZeroShardLayout:
+        """Check that `optimizer` holds exactly the pieces and record the layout."""
+        order = {}
+        for group in optimizer.param_groups:
+            for t in group["params"]:
+                order[id(t)] = len(order)
+        expected = {id(t) for t in self.optimizer_params()}
+        if set(order) != expected:
+            raise ConfigError("build_optimizer with use_zero=True: optimizer_fn must optimize exactly the "
+                              "tensors it is given (the owned ZeRO shards of the parameters); it built an "
+                              f"optimizer over {len(order)} tensors, {len(order.keys() & expected)} of the "
+                              f"{len(expected)} given")
+        g = self.groups
+        buckets = tuple(ZeroBucket(b.numel, b.padded, b.shard, str(b.dtype).replace("torch.", ""), b.reduce,
+                                   tuple((zp.module_path, zp.local_name, off, zp.param.numel())
+                                         for zp, off in zip(b.params, b.offsets)))
+                        for b in self._buckets)
+        pieces = []
+        for bi, bucket in enumerate(self._buckets):
+            for piece in bucket.pieces:
+                zp = piece.param
+                piece.index = order[id(piece.tensor)]
+                pieces.append(ZeroPiece(piece.index, zp.module_path, zp.parallel, zp.local_name,
+                                        zp.full_name, tuple(zp.full_shape), tuple(tuple(s) for s in zp.slices),
+                                        tuple(zp.value_split), int(zp.replicas), tuple(zp.param.shape),
+                                        piece.start, piece.stop, bi, piece.bucket_offset))
+        self.layout = ZeroShardLayout(LAYOUT_VERSION, g.rank, g.world_size, g.plan_ngpus, g.dp_size, g.ngroups,
+                                      g.group_ranks, g.group_index, g.group_id, g.cross_ranks,
+                                      any(b.reduce for b in self._buckets), buckets, tuple(pieces))
+        return self.layout
+
+    # -- gradients ----------------------------------------------------------------------------
+    @property
+    def synced(self) -> bool:
+        """Whether the shard gradients are set for the coming step."""
+        return self._synced
+
+    def sync_grads(self) -> None:
+        """Set the shard gradients (``.grad`` of the pieces) from the parameters' gradients, once
+        per step (again after `zero_grad` or the step). COLLECTIVE over the zero (and cross)
+        group when there are reduce-scatter buckets."""
+        if self._synced:
+            return
+        with torch.no_grad():
+            for bucket in self._buckets:
+                if bucket.reduce:
+                    self._reduce_bucket(bucket)
+                else:
+                    self._copy_bucket(bucket)
+        self._synced = True
+        self.stats.syncs += 1
+
+    def _copy_bucket(self, bucket: _Bucket) -> None:
+        """Gradients already averaged (or nothing to average): copy the owned ranges."""
+        if bucket.shard_grad is None:
+            bucket.shard_grad = torch.zeros(bucket.shard, dtype=bucket.dtype, device=bucket.device)
+        for piece in bucket.pieces:
+            grad = piece.param.param.grad
+            if grad is None:
+                piece.tensor.grad = None
+                continue
+            view = bucket.shard_grad[piece.shard_offset:piece.shard_offset + piece.numel]
+            view.copy_(grad.reshape(-1)[piece.start:piece.stop])
+            piece.tensor.grad = view
+
+    def _reduce_bucket(self, bucket: _Bucket) -> None:
+        """Reduce-scatter the bucket's local gradients: (group size) rows, each this rank's part of
+        one shard followed by one "has a gradient" flag per tensor."""
+        g, width = self.groups, bucket.shard
+        send = torch.zeros(g.size, width + len(bucket.params), dtype=bucket.dtype, device=bucket.device)
+        missing = False
+        for j, (zp, off) in enumerate(zip(bucket.params, bucket.offsets)):
+            grad = zp.param.grad
+            if grad is None:
+                missing = True
+                continue
+            send[:, width + j] = 1
+            src = grad.reshape(-1)
+            for row, col, s0, length in _segments(off, zp.param.numel(), width):
+                send[row, col:col + length].copy_(src[s0:s0 + length])
+        send.div_(g.dp_size)  # gloo has no AVG: pre-divide, then sum (as the Reducer)
+        if g.size > 1:
+            out = self._reduce_scatter(send, g.group)
+            self.stats.reduce_scatter_calls += 1
+        else:
+            out = send[0]
+        if g.cross_group is not None:
+            record("zero_all_reduce", out.nbytes)
+            dist.all_reduce(out, group=g.cross_group)
+            self.stats.cross_all_reduce_calls += 1
+        used = None
+        if missing:  # read the flags back (a device sync on CUDA) only when a local gradient is missing
+            used = {id(zp) for zp, flag in zip(bucket.params, out[width:].tolist()) if flag > 0}
+        for piece in bucket.pieces:
+            if used is not None and id(piece.param) not in used:
+                piece.tensor.grad = None
+            else:
+                piece.tensor.grad = out[piece.shard_offset:piece.shard_offset + piece.numel]
+
+    def _reduce_scatter(self, send: torch.Tensor, group) -> torch.Tensor:
+        if fallbacks.uses_fallback("reduce_scatter", str(dist.get_backend(group)), send.device.type):
+            record("zero_reduce_scatter(fallback)", send.nbytes)
+            dist.all_reduce(send, group=group)
+            return send[self.groups.group_index].clone()
+        out = send.new_empty(send.shape[1:])
+        record("zero_reduce_scatter", send.nbytes)
+        _reduce_scatter_single(out, send.view(-1), group=group)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' and the pieces' gradients (the optimizer clears those of the
+        tensors it holds); the next `sync_grads` sets the shard gradients afresh."""
+        for t in [zp.param for zp in self.params] + [p.tensor for p in self.pieces]:
+            if t.grad is None:
+                continue
+            if set_to_none:
+                t.grad = None
+            else:
+                if t.grad.grad_fn is not None:
+                    t.grad.detach_()
+                else:
+                    t.grad.requires_grad_(False)
+                t.grad.zero_()
+        self._synced = False
+
+    # -- parameters ---------------------------------------------------------------------------
+    def gather_params(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer step: read the owned values from the tensors `optimizer` holds
+        (the pieces, or what replaced them in its param_groups, e.g. fp32 master copies),
+        all-gather them within the zero group and copy the full values into every parameter.
+        COLLECTIVE over the zero group."""
+        held = [t for group in optimizer.param_groups for t in group["params"]]
+        if self.layout is None or len(held) != len(self.optimizer_params()):
+            raise ConfigError("ZeRO: the optimizer's param_groups changed after build_optimizer "
+                              "(add_param_group is not supported with use_zero=True)")
+        g = self.groups
+        with torch.no_grad():
+            for bucket in self._buckets:
+                shard = torch.zeros(bucket.shard, dtype=bucket.dtype, device=bucket.device)
+                for piece in bucket.pieces:
+                    shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(held[piece.index])
+                if g.size > 1:
+                    full = self._all_gather(shard, g.group)
+                    self.stats.all_gather_calls += 1
+                else:
+                    full = shard
+                for zp, off in zip(bucket.params, bucket.offsets):
+                    p = zp.param.detach()
+                    p.copy_(full[off:off + p.numel()].view(p.shape))
+        self._synced = False  # the next step's gradients are synced afresh
+
+    def _all_gather(self, shard: torch.Tensor, group) -> torch.Tensor:
+        n = self.groups.size
+        if fallbacks.uses_fallback("all_gather", str(dist.get_backend(group)), shard.device.type):
+            record("zero_all_gather(fallback)", shard.nbytes)
+            out = [torch.empty_like(shard) for _ in range(n)]
+            dist.all_gather(out, shard, group=group)
+            return torch.cat(out)
+        record("zero_all_gather", shard.nbytes)
+        full = shard.new_empty(n * shard.numel())
+        _all_gather_single(full, shard, group=group)
+        return full
+
+    def __repr__(self) -> str:
+        g = self.groups
+        return (f"ZeroEngine({len(self.params)} tensors, {len(self._buckets)} buckets, {len(self.pieces)} pieces, "
+                f"group={g.group_ranks}, index={g.group_index}, ngroups={g.ngroups})")
