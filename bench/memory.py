@@ -23,6 +23,26 @@ comparison with the unpartitioned model (full bytes, and the ideal full / t). Th
 modules' `fullmap` (`replicas` = t for a replicated tensor, 1 for a shard) is cross-checked
 against the plan's decisions.
 
+ZeRO stage 1 (`--zero-cases`, default dp2 zero-dp2 zero-dp3 zero-dp4 zero-g2-dp4 zero-tp2dp2;
+zero-dp3 because the model's 834,304 elements do not split 3 ways, so its layout is padded): each case
+spawns its plan_ngpus x dp gloo processes, parallelizes with `ComputeConfig(plan, world,
+use_zero=..., zero_ngroups=g)` (policy `dp`, or `--policy` for tp 2 x dp 2), builds
+`build_optimizer(pm, torch.optim.Adam, lr=1e-3)` and runs one forward + backward + step. Per rank:
+bytes of the parameters, of their `.grad`, of the optimizer state (every tensor in `opt.state`,
+split into Adam's moments `exp_avg`/`exp_avg_sq` and the per-tensor `step` scalars), of the ZeRO
+shard-gradient buffer and of the Reducer's flat buffer (reported apart), against Adam fp32 with
+Psi = this rank's trainable parameters before ZeRO (tp-local for tp x dp): DDP 16 Psi (4 Psi
+params + 4 Psi grads + 8 Psi moments); ZeRO-1 4 Psi + 4 Psi + 8 Psi / z, z = dp / zero_ngroups.
+The padding of `opt.zero_layout` (buckets padded to a multiple of z) is reported apart, with the
+ratio of the moments to 8 x (elements this rank really owns).
+
+Activation memory (`--act`, on by default): one process, world 1, policy `dp`, with and without
+`pas_config={'recompute_modules': 'Block'}`; after one warm-up step (gradients kept allocated),
+one forward + backward: bytes saved for backward (`torch.autograd.graph.saved_tensors_hooks`,
+sum of numel * element_size at pack time, and the same over distinct storages) and the CPU
+allocator's live bytes from `torch.profiler` (profile_memory): held at the end of forward and
+peak over forward + backward, both relative to the start of the step.
+
 Writes bench/results/memory.json.
 """
 from __future__ import annotations
@@ -31,6 +51,7 @@ import argparse
 import json
 import math
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -255,9 +276,296 @@ def report(args, t: int, a: dict, ranks: list, spawn_s: float) -> dict:
     }
 
 
+# -- ZeRO stage 1 / data parallel: parameters, gradients, optimizer state -------------------------
+
+# name: (plan_ngpus, dp, use_zero, zero_ngroups, policy (None: --policy))
+ZERO_CASES = {
+    "dp2": (1, 2, False, 1, "dp"),
+    "zero-dp2": (1, 2, True, 1, "dp"),
+    "zero-dp3": (1, 3, True, 1, "dp"),  # 834,304 elements do not split 3 ways: padding
+    "zero-dp4": (1, 4, True, 1, "dp"),
+    "zero-g2-dp4": (1, 4, True, 2, "dp"),
+    "zero-tp2dp2": (2, 2, True, 1, None),
+}
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _measure_zero(rank: int, args, name: str) -> dict:
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+    plan, dp, use_zero, ngroups, policy = ZERO_CASES[name]
+    policy = policy or args.policy
+    cfg = ComputeConfig(plan, plan * dp, use_zero=use_zero, zero_ngroups=ngroups, trace_strategy="cpu")
+    pm = parallelize(base_model(args), batch(args), policy, cfg, gen_savedir=args.gen_dir,
+                     instance_name=name.replace("-", "_"), reuse="override")
+    opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
+    opt.zero_grad()
+    loss = pm(**batch(args))
+    loss.backward()
+    opt.step()
+    params = list(pm.parameters())  # distinct
+    trainable = [p for p in params if p.requires_grad]
+    moments = other = 0
+    for st in opt.state.values():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                if k in MOMENTS:
+                    moments += v.numel() * v.element_size()
+                else:
+                    other += v.numel() * v.element_size()
+    held = [t for g in opt.param_groups for t in g["params"]]
+    pids = {id(p) for p in params}
+    shard_grads = [t.grad for t in held if id(t) not in pids]
+    reducer = getattr(pm, "reducer", None)
+    red_buf = _storage_bytes([b.buffer for b in getattr(reducer, "_buckets", [])]) if reducer is not None else 0
+    out = {"rank": dist.get_rank(), "psi": sum(p.numel() for p in trainable),
+           "elem": trainable[0].element_size(),
+           "param_bytes": sum(p.numel() * p.element_size() for p in params),
+           "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+           "moment_bytes": moments, "other_state_bytes": other, "state_entries": len(opt.state),
+           "shard_grad_buffer_bytes": _storage_bytes(shard_grads), "reducer_buffer_bytes": red_buf,
+           "reducer_attached": reducer is not None, "loss": loss.item(), "layout": None}
+    lay = opt.zero_layout
+    if lay is not None:
+        owned = sum(pc.numel for pc in lay.pieces)
+        out["layout"] = {"group_size": lay.group_size, "group_index": lay.group_index, "ngroups": lay.ngroups,
+                         "group_ranks": list(lay.group_ranks), "buckets": len(lay.buckets),
+                         "flat_numel": lay.flat_numel, "padded_numel": lay.padded_numel, "padding": lay.padding,
+                         "shard_numel": lay.shard_numel, "owned_numel": owned,
+                         "rank_padding": lay.shard_numel - owned, "pieces": len(lay.pieces)}
+    dist.barrier()
+    return out
+
+
+def zero_worker(rank: int, args, name: str, world: int, result_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, _common.cpu_count() // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mine = _measure_zero(rank, args, name)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            Path(result_file).write_text(json.dumps(gathered))
+    finally:
+        from nnscaler.runtime.grid import RankGrid
+        RankGrid.destroy_all()
+        dist.destroy_process_group()
+
+
+def run_zero_case(args, name: str, tmp: str) -> dict:
+    plan, dp, use_zero, ngroups, policy = ZERO_CASES[name]
+    world = plan * dp
+    z = dp // ngroups if use_zero else 1
+    args.port = _free_port()
+    result_file = os.path.join(tmp, f"result_{name}.json")
+    t0 = time.perf_counter()
+    mp.spawn(zero_worker, args=(args, name, world, result_file), nprocs=world)
+    spawn_s = time.perf_counter() - t0
+    ranks = json.loads(Path(result_file).read_text())
+    label = (f"{'ZeRO-1' if use_zero else 'DDP (dp)'} {policy or args.policy}"
+             + (f" tp{plan}" if plan > 1 else "") + f" dp{dp}" + (f" ngroups {ngroups} (z={z})" if use_zero else ""))
+    print(f"\n== {name}: {label} ({world} gloo processes x {max(1, _common.cpu_count() // world)} thread(s), "
+          f"{spawn_s:.1f} s) ==")
+    rows, per_rank = [], []
+    for r in ranks:
+        e, psi = r["elem"], r["psi"]
+        a_p, a_g, a_m = e * psi, e * psi, 2 * e * psi / z
+        lay = r["layout"]
+        owned = lay["owned_numel"] if lay else psi
+        m_pad = 2 * e * owned  # moments of the elements this rank really owns
+        total = r["param_bytes"] + r["grad_bytes"] + r["moment_bytes"]
+        a_total = a_p + a_g + a_m
+        x = {"rank": r["rank"], "psi": psi, "analytic": {"params": a_p, "grads": a_g, "moments": a_m,
+                                                         "total": a_total, "moments_owned": m_pad},
+             "ratio_params": r["param_bytes"] / a_p, "ratio_grads": r["grad_bytes"] / a_g,
+             "ratio_moments": r["moment_bytes"] / a_m, "ratio_moments_padding_accounted": r["moment_bytes"] / m_pad,
+             "ratio_total": total / a_total,
+             "ratio_total_padding_accounted": total / (a_p + a_g + m_pad),
+             "ratio_total_with_all_state": (total + r["other_state_bytes"]) / a_total,
+             **{k: r[k] for k in ("param_bytes", "grad_bytes", "moment_bytes", "other_state_bytes", "state_entries",
+                                  "shard_grad_buffer_bytes", "reducer_buffer_bytes", "reducer_attached", "loss",
+                                  "layout")}}
+        per_rank.append(x)
+        rows.append([f"rank {r['rank']}", f"{psi:,}", _fmt(r["param_bytes"]), _fmt(r["grad_bytes"]),
+                     _fmt(r["moment_bytes"]), _fmt(a_m), f"{x['ratio_moments']:.4f}",
+                     str(lay["rank_padding"]) if lay else "-", f"{x['ratio_moments_padding_accounted']:.4f}",
+                     _fmt(total), _fmt(a_total), f"{x['ratio_total']:.4f}", _fmt(r["other_state_bytes"]),
+                     _fmt(r["shard_grad_buffer_bytes"]), _fmt(r["reducer_buffer_bytes"])])
+    print(_common.table(["rank", "Psi", "params B", "grads B", "moments B", "8Psi/z", "ratio m", "pad elems",
+                         "ratio m (pad)", "p+g+m B", "analytic", "ratio", "step B", "shard-grad buf B",
+                         "reducer buf B"], rows))
+    # every element's moments exist once per zero group
+    checks = []
+    if use_zero:
+        groups = defaultdict(list)
+        for r in ranks:
+            groups[tuple(r["layout"]["group_ranks"])].append(r)
+        for g, rs in groups.items():
+            owned = sum(r["layout"]["owned_numel"] for r in rs)
+            checks.append({"group": list(g), "owned_sum": owned, "psi": rs[0]["psi"],
+                           "moments_sum": sum(r["moment_bytes"] for r in rs),
+                           "covers_once": owned == rs[0]["psi"] and rs[0]["layout"]["flat_numel"] == rs[0]["psi"]})
+        lay0 = ranks[0]["layout"]
+        print(f"layout: {lay0['buckets']} bucket(s), {lay0['flat_numel']:,} elements padded to "
+              f"{lay0['padded_numel']:,} (padding {lay0['padding']} elements = {lay0['padding'] * ranks[0]['elem']} B "
+              f"per zero group), shard {lay0['shard_numel']:,} elements per rank; per zero group the owned pieces "
+              f"cover every element once: {all(c['covers_once'] for c in checks)} "
+              f"(moments summed over a group = 8 Psi: "
+              f"{all(c['moments_sum'] == 2 * ranks[0]['elem'] * c['psi'] for c in checks)})")
+    worst = max(per_rank, key=lambda x: abs(x["ratio_total"] - 1))
+    return {"case": name, "label": label, "plan_ngpus": plan, "dp": dp, "world": world, "use_zero": use_zero,
+            "zero_ngroups": ngroups, "z": z, "policy": policy or args.policy, "per_rank": per_rank,
+            "group_checks": checks, "worst_ratio_total": worst["ratio_total"],
+            "worst_ratio_moments": max((x["ratio_moments"] for x in per_rank), key=lambda v: abs(v - 1)),
+            "worst_ratio_moments_padding_accounted": max((x["ratio_moments_padding_accounted"] for x in per_rank),
+                                                         key=lambda v: abs(v - 1)),
+            "spawn_seconds": spawn_s}
+
+
+def zero_summary(zc: list) -> None:
+    print()
+    rows = []
+    for c in zc:
+        r0 = c["per_rank"][0]
+        pad = max((x["layout"]["rank_padding"] for x in c["per_rank"] if x["layout"]), default=0)
+        rows.append([c["case"], c["z"], f"{r0['psi']:,}", _fmt(max(x["param_bytes"] + x["grad_bytes"] + x["moment_bytes"]
+                                                                  for x in c["per_rank"])),
+                     _fmt(r0["analytic"]["total"]), f"{c['worst_ratio_total']:.4f}",
+                     f"{c['worst_ratio_moments']:.4f}", pad, f"{c['worst_ratio_moments_padding_accounted']:.4f}",
+                     _fmt(max(x["shard_grad_buffer_bytes"] for x in c["per_rank"])),
+                     _fmt(max(x["reducer_buffer_bytes"] for x in c["per_rank"]))])
+    print(_common.table(["case", "z", "Psi/rank", "p+g+m B (max)", "analytic", "ratio (worst)", "moments ratio",
+                         "max pad elems", "moments (pad)", "shard-grad buf", "reducer buf"], rows))
+    print("analytic: DDP 16 Psi, ZeRO-1 4 Psi + 4 Psi + 8 Psi/z (Adam fp32); p+g+m = params + grads + Adam "
+          "moments; step scalars and the buffers are reported apart")
+
+
+# -- activation memory with and without recompute -------------------------------------------------
+
+def _live_bytes_profile(fn_fwd, fn_bwd):
+    """(held at the end of forward, peak over forward + backward): CPU allocator bytes relative to the
+    start, from torch.profiler's memory events."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("bench_fwd"):
+            out = fn_fwd()
+        with record_function("bench_bwd"):
+            fn_bwd(out)
+    allocs, fwd_end = [], None
+
+    def walk(n):
+        nonlocal fwd_end
+        if n.tag == _EventType.Allocation:
+            allocs.append((n.start_time_ns, n.extra_fields.alloc_size))
+        elif n.name == "bench_fwd":
+            fwd_end = n.end_time_ns
+        for c in n.children:
+            walk(c)
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    allocs.sort()
+    cur = peak = held = 0
+    for ts, size in allocs:
+        cur += size
+        peak = max(peak, cur)
+        if fwd_end is not None and ts <= fwd_end:
+            held = cur
+    return held, peak, len(allocs)
+
+
+def _measure_act(args, recompute: bool) -> dict:
+    from nnscaler import ComputeConfig, parallelize
+    pas = {"recompute_modules": "Block"} if recompute else {}
+    cfg = ComputeConfig(1, 1, trace_strategy="cpu", pas_config=pas)
+    name = "act_recompute" if recompute else "act_plain"
+    pm = parallelize(base_model(args), batch(args), "dp", cfg, gen_savedir=args.gen_dir, instance_name=name,
+                     reuse="override")
+    b = batch(args)
+    pm(**b).backward()  # warm-up: gradients allocated once, kept (zeroed in place) below
+    for p in pm.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    saved = {"sum": 0, "count": 0, "storages": {}}
+
+    def pack(t):
+        saved["sum"] += t.numel() * t.element_size()
+        saved["count"] += 1
+        s = t.untyped_storage()
+        saved["storages"][s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = pm(**b)
+    loss.backward()
+    for p in pm.parameters():
+        p.grad.zero_()
+
+    held, peak, n_alloc = _live_bytes_profile(lambda: pm(**b), lambda l: l.backward())
+    gen = list(Path(args.gen_dir).glob(f"**/{name}/gencode0.py"))
+    ckpt_calls = len(re.findall(r"checkpoint\(", gen[0].read_text())) if gen else None
+    return {"recompute_modules": pas.get("recompute_modules"), "saved_bytes_sum": saved["sum"],
+            "saved_tensors": saved["count"], "saved_bytes_distinct_storages": sum(saved["storages"].values()),
+            "live_after_forward_bytes": held, "peak_fwd_bwd_bytes": peak, "allocations": n_alloc,
+            "checkpoint_calls_in_gencode": ckpt_calls, "loss": loss.item()}
+
+
+def act_worker(rank: int, args, result_file: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.set_num_threads(_common.cpu_count())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        res = {k: _measure_act(args, k == "recompute") for k in ("plain", "recompute")}
+        Path(result_file).write_text(json.dumps(res))
+    finally:
+        from nnscaler.runtime.grid import RankGrid
+        RankGrid.destroy_all()
+        dist.destroy_process_group()
+
+
+def run_activation(args, tmp: str) -> dict:
+    args.port = _free_port()
+    result_file = os.path.join(tmp, "result_act.json")
+    t0 = time.perf_counter()
+    mp.spawn(act_worker, args=(args, result_file), nprocs=1)
+    spawn_s = time.perf_counter() - t0
+    res = json.loads(Path(result_file).read_text())
+    pl, rc = res["plain"], res["recompute"]
+    btc = args.batch * args.block_size * args.embd * 4
+    print(f"\n== activation memory, one forward + backward, single process, B={args.batch} T={args.block_size} "
+          f"C={args.embd} ({spawn_s:.1f} s) ==")
+    keys = [("saved for backward (hooks, sum)", "saved_bytes_sum"),
+            ("saved for backward (distinct storages)", "saved_bytes_distinct_storages"),
+            ("live bytes at end of forward (profiler)", "live_after_forward_bytes"),
+            ("peak live bytes over fwd+bwd (profiler)", "peak_fwd_bwd_bytes")]
+    rows = [[label, _fmt(pl[k]), _fmt(rc[k]), f"{rc[k] / pl[k]:.3f}" if pl[k] else "-",
+             f"{pl[k] / rc[k]:.2f}x" if rc[k] else "-"] for label, k in keys]
+    print(_common.table(["measure", "no recompute B", "recompute Block B", "ratio rc/plain", "saving"], rows))
+    print(f"saved tensors: {pl['saved_tensors']} / {rc['saved_tensors']}; checkpoint calls in gencode0.py: "
+          f"{pl['checkpoint_calls_in_gencode']} / {rc['checkpoint_calls_in_gencode']}; losses "
+          f"{pl['loss']:.6f} / {rc['loss']:.6f}; B*T*C*4 = {_fmt(btc)} B (one block input); the hooks do not see "
+          f"what checkpoint keeps (each block's inputs), the profiler does; gradients were allocated before "
+          f"the measured step, so the peak excludes them")
+    return {"plain": pl, "recompute": rc, "btc_bytes": btc, "spawn_seconds": spawn_s,
+            "ratio": {k: (rc[k] / pl[k] if pl[k] else None) for _, k in keys}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="tensor-parallel degrees (default 2 4)")
+    p.add_argument("--tp", type=int, nargs="*", default=[2, 4], help="tensor-parallel degrees (default 2 4; none: skip)")
     p.add_argument("--policy", default="megatron", help="plan (default megatron)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--embd", type=int, default=128)
@@ -265,8 +573,14 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--zero-cases", nargs="*", default=list(ZERO_CASES),
+                   help=f"ZeRO/dp cases (default all: {' '.join(ZERO_CASES)}; none: empty)")
+    p.add_argument("--no-act", dest="act", action="store_false", help="skip the activation (recompute) part")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "memory.json"))
     args = p.parse_args()
+    bad = [c for c in args.zero_cases if c not in ZERO_CASES]
+    if bad:
+        p.error(f"unknown --zero-cases {bad}; known: {list(ZERO_CASES)}")
     if any(t < 2 for t in args.tp):
         p.error("--tp degrees must be >= 2")
     cores = _common.cpu_count()
@@ -284,9 +598,16 @@ def main() -> None:
             mp.spawn(worker, args=(args, t, result_file), nprocs=t)
             spawn_s = time.perf_counter() - t0
             cases.append(report(args, t, a, json.loads(Path(result_file).read_text()), spawn_s))
+        zero_cases = []
+        for name in args.zero_cases:
+            zero_cases.append(run_zero_case(args, name, tmp))
+        if zero_cases:
+            zero_summary(zero_cases)
+        act = run_activation(args, tmp) if args.act else None
     wall = time.perf_counter() - t_start
 
-    print()
+    if cases:
+        print()
     full = cases[0]["analytic"]["model_param_bytes"] if cases else 0
     rows = []
     for c in cases:
@@ -298,21 +619,30 @@ def main() -> None:
                      f"{pb / (full / c['tp']):.2f}", _fmt(c["analytic"]["replicated_bytes"]),
                      "ok" if abs(worst_p - 1) <= TOL and abs(worst_g - 1) <= TOL and not c["fullmap_mismatches"]
                      else "OFF"])
-    print(_common.table(["plan", "params B/rank", "analytic", "ratio p", "ratio g", "of full", "ideal 1/t",
-                         "x ideal", "replicated B", "= 1.00"], rows))
-    print(f"full model {_fmt(full)} B of parameters (same for gradients); worst rank shown; "
-          f"total wall time {wall:.1f} s")
+    if rows:
+        print(_common.table(["plan", "params B/rank", "analytic", "ratio p", "ratio g", "of full", "ideal 1/t",
+                             "x ideal", "replicated B", "= 1.00"], rows))
+        print(f"full model {_fmt(full)} B of parameters (same for gradients); worst rank shown")
+    print(f"total wall time {wall:.1f} s")
     data = {
         "timestamp": _common.timestamp(),
         "command": _common.command_line(),
         "machine": _common.machine_info(),
-        "config": {"tp": args.tp, "policy": args.policy, "backend": "gloo",
+        "config": {"tp": args.tp, "policy": args.policy, "backend": "gloo", "zero_cases": args.zero_cases,
+                   "zero_case_specs": {k: dict(zip(("plan_ngpus", "dp", "use_zero", "zero_ngroups", "policy"), v))
+                                       for k, v in ZERO_CASES.items() if k in args.zero_cases},
+                   "activation": bool(args.act),
                    "threads_per_rank": {str(t): max(1, cores // t) for t in args.tp},
                    "model": {"n_layer": args.layers, "n_embd": args.embd, "n_head": args.heads,
                              "block_size": args.block_size, "vocab_size": args.vocab, "use_sdpa": False},
                    "batch": args.batch, "step": "one forward + backward"},
         "target_ratio": TARGET_RATIO,
         "cases": cases,
+        "zero": {"formula": "Adam fp32, Psi = trainable params per rank before ZeRO (tp-local): "
+                            "DDP 16 Psi = 4 Psi params + 4 Psi grads + 8 Psi moments; ZeRO-1 4 Psi + 4 Psi + 8 Psi / z, "
+                            "z = dp / zero_ngroups",
+                 "cases": zero_cases},
+        "activation": act,
         "wall_seconds": wall,
     }
     path = Path(args.out)

@@ -1,0 +1,210 @@
+"""fp32 master weights for an optimizer over fp16/bf16 parameters."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import ConfigError
+
+from .settings import _LOW
+
+
+# -- fp32 master weights ------------------------------------------------------------------------------
+
+class MixedPrecisionOptimizer:
+    """Mixed into the optimizer's class by `with_master_weights` (see the module docstring).
+
+    `_mp_pairs`: (model parameter, fp32 master) for every fp16/bf16 parameter; the master
+    replaces the parameter in `param_groups`. Master gradients exist only between
+    `prepare_master_grads()` (called by step, clip_gnorm, scale_grads and GradScaler.unscale_)
+    and the end of `step()` / `zero_grad()` / `GradScaler.update()`.
+    """
+
+    _mp_pairs: List[Tuple[torch.Tensor, torch.Tensor]]
+    _mp_grads_ready: bool
+    # GradScaler must take the unscale_ path (which calls prepare_master_grads), never the
+    # fused-optimizer path that leaves unscaling to step().
+    _step_supports_amp_scaling = False
+
+    def _mp_convert_group(self, group: Dict[str, Any]) -> None:
+        replicas = getattr(self, "_nnscaler_replicas", None)
+        params = group["params"]
+        for i, p in enumerate(params):
+            if not (isinstance(p, torch.Tensor) and p.dtype in _LOW):
+                continue
+            master = torch.nn.Parameter(p.detach().to(torch.float32), requires_grad=p.requires_grad)
+            params[i] = master
+            self._mp_pairs.append((p, master))
+            if isinstance(replicas, dict):  # build_optimizer's gradient-norm weights
+                replicas[id(master)] = replicas.get(id(p), 1)
+            if p in self.state:
+                old = self.state.pop(p)
+                self.state[master] = {k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                                      and k != "step" else v for k, v in old.items()}
+
+    @property
+    def master_params(self) -> List[torch.Tensor]:
+        """The fp32 masters, in the order of the low-precision parameters they stand for."""
+        return [m for _, m in self._mp_pairs]
+
+    def master_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The fp32 master of a model parameter (None when it has none)."""
+        return next((m for p, m in self._mp_pairs if p is param), None)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_mp_pairs"):  # not during the base __init__
+            self._mp_convert_group(self.param_groups[-1])
+
+    def prepare_master_grads(self) -> None:
+        """Upcast the model parameters' gradients into the masters' `.grad` (once per step).
+        Completes pending ZeRO shard gradients first (`sync_shard_grad`, when the optimizer has it)."""
+        if self._mp_grads_ready:
+            return
+        sync_shard_grad = getattr(self, "sync_shard_grad", None)
+        if sync_shard_grad is not None:
+            sync_shard_grad()
+        with torch.no_grad():
+            for p, m in self._mp_pairs:
+                if p.grad is None:
+                    m.grad = None
+                elif m.grad is None or m.grad.shape != p.grad.shape:
+                    m.grad = p.grad.detach().to(torch.float32)
+                else:
+                    m.grad.copy_(p.grad)
+        self._mp_grads_ready = True
+
+    def release_master_grads(self) -> None:
+        """Drop the masters' gradients (the model's stay)."""
+        for _, m in self._mp_pairs:
+            m.grad = None
+        self._mp_grads_ready = False
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # evaluated once, then the masters step on its gradients
+            with torch.enable_grad():
+                loss = closure()
+        self.prepare_master_grads()
+        super().step()
+        with torch.no_grad():
+            for p, m in self._mp_pairs:
+                p.copy_(m)  # round to nearest
+        self.release_master_grads()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.release_master_grads()
+        super().zero_grad(set_to_none=set_to_none)
+        for p, _ in self._mp_pairs:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
+        """Gradient norm (and clipping) over the fp32 master gradients; see build_optimizer."""
+        self.prepare_master_grads()
+        parent = super()
+        if hasattr(parent, "clip_gnorm"):
+            return parent.clip_gnorm(max_norm)
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, float("inf") if max_norm is None else max_norm)
+
+    def scale_grads(self, factor: float) -> None:
+        self.prepare_master_grads()
+        parent = super()
+        if hasattr(parent, "scale_grads"):
+            return parent.scale_grads(factor)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer's state dict (state of the masters, fp32) plus
+        `'master_weights'`: {parameter index (as in 'state'): fp32 master}."""
+        sd = super().state_dict()
+        index, masters, seen = 0, {}, {}
+        master_ids = {id(m) for _, m in self._mp_pairs}
+        for group in self.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), index)
+                if id(p) in master_ids:
+                    masters[seen[id(p)]] = p.detach()
+                index += 1
+        sd["master_weights"] = masters
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads the inner state; masters from `'master_weights'` when present (the model's
+        parameters are then set to them, rounded), else from the model's parameters."""
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("master_weights", None)
+        super().load_state_dict(state_dict)
+        index, positions = 0, {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                positions.setdefault(id(p), index)
+                index += 1
+        with torch.no_grad():
+            for p, m in self._mp_pairs:
+                i = positions.get(id(m))
+                if saved is not None and i in saved:
+                    m.copy_(saved[i])
+                    p.copy_(m)
+                else:
+                    m.copy_(p)
+        self.release_master_grads()
+
+
+MixedPrecisionOptimizer.step.hooked = True  # step pre/post hooks run around the inner step (masters)
+
+_MP_CLASSES: Dict[type, type] = {}
+
+
+def _mp_class(base: type) -> type:
+    if base not in _MP_CLASSES:
+        _MP_CLASSES[base] = type(f"MasterWeights{base.__name__}", (MixedPrecisionOptimizer, base),
+                                 {"__module__": base.__module__})
+    return _MP_CLASSES[base]
+
+
+def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make `optimizer` keep fp32 master weights for its fp16/bf16 parameters; returns the same
+    object, now also an instance of `MixedPrecisionOptimizer` (and still of its own class, e.g.
+    `torch.optim.Adam`, with build_optimizer's methods). Idempotent. Existing state is moved to
+    the masters and upcast. May be called after an LR scheduler was created on it."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"with_master_weights: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        return optimizer
+    patched = optimizer.__dict__.get("step")
+    if patched is not None and not getattr(patched, "_wrapped_by_lr_sched", False):
+        raise ConfigError(f"with_master_weights: {type(optimizer).__name__}.step was replaced on the instance; "
+                          f"call with_master_weights before wrapping step")
+    optimizer.__class__ = _mp_class(type(optimizer))
+    optimizer.__dict__.pop("_step_supports_amp_scaling", None)  # fused optimizers set it: unscale_ path
+    optimizer._mp_pairs = []
+    optimizer._mp_grads_ready = False
+    for group in optimizer.param_groups:
+        optimizer._mp_convert_group(group)
+    if patched is not None:  # an LR scheduler wrapped the old class's step: wrap the new one
+        ref = weakref.ref(optimizer)
+
+        def step(*args, **kwargs):
+            opt = ref()
+            opt._opt_called = True
+            return type(opt).step(opt, *args, **kwargs)
+
+        step._wrapped_by_lr_sched = True
+        optimizer.step = step
+    return optimizer
