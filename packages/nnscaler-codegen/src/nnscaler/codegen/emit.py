@@ -12,7 +12,7 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from nnscaler.ir.graph import IRGraph, Node, Ref, decode, iter_refs, map_refs
+from nnscaler.ir.graph import IRGraph, Node, Ref, decode, iter_refs
 
 from nnscaler.ir.layout import Replicate, Shard
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict
+from typing import Dict
 
 import torch
 

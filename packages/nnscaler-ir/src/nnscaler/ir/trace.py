@@ -9,10 +9,8 @@ torch.export is written down in docs/architecture.md.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
-import os
 import sys
 from typing import Any, Dict, Optional
 
@@ -211,7 +209,7 @@ class Tracer:
             ref = self.new_value(real, "size")
             self._add_node(target, arg_refs, kwarg_refs, ref)
             return TracedInt(real, self, ref)
-        refs = tuple(self.new_value(int(d), f"size") for d in real)
+        refs = tuple(self.new_value(int(d), "size") for d in real)
         self._add_node(target, arg_refs, kwarg_refs, refs)
         return TracedSize(TracedInt(int(d), self, r) for d, r in zip(real, refs))
 

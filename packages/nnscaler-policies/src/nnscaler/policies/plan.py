@@ -7,8 +7,8 @@ n pieces with the placements its annotation gives.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from nnscaler.ir.graph import IRGraph, Node
 from nnscaler.ir.layout import Replicate

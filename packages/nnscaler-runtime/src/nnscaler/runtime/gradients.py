@@ -16,7 +16,7 @@ reduction, and `reduce_gradients` applies it with ``optimizer.scale_grads``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .broadcast import broadcast_files, check_strategy
-from .errors import ConfigError, GenerationError, ReuseError
+from .errors import ConfigError, GenerationError
 from .gen_dir import (CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, Action, Identity, ReuseType, decide,
                       generator_identity, instance_dir, read_manifest, write_manifest)
 

@@ -7,7 +7,7 @@ Versioned by `LAYOUT_VERSION`. See `ZeroShardLayout` for how to put the state ba
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Mapping, Tuple
 
 LAYOUT_VERSION = 1
 
