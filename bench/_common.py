@@ -6,10 +6,12 @@ import json
 import os
 import platform
 import shlex
+import socket
 import statistics
+import time
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -98,3 +100,144 @@ def table(headers: Sequence[str], rows: List[Sequence[object]]) -> str:
     lines = [fmt(cells[0]), "  ".join("-" * w for w in widths)]
     lines += [fmt(r) for r in cells[1:]]
     return "\n".join(lines)
+
+
+def fmt_bytes(b: float) -> str:
+    """Bytes with thousands separators, no decimals."""
+    return f"{b:,.0f}"
+
+
+# -- the example GPT (examples/gpt.py) as the benches configure it -------------------------------
+
+def gpt_config(args):
+    """GPTConfig from args.vocab/block_size/layers/heads/embd (no SDPA)."""
+    from gpt import GPTConfig
+    return GPTConfig(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.layers,
+                     n_head=args.heads, n_embd=args.embd, use_sdpa=False)
+
+
+def base_model(args):
+    """The GPT with seed-0 initial weights."""
+    from gpt import GPT
+    import torch
+    torch.manual_seed(0)
+    return GPT(gpt_config(args))
+
+
+def batch(args, step: int = 0):
+    """random_batch(step, args.batch, config)."""
+    from gpt import random_batch
+    return random_batch(step, args.batch, gpt_config(args))
+
+
+# -- gloo worker processes -----------------------------------------------------------------------
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(world: int) -> int:
+    """Intra-op threads of each of `world` processes: max(1, cores // world)."""
+    return max(1, cpu_count() // world)
+
+
+def init_gloo(rank: int, world: int, port: int, threads: int, env: Optional[Dict[str, str]] = None) -> None:
+    """torchrun-style env vars, `threads` intra-op threads, then a gloo process group."""
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if env:
+        os.environ.update(env)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def teardown_groups() -> None:
+    """Destroy nnscaler's rank-grid groups, then the default process group."""
+    import torch.distributed as dist
+    from nnscaler.runtime.grid import RankGrid
+    RankGrid.destroy_all()
+    dist.destroy_process_group()
+
+
+def _gloo_entry(rank: int, fn: Callable, fn_args: tuple, world: int, port: int, threads: int,
+                result_file: str, gather: bool, env: Optional[Dict[str, str]]) -> None:
+    """mp.spawn target: init, `fn(rank, *fn_args)`, rank 0 writes the result (all ranks' results,
+    gathered, if `gather`) as JSON to `result_file`, tear down."""
+    import torch.distributed as dist
+    init_gloo(rank, world, port, threads, env)
+    try:
+        mine = fn(rank, *fn_args)
+        if gather:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, mine)
+            mine = gathered
+        if rank == 0:
+            Path(result_file).write_text(json.dumps(mine))
+    finally:
+        teardown_groups()
+
+
+def spawn_gloo(fn: Callable, fn_args: tuple, world: int, result_file: str, *, threads: Optional[int] = None,
+               gather: bool = True, env: Optional[Dict[str, str]] = None) -> Tuple[object, float]:
+    """Run `fn(rank, *fn_args)` in `world` gloo processes (torch.multiprocessing.spawn; `fn` must be
+    a module-level function). Returns (rank 0's JSON result, or the list of every rank's with
+    `gather`; the seconds mp.spawn took). Threads per rank default to max(1, cores // world)."""
+    import torch.multiprocessing as mp
+    threads = threads or threads_per_rank(world)
+    t0 = time.perf_counter()
+    mp.spawn(_gloo_entry, args=(fn, fn_args, world, free_port(), threads, result_file, gather, env), nprocs=world)
+    seconds = time.perf_counter() - t0
+    return json.loads(Path(result_file).read_text()), seconds
+
+
+# -- results -------------------------------------------------------------------------------------
+
+def run_header() -> Dict[str, object]:
+    """The first keys of every results file: timestamp, command, machine."""
+    return {"timestamp": timestamp(), "command": command_line(), "machine": machine_info()}
+
+
+def save_results(out: str, data: Dict[str, object]) -> Path:
+    """Write `data` to `out` (atomically via write_json when it is in bench/results) and print
+    'wrote <path>'."""
+    path = Path(out)
+    if path.resolve().parent == RESULTS_DIR.resolve():
+        path = write_json(path.name, data)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+# -- collectives (comm.py and _zero_comm.py) -----------------------------------------------------
+
+FALLBACK = "(fallback)"
+
+
+def base_key(key: str) -> str:
+    """A stats key without its '(fallback)' suffix."""
+    return key[:-len(FALLBACK)] if key.endswith(FALLBACK) else key
+
+
+def wire_bytes(key: str, payload: float, n: int) -> float:
+    """Bytes one rank sends on the wire for a recorded (key, payload bytes), ring / pairwise
+    algorithms. A fallback records the payload of the collective it really ran (stats.py):
+    reduce_scatter(fallback) an all-reduce of B, all_to_all(fallback) and all_gather(fallback)
+    an all-gather of the local piece."""
+    ran = {"reduce_scatter" + FALLBACK: "all_reduce", "all_to_all" + FALLBACK: "all_gather",
+           "all_gather" + FALLBACK: "all_gather"}.get(key, base_key(key))
+    if ran == "all_reduce":
+        return 2 * (n - 1) / n * payload  # payload = B
+    if ran == "all_gather":
+        return (n - 1) * payload  # payload = B/n, wire (n-1)/n*B
+    if ran == "reduce_scatter":
+        return (n - 1) / n * payload  # payload = B
+    if ran == "all_to_all":
+        return (n - 1) / n * payload  # payload = B/n, wire (n-1)/n*B/n
+    return float("nan")

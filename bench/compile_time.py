@@ -157,9 +157,7 @@ def main() -> None:
     print(f"total wall time {wall:.1f} s")
 
     data = {
-        "timestamp": _common.timestamp(),
-        "command": _common.command_line(),
-        "machine": _common.machine_info(),
+        **_common.run_header(),
         "config": {"model": {"n_embd": args.embd, "n_head": args.heads, "block_size": args.block_size,
                              "vocab_size": args.vocab, "use_sdpa": False}, "batch": args.batch,
                    "compute_config": "ComputeConfig(1, 2, trace_strategy='cpu')", "policy": "dp",
@@ -169,14 +167,7 @@ def main() -> None:
         "growth": growth,
         "wall_seconds": wall,
     }
-    path = Path(args.out)
-    if path.resolve().parent == _common.RESULTS_DIR.resolve():
-        path = _common.write_json(path.name, data)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        import json
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {path}")
+    _common.save_results(args.out, data)
 
 
 if __name__ == "__main__":

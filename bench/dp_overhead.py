@@ -34,14 +34,11 @@ import copy
 import cProfile
 import inspect
 import io
-import json
 import os
 import pstats
-import socket
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -50,7 +47,6 @@ _common.add_examples_to_path()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 TARGET_RATIO = 1.10
 VARIANTS = ("nnscaler", "nnscaler_async", "ddp")
@@ -190,28 +186,7 @@ def _run(rank: int, args) -> dict:
             "rounds": rounds, "reducer_stats": stats, "profiles": profiles}
 
 
-def worker(rank: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
-                      WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.nproc))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
-    try:
-        result = _run(rank, args)
-        if rank == 0:
-            Path(args.result_file).write_text(json.dumps(result))
-    finally:
-        from nnscaler.runtime.grid import RankGrid
-        RankGrid.destroy_all()
-        dist.destroy_process_group()
-
-
 # -- launcher -----------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -248,7 +223,6 @@ def main() -> None:
         args.ddp_bucket_mb = args.bucket_mb
     cores = _common.cpu_count()
     args.threads = args.threads or max(1, cores // args.nproc)
-    args.port = _free_port()
     args.profile_dir = str(_common.RESULTS_DIR)
     if args.profile:
         _common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -257,12 +231,11 @@ def main() -> None:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nnscaler_bench_") as tmp:
         args.gen_dir = os.path.join(tmp, "gen")
-        args.result_file = os.path.join(tmp, "result.json")
         print(f"dp overhead: GPT n_layer={args.layers} n_embd={args.embd} block_size={args.block_size} "
               f"batch/rank={args.batch}, {args.nproc} gloo processes x {args.threads} thread(s) "
               f"({cores} cores), {args.steps} timed steps/variant in blocks of {args.block}", flush=True)
-        mp.spawn(worker, args=(args,), nprocs=args.nproc)
-        result = json.loads(Path(args.result_file).read_text())
+        result, _ = _common.spawn_gloo(_run, (args,), args.nproc, os.path.join(tmp, "result.json"),
+                                       threads=args.threads, gather=False)
     wall = time.perf_counter() - t_start
     load_after = _common.loadavg()
 
@@ -300,9 +273,7 @@ def main() -> None:
     print(f"load average before/after: {load_before} / {load_after}; total wall time {wall:.1f} s")
 
     data = {
-        "timestamp": _common.timestamp(),
-        "command": _common.command_line(),
-        "machine": _common.machine_info(),
+        **_common.run_header(),
         "config": {"nproc": args.nproc, "threads_per_rank": args.threads, "backend": "gloo",
                    "model": {"n_layer": args.layers, "n_embd": args.embd, "n_head": args.heads,
                              "block_size": args.block_size, "vocab_size": args.vocab, "use_sdpa": False,
@@ -326,13 +297,7 @@ def main() -> None:
         "loss_check": {"step0": loss0, "warmup_losses": losses, "max_abs_diff_vs_ddp": max_diff},
         "wall_seconds": wall,
     }
-    path = Path(args.out)
-    if path.resolve().parent == _common.RESULTS_DIR.resolve():
-        path = _common.write_json(path.name, data)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {path}")
+    _common.save_results(args.out, data)
     if result.get("profiles"):
         for n, text in result["profiles"].items():
             print(f"\n===== cProfile rank 0, {args.profile_steps} steps of {n} (sorted by tottime) =====")

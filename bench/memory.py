@@ -48,11 +48,9 @@ Writes bench/results/memory.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -66,27 +64,15 @@ _common.add_examples_to_path()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from _zero_memory import ZERO_CASES, run_zero_case, zero_summary  # noqa: E402
 
 TARGET_RATIO = 1.00
 TOL = 1e-9
 
 
-def gpt_config(args):
-    from gpt import GPTConfig
-    return GPTConfig(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.layers,
-                     n_head=args.heads, n_embd=args.embd, use_sdpa=False)
-
-
-def base_model(args):
-    from gpt import GPT
-    torch.manual_seed(0)
-    return GPT(gpt_config(args))
-
-
-def batch(args, step: int = 0):
-    from gpt import random_batch
-    return random_batch(step, args.batch, gpt_config(args))
+base_model = _common.base_model
+batch = _common.batch
+_fmt = _common.fmt_bytes
 
 
 def compute_config(args, t: int):
@@ -150,34 +136,7 @@ def _measure(rank: int, args, t: int) -> dict:
             "aliases": dict(pm.full_aliases)}
 
 
-def worker(rank: int, args, t: int, result_file: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
-                      WORLD_SIZE=str(t), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(t))
-    torch.set_num_threads(max(1, _common.cpu_count() // t))
-    dist.init_process_group("gloo", rank=rank, world_size=t)
-    try:
-        mine = _measure(rank, args, t)
-        gathered = [None] * t
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(gathered))
-    finally:
-        from nnscaler.runtime.grid import RankGrid
-        RankGrid.destroy_all()
-        dist.destroy_process_group()
-
-
 # -- launcher -------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fmt(b: float) -> str:
-    return f"{b:,.0f}"
-
 
 def _kind(name: str) -> str:
     """Group replicated tensors: 'h.3.ln_1.weight' -> 'h.*.ln_1.weight'."""
@@ -276,182 +235,6 @@ def report(args, t: int, a: dict, ranks: list, spawn_s: float) -> dict:
     }
 
 
-# -- ZeRO stage 1 / data parallel: parameters, gradients, optimizer state -------------------------
-
-# name: (plan_ngpus, dp, use_zero, zero_ngroups, policy (None: --policy))
-ZERO_CASES = {
-    "dp2": (1, 2, False, 1, "dp"),
-    "zero-dp2": (1, 2, True, 1, "dp"),
-    "zero-dp3": (1, 3, True, 1, "dp"),  # 834,304 elements do not split 3 ways: padding
-    "zero-dp4": (1, 4, True, 1, "dp"),
-    "zero-g2-dp4": (1, 4, True, 2, "dp"),
-    "zero-tp2dp2": (2, 2, True, 1, None),
-}
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen = {}
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def _measure_zero(rank: int, args, name: str) -> dict:
-    from nnscaler import ComputeConfig, build_optimizer, parallelize
-    plan, dp, use_zero, ngroups, policy = ZERO_CASES[name]
-    policy = policy or args.policy
-    cfg = ComputeConfig(plan, plan * dp, use_zero=use_zero, zero_ngroups=ngroups, trace_strategy="cpu")
-    pm = parallelize(base_model(args), batch(args), policy, cfg, gen_savedir=args.gen_dir,
-                     instance_name=name.replace("-", "_"), reuse="override")
-    opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
-    opt.zero_grad()
-    loss = pm(**batch(args))
-    loss.backward()
-    opt.step()
-    params = list(pm.parameters())  # distinct
-    trainable = [p for p in params if p.requires_grad]
-    moments = other = 0
-    for st in opt.state.values():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                if k in MOMENTS:
-                    moments += v.numel() * v.element_size()
-                else:
-                    other += v.numel() * v.element_size()
-    held = [t for g in opt.param_groups for t in g["params"]]
-    pids = {id(p) for p in params}
-    shard_grads = [t.grad for t in held if id(t) not in pids]
-    reducer = getattr(pm, "reducer", None)
-    red_buf = _storage_bytes([b.buffer for b in getattr(reducer, "_buckets", [])]) if reducer is not None else 0
-    out = {"rank": dist.get_rank(), "psi": sum(p.numel() for p in trainable),
-           "elem": trainable[0].element_size(),
-           "param_bytes": sum(p.numel() * p.element_size() for p in params),
-           "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-           "moment_bytes": moments, "other_state_bytes": other, "state_entries": len(opt.state),
-           "shard_grad_buffer_bytes": _storage_bytes(shard_grads), "reducer_buffer_bytes": red_buf,
-           "reducer_attached": reducer is not None, "loss": loss.item(), "layout": None}
-    lay = opt.zero_layout
-    if lay is not None:
-        owned = sum(pc.numel for pc in lay.pieces)
-        out["layout"] = {"group_size": lay.group_size, "group_index": lay.group_index, "ngroups": lay.ngroups,
-                         "group_ranks": list(lay.group_ranks), "buckets": len(lay.buckets),
-                         "flat_numel": lay.flat_numel, "padded_numel": lay.padded_numel, "padding": lay.padding,
-                         "shard_numel": lay.shard_numel, "owned_numel": owned,
-                         "rank_padding": lay.shard_numel - owned, "pieces": len(lay.pieces)}
-    dist.barrier()
-    return out
-
-
-def zero_worker(rank: int, args, name: str, world: int, result_file: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, _common.cpu_count() // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mine = _measure_zero(rank, args, name)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            Path(result_file).write_text(json.dumps(gathered))
-    finally:
-        from nnscaler.runtime.grid import RankGrid
-        RankGrid.destroy_all()
-        dist.destroy_process_group()
-
-
-def run_zero_case(args, name: str, tmp: str) -> dict:
-    plan, dp, use_zero, ngroups, policy = ZERO_CASES[name]
-    world = plan * dp
-    z = dp // ngroups if use_zero else 1
-    args.port = _free_port()
-    result_file = os.path.join(tmp, f"result_{name}.json")
-    t0 = time.perf_counter()
-    mp.spawn(zero_worker, args=(args, name, world, result_file), nprocs=world)
-    spawn_s = time.perf_counter() - t0
-    ranks = json.loads(Path(result_file).read_text())
-    label = (f"{'ZeRO-1' if use_zero else 'DDP (dp)'} {policy or args.policy}"
-             + (f" tp{plan}" if plan > 1 else "") + f" dp{dp}" + (f" ngroups {ngroups} (z={z})" if use_zero else ""))
-    print(f"\n== {name}: {label} ({world} gloo processes x {max(1, _common.cpu_count() // world)} thread(s), "
-          f"{spawn_s:.1f} s) ==")
-    rows, per_rank = [], []
-    for r in ranks:
-        e, psi = r["elem"], r["psi"]
-        a_p, a_g, a_m = e * psi, e * psi, 2 * e * psi / z
-        lay = r["layout"]
-        owned = lay["owned_numel"] if lay else psi
-        m_pad = 2 * e * owned  # moments of the elements this rank really owns
-        total = r["param_bytes"] + r["grad_bytes"] + r["moment_bytes"]
-        a_total = a_p + a_g + a_m
-        x = {"rank": r["rank"], "psi": psi, "analytic": {"params": a_p, "grads": a_g, "moments": a_m,
-                                                         "total": a_total, "moments_owned": m_pad},
-             "ratio_params": r["param_bytes"] / a_p, "ratio_grads": r["grad_bytes"] / a_g,
-             "ratio_moments": r["moment_bytes"] / a_m, "ratio_moments_padding_accounted": r["moment_bytes"] / m_pad,
-             "ratio_total": total / a_total,
-             "ratio_total_padding_accounted": total / (a_p + a_g + m_pad),
-             "ratio_total_with_all_state": (total + r["other_state_bytes"]) / a_total,
-             **{k: r[k] for k in ("param_bytes", "grad_bytes", "moment_bytes", "other_state_bytes", "state_entries",
-                                  "shard_grad_buffer_bytes", "reducer_buffer_bytes", "reducer_attached", "loss",
-                                  "layout")}}
-        per_rank.append(x)
-        rows.append([f"rank {r['rank']}", f"{psi:,}", _fmt(r["param_bytes"]), _fmt(r["grad_bytes"]),
-                     _fmt(r["moment_bytes"]), _fmt(a_m), f"{x['ratio_moments']:.4f}",
-                     str(lay["rank_padding"]) if lay else "-", f"{x['ratio_moments_padding_accounted']:.4f}",
-                     _fmt(total), _fmt(a_total), f"{x['ratio_total']:.4f}", _fmt(r["other_state_bytes"]),
-                     _fmt(r["shard_grad_buffer_bytes"]), _fmt(r["reducer_buffer_bytes"])])
-    print(_common.table(["rank", "Psi", "params B", "grads B", "moments B", "8Psi/z", "ratio m", "pad elems",
-                         "ratio m (pad)", "p+g+m B", "analytic", "ratio", "step B", "shard-grad buf B",
-                         "reducer buf B"], rows))
-    # every element's moments exist once per zero group
-    checks = []
-    if use_zero:
-        groups = defaultdict(list)
-        for r in ranks:
-            groups[tuple(r["layout"]["group_ranks"])].append(r)
-        for g, rs in groups.items():
-            owned = sum(r["layout"]["owned_numel"] for r in rs)
-            checks.append({"group": list(g), "owned_sum": owned, "psi": rs[0]["psi"],
-                           "moments_sum": sum(r["moment_bytes"] for r in rs),
-                           "covers_once": owned == rs[0]["psi"] and rs[0]["layout"]["flat_numel"] == rs[0]["psi"]})
-        lay0 = ranks[0]["layout"]
-        print(f"layout: {lay0['buckets']} bucket(s), {lay0['flat_numel']:,} elements padded to "
-              f"{lay0['padded_numel']:,} (padding {lay0['padding']} elements = {lay0['padding'] * ranks[0]['elem']} B "
-              f"per zero group), shard {lay0['shard_numel']:,} elements per rank; per zero group the owned pieces "
-              f"cover every element once: {all(c['covers_once'] for c in checks)} "
-              f"(moments summed over a group = 8 Psi: "
-              f"{all(c['moments_sum'] == 2 * ranks[0]['elem'] * c['psi'] for c in checks)})")
-    worst = max(per_rank, key=lambda x: abs(x["ratio_total"] - 1))
-    return {"case": name, "label": label, "plan_ngpus": plan, "dp": dp, "world": world, "use_zero": use_zero,
-            "zero_ngroups": ngroups, "z": z, "policy": policy or args.policy, "per_rank": per_rank,
-            "group_checks": checks, "worst_ratio_total": worst["ratio_total"],
-            "worst_ratio_moments": max((x["ratio_moments"] for x in per_rank), key=lambda v: abs(v - 1)),
-            "worst_ratio_moments_padding_accounted": max((x["ratio_moments_padding_accounted"] for x in per_rank),
-                                                         key=lambda v: abs(v - 1)),
-            "spawn_seconds": spawn_s}
-
-
-def zero_summary(zc: list) -> None:
-    print()
-    rows = []
-    for c in zc:
-        r0 = c["per_rank"][0]
-        pad = max((x["layout"]["rank_padding"] for x in c["per_rank"] if x["layout"]), default=0)
-        rows.append([c["case"], c["z"], f"{r0['psi']:,}", _fmt(max(x["param_bytes"] + x["grad_bytes"] + x["moment_bytes"]
-                                                                  for x in c["per_rank"])),
-                     _fmt(r0["analytic"]["total"]), f"{c['worst_ratio_total']:.4f}",
-                     f"{c['worst_ratio_moments']:.4f}", pad, f"{c['worst_ratio_moments_padding_accounted']:.4f}",
-                     _fmt(max(x["shard_grad_buffer_bytes"] for x in c["per_rank"])),
-                     _fmt(max(x["reducer_buffer_bytes"] for x in c["per_rank"]))])
-    print(_common.table(["case", "z", "Psi/rank", "p+g+m B (max)", "analytic", "ratio (worst)", "moments ratio",
-                         "max pad elems", "moments (pad)", "shard-grad buf", "reducer buf"], rows))
-    print("analytic: DDP 16 Psi, ZeRO-1 4 Psi + 4 Psi + 8 Psi/z (Adam fp32); p+g+m = params + grads + Adam "
-          "moments; step scalars and the buffers are reported apart")
-
-
 # -- activation memory with and without recompute -------------------------------------------------
 
 def _live_bytes_profile(fn_fwd, fn_bwd):
@@ -522,27 +305,13 @@ def _measure_act(args, recompute: bool) -> dict:
             "checkpoint_calls_in_gencode": ckpt_calls, "loss": loss.item()}
 
 
-def act_worker(rank: int, args, result_file: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    torch.set_num_threads(_common.cpu_count())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        res = {k: _measure_act(args, k == "recompute") for k in ("plain", "recompute")}
-        Path(result_file).write_text(json.dumps(res))
-    finally:
-        from nnscaler.runtime.grid import RankGrid
-        RankGrid.destroy_all()
-        dist.destroy_process_group()
+def _measure_act_both(rank: int, args) -> dict:
+    return {k: _measure_act(args, k == "recompute") for k in ("plain", "recompute")}
 
 
 def run_activation(args, tmp: str) -> dict:
-    args.port = _free_port()
-    result_file = os.path.join(tmp, "result_act.json")
-    t0 = time.perf_counter()
-    mp.spawn(act_worker, args=(args, result_file), nprocs=1)
-    spawn_s = time.perf_counter() - t0
-    res = json.loads(Path(result_file).read_text())
+    res, spawn_s = _common.spawn_gloo(_measure_act_both, (args,), 1, os.path.join(tmp, "result_act.json"),
+                                      gather=False)
     pl, rc = res["plain"], res["recompute"]
     btc = args.batch * args.block_size * args.embd * 4
     print(f"\n== activation memory, one forward + backward, single process, B={args.batch} T={args.block_size} "
@@ -592,12 +361,8 @@ def main() -> None:
         args.gen_dir = os.path.join(tmp, "gen")
         for t in args.tp:
             a = analytic(args, t)
-            args.port = _free_port()
-            result_file = os.path.join(tmp, f"result_tp{t}.json")
-            t0 = time.perf_counter()
-            mp.spawn(worker, args=(args, t, result_file), nprocs=t)
-            spawn_s = time.perf_counter() - t0
-            cases.append(report(args, t, a, json.loads(Path(result_file).read_text()), spawn_s))
+            ranks, spawn_s = _common.spawn_gloo(_measure, (args, t), t, os.path.join(tmp, f"result_tp{t}.json"))
+            cases.append(report(args, t, a, ranks, spawn_s))
         zero_cases = []
         for name in args.zero_cases:
             zero_cases.append(run_zero_case(args, name, tmp))
@@ -625,9 +390,7 @@ def main() -> None:
         print(f"full model {_fmt(full)} B of parameters (same for gradients); worst rank shown")
     print(f"total wall time {wall:.1f} s")
     data = {
-        "timestamp": _common.timestamp(),
-        "command": _common.command_line(),
-        "machine": _common.machine_info(),
+        **_common.run_header(),
         "config": {"tp": args.tp, "policy": args.policy, "backend": "gloo", "zero_cases": args.zero_cases,
                    "zero_case_specs": {k: dict(zip(("plan_ngpus", "dp", "use_zero", "zero_ngroups", "policy"), v))
                                        for k, v in ZERO_CASES.items() if k in args.zero_cases},
@@ -645,13 +408,7 @@ def main() -> None:
         "activation": act,
         "wall_seconds": wall,
     }
-    path = Path(args.out)
-    if path.resolve().parent == _common.RESULTS_DIR.resolve():
-        path = _common.write_json(path.name, data)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {path}")
+    _common.save_results(args.out, data)
 
 
 if __name__ == "__main__":
