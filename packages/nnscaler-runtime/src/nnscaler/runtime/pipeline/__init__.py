@@ -1,0 +1,18 @@
+"""nnscaler.runtime.pipeline: pipeline-parallel schedules (pure Python, no torch.distributed).
+
+A schedule lists, per pipeline device, the forward / backward steps (:class:`Action`) it runs in
+order; it can simulate itself in a unit-cost model (:meth:`Schedule.timeline`,
+:meth:`Schedule.render`, :meth:`Schedule.bubble_fraction`), report its activation-memory proxy
+(:meth:`Schedule.peak_inflight`) and check itself (:meth:`Schedule.validate`, which detects
+deadlocks). Build one by its ``pipeline_scheduler`` name with :func:`get_schedule`. The executor
+that runs a schedule on real stages comes later; see ``schedules.py`` for the model.
+"""
+from .schedules import (INFERENCE_SCHEDULES, SCHEDULES, TRAINING_SCHEDULES, Action, ChimeraDirect,
+                        ExplicitSchedule, GPipe, InferPipe, Interleaved1F1B, OneFOneB, OneFOneBPlus, Schedule,
+                        ScheduleDeadlockError, ScheduleError, get_schedule)
+
+__all__ = [
+    "Action", "Schedule", "ExplicitSchedule", "GPipe", "OneFOneB", "OneFOneBPlus", "Interleaved1F1B",
+    "ChimeraDirect", "InferPipe", "ScheduleError", "ScheduleDeadlockError", "get_schedule",
+    "SCHEDULES", "TRAINING_SCHEDULES", "INFERENCE_SCHEDULES",
+]
