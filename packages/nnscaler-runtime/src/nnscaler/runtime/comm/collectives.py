@@ -50,120 +50,56 @@ TRANSITIONS = {
 }
 
 
-# -- autograd functions ---------------------------------------------------------------------------
-class _Split(Function):
-    @staticmethod
-    def forward(ctx, x, dim, rs):
-        ctx.dim, ctx.rs = dim, rs
-        return local_slice(x, dim, rs.index, rs.n)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_(grad, ctx.dim, ctx.rs), None, None
+# -- autograd functions: each forward paired with its dual in backward -------------------------
+def _own_chunk(x, dim, rs):
+    return local_slice(x, dim, rs.index, rs.n)
 
 
-class _AllGather(Function):
-    @staticmethod
-    def forward(ctx, x, dim, rs):
-        ctx.dim, ctx.rs = dim, rs
-        return all_gather_(x, dim, rs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return local_slice(grad, ctx.dim, ctx.rs.index, ctx.rs.n), None, None
+def _identity(x, *args):
+    return x
 
 
-class _AllReduce(Function):
-    @staticmethod
-    def forward(ctx, x, rs):
-        return all_reduce_(x, rs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _keep_on_first(x, rs):
+    if rs.index == 0:
+        return x.clone(memory_format=torch.contiguous_format)
+    return torch.zeros_like(x, memory_format=torch.contiguous_format)
 
 
-class _ReduceScatter(Function):
-    @staticmethod
-    def forward(ctx, x, dim, rs):
-        ctx.dim, ctx.rs = dim, rs
-        return reduce_scatter_(x, dim, rs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_(grad, ctx.dim, ctx.rs), None, None
+def _pad_to_full(x, dim, rs):
+    shape = list(x.shape)
+    c = shape[dim]
+    shape[dim] = c * rs.n
+    out = x.new_zeros(shape)
+    out.narrow(dim, rs.index * c, c).copy_(x)
+    return out
 
 
-class _AllToAll(Function):
-    @staticmethod
-    def forward(ctx, x, src_dim, dst_dim, rs):
-        ctx.src_dim, ctx.dst_dim, ctx.rs = src_dim, dst_dim, rs
-        return all_to_all_(x, src_dim, dst_dim, rs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_to_all_(grad, ctx.dst_dim, ctx.src_dim, ctx.rs), None, None, None
+def _reverse_all_to_all(grad, src_dim, dst_dim, rs):
+    return all_to_all_(grad, dst_dim, src_dim, rs)
 
 
-class _ToPartial(Function):
-    @staticmethod
-    def forward(ctx, x, rs):
-        if rs.index == 0:
-            return x.clone(memory_format=torch.contiguous_format)
-        return torch.zeros_like(x, memory_format=torch.contiguous_format)
+def _dual(name: str, forward, backward) -> type:
+    """An autograd Function running ``forward(x, *args)`` and, in backward, ``backward(grad, *args)``."""
+    def fwd(ctx, x, *args):
+        ctx.args = args
+        return forward(x, *args)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    def bwd(ctx, grad):
+        return (backward(grad, *ctx.args),) + (None,) * len(ctx.args)
 
-
-class _ShardToPartial(Function):
-    @staticmethod
-    def forward(ctx, x, dim, rs):
-        ctx.dim, ctx.rs = dim, rs
-        shape = list(x.shape)
-        c = shape[dim]
-        shape[dim] = c * rs.n
-        out = x.new_zeros(shape)
-        out.narrow(dim, rs.index * c, c).copy_(x)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return local_slice(grad, ctx.dim, ctx.rs.index, ctx.rs.n), None, None
+    return type(name, (Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GradAllReduce(Function):
-    @staticmethod
-    def forward(ctx, x, rs):
-        ctx.rs = rs
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_(grad, ctx.rs), None
-
-
-class _AllGatherRS(Function):
-    @staticmethod
-    def forward(ctx, x, dim, rs):
-        ctx.dim, ctx.rs = dim, rs
-        return all_gather_(x, dim, rs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_(grad, ctx.dim, ctx.rs), None, None
-
-
-class _AllReduceAR(Function):
-    @staticmethod
-    def forward(ctx, x, rs):
-        ctx.rs = rs
-        return all_reduce_(x, rs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_(grad, ctx.rs), None
+_Split = _dual("_Split", _own_chunk, all_gather_)
+_AllGather = _dual("_AllGather", all_gather_, _own_chunk)
+_AllReduce = _dual("_AllReduce", all_reduce_, _identity)
+_ReduceScatter = _dual("_ReduceScatter", reduce_scatter_, all_gather_)
+_AllToAll = _dual("_AllToAll", all_to_all_, _reverse_all_to_all)
+_ToPartial = _dual("_ToPartial", _keep_on_first, _identity)
+_ShardToPartial = _dual("_ShardToPartial", _pad_to_full, _own_chunk)
+_GradAllReduce = _dual("_GradAllReduce", _identity, all_reduce_)  # Megatron's f
+_AllGatherRS = _dual("_AllGatherRS", all_gather_, reduce_scatter_)
+_AllReduceAR = _dual("_AllReduceAR", all_reduce_, all_reduce_)
 
 
 # -- public functions (what generated code calls as nr.comm.<name>) -------------------------------
