@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .errors import ConfigError
 from .grid import RankGrid
-from .module import ParallelModule
+from .module import FullMapEntry, ParallelModule
 from .reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
 
@@ -136,6 +136,11 @@ def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
     return torch.device("cpu")
 
 
+def _whole(name: str, p: torch.Tensor, replicas: int) -> FullMapEntry:
+    """The full-map entry of a tensor that is its own full tensor."""
+    return FullMapEntry(name, name, tuple(p.shape), tuple((0, d) for d in p.shape), (0, 1), replicas)
+
+
 def _by_device(tensors: List[torch.Tensor]) -> Dict[Any, List[torch.Tensor]]:
     groups: Dict[Any, List[torch.Tensor]] = {}
     for t in tensors:
@@ -223,10 +228,8 @@ def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: Lis
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            e = pm.fullmap.get(name)
-            full = (e.full_name, e.full_shape, e.slices, e.value_split, e.replicas) if e is not None else \
-                (name, tuple(p.shape), tuple((0, d) for d in p.shape), (0, 1), 1)
-            entries.append(ZeroParam(p, paths.get(id(pm), ""), True, name, *full, reduce=reduce_scatter))
+            entry = pm.fullmap.get(name) or _whole(name, p, 1)
+            entries.append(ZeroParam(p, paths.get(id(pm), ""), True, entry, reduce=reduce_scatter))
     names: Dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
@@ -234,10 +237,9 @@ def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: Lis
         if id(p) not in seen:
             seen.add(id(p))
             name = names[id(p)]
-            entries.append(ZeroParam(p, "", False, name, name, tuple(p.shape), tuple((0, d) for d in p.shape),
-                                     (0, 1), replicas[id(p)]))
+            entries.append(ZeroParam(p, "", False, _whole(name, p, replicas[id(p)])))
     cap = getattr(pms[0].compute_config, "reducer_bucket_cap_mb", None)
     engine = ZeroEngine(entries, groups, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap)
     for piece in engine.pieces:  # gradient-norm weights of the tensors the optimizer holds
-        replicas[id(piece.tensor)] = piece.param.replicas
+        replicas[id(piece.tensor)] = piece.param.entry.replicas
     return engine

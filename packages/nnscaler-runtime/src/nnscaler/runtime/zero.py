@@ -98,6 +98,7 @@ import torch.distributed as dist
 from .comm import fallbacks
 from .comm.stats import record
 from .errors import ConfigError
+from .module import FullMapEntry
 from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroPiece, ZeroShardLayout
 
 __all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
@@ -169,12 +170,7 @@ class ZeroParam:
     param: torch.nn.Parameter
     module_path: str
     parallel: bool
-    local_name: str
-    full_name: str
-    full_shape: Tuple[int, ...]
-    slices: Tuple[Tuple[int, int], ...]
-    value_split: Tuple[int, int] = (0, 1)
-    replicas: int = 1
+    entry: FullMapEntry  # where the local tensor sits in its full tensor
     reduce: bool = False
 
 
@@ -304,7 +300,7 @@ class ZeroEngine:
                               f"{len(expected)} given")
         g = self.groups
         buckets = tuple(ZeroBucket(b.numel, b.padded, b.shard, str(b.dtype).replace("torch.", ""), b.reduce,
-                                   tuple((zp.module_path, zp.local_name, off, zp.param.numel())
+                                   tuple((zp.module_path, zp.entry.local_name, off, zp.param.numel())
                                          for zp, off in zip(b.params, b.offsets)))
                         for b in self._buckets)
         pieces = []
@@ -312,9 +308,10 @@ class ZeroEngine:
             for piece in bucket.pieces:
                 zp = piece.param
                 piece.index = order[id(piece.tensor)]
-                pieces.append(ZeroPiece(piece.index, zp.module_path, zp.parallel, zp.local_name,
-                                        zp.full_name, tuple(zp.full_shape), tuple(tuple(s) for s in zp.slices),
-                                        tuple(zp.value_split), int(zp.replicas), tuple(zp.param.shape),
+                e = zp.entry
+                pieces.append(ZeroPiece(piece.index, zp.module_path, zp.parallel, e.local_name,
+                                        e.full_name, tuple(e.full_shape), tuple(tuple(s) for s in e.slices),
+                                        tuple(e.value_split), int(e.replicas), tuple(zp.param.shape),
                                         piece.start, piece.stop, bi, piece.bucket_offset))
         self.layout = ZeroShardLayout(LAYOUT_VERSION, g.rank, g.world_size, g.plan_ngpus, g.dp_size, g.ngroups,
                                       g.group_ranks, g.group_index, g.group_id, g.cross_ranks,
