@@ -19,6 +19,7 @@ from nnscaler.ir.layout import Replicate, Shard
 from .adapters import transition_steps
 from .errors import GenerationError
 from .layouts import UnitPlan, is_shape_query, local_slices, plan_unit
+from .stages import holding_groups, loss_value, shared_holders, stage_io
 from .render import RawExpr, Renderer, python_name
 
 R = Replicate()
@@ -45,8 +46,8 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
               class_name: Optional[str] = None, unit: Optional[UnitPlan] = None) -> str:
     n = compute_config["plan_ngpus"]
     device = rank % n
+    pipe = graph.pipeline
     unit = unit or plan_unit(graph, n)
-    ranks = tuple(range(rank - device, rank - device + n))
     local = param_local_names(graph)
     class_name = class_name or graph.module_class.rsplit(".", 1)[-1]
 
@@ -55,8 +56,8 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
     for spec in graph.tensor_specs():
         names[spec.value.id] = f"self.{local[spec.name]}"
     arg_names = {i.name for i in graph.inputs}
-    taken |= arg_names
-    lines: List[str] = []
+    taken |= arg_names | {"_acts", "_vals"}
+    arg_lines: List[str] = []
     for inp in graph.inputs:
         for path, ref in inp.leaves:
             if not path:
@@ -64,54 +65,59 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
                 continue
             var = python_name(inp.name + "_" + "_".join(str(p) for p in path), taken)
             names[ref.id] = var
-            lines.append(f"{var} = {inp.name}" + "".join(f"[{p!r}]" for p in path))
+            arg_lines.append(f"{var} = {inp.name}" + "".join(f"[{p!r}]" for p in path))
     for node in graph.nodes:
         for ref in node.output_refs():
             names[ref.id] = python_name(f"{graph.value(ref).name}_{ref.id}", taken)
 
-    adapt = _Adapter(unit, names, taken, ranks)
-    body = _untraced_checks(graph) + lines
-    source_of_line: Dict[int, str] = {}  # body index -> source description
-    last_use = _last_uses(graph, graph.nodes)
-    defined = {names[r.id] for i in graph.inputs for _, r in i.leaves}  # variables assigned so far
-    prev_src = [None]
-
-    def node_lines(idx: int, node: Node, out: List[str], with_dels: bool) -> None:
-        src = _describe_source(node)
-        if src != prev_src[0] and src:
-            out.append(f"# {src}")
-            prev_src[0] = src
-        stmt = adapt.inputs(node) + _statement(node, adapt.renderer_for(node), graph, unit) + \
-            _rescale_sizes(node, unit, names, graph)
-        for line in stmt:
-            source_of_line[(id(out), len(out))] = _describe_source(node, full=True) or node.target
-            out.append(line)
-        if with_dels:
-            dead = [names[r] for r in last_use.get(idx, []) if not names[r].startswith("self.")
-                    and names[r] not in arg_names]
-            if dead:
-                out.append("del " + ", ".join(dead))
-
-    idx = 0
-    nodes = graph.nodes
-    while idx < len(nodes):
-        node = nodes[idx]
-        if node.recompute is None:
-            node_lines(idx, node, body, True)
-            defined.update(names[r.id] for r in node.output_refs())
-            idx += 1
-            continue
-        end = idx
-        while end < len(nodes) and nodes[end].recompute == node.recompute:
-            end += 1
-        _emit_recompute(graph, nodes, idx, end, names, defined, adapt, node_lines, last_use, arg_names,
-                        body, source_of_line, taken)
-        idx = end
-    source_of_line = {k[1]: v for k, v in source_of_line.items() if k[0] == id(body)}
-    body.extend(adapt.outputs(graph))
-    body.append("return " + adapt.renderer_for(None).value(graph.output))
-
     signature = _signature(graph)
+    methods = []  # (name, signature, body lines, {body index: source})
+    extra: List[str] = []
+    if pipe is None:
+        ranks = tuple(range(rank - device, rank - device + n))
+        adapt = _Adapter(unit, names, taken, ranks)
+        keep = {r.id for r in iter_refs(graph.output)}
+        body, src = _emit_ops(graph, graph.nodes, names, adapt, keep, arg_names, taken, unit,
+                              _untraced_checks(graph) + arg_lines)
+        body.extend(adapt.outputs(graph))
+        body.append("return " + adapt.renderer_for(None).value(graph.output))
+        methods.append(("_forward_impl", signature, body, src))
+    else:
+        io = stage_io(graph)
+        unit_start = rank - device
+        final = {r.id for r in iter_refs(graph.output)}
+        for stage, index in pipe.stages_of(device):
+            group = pipe.group_devices(device // pipe.tp_size)
+            ranks = tuple(unit_start + d for d in group)
+            # a crossing value keeps its producer's placement (device i sends its piece to device i),
+            # except a forward output, which the producer makes whole for the caller
+            adapt = _Adapter(unit, names, taken, ranks, received=set(io.inputs[stage]) & final)
+            nodes = [nd for nd in graph.nodes if nd.stage == stage]
+            head = _untraced_checks(graph) + arg_lines
+            if io.inputs[stage]:
+                head.append(_unpack_target([Ref(v) for v in io.inputs[stage]], adapt.renderer_for(None))
+                            + " = _acts")
+            body, src = _emit_ops(graph, nodes, names, adapt, set(io.outputs[stage]), arg_names, taken, unit, head,
+                                  [Ref(v) for v in io.inputs[stage]])
+            outs = []
+            for vid in io.outputs[stage]:
+                lines: List[str] = []
+                var = adapt._convert(vid, R, False, lines) if graph.values[vid].is_tensor and vid in final else None
+                body.extend(lines)
+                outs.append(var or names[vid])
+            body.append("return (" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")")
+            sig = "_acts" + (", " + signature if signature else "")
+            methods.append((f"_stage_{stage}", sig, body, src))
+        loose = [r.id for r in iter_refs(graph.output) if r.id not in io.producer]
+        if loose:
+            raise GenerationError(f"a pipelined forward must return values computed by its ops; it returns "
+                                  f"{', '.join(graph.values[v].name for v in loose)} as is (an argument or a "
+                                  f"parameter): return only computed values")
+        out_names = dict(names)
+        out_names.update({vid: f"_vals[{vid}]" for vid in io.producer})
+        methods.append(("_pipeline_output", "_vals", ["return " + Renderer(out_names).value(graph.output)], {}))
+        extra.append(f"    PIPELINE = {_pipeline_meta(graph, io)!r}")
+
     init = _init_lines(graph, local, unit, device, compute_config)
     out = [HEADER.format(rank=rank, world=compute_config["runtime_ngpus"], device=device, plan=n,
                          module_class=graph.module_class, policy=policy, fingerprint=fingerprint)]
@@ -123,29 +129,92 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
     out.append(f"    COMPUTE_CONFIG = {compute_config!r}")
     out.append(f"    RANK = {rank}")
     out.append(f"    GRAPH_FINGERPRINT = {fingerprint!r}")
+    out.extend(extra)
     out.append("    SOURCE_MAP = {}  # filled below: generated line -> user source\n")
     out.append("    def __init__(self, init_params=True):")
     out.append("        super().__init__()")
     out.extend("        " + line for line in init)
     out.append("        self._post_init(init_params)\n")
-    out.append(f"    def _forward_impl(self, {signature}):")
-    first_body_line = sum(part.count("\n") + 1 for part in out) + 1
-    out.extend("        " + line for line in body)
-    source_map = {first_body_line + i: s for i, s in source_of_line.items()}
-    out.append(f"\n\n{class_name}.SOURCE_MAP = {source_map!r}\n")
+    source_map: Dict[int, str] = {}
+    for name, sig, body, src in methods:
+        out.append(f"    def {name}(self, {sig}):")
+        first_body_line = sum(part.count("\n") + 1 for part in out) + 1
+        out.extend("        " + line for line in body)
+        out.append("")
+        source_map.update({first_body_line + i: s for i, s in src.items()})
+    out.append(f"\n{class_name}.SOURCE_MAP = {source_map!r}\n")
     return "\n".join(out)
+
+
+def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "_Adapter", keep: set,
+              arg_names: set, taken: set, unit: UnitPlan, head: List[str], head_values=()):
+    """Body lines running `nodes` in order (recompute groups as checkpointed functions) and a map
+    {body index: user source} for the lines that came from ops. Values in `keep` are not deleted."""
+    body = list(head)
+    source_of_line: Dict[tuple, str] = {}
+    last_use = _last_uses(nodes, keep)
+    defined = {names[r.id] for i in graph.inputs for _, r in i.leaves} | {
+        names[r.id] for r in iter_refs(head_values)}
+    prev_src = [None]
+
+    def node_lines(idx: int, node: Node, out: List[str], with_dels: bool) -> None:
+        src = _describe_source(node)
+        if src != prev_src[0] and src:
+            out.append(f"# {src}")
+            prev_src[0] = src
+        stmt = adapt.inputs(node) + _statement(node, adapt.renderer_for(node), graph, unit) + \
+            _rescale_sizes(node, unit, names, graph, adapt.received)
+        for line in stmt:
+            source_of_line[(id(out), len(out))] = _describe_source(node, full=True) or node.target
+            out.append(line)
+        if with_dels:
+            dead = [names[r] for r in last_use.get(idx, []) if not names[r].startswith("self.")
+                    and names[r] not in arg_names]
+            if dead:
+                out.append("del " + ", ".join(dead))
+
+    idx = 0
+    while idx < len(nodes):
+        node = nodes[idx]
+        if node.recompute is None:
+            node_lines(idx, node, body, True)
+            defined.update(names[r.id] for r in node.output_refs())
+            idx += 1
+            continue
+        end = idx
+        while end < len(nodes) and nodes[end].recompute == node.recompute:
+            end += 1
+        _emit_recompute(nodes, idx, end, names, defined, adapt, node_lines, last_use, arg_names,
+                        body, source_of_line, taken, keep)
+        idx = end
+    return body, {k[1]: v for k, v in source_of_line.items() if k[0] == id(body)}
+
+
+def _pipeline_meta(graph: IRGraph, io) -> dict:
+    """The pipeline description every rank's module carries (identical on all ranks)."""
+    pipe = graph.pipeline
+    shared = shared_holders(graph)
+    groups = sorted({g for per_index in shared.values() for g in per_index})
+    return {"nstages": pipe.nstages, "nmicros": pipe.nmicros, "scheduler": pipe.scheduler,
+            "pp_size": pipe.pp_size, "tp_size": pipe.tp_size,
+            "inputs": {s: list(v) for s, v in io.inputs.items()},
+            "outputs": {s: list(v) for s, v in io.outputs.items()},
+            "producer": dict(io.producer), "consumers": {k: list(v) for k, v in io.consumers.items()},
+            "kinds": dict(io.kinds), "loss": loss_value(graph), "shared_groups": groups,
+            "shared": {name: [tuple(h) for h in per_index] for name, per_index in shared.items()}}
 
 
 class _Adapter:
     """Inserts the collectives that turn each value into the layout its consumer needs."""
 
-    def __init__(self, unit: UnitPlan, names: Dict[int, str], taken: set, ranks: tuple):
+    def __init__(self, unit: UnitPlan, names: Dict[int, str], taken: set, ranks: tuple, received=frozenset()):
         self.unit, self.names, self.taken, self.ranks = unit, names, taken, ranks
+        self.received = set(received)  # values that arrived from another stage replicated
         self.converted: Dict[tuple, str] = {}  # (value id, placement, grad_partial) -> variable
         self.overrides: Dict[int, str] = {}
 
     def _convert(self, ref_id: int, dst, grad_partial: bool, lines: List[str]) -> Optional[str]:
-        src = self.unit.produced[ref_id]
+        src = R if ref_id in self.received else self.unit.produced[ref_id]
         steps = transition_steps(src, dst, grad_partial=grad_partial)
         if not steps:
             return None
@@ -163,6 +232,8 @@ class _Adapter:
     def inputs(self, node: Node) -> List[str]:
         lines: List[str] = []
         self.overrides = {}
+        if is_shape_query(node):  # reads only the shape: the local value as it is
+            return lines
         for need in self.unit.needs[node.id]:
             var = self._convert(need.ref_id, need.placement, need.grad_partial, lines)
             if var is None:
@@ -205,8 +276,8 @@ def _statement(node: Node, renderer: Renderer, graph: IRGraph, unit: UnitPlan) -
     return [f"{lhs} = {expr}"]
 
 
-def _emit_recompute(graph, nodes, start, end, names, defined, adapt, node_lines, last_use, arg_names,
-                    body, source_of_line, taken) -> None:
+def _emit_recompute(nodes, start, end, names, defined, adapt, node_lines, last_use, arg_names,
+                    body, source_of_line, taken, keep) -> None:
     """Ops start..end as a nested function run under torch.utils.checkpoint (non-reentrant)."""
     group = nodes[start].recompute
     converted_before = dict(adapt.converted)
@@ -214,7 +285,7 @@ def _emit_recompute(graph, nodes, start, end, names, defined, adapt, node_lines,
     for i in range(start, end):
         node_lines(i, nodes[i], inner, False)
     seg_ids = {r.id for n in nodes[start:end] for r in n.output_refs()}
-    later = {r.id for n in nodes[end:] for r in n.input_refs()} | {r.id for r in iter_refs(graph.output)}
+    later = {r.id for n in nodes[end:] for r in n.input_refs()} | set(keep)
     outputs = [names[v] for v in sorted(seg_ids & later)]
     used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", "\n".join(inner)))
     outer = set(defined) | set(converted_before.values())
@@ -275,12 +346,13 @@ class _Divided(RawExpr):
         return f"({renderer.value(self.value)} // {self.n})"
 
 
-def _rescale_sizes(node: Node, unit: UnitPlan, names: Dict[int, str], graph: IRGraph) -> List[str]:
+def _rescale_sizes(node: Node, unit: UnitPlan, names: Dict[int, str], graph: IRGraph,
+                   received=frozenset()) -> List[str]:
     """Traced ints are full sizes: a size taken of a split tensor is scaled back up."""
     if not is_shape_query(node):
         return []
     src = node.args[0]
-    placement = unit.produced.get(src.id) if isinstance(src, Ref) else None
+    placement = unit.produced.get(src.id) if isinstance(src, Ref) and src.id not in received else None
     if not isinstance(placement, Shard) or node.outputs is None:
         return []
     n = unit.plan_ngpus
@@ -315,9 +387,8 @@ def _describe_source(node: Node, full: bool = False) -> str:
     return f"{where}{fn}{mod}: {node.source.code}"
 
 
-def _last_uses(graph: IRGraph, nodes: List[Node]) -> Dict[int, List[int]]:
-    """node index -> value ids whose last use is that node (not outputs of the forward)."""
-    keep = {r.id for r in iter_refs(graph.output)}
+def _last_uses(nodes: List[Node], keep: set) -> Dict[int, List[int]]:
+    """node index -> value ids whose last use is that node (not those in `keep`)."""
     last: Dict[int, int] = {}
     for idx, node in enumerate(nodes):
         for r in node.input_refs():
@@ -363,18 +434,32 @@ def _untraced_checks(graph: IRGraph) -> List[str]:
 
 
 def _init_lines(graph: IRGraph, local: Dict[str, str], unit: UnitPlan, device: int, cfg: dict) -> List[str]:
-    n = unit.plan_ngpus
+    n = unit.plan_ngpus  # pieces per op: the unit's devices, or a stage's (tp_size)
+    plan_n = cfg["plan_ngpus"]
+    pipe = graph.pipeline
+    groups = []  # every rank creates every group, in the same order (collective)
+    if pipe is not None and n > 1:
+        groups += [tuple(u * plan_n + d for d in pipe.group_devices(g))
+                   for u in range(cfg["runtime_ngpus"] // plan_n) for g in range(pipe.pp_size)]
+    if plan_n > 1:
+        groups += [tuple(range(u * plan_n, (u + 1) * plan_n)) for u in range(cfg["runtime_ngpus"] // plan_n)]
     lines = []
-    if n > 1:  # every rank creates every unit's group, in the same order (collective)
-        units = tuple(tuple(range(u * n, (u + 1) * n)) for u in range(cfg["runtime_ngpus"] // n))
-        lines.append(f"for _ranks in {units!r}:")
+    if groups:
+        lines.append(f"for _ranks in {tuple(groups)!r}:")
         lines.append("    self.grid.group(_ranks)")
+    holders = holding_groups(graph) if pipe is not None else {}
     for kind, specs in (("param", graph.params), ("buffer", graph.buffers), ("constant", graph.constants)):
         for spec in specs.values():
+            copies = 1
+            if pipe is not None:  # a pipeline device holds the tensors its stages use
+                held = holders.get(spec.value.id) or [0]
+                if device // n not in held:
+                    continue
+                copies = len(held)
             name = local[spec.name]
             stored = unit.stored[spec.name]
-            shape, slices = local_slices(tuple(spec.shape), stored, device, n)
-            replicas = 1 if isinstance(stored, Shard) else n
+            shape, slices = local_slices(tuple(spec.shape), stored, device % n, n)
+            replicas = (1 if isinstance(stored, Shard) else n) * copies
             empty = f"torch.empty({shape!r}, dtype=torch.{spec.dtype})"
             if kind == "param":
                 lines.append(f"self.register_parameter({name!r}, torch.nn.Parameter({empty}, "

@@ -1,7 +1,9 @@
 """Which layout every value has inside a unit, and what each consumer needs.
 
 A planned op runs on every plan device of the unit: either replicated (each device runs it
-whole) or partitioned into `plan_ngpus` pieces, piece i on device i. A value's layout is the
+whole) or partitioned into `plan_ngpus` pieces, piece i on device i. In a pipelined graph the
+same holds per stage: an op runs on the ``tp_size`` devices of its stage (replicated, or piece i
+on the stage's i-th device), and `UnitPlan.plan_ngpus` is ``tp_size``. A value's layout is the
 placement its producer's pieces give it (graph inputs are replicated). A consumer piece names
 the placement it needs for each tensor input; a partitioned consumer reading a replicated input
 produces only partial gradients for it, recorded as ``grad_partial``. Parameters, buffers and
@@ -42,13 +44,19 @@ class UnitPlan:
 
 
 def plan_unit(graph: IRGraph, plan_ngpus: int) -> UnitPlan:
-    """Layouts of all values for a plan where every op covers the whole unit."""
+    """Layouts of all values for a plan where every op covers the whole unit (or its stage)."""
+    pipe = graph.pipeline
+    if pipe is not None:
+        if pipe.plan_ngpus != plan_ngpus:
+            raise GenerationError(f"the pipeline plan has pp_size {pipe.pp_size} x tp_size {pipe.tp_size} devices, "
+                                  f"but plan_ngpus is {plan_ngpus}")
+        plan_ngpus = pipe.tp_size
     plan = UnitPlan(plan_ngpus)
     for spec in graph.inputs:
         for _, ref in spec.leaves:
             plan.produced[ref.id] = R
     for node in graph.nodes:
-        _check_pieces(node, plan_ngpus)
+        _check_pieces(node, plan_ngpus, pipe.home_devices(node.stage) if pipe is not None else None)
         piece = node.pieces[0]
         partitioned = not piece.is_replicated() and plan_ngpus > 1
         plan.partitioned[node.id] = partitioned
@@ -83,17 +91,19 @@ def is_shape_query(node: Node) -> bool:
         node.target == "getattr" and list(node.args[1:]) == ["shape"])
 
 
-def _check_pieces(node: Node, plan_ngpus: int) -> None:
+def _check_pieces(node: Node, plan_ngpus: int, home=None) -> None:
+    home = list(range(plan_ngpus)) if home is None else list(home)
+    where = "the unit" if node.stage is None else f"stage {node.stage}"
     devices = sorted(p.device for p in node.pieces)
-    if devices != list(range(plan_ngpus)):
+    if devices != home:
         raise GenerationError(
             f"op {node.describe()} runs on plan devices {devices}; every op must run on all "
-            f"{plan_ngpus} devices of the unit (replicated, or split into {plan_ngpus} pieces)")
+            f"{plan_ngpus} devices {home} of {where} (replicated, or split into {plan_ngpus} pieces)")
     piece = node.pieces[0]
     if not piece.is_replicated():
-        if any(p.device != p.index for p in node.pieces) or piece.num != plan_ngpus:
+        if any(p.device != home[p.index] for p in node.pieces) or piece.num != plan_ngpus:
             raise GenerationError(f"op {node.describe()}: piece i of a partitioned op must run on "
-                                  f"device i, with {plan_ngpus} pieces")
+                                  f"device i of {where} ({home}), with {plan_ngpus} pieces")
 
 
 def _choose_storage(graph: IRGraph, plan: UnitPlan) -> None:

@@ -73,6 +73,7 @@ class Node:
     # recompute group the op belongs to (ops of one group are recomputed together in backward).
     pieces: list = field(default_factory=list)
     recompute: Optional[str] = None
+    stage: Optional[int] = None  # pipeline stage (set by the policy's staging; None: no pipeline)
 
     @property
     def short_name(self) -> str:
@@ -127,6 +128,7 @@ class IRGraph:
     output: Any  # nested structure of Refs and constants
     constant_folding: bool = False
     module_types: Dict[str, str] = field(default_factory=dict)  # module path -> "pkg.mod.Class"
+    pipeline: Any = None  # a nnscaler.ir.pipeline_plan.PipelinePlan once a policy staged the graph
 
     # -- queries -----------------------------------------------------------------------------
     def value(self, ref: Ref) -> Value:

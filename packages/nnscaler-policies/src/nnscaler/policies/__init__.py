@@ -5,6 +5,7 @@ A policy is a function ``(graph, compute_config) -> graph`` built from the primi
 """
 from .plan import Piece, PlanError, validate_plan
 from .primitives import assign, partition, replicate, select
+from .pipeline import cut_stages, pivot_leads, schedule, stage, stage_devices
 from .recompute import recompute, recompute_modules
 from .registry import available_policies, get_policy, policy_name, register_policy
 from . import builtin as _builtin  # noqa: F401  (registers dp, ...)
@@ -20,9 +21,18 @@ def apply_policy(graph, compute_config, policy):
     if modules:  # the config key works with every policy
         recompute_modules(result, modules)
     validate_plan(result, compute_config.plan_ngpus, policy_name(policy))
+    if result.pipeline is not None and not getattr(compute_config, "use_end2end", False):
+        from nnscaler.ir.config import ConfigError
+        raise ConfigError(f"policy {policy_name(policy)!r} made a pipeline, which runs only end to end: set "
+                          f"ComputeConfig(use_end2end=True) and call train_step / infer_step (parallel_modules "
+                          f"and plain forward calls cannot be pipelined)")
+    if result.pipeline is not None and getattr(compute_config, "use_zero", False):
+        from nnscaler.ir.config import ConfigError
+        raise ConfigError(f"policy {policy_name(policy)!r} made a pipeline, and ZeRO is not supported with pipeline "
+                          f"parallelism yet: set use_zero=False (or use a policy without pipeline)")
     return result
 
 
 __all__ = ["Piece", "PlanError", "apply_policy", "assign", "available_policies", "get_policy", "partition",
-           "policy_name", "recompute", "recompute_modules", "register_policy", "replicate", "select",
+           "policy_name", "cut_stages", "pivot_leads", "schedule", "stage", "stage_devices", "recompute", "recompute_modules", "register_policy", "replicate", "select",
            "validate_plan"]

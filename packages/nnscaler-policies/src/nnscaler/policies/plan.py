@@ -56,3 +56,25 @@ def validate_plan(graph: IRGraph, plan_ngpus: int, policy_name: str) -> None:
             if not 0 <= piece.device < plan_ngpus:
                 raise PlanError(f"policy {policy_name!r} assigned op {node.describe()} to device "
                                 f"{piece.device}, but plan_ngpus is {plan_ngpus} (devices 0..{plan_ngpus - 1})")
+    if graph.pipeline is not None:
+        _validate_pipeline(graph, plan_ngpus, policy_name)
+    elif any(n.stage is not None for n in graph.nodes):
+        raise PlanError(f"policy {policy_name!r} cut the graph into stages but gave no schedule: call "
+                        f"nnscaler.policies.schedule(graph, nmicros, scheduler, ...)")
+
+
+def _validate_pipeline(graph: IRGraph, plan_ngpus: int, policy_name: str) -> None:
+    pipe = graph.pipeline
+    if pipe.plan_ngpus != plan_ngpus:
+        raise PlanError(f"policy {policy_name!r}: the pipeline has pp_size {pipe.pp_size} x tp_size {pipe.tp_size} = "
+                        f"{pipe.plan_ngpus} devices, but plan_ngpus is {plan_ngpus}")
+    for node in graph.nodes:
+        if node.stage is None or not 0 <= node.stage < pipe.nstages:
+            raise PlanError(f"policy {policy_name!r}: op {node.describe()} has stage {node.stage}, not one of the "
+                            f"{pipe.nstages} pipeline stages")
+        home = pipe.home_devices(node.stage)
+        devices = sorted(p.device for p in node.pieces)
+        if devices != list(home):
+            raise PlanError(f"policy {policy_name!r}: op {node.describe()} of stage {node.stage} runs on plan devices "
+                            f"{devices}; a stage's ops run on its devices {list(home)} (stage_devices())")
+

@@ -95,6 +95,7 @@ class ParallelModule(torch.nn.Module):
     RANK: Optional[int] = None
     SOURCE_MAP: Mapping[int, str] = {}
     FULL_NAMES: Optional[Sequence[str]] = None
+    PIPELINE: Optional[Mapping[str, Any]] = None  # set in pipelined plans (see pipeline.executor)
 
     def __init__(self):
         super().__init__()
@@ -103,6 +104,8 @@ class ParallelModule(torch.nn.Module):
         self.rank = self.grid.rank
         self.device = default_device()
         self.reducer: Optional[Reducer] = None
+        self.shared_reducers: List[Reducer] = []  # pipeline devices holding one tensor: sum their grads
+        self._pipeline_executor = None
         self._fullmap: Dict[str, FullMapEntry] = {}
         self._full_aliases: Dict[str, str] = {}
         if self.RANK is not None and self.RANK % self.grid.plan_ngpus != self.grid.plan_device:
@@ -180,10 +183,44 @@ class ParallelModule(torch.nn.Module):
             self._load_initial_weights()
         cfg = self.compute_config
         trainable = self.parameters_for_optimizer()
-        if self.grid.dp_degree > 1 and trainable and not getattr(cfg, "inference_only", False):
-            self.reducer = Reducer(trainable, group=self.grid.sync_group,
-                                   bucket_cap_mb=getattr(cfg, "reducer_bucket_cap_mb", None),
+        shared = self._shared_param_groups() if self.PIPELINE is not None else {}
+        training = not getattr(cfg, "inference_only", False)
+        bucket_cap = getattr(cfg, "reducer_bucket_cap_mb", None)
+        for group, params in shared.items():
+            if params and training:
+                self.shared_reducers.append(Reducer(params, group=group, bucket_cap_mb=bucket_cap,
+                                                    divisor=self.grid.dp_degree))
+        in_shared = {id(p) for params in shared.values() for p in params}
+        trainable = [p for p in trainable if id(p) not in in_shared]
+        if self.grid.dp_degree > 1 and trainable and training:
+            self.reducer = Reducer(trainable, group=self.grid.sync_group, bucket_cap_mb=bucket_cap,
                                    async_op=getattr(cfg, "use_async_reducer", False))
+
+    def _shared_param_groups(self) -> Dict[Any, List[torch.nn.Parameter]]:
+        """Process group -> this rank's parameters that several pipeline devices hold (a tied
+        weight used by two stages, a Chimera stage's weights). Creates every such group on every
+        rank, in the same order (collective)."""
+        meta, grid = self.PIPELINE, self.grid
+        n, units = grid.plan_ngpus, range(grid.dp_degree)
+        groups = {}
+        for holders in meta.get("shared_groups", []):
+            ranks = tuple(sorted(u * n + d for u in units for d in holders))
+            group = grid.group(ranks)
+            if grid.plan_device in holders:
+                groups[tuple(holders)] = group
+        by_group: Dict[Any, List[torch.nn.Parameter]] = {g: [] for g in groups.values()}
+        index = grid.plan_device % meta["tp_size"]
+        for local, entry in self._fullmap.items():
+            holders = meta.get("shared", {}).get(entry.full_name)
+            tensor, _ = self._local_tensor(local)
+            if holders and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                by_group[groups[tuple(holders[index])]].append(tensor)
+        return by_group
+
+    def _sync_pipeline_grads(self) -> None:
+        """End of a pipeline step: every reducer synchronises the accumulated gradients once."""
+        for reducer in ([self.reducer] if self.reducer is not None else []) + self.shared_reducers:
+            reducer.sync_grads()
 
     def _load_initial_weights(self) -> None:
         generated = _generated_file(type(self))
@@ -254,8 +291,15 @@ class ParallelModule(torch.nn.Module):
                     tensor.copy_(read(source, entry))
 
     # -- running --------------------------------------------------------------------------------
+    def _to_device(self, obj: Any) -> Any:
+        return _map_tensors(obj, lambda t: t if t.device == self.device else t.to(self.device))
+
     def forward(self, *args, **kwargs):
-        args, kwargs = _map_tensors((args, kwargs), lambda t: t if t.device == self.device else t.to(self.device))
+        if self.PIPELINE is not None:
+            raise NnScalerError(f"{type(self).__name__} is pipelined (pipeline_scheduler "
+                                f"{self.PIPELINE['scheduler']!r}): its stages run only inside train_step(samples) "
+                                f"/ infer_step(samples), not through a plain forward call")
+        args, kwargs = self._to_device((args, kwargs))
         try:
             return self._forward_impl(*args, **kwargs)
         except Exception as exc:
@@ -312,6 +356,8 @@ class ParallelModule(torch.nn.Module):
         arguments) or any other object (the single first argument). The first output of forward
         is the loss. Returns the outputs, detached. No loss scaling: see optimizer.scale_grads."""
         self._check_end2end("train_step", training=True)
+        if self.PIPELINE is not None:
+            return self._executor().run(samples, training=True)
         outputs = []
         for i, sample in enumerate(samples):
             with sync_grad_when(i == len(samples) - 1):
@@ -327,8 +373,16 @@ class ParallelModule(torch.nn.Module):
     def infer_step(self, samples: Sequence[Any]) -> List[Any]:
         """Forward every micro-batch without gradients; returns the outputs."""
         self._check_end2end("infer_step", training=False)
+        if self.PIPELINE is not None:
+            return self._executor().run(samples, training=False)
         with torch.no_grad():
             return [self._call_sample(sample) for sample in samples]
+
+    def _executor(self):
+        if self._pipeline_executor is None:
+            from .pipeline.executor import PipelineExecutor
+            self._pipeline_executor = PipelineExecutor(self)
+        return self._pipeline_executor
 
     def _call_sample(self, sample: Any):
         if isinstance(sample, Mapping):

@@ -138,11 +138,14 @@ class Reducer:
 
     `params`: the trainable parameters in registration order (frozen ones are skipped,
     duplicates kept once). `group`: a process group (None: the default group; a process without
-    torch.distributed or a single-rank group does no communication).
+    torch.distributed or a single-rank group does no communication). `divisor`: what the sum
+    is divided by (default the group size: the mean); pipeline devices that hold one tensor sum
+    their partial gradients and divide by the data-parallel degree only.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], group=None,
-                 bucket_cap_mb: Optional[float] = DEFAULT_BUCKET_CAP_MB, async_op: bool = False):
+                 bucket_cap_mb: Optional[float] = DEFAULT_BUCKET_CAP_MB, async_op: bool = False,
+                 divisor: Optional[int] = None):
         unique, seen = [], set()
         for p in params:
             if p.requires_grad and id(p) not in seen:
@@ -150,6 +153,9 @@ class Reducer:
                 unique.append(p)
         self.group = group
         self.group_size = dist.get_world_size(group) if is_distributed() else 1
+        # the mean is over data-parallel replicas; a group that also joins pipeline devices holding
+        # one tensor (partial sums of its gradient) divides by the replica count only
+        self.divisor = self.group_size if divisor is None else int(divisor)
         self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
         self.async_op = bool(async_op)
         self.stats = ReducerStats()
@@ -253,7 +259,8 @@ class Reducer:
 
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
         buffer = bucket.flatten()
-        buffer.div_(self.group_size)  # gloo has no AVG: pre-divide, then sum
+        if self.divisor != 1:
+            buffer.div_(self.divisor)  # gloo has no AVG: pre-divide, then sum
         bucket.work = dist.all_reduce(buffer, group=self.group, async_op=async_op)
         self.stats.allreduce_calls += 1
         self.stats.allreduce_bytes += bucket.nbytes

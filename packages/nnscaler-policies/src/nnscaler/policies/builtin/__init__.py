@@ -1,2 +1,2 @@
 """Built-in policies; importing this package registers them."""
-from . import data, dp, megatron, tp  # noqa: F401
+from . import data, dp, hybrid, megatron, tp  # noqa: F401

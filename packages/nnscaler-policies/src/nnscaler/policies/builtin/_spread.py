@@ -1,20 +1,34 @@
 """Helpers shared by the tensor-parallel policies: split an op over the whole unit, or replicate it."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
+from ..plan import tensor_inputs
 from ..primitives import assign, bind_annotation, partition, replicate
 
 
-def split_over_unit(graph, node, dim: str, n: int) -> None:
-    """Piece i of `node` (split along `dim`) on device i."""
-    for device, piece in enumerate(partition(graph, node, dim, n)):
+def split_over_unit(graph, node, dim: str, n: int, devices: Optional[Sequence[int]] = None) -> None:
+    """Piece i of `node` (split along `dim`) on device i (on ``devices[i]`` when given)."""
+    devices = range(n) if devices is None else devices
+    for device, piece in zip(devices, partition(graph, node, dim, n)):
         assign(piece, device)
 
 
-def replicate_over_unit(graph, node, n: int) -> None:
-    for device, piece in enumerate(replicate(graph, node, n)):
+def replicate_over_unit(graph, node, n: int, devices: Optional[Sequence[int]] = None) -> None:
+    devices = range(n) if devices is None else devices
+    for device, piece in zip(devices, replicate(graph, node, n)):
         assign(piece, device)
+
+
+def split_batch_or_replicate(graph, node, devices: Sequence[int]) -> None:
+    """Split `node` along the dim of its first tensor input's axis 0 over `devices` when that
+    dim splits evenly, else replicate it there (the `data` policy's rule for one op)."""
+    n = len(devices)
+    batch = dim_of_input_axis(graph, node, 0, 0) if n > 1 and tensor_inputs(graph, node) else None
+    if batch is not None and batch in splittable(graph, node, n):
+        split_over_unit(graph, node, batch, n, devices)
+    else:
+        replicate_over_unit(graph, node, n, devices)
 
 
 def splittable(graph, node, n: int) -> list:

@@ -5,18 +5,13 @@ along it over the unit's devices; other ops (the batch-mean loss, shape ops) are
 """
 from __future__ import annotations
 
-from ..plan import tensor_inputs
 from ..registry import register_policy
-from ._spread import dim_of_input_axis, replicate_over_unit, split_over_unit, splittable
+from ._spread import split_batch_or_replicate
 
 
 @register_policy("data")
 def data(graph, compute_config):
-    n = compute_config.plan_ngpus
+    devices = list(range(compute_config.plan_ngpus))
     for node in graph.nodes:
-        batch = dim_of_input_axis(graph, node, 0, 0) if tensor_inputs(graph, node) and n > 1 else None
-        if batch is not None and batch in splittable(graph, node, n):
-            split_over_unit(graph, node, batch, n)
-        else:
-            replicate_over_unit(graph, node, n)
+        split_batch_or_replicate(graph, node, devices)
     return graph

@@ -4,10 +4,11 @@ A schedule lists, per pipeline device, the forward / backward steps (:class:`Act
 order; it can simulate itself in a unit-cost model (:meth:`Schedule.timeline`,
 :meth:`Schedule.render`, :meth:`Schedule.bubble_fraction`), report its activation-memory proxy
 (:meth:`Schedule.peak_inflight`) and check itself (:meth:`Schedule.validate`, which detects
-deadlocks). Build one by its ``pipeline_scheduler`` name with :func:`get_schedule`. The executor
-that runs a schedule on real stages comes later; see ``schedules.py`` for the model.
+deadlocks). Build one by its ``pipeline_scheduler`` name with :func:`get_schedule`. The schedules live in
+``nnscaler.ir.schedules`` (policies validate them at plan time); the executor that runs one on
+real stages is :mod:`nnscaler.runtime.pipeline.executor`.
 """
-from .schedules import (INFERENCE_SCHEDULES, SCHEDULES, TRAINING_SCHEDULES, Action, ChimeraDirect,
+from nnscaler.ir.schedules import (INFERENCE_SCHEDULES, SCHEDULES, TRAINING_SCHEDULES, Action, ChimeraDirect,
                         ExplicitSchedule, GPipe, InferPipe, Interleaved1F1B, OneFOneB, OneFOneBPlus, Schedule,
                         ScheduleDeadlockError, ScheduleError, get_schedule)
 

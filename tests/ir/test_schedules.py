@@ -1,4 +1,4 @@
-"""nnscaler.runtime.pipeline schedules: completeness, timelines, bubbles, memory, refusals.
+"""nnscaler.ir.schedules: completeness, timelines, bubbles, memory, refusals.
 
 Pure Python, no processes. Cost model (see schedules.py): F = 1 time unit, B = backward_cost
 units (default 2); communication is free.
@@ -9,8 +9,8 @@ from fractions import Fraction
 
 import pytest
 
-from nnscaler.runtime.errors import ConfigError
-from nnscaler.runtime.pipeline import (SCHEDULES, Action, ChimeraDirect, ExplicitSchedule, GPipe, InferPipe,
+from nnscaler.ir.config import ConfigError
+from nnscaler.ir.schedules import (SCHEDULES, Action, ChimeraDirect, ExplicitSchedule, GPipe, InferPipe,
                                        Interleaved1F1B, OneFOneB, OneFOneBPlus, ScheduleDeadlockError,
                                        ScheduleError, get_schedule)
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ConfigError, NnScalerError
+from .config import ConfigError
 
 __all__ = [
     "Action", "Schedule", "ExplicitSchedule", "GPipe", "OneFOneB", "OneFOneBPlus", "Interleaved1F1B",
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 
-class ScheduleError(NnScalerError, ValueError):
+class ScheduleError(ValueError):
     """A schedule's action lists are malformed (missing, duplicated or misplaced actions)."""
 
 

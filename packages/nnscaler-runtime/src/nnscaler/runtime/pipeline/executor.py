@@ -1,0 +1,216 @@
+"""Run a pipelined ParallelModule's micro-batches on its schedule.
+
+The generated module of a pipelined plan has one method per stage it holds,
+``_stage_{s}(acts, *forward args)``, returning the stage's outputs, and a ``PIPELINE`` dict
+(identical on every rank) naming, per stage, the values it receives and sends. The executor
+walks this rank's action list of the schedule:
+
+* ``F(s, m)``: receive the stage's inputs for micro-batch ``m`` (as leaves that require a
+  gradient when the sender's tensor did), run ``_stage_s`` on sample ``m``, send each output to
+  every stage that reads it;
+* ``B(s, m)``: receive the gradients of the stage's outputs (summed over their consumers; the
+  loss gets 1), run autograd on them, send the inputs' gradients back to their producers.
+
+Gradients accumulate locally over the step (every backward runs inside
+``sync_grad_when(False)``); at the end the module's reducers synchronise once. The forward's
+outputs of every micro-batch are broadcast over the unit, so every rank returns the same list.
+`last_timeline` keeps (action, start, end) in seconds of the last step, for measurements.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nnscaler.ir.schedules import Action, get_schedule
+
+from ..errors import NnScalerError
+from ..reducer import sync_grad_when
+from .p2p import HEADER_LEN, Mailbox, empty_from_header, tensor_header
+
+__all__ = ["PipelineExecutor"]
+
+
+class PipelineExecutor:
+    """Executes train / inference steps of one pipelined ParallelModule on this rank."""
+
+    def __init__(self, module):
+        self.module = module
+        meta = module.PIPELINE
+        self.meta = meta
+        self.nstages, self.nmicros = meta["nstages"], meta["nmicros"]
+        self.tp = meta["tp_size"]
+        self.schedule = get_schedule(meta["scheduler"], self.nstages, self.nmicros, meta["pp_size"])
+        grid = module.grid
+        self.plan_device = grid.plan_device
+        self.unit_start = grid.rank - grid.plan_device
+        self.group_index, self.local = divmod(self.plan_device, self.tp)
+        self.mailbox = Mailbox(grid.rank, module.device)
+        self.final = sorted(self._output_ids() & set(meta["producer"]))
+        self.last_timeline: List[Tuple[str, float, float]] = []
+
+    def _output_ids(self) -> set:
+        ids = set()
+        self.module._pipeline_output(_Recorder(ids))
+        return ids
+
+    # -- placement ----------------------------------------------------------------------------
+    def rank_of(self, stage: int, micro: int) -> int:
+        """The global rank that runs `stage` of `micro` at this rank's local index."""
+        return self.unit_start + self.schedule.device_of(stage, micro) * self.tp + self.local
+
+    def _tag(self, vid: int, stage: int, micro: int, backward: bool) -> int:
+        return ((vid * self.nstages + stage) * self.nmicros + micro) * 2 + int(backward)
+
+    # -- steps --------------------------------------------------------------------------------
+    def run(self, samples: Sequence[Any], training: bool) -> List[Any]:
+        name = "train_step" if training else "infer_step"
+        if not isinstance(samples, (list, tuple)) or len(samples) != self.nmicros:
+            got = len(samples) if isinstance(samples, (list, tuple)) else type(samples).__name__
+            raise NnScalerError(f"{type(self.module).__name__}.{name}: the pipeline runs pipeline_nmicros="
+                                f"{self.nmicros} micro-batches per step; pass a list of {self.nmicros} samples "
+                                f"(got {got})")
+        actions = self.schedule.actions(self.group_index)
+        if not training:
+            actions = [a for a in actions if a.kind == "F"]
+        elif not self.schedule.training:
+            raise NnScalerError(f"{type(self.module).__name__}.train_step: pipeline_scheduler "
+                                f"{self.meta['scheduler']!r} runs forwards only; regenerate with a training schedule")
+        self._ins: Dict[Tuple[int, int], Dict[int, Any]] = {}
+        self._outs: Dict[Tuple[int, int], Dict[int, Any]] = {}
+        self._final: Dict[int, Dict[int, Any]] = {m: {} for m in range(self.nmicros)}
+        timeline = []
+        try:
+            with sync_grad_when(False), torch.set_grad_enabled(training):
+                for a in actions:
+                    t0 = time.perf_counter()
+                    if a.kind == "F":
+                        self._forward(a, samples[a.micro], training)
+                    else:
+                        self._backward(a)
+                    timeline.append((str(a), t0, time.perf_counter()))
+            self.mailbox.wait_sends()
+        finally:
+            self._ins, self._outs = {}, {}
+        self.last_timeline = timeline
+        if training:
+            self.module._sync_pipeline_grads()
+        outputs = []
+        for m in range(self.nmicros):
+            vals = self._broadcast_final(m)
+            out = self.module._pipeline_output(vals)
+            outputs.append(_detach(out) if training else out)
+        return outputs
+
+    def _forward(self, a: Action, sample: Any, training: bool) -> None:
+        meta, s, m = self.meta, a.stage, a.micro
+        ins = {}
+        for vid in meta["inputs"][s]:
+            src = self.rank_of(meta["producer"][vid], m)
+            tag = self._tag(vid, s, m, False)
+            ins[vid] = (self.mailbox.recv_int(src, tag) if meta["kinds"][vid] == "int"
+                        else self.mailbox.recv_tensor(src, tag))
+        args, kwargs = _as_call(sample)
+        args, kwargs = self.module._to_device((args, kwargs))
+        try:
+            outs = getattr(self.module, f"_stage_{s}")(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
+        except Exception as exc:
+            self.module._note_source(exc)
+            raise
+        outs = dict(zip(meta["outputs"][s], outs))
+        for vid, value in outs.items():
+            for t in meta["consumers"][vid]:
+                dst, tag = self.rank_of(t, m), self._tag(vid, t, m, False)
+                if meta["kinds"][vid] == "int":
+                    self.mailbox.send_int(value, dst, tag)
+                else:
+                    self.mailbox.send_tensor(value, dst, tag)
+            if vid in self.final:
+                self._final[m][vid] = value
+        if training:
+            self._ins[(s, m)] = ins
+            self._outs[(s, m)] = outs
+
+    def _backward(self, a: Action) -> None:
+        meta, s, m = self.meta, a.stage, a.micro
+        ins, outs = self._ins.pop((s, m)), self._outs.pop((s, m))
+        tensors, grads = [], []
+        for vid, out in outs.items():
+            if not isinstance(out, torch.Tensor) or not out.requires_grad:
+                continue
+            grad = None
+            for t in meta["consumers"][vid]:
+                g = self.mailbox.recv_tensor(self.rank_of(t, m), self._tag(vid, t, m, True))
+                grad = g if grad is None else grad + g
+            if vid == meta["loss"]:
+                one = torch.ones_like(out)
+                grad = one if grad is None else grad + one
+            if grad is not None:
+                tensors.append(out)
+                grads.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        for vid, leaf in ins.items():
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                self.mailbox.send_tensor(grad, self.rank_of(meta["producer"][vid], m), self._tag(vid, s, m, True))
+
+    # -- outputs ------------------------------------------------------------------------------
+    def _broadcast_final(self, m: int) -> Dict[int, Any]:
+        """The forward's output values of micro-batch `m`, the same on every rank of the unit."""
+        grid = self.module.grid
+        vals = {}
+        for vid in self.final:
+            stage = self.meta["producer"][vid]
+            src = self.unit_start + self.schedule.device_of(stage, m) * self.tp  # local index 0
+            mine = self._final[m].get(vid)
+            if grid.plan_ngpus == 1 or not dist.is_initialized():
+                vals[vid] = mine
+                continue
+            if self.meta["kinds"][vid] == "int":
+                buf = torch.tensor([mine if mine is not None else 0], dtype=torch.int64, device=self.module.device)
+                dist.broadcast(buf, src=src, group=grid.unit_group)
+                vals[vid] = int(buf.item())
+                continue
+            header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.module.device)
+            if grid.rank == src:
+                header.copy_(tensor_header(mine.detach()).to(header.device))
+            dist.broadcast(header, src=src, group=grid.unit_group)
+            buf = (mine.detach().contiguous() if grid.rank == src
+                   else empty_from_header(header, self.module.device).requires_grad_(False))
+            dist.broadcast(buf, src=src, group=grid.unit_group)
+            vals[vid] = buf
+        return vals
+
+
+class _Recorder(dict):
+    """A `_vals` stand-in that records which value ids `_pipeline_output` reads."""
+
+    def __init__(self, ids: set):
+        super().__init__()
+        self.ids = ids
+
+    def __getitem__(self, key):
+        self.ids.add(key)
+        return None
+
+
+def _as_call(sample: Any) -> Tuple[tuple, dict]:
+    if isinstance(sample, Mapping):
+        return (), dict(sample)
+    if isinstance(sample, tuple):
+        return sample, {}
+    return (sample,), {}
+
+
+def _detach(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, (list, tuple)):
+        items = [_detach(o) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {k: _detach(v) for k, v in obj.items()}
+    return obj

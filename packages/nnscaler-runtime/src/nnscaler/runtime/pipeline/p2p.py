@@ -1,0 +1,103 @@
+"""Point-to-point messages between pipeline stages: a tensor (with a small header giving its
+dtype, shape and whether it needs a gradient) or an int.
+
+Sends are asynchronous (``isend``) and kept until `Mailbox.wait_sends`; receives block. Every
+message carries a tag unique within a step (value, consuming stage, micro-batch, direction), so
+a receive matches its send whatever order the two ranks issue them in (gloo matches by tag).
+Messages between two stages on the same rank (interleaved schedules) stay in memory.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Mailbox", "HEADER_LEN", "MAX_DIMS", "tensor_header", "empty_from_header"]
+
+MAX_DIMS = 12
+HEADER_LEN = 3 + MAX_DIMS  # dtype code, requires_grad, ndim, dims
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+def tensor_header(x: torch.Tensor) -> torch.Tensor:
+    """The int64 header describing `x`: dtype code, requires_grad, ndim, dims (zero padded)."""
+    if x.dim() > MAX_DIMS:
+        raise ValueError(f"pipeline messages carry tensors of at most {MAX_DIMS} dims, got {x.dim()}")
+    if x.dtype not in _CODE:
+        raise TypeError(f"pipeline messages cannot carry dtype {x.dtype}")
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0], header[1], header[2] = _CODE[x.dtype], int(x.requires_grad), x.dim()
+    header[3:3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    return header
+
+
+def empty_from_header(header: torch.Tensor, device) -> torch.Tensor:
+    """An uninitialised tensor of the dtype / shape / requires_grad a header describes."""
+    h = header.tolist()
+    return torch.empty(h[3:3 + h[2]], dtype=_DTYPES[h[0]], device=device).requires_grad_(bool(h[1]))
+
+
+class Mailbox:
+    """One rank's sends and receives for the steps of one pipeline executor."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        self._pending: List[Tuple[object, torch.Tensor]] = []
+        self._local: Dict[int, object] = {}
+        self.bytes_sent = 0
+        self.messages = 0
+
+    # -- tensors ------------------------------------------------------------------------------
+    def send_tensor(self, x: torch.Tensor, dst: int, tag: int) -> None:
+        if dst == self.rank:
+            self._local[tag] = x
+            return
+        header = tensor_header(x)
+        payload = x.detach().contiguous()
+        self._isend(header.to(self.device), dst, 2 * tag)
+        self._isend(payload, dst, 2 * tag + 1)
+        self.bytes_sent += payload.numel() * payload.element_size()
+
+    def recv_tensor(self, src: int, tag: int) -> torch.Tensor:
+        """The tensor sent to this rank with `tag` (detached; requires_grad as the sender's)."""
+        if src == self.rank:
+            x = self._local.pop(tag)
+            return x.detach().requires_grad_(x.requires_grad)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=src, tag=2 * tag)
+        x = empty_from_header(header, self.device)
+        grad = x.requires_grad
+        dist.recv(x.requires_grad_(False), src=src, tag=2 * tag + 1)
+        return x.requires_grad_(grad)
+
+    # -- ints ---------------------------------------------------------------------------------
+    def send_int(self, value: int, dst: int, tag: int) -> None:
+        if dst == self.rank:
+            self._local[tag] = int(value)
+            return
+        self._isend(torch.tensor([int(value)], dtype=torch.int64, device=self.device), dst, 2 * tag)
+
+    def recv_int(self, src: int, tag: int) -> int:
+        if src == self.rank:
+            return self._local.pop(tag)
+        buf = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(buf, src=src, tag=2 * tag)
+        return int(buf.item())
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _isend(self, x: torch.Tensor, dst: int, tag: int) -> None:
+        self._pending.append((dist.isend(x, dst=dst, tag=tag), x))
+        self.messages += 1
+
+    def wait_sends(self) -> None:
+        """Wait for every send issued so far (their buffers are released afterwards)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        if self._local:  # pragma: no cover - an executor bug, not a user error
+            leftover = sorted(self._local)
+            self._local.clear()
+            raise RuntimeError(f"pipeline: in-memory messages were never received (tags {leftover[:5]})")
