@@ -30,6 +30,9 @@ class PipelinePlan:
     tp_size: int
 
     def __post_init__(self):
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ConfigError(f"tp_size (plan devices per pipeline device, plan_ngpus // pp_size) must be an "
+                              f"integer >= 1, got {self.tp_size!r}")
         self.schedule()  # validates: a schedule that cannot apply raises ConfigError here
 
     def schedule(self, backward_cost: int = 2) -> Schedule:

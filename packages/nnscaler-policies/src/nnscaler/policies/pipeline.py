@@ -41,14 +41,22 @@ def _pivot_list(pivots: Union[str, Sequence[str]]) -> List[str]:
 
 
 def _matches(path: str, cls: str, pivot: str) -> bool:
-    return cls == pivot or cls.rsplit(".", 1)[-1] == pivot or fnmatch.fnmatchcase(path, pivot)
+    return cls == pivot or cls.rsplit(".", 1)[-1] == pivot or _path_glob(path, pivot)
+
+
+def _path_glob(path: str, pattern: str) -> bool:
+    """Glob on module paths, one dotted segment at a time: ``blocks.*`` matches ``blocks.0`` but
+    not ``blocks.0.attn`` (whose start would be a cut point inside a block)."""
+    parts, pats = path.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
 
 
 def pivot_leads(graph: IRGraph, pivots: Union[str, Sequence[str]]) -> List[int]:
     """Indices of the ops where a module matching a pivot starts (its first op), in order.
 
     A pivot is a module class name (``Block``), a dotted class (``mypkg.model.Block``) or a glob
-    on module paths (``blocks.*``). Raises ConfigError when no module matches.
+    on module paths matched segment by segment (``blocks.*``: ``blocks.0``, not ``blocks.0.attn``).
+    Raises ConfigError when no module matches.
     """
     items = _pivot_list(pivots)
     seen, leads = set(), []

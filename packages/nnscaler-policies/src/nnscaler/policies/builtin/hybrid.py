@@ -5,9 +5,10 @@ parallelism across units.
 
 * ``pipeline_nstages``: ``"auto"`` (default) or an int. ``"auto"`` with ``pipeline_pivots``
   pipelines with ``pp_size`` stages when given, else with as many stages as the pivots allow
-  up to ``plan_ngpus`` (the largest divisor of ``plan_ngpus`` not above the number of pivot
-  modules); ``"auto"`` without pivots does not pipeline. ``1``: no pipeline (``pipeline_pivots``
-  must not be set). ``> 1``: pipeline with that many stages (``pipeline_pivots`` must be set).
+  up to ``plan_ngpus`` (the largest divisor of ``plan_ngpus`` not above one more than the number
+  of pivot modules that start after the first op); ``"auto"`` without pivots does not pipeline.
+  ``1``: no pipeline (``pipeline_pivots`` must not be set). ``> 1``: pipeline with that many
+  stages (``pipeline_pivots`` must be set).
 * ``pipeline_nmicros`` (required): micro-batches per step; ``train_step`` takes that many.
 * ``pipeline_scheduler``: ``1f1b`` (default; ``infer_pipe`` when ``inference_only``),
   ``1f1b_plus``, ``1f1b_interleaved``, ``gpipe``, ``chimera_direct``, ``infer_pipe``.
@@ -122,7 +123,8 @@ def hybrid(graph, cfg):
         elif "pp_size" in pas:
             nstages = _int("pp_size", pas["pp_size"])
         else:
-            nstages = max(d for d in range(1, ngpus + 1) if ngpus % d == 0 and d <= len(leads) + 1)
+            most = 1 + sum(1 for lead in leads if lead > 0)  # a pivot starting at op 0 is no cut point
+            nstages = max(d for d in range(1, ngpus + 1) if ngpus % d == 0 and d <= most)
     pp_size = _int("pp_size", pas.get("pp_size", nstages))
     if nstages == 1:
         if pp_size != 1:
@@ -149,8 +151,9 @@ def pp(graph, cfg):
         if pivots:
             raise ConfigError("pas_config['pipeline_nstages'] = 1 turns the pipeline off, so pipeline_pivots must "
                               "not be set")
-        _place(graph, ngpus, ngpus)
-        return graph
+        if ngpus == 1:  # with more devices _pipeline refuses it: pp_size is plan_ngpus, tp_size 1
+            _place(graph, ngpus, ngpus)
+            return graph
     leads = pivot_leads(graph, pivots) if pivots else None
     _pipeline(graph, cfg, nstages, pp_size, nmicros, scheduler, leads)
     _place(graph, ngpus, 1)

@@ -50,6 +50,12 @@ class PipelineExecutor:
         self.mailbox = Mailbox(grid.rank, module.device)
         self.final = sorted(self._output_ids() & set(meta["producer"]))
         self.last_timeline: List[Tuple[str, float, float]] = []
+        # Activation accounting (off by default; costs a hook per saved tensor): the bytes autograd
+        # keeps for backward, parameters excluded, counted per stage forward until its backward.
+        self.track_activations = False
+        self.live_activation_bytes = 0
+        self.peak_activation_bytes = 0
+        self._saved_bytes: Dict[Tuple[int, int], int] = {}
 
     def _output_ids(self) -> set:
         ids = set()
@@ -114,8 +120,16 @@ class PipelineExecutor:
                         else self.mailbox.recv_tensor(src, tag))
         args, kwargs = _as_call(sample)
         args, kwargs = self.module._to_device((args, kwargs))
+        stage_fn = getattr(self.module, f"_stage_{s}")
         try:
-            outs = getattr(self.module, f"_stage_{s}")(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
+            if self.track_activations and training:
+                with _SavedBytes(self.module) as saved:
+                    outs = stage_fn(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
+                self._saved_bytes[(s, m)] = saved.nbytes
+                self.live_activation_bytes += saved.nbytes
+                self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
+            else:
+                outs = stage_fn(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
         except Exception as exc:
             self.module._note_source(exc)
             raise
@@ -152,6 +166,7 @@ class PipelineExecutor:
                 grads.append(grad)
         if tensors:
             torch.autograd.backward(tensors, grads)
+        self.live_activation_bytes -= self._saved_bytes.pop((s, m), 0)
         for vid, leaf in ins.items():
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -183,6 +198,34 @@ class PipelineExecutor:
             dist.broadcast(buf, src=src, group=grid.unit_group)
             vals[vid] = buf
         return vals
+
+
+class _SavedBytes:
+    """Counts the distinct storages autograd saves for backward inside the block, parameters
+    (and views of them) excluded: the activation memory one stage forward keeps alive."""
+
+    def __init__(self, module):
+        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages: Dict[int, int] = {}
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.params:
+            self.storages[ptr] = storage.nbytes()
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
 
 
 class _Recorder(dict):
