@@ -132,9 +132,9 @@ def _worker(rank: int, args) -> dict:
             ex.peak_activation_bytes = ex.live_activation_bytes = 0
             waits.clear()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses = pm.train_step(samples)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             opt.step()
             if not measured:
                 continue
@@ -142,7 +142,7 @@ def _worker(rank: int, args) -> dict:
             for _, a0, a1 in tl:
                 busy += (a1 - a0) - sum(min(a1, w1) - max(a0, w0) for w0, w1 in waits if w0 < a1 and w1 > a0)
             steps.append({"timeline": tl, "busy_s": busy, "recv_wait_s": sum(w1 - w0 for w0, w1 in waits),
-                          "train_step_s": t1 - t0, "tracked": ex.track_activations,
+                          "train_step_s": t1 - t0, "cpu_s": c1 - c0, "tracked": ex.track_activations,
                           "peak_activation_bytes": ex.peak_activation_bytes if ex.track_activations else None,
                           "loss": float(torch.stack([o.reshape(()) for o in losses]).mean())})
         out[sched] = {"build_s": build_s, "steps": steps, "stage_act_bytes": unit,

@@ -106,6 +106,8 @@ class ParallelModule(torch.nn.Module):
         self.reducer: Optional[Reducer] = None
         self.shared_reducers: List[Reducer] = []  # pipeline devices holding one tensor: sum their grads
         self._pipeline_executor = None
+        self._pipeline_nosync_depth = 0
+        self._shared_synced = False
         self._fullmap: Dict[str, FullMapEntry] = {}
         self._full_aliases: Dict[str, str] = {}
         if self.RANK is not None and self.RANK % self.grid.plan_ngpus != self.grid.plan_device:
@@ -221,6 +223,21 @@ class ParallelModule(torch.nn.Module):
         """End of a pipeline step: every reducer synchronises the accumulated gradients once."""
         for reducer in ([self.reducer] if self.reducer is not None else []) + self.shared_reducers:
             reducer.sync_grads()
+        self._shared_synced = bool(self.shared_reducers)
+
+    def _unshare_synced_grads(self) -> None:
+        """Before accumulating on top of synced gradients: a tensor held by several pipeline
+        devices has the same (summed) gradient on each; keep it on the first holder only, so the
+        next sum counts it once (the data-parallel mean is unaffected: every unit keeps one)."""
+        if not self._shared_synced:
+            return
+        self._shared_synced = False
+        first = {name for name, per_index in self.PIPELINE.get("shared", {}).items()
+                 if per_index[self.grid.plan_device % self.PIPELINE["tp_size"]][0] != self.grid.plan_device}
+        for local, entry in self._fullmap.items():
+            tensor, _ = self._local_tensor(local)
+            if entry.full_name in first and tensor.grad is not None:
+                tensor.grad.zero_()
 
     def _load_initial_weights(self) -> None:
         generated = _generated_file(type(self))
@@ -333,8 +350,22 @@ class ParallelModule(torch.nn.Module):
                 exc.__notes__ = [*getattr(exc, "__notes__", []), note]
 
     def sync_grad_when(self, cond: bool):
-        """Inside `sync_grad_when(False)`, backward only accumulates this module's gradients."""
+        """Inside `sync_grad_when(False)`, backward only accumulates this module's gradients
+        (for a pipelined module: `train_step` leaves them unsynchronised)."""
+        if self.PIPELINE is not None:
+            return self._pipeline_nosync(cond)
         return self.reducer.sync_grad_when(cond) if self.reducer is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _pipeline_nosync(self, cond: bool):
+        if cond:
+            yield
+            return
+        self._pipeline_nosync_depth += 1
+        try:
+            yield
+        finally:
+            self._pipeline_nosync_depth -= 1
 
     def parameters_for_optimizer(self) -> List[torch.nn.Parameter]:
         """This rank's trainable parameters."""

@@ -17,7 +17,7 @@ parallelism across units.
   device has ``tp_size = plan_ngpus // pp_size`` plan devices over which every op of its stages
   is split on the dim of its first input's axis 0 (replicated where that does not split).
 * ``pipeline_pivots``: comma-separated module class names or module-path globs; stages start
-  only where such a module starts, balanced by op count.
+  only where such a module starts, balanced by op weight (`op_weight`).
 
 ``pp``: ``hybrid`` with ``tp_size = 1``: ``pipeline_nstages`` defaults to ``plan_ngpus``
 (``2 * plan_ngpus`` for ``1f1b_interleaved``), ``pp_size`` is ``plan_ngpus``, and

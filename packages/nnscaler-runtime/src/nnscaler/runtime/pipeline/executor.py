@@ -12,7 +12,9 @@ walks this rank's action list of the schedule:
   loss gets 1), run autograd on them, send the inputs' gradients back to their producers.
 
 Gradients accumulate locally over the step (every backward runs inside
-``sync_grad_when(False)``); at the end the module's reducers synchronise once. The forward's
+``sync_grad_when(False)``); at the end the module's reducers synchronise once -- unless the
+caller is inside ``sync_grad_when(False)`` itself (accumulating over several ``train_step``
+calls), in which case they stay local until a synchronising call. The forward's
 outputs of every micro-batch are broadcast over the unit, so every rank returns the same list.
 `last_timeline` keeps (action, start, end) in seconds of the last step, for measurements.
 """
@@ -84,6 +86,9 @@ class PipelineExecutor:
         elif not self.schedule.training:
             raise NnScalerError(f"{type(self.module).__name__}.train_step: pipeline_scheduler "
                                 f"{self.meta['scheduler']!r} runs forwards only; regenerate with a training schedule")
+        sync = training and _sync_requested() and self.module._pipeline_nosync_depth == 0
+        if training:
+            self.module._unshare_synced_grads()
         self._ins: Dict[Tuple[int, int], Dict[int, Any]] = {}
         self._outs: Dict[Tuple[int, int], Dict[int, Any]] = {}
         self._final: Dict[int, Dict[int, Any]] = {m: {} for m in range(self.nmicros)}
@@ -101,7 +106,7 @@ class PipelineExecutor:
         finally:
             self._ins, self._outs = {}, {}
         self.last_timeline = timeline
-        if training:
+        if sync:  # inside the user's sync_grad_when(False) the gradients stay local
             self.module._sync_pipeline_grads()
         outputs = []
         for m in range(self.nmicros):
@@ -238,6 +243,12 @@ class _Recorder(dict):
     def __getitem__(self, key):
         self.ids.add(key)
         return None
+
+
+def _sync_requested() -> bool:
+    """False inside a module-level ``sync_grad_when(False)`` block (gradient accumulation)."""
+    from .. import reducer
+    return reducer._NOSYNC_DEPTH == 0
 
 
 def _as_call(sample: Any) -> Tuple[tuple, dict]:
