@@ -1,35 +1,38 @@
 """Pipeline schedules on real gloo processes: measured bubble and per-stage activation memory.
 
-    python bench/pipeline.py                 # 4 ranks, 4 stages (interleaved: 8 on 4)
-    python bench/pipeline.py --ranks 2       # 2 ranks, 2 stages (interleaved: 4 on 2)
+    python bench/pipeline.py                 # 4 ranks, 4 stages (interleaved: 8 on 4) -> pipeline.json
+    python bench/pipeline.py --ranks 2       # 2 ranks, 2 stages (interleaved: 4 on 2) -> pipeline_r2.json
 
-Model: a stack of `--layers` residual MLP blocks (width `--width`, hidden 4x) ending in an MSE
-loss; compute-heavy (two d x 4d matmuls per block) with little to send between stages (one
-mb x d activation / gradient per micro-batch). Policy `pp` (`ComputeConfig(R, R)`, R = `--ranks`,
-`pipeline_pivots='Block'`: stages cut at block boundaries, balanced by op count), one module per
-schedule, all built in the same R processes (1 intra-op thread each, or cores // R).
+Model: `--layers` (8) residual MLP blocks (width `--width` 512, hidden 4x, micro-batch 64) and an
+MSE loss: two mb x d x 4d matmuls per block, one mb x d tensor between stages. Policy `pp`,
+`ComputeConfig(R, R, use_end2end=True)`, R = `--ranks`, `pipeline_pivots='Block'`, `--nmicros` (8)
+micro-batches; one module per schedule, all in the same R gloo processes (cores // R threads, >= 1).
 
-Per schedule: `--warmup` train steps, then `--steps` measured ones, a barrier before each. From
-the executor's own `last_timeline` ((action, start, end), perf_counter = CLOCK_MONOTONIC, common to
-the processes) and the time each action spent blocked in a receive (the bench wraps this rank's
-`Mailbox.recv_tensor` / `recv_int`; a timeline span includes that wait), per step:
+`--warmup` (1) step, one step with `track_activations`, then `--steps` (8) timed steps, every
+schedule once per round (rotated), a barrier before each. From the executor's `last_timeline` ((action, start, end) from
+perf_counter, CLOCK_MONOTONIC, common to the processes) less the time each action spent blocked in
+a receive (the bench wraps the rank's `Mailbox.recv_*`; a timeline span includes that wait):
 
-    busy(rank)  = sum over its actions of (end - start - receive wait)
-    bubble      = 1 - sum_rank busy / (R * (max end - min start))
+    busy(rank) = sum over its actions of (end - start - receive wait)
+    bubble     = 1 - sum over ranks of busy / (R * (max end - min start))
 
-reported as the median over steps, next to `schedule.analytic_bubble()` ((p-1)/(m+p-1) for 1f1b
-and gpipe; None for chimera) and `schedule.bubble_fraction()` (unit-cost simulation, B = 2F).
-`bubble_spans` is the same without removing the receive waits (gaps between actions only).
+median over steps, against `analytic_bubble()` ((p-1)/(m+p-1) for 1f1b and gpipe, (p-1)/(vm+p-1)
+interleaved, None for chimera) and `bubble_fraction()` (unit-cost simulation, B = 2F). Also: the
+bubble from the spans alone (no wait removed), the bubble of the action lists replayed with each
+action's measured thread CPU time and free communication ("replay cpu": what the measured costs
+allow without contention or latency), on-CPU share of busy time, speed-up over the unpipelined
+model stepped by rank 0 alone (the others wait at a barrier) once per round.
 
-Activation memory: the executor's `track_activations` counts the bytes autograd saves per stage
-forward (distinct storages, parameters excluded) until its backward; `peak_activation_bytes` per
-rank over one measured step. Prediction: replay the rank's action list with the bytes measured
-for each stage's forward (`peak_inflight(d)` x per-micro bytes with one stage per device).
+Activation memory: `track_activations` counts the bytes autograd saves per stage forward (distinct
+storages, parameters excluded) until its backward; `peak_activation_bytes` per rank over the step,
+against the theory: the rank's action list replayed with 36 mb d bytes per block per micro-batch
+(fc input d, gelu and proj inputs 4d each, fp32) + 8 mb d for the loss (input and target), i.e.
+`peak_inflight(d)` x stage bytes with one stage per device; and the ratio to gpipe. Not counted
+there: the tensors this rank sent, which the Mailbox keeps until the end of the step ("sends held").
 
-Caveat: R processes on fewer cores oversubscribe the CPU (4 ranks on 2 cores: while all four
-stages compute, each runs at about half speed), so wall-clock bubbles are noisy and biased low
-against the analytic value; `--ranks 2` gives each rank a core. Writes bench/results/pipeline.json
-(`pipeline_r2.json` with `--ranks 2`).
+Caveat: more ranks than cores (4 on 2) oversubscribe the CPU: concurrent stages slow each other and
+a rank woken by a message may wait for a core, so wall-clock bubbles are noisy; `--ranks 2` gives
+each rank a core. Other load on the machine skews them too (load averages are recorded).
 """
 from __future__ import annotations
 
@@ -81,34 +84,39 @@ def micro_batch(args, step: int, micro: int):
             "y": torch.randn(args.micro_batch, args.width, generator=g)}
 
 
-def _wrap_recv(mailbox, waits: list) -> None:
-    """Record (start, end) of every blocking receive of this rank's mailbox."""
+def _instrument(ex, waits: list, cpu: dict, unit: dict) -> None:
+    """Wrap this rank's executor (instance attributes only): (start, end) of every blocking receive
+    into `waits`; thread CPU seconds of every action into `cpu`; the activation bytes of each stage
+    forward into `unit` when tracking (the executor pops them at the backward)."""
     for name in ("recv_tensor", "recv_int"):
-        orig = getattr(mailbox, name)
-
-        def timed(src, tag, _orig=orig):
+        def timed(src, tag, _orig=getattr(ex.mailbox, name)):
             t0 = time.perf_counter()
             try:
                 return _orig(src, tag)
             finally:
                 waits.append((t0, time.perf_counter()))
-        setattr(mailbox, name, timed)
-
-
-def _wrap_forward(ex, unit: dict) -> None:
-    """Record the activation bytes of each stage forward (the executor pops them at backward)."""
-    orig = ex._forward
+        setattr(ex.mailbox, name, timed)
+    fwd, bwd = ex._forward, ex._backward
 
     def forward(a, sample, training):
-        orig(a, sample, training)
+        c0 = time.thread_time()
+        fwd(a, sample, training)
+        cpu[str(a)] = time.thread_time() - c0
         if ex.track_activations and training:
             unit[a.stage] = ex._saved_bytes[(a.stage, a.micro)]
-    ex._forward = forward
+
+    def backward(a):
+        c0 = time.thread_time()
+        bwd(a)
+        cpu[str(a)] = time.thread_time() - c0
+    ex._forward, ex._backward = forward, backward
 
 
 def _worker(rank: int, args) -> dict:
+    """Build one module per schedule, then run the steps in rounds (every schedule once per round,
+    so load drifts on the machine hit them alike)."""
     from nnscaler import ComputeConfig, build_optimizer, parallelize
-    R, out = args.ranks, {}
+    R, runs = args.ranks, {}
     for sched in args.schedules:
         nstages = 2 * R if sched == "1f1b_interleaved" else R
         pas = {"pipeline_nmicros": args.nmicros, "pipeline_scheduler": sched, "pipeline_nstages": nstages,
@@ -117,88 +125,122 @@ def _worker(rank: int, args) -> dict:
         t0 = time.perf_counter()
         pm = parallelize(make_model(args), micro_batch(args, 0, 0), "pp", cfg, gen_savedir=args.gen_dir,
                          instance_name=f"pp{R}_{sched}", reuse="override")
-        build_s = time.perf_counter() - t0
-        opt = build_optimizer(pm, torch.optim.SGD, lr=1e-4)
-        ex = pm._executor()
-        waits, unit = [], {}
-        _wrap_recv(ex.mailbox, waits)
-        _wrap_forward(ex, unit)
-        steps = []
-        for step in range(args.warmup + args.steps):
-            measured = step >= args.warmup
-            samples = [micro_batch(args, step, i) for i in range(args.nmicros)]
-            opt.zero_grad()
-            ex.track_activations = measured and step == args.warmup  # one step: the hooks cost time
+        r = runs[sched] = {"pm": pm, "opt": build_optimizer(pm, torch.optim.SGD, lr=1e-4), "ex": pm._executor(),
+                           "waits": [], "cpu": {}, "unit": {}, "steps": [], "build_s": time.perf_counter() - t0}
+        _instrument(r["ex"], r["waits"], r["cpu"], r["unit"])
+    ref, ref_s = make_model(args), []  # the unpipelined model, stepped by rank 0 alone once per round
+    for step in range(args.warmup + args.steps + 1):
+        tracked = step == args.warmup  # one step counts activations (hooks cost time): not timed
+        samples = [micro_batch(args, step, i) for i in range(args.nmicros)]
+        dist.barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            ref.zero_grad()
+            for sample in samples:
+                ref(**sample).backward()
+            ref_s.append(time.perf_counter() - t0)
+        for sched in args.schedules[step % len(args.schedules):] + args.schedules[:step % len(args.schedules)]:
+            r, ex = runs[sched], runs[sched]["ex"]
+            r["opt"].zero_grad()
+            ex.track_activations = tracked
             ex.peak_activation_bytes = ex.live_activation_bytes = 0
-            waits.clear()
+            r["waits"].clear()
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            losses = pm.train_step(samples)
-            t1, c1 = time.perf_counter(), time.process_time()
-            opt.step()
-            if not measured:
+            sent = ex.mailbox.bytes_sent
+            losses = r["pm"].train_step(samples)
+            r["opt"].step()
+            if tracked:  # sends stay referenced by the mailbox until the end of the step (wait_sends)
+                r["peak"], r["sent"] = ex.peak_activation_bytes, ex.mailbox.bytes_sent - sent
+            if step <= args.warmup:
                 continue
-            tl, busy = ex.last_timeline, 0.0
-            for _, a0, a1 in tl:
-                busy += (a1 - a0) - sum(min(a1, w1) - max(a0, w0) for w0, w1 in waits if w0 < a1 and w1 > a0)
-            steps.append({"timeline": tl, "busy_s": busy, "recv_wait_s": sum(w1 - w0 for w0, w1 in waits),
-                          "train_step_s": t1 - t0, "cpu_s": c1 - c0, "tracked": ex.track_activations,
-                          "peak_activation_bytes": ex.peak_activation_bytes if ex.track_activations else None,
-                          "loss": float(torch.stack([o.reshape(()) for o in losses]).mean())})
-        out[sched] = {"build_s": build_s, "steps": steps, "stage_act_bytes": unit,
-                      "stages_here": sorted(unit), "messages": ex.mailbox.messages}
-    return out
+            tl = [(n, a0, a1, sum(min(a1, w1) - max(a0, w0) for w0, w1 in r["waits"] if w0 < a1 and w1 > a0),
+                   r["cpu"][n]) for n, a0, a1 in ex.last_timeline]  # (action, start, end, receive wait, CPU)
+            r["steps"].append({"timeline": tl, "loss": float(torch.stack([o.reshape(()) for o in losses]).mean())})
+    out = {s: {"build_s": r["build_s"], "steps": r["steps"], "stage_act_bytes": r["unit"],
+               "peak_activation_bytes": r["peak"], "sent_bytes_per_step": r["sent"]} for s, r in runs.items()}
+    return {"runs": out, "unpipelined_s": ref_s[args.warmup + 1:]}
 
 
-def summarize(args, ranks: list) -> dict:
+def _replay(sc, cost) -> float:
+    """Bubble of the schedule's action lists with per-action costs `cost[str(action)]`, communication
+    free (the dependencies of nnscaler.ir.schedules)."""
+    lists, done, free, ptr = [sc.actions(d) for d in range(sc.ndevices)], {}, [0.0] * sc.ndevices, [0] * sc.ndevices
+    while any(ptr[d] < len(lists[d]) for d in range(sc.ndevices)):
+        for d in range(sc.ndevices):
+            while ptr[d] < len(lists[d]):
+                a = lists[d][ptr[d]]
+                deps = sc._deps(a)
+                if not all(x in done for x in deps):
+                    break
+                start = max([free[d]] + [done[x] for x in deps])
+                free[d] = done[(a.kind, a.stage, a.micro)] = start + cost[str(a)]
+                ptr[d] += 1
+    return 1 - sum(cost.values()) / (sc.ndevices * max(free))
+
+
+def _replay_bytes(sc, d: int, unit: dict) -> int:
+    """Peak of the activation bytes device `d` holds over its action list (`unit[stage]` per forward)."""
+    cur = peak = 0
+    for a in sc.actions(d):
+        cur += unit[a.stage] if a.kind == "F" else -unit[a.stage]
+        peak = max(peak, cur)
+    return peak
+
+
+def summarize(args, ranks: list, ref_s: float) -> dict:
     from nnscaler.ir.schedules import get_schedule
     R, res = args.ranks, {}
     for sched in args.schedules:
         nstages = 2 * R if sched == "1f1b_interleaved" else R
         sc = get_schedule(sched, nstages, args.nmicros, R)
         per = [r[sched] for r in ranks]
-        bubbles, spans, walls, computes = [], [], [], []
+        m = {k: [] for k in ("bubble", "spans", "replay", "wall", "busy", "wait", "cpu")}
         for i in range(args.steps):
-            if per[0]["steps"][i]["tracked"]:
-                continue  # the activation-tracking step runs hooks: not timed
-            st = [p["steps"][i] for p in per]
-            lo = min(s["timeline"][0][1] for s in st)
-            hi = max(s["timeline"][-1][2] for s in st)
-            busy = sum(s["busy_s"] for s in st)
-            span_busy = sum(a1 - a0 for s in st for _, a0, a1 in s["timeline"])
-            bubbles.append(1 - busy / (R * (hi - lo)))
-            spans.append(1 - span_busy / (R * (hi - lo)))
-            walls.append(hi - lo)
-            computes.append(busy / R)
+            tls = [p["steps"][i]["timeline"] for p in per]
+            lo, hi = min(tl[0][1] for tl in tls), max(tl[-1][2] for tl in tls)
+            acts = [x for tl in tls for x in tl]
+            busy = sum(a1 - a0 - w for _, a0, a1, w, _ in acts)
+            m["bubble"].append(1 - busy / (R * (hi - lo)))
+            m["spans"].append(1 - sum(a1 - a0 for _, a0, a1, _, _ in acts) / (R * (hi - lo)))
+            m["replay"].append(_replay(sc, {n: c for n, _, _, _, c in acts}))
+            m["wall"].append(hi - lo)
+            m["busy"].append(busy / R)
+            m["wait"].append(sum(w for *_, w, _ in acts) / R)
+            m["cpu"].append(sum(c for *_, c in acts))
         unit = {int(s): b for p in per for s, b in p["stage_act_bytes"].items()}
+        # analytic bytes saved per micro-batch: a block keeps fc's input (d), gelu's input and proj's
+        # input (4d each) = 36 mb d bytes in fp32; the last stage's mse_loss keeps input and target
+        mb_d = args.micro_batch * args.width
+        theory = {s: 36 * mb_d * args.layers // nstages + (8 * mb_d if s == nstages - 1 else 0)
+                  for s in range(nstages)}
         act = []
         for d in range(R):
-            cur = pred = 0
-            for a in sc.actions(d):
-                cur += unit[a.stage] if a.kind == "F" else -unit[a.stage]
-                pred = max(pred, cur)
-            meas = next(s["peak_activation_bytes"] for s in per[d]["steps"] if s["tracked"])
-            act.append({"rank": d, "stages": per[d]["stages_here"], "peak_inflight": sc.peak_inflight(d),
-                        "measured_bytes": meas, "predicted_bytes": pred,
-                        "measured_over_predicted": meas / pred if pred else None})
-        med = _common.median(bubbles)
-        ana = sc.analytic_bubble()
+            meas = per[d]["peak_activation_bytes"]
+            th, pred = _replay_bytes(sc, d, theory), _replay_bytes(sc, d, unit)
+            act.append({"rank": d, "stages": sorted({a.stage for a in sc.actions(d)}),
+                        "peak_inflight": sc.peak_inflight(d), "measured_bytes": meas, "theory_bytes": th,
+                        "measured_over_theory": meas / th, "from_measured_stage_bytes": pred,
+                        "sent_bytes_held_to_step_end": per[d]["sent_bytes_per_step"]})
+        med, ana, sim = _common.median(m["bubble"]), sc.analytic_bubble(), sc.bubble_fraction()
         res[sched] = {
             "nstages": nstages, "pp_size": R, "nmicros": args.nmicros,
-            "bubble_measured_median": med, "bubble_measured_steps": bubbles,
-            "bubble_spans_median": _common.median(spans),
-            "bubble_analytic": ana, "bubble_simulated": sc.bubble_fraction(),
-            "measured_over_analytic": med / ana if ana else None,
-            "measured_over_simulated": med / sc.bubble_fraction(),
-            "step_wall_ms_median": 1e3 * _common.median(walls),
-            "compute_ms_per_rank_median": 1e3 * _common.median(computes),
-            "recv_wait_ms_per_rank": [1e3 * _common.median([s["recv_wait_s"] for s in p["steps"]]) for p in per],
+            "bubble_measured_median": med, "bubble_measured_steps": m["bubble"],
+            "bubble_analytic": ana, "bubble_simulated": sim,
+            "measured_over_analytic": med / ana if ana else None, "measured_over_simulated": med / sim,
+            "bubble_spans_median": _common.median(m["spans"]),
+            "bubble_replay_cpu_costs_median": _common.median(m["replay"]),
+            "step_wall_ms_median": 1e3 * _common.median(m["wall"]),
+            "busy_ms_per_rank_median": 1e3 * _common.median(m["busy"]),
+            "recv_wait_ms_per_rank_median": 1e3 * _common.median(m["wait"]),
+            "cpu_ms_all_ranks_median": 1e3 * _common.median(m["cpu"]),
+            "on_cpu_fraction_of_busy": _common.median(c / (R * b) for c, b in zip(m["cpu"], m["busy"])),
+            "cpu_over_unpipelined": _common.median(m["cpu"]) / ref_s,
+            "speedup_over_unpipelined": ref_s / _common.median(m["wall"]),
             "build_s": max(p["build_s"] for p in per), "stage_act_bytes_per_micro": unit,
             "activations": act, "losses": [s["loss"] for s in per[0]["steps"]],
-            "render": sc.render(),
         }
     if "gpipe" in res:
-        for sched, r in res.items():
+        for r in res.values():
             for a, g in zip(r["activations"], res["gpipe"]["activations"]):
                 a["over_gpipe"] = a["measured_bytes"] / g["measured_bytes"]
     return res
@@ -208,63 +250,67 @@ def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
 
-def report(args, res: dict) -> None:
-    R = args.ranks
-    print(f"\n{R} ranks x {args.threads} thread(s) on {_common.cpu_count()} cores, m={args.nmicros}, "
-          f"{args.layers} blocks of width {args.width}, micro-batch {args.micro_batch}; median of "
-          f"{args.steps - 1} timed steps")
-    if R > _common.cpu_count():
-        print(f"NOTE: {R} processes on {_common.cpu_count()} cores oversubscribe the CPU: concurrent stages slow "
-              f"each other, so wall-clock bubbles are noisy and biased low (try --ranks 2)")
+def report(args, res: dict, ref_s: float) -> None:
+    R, cores = args.ranks, _common.cpu_count()
+    print(f"\n{R} ranks x {args.threads} thread(s) on {cores} cores, m={args.nmicros}, {args.layers} blocks of "
+          f"width {args.width}, micro-batch {args.micro_batch}; medians of {args.steps} timed steps; unpipelined "
+          f"step (rank 0 alone, {args.threads} thread(s)) {1e3 * ref_s:.0f} ms")
+    if R > cores:
+        print(f"NOTE: {R} processes on {cores} cores oversubscribe the CPU: concurrent stages slow each other and "
+              f"a rank woken by a message may wait for a core, so wall-clock bubbles are noisy (try --ranks 2)")
     rows = [[s, f"{r['nstages']}/{r['pp_size']}", f"{r['bubble_measured_median']:.3f}", _f(r["bubble_analytic"]),
-             f"{r['bubble_simulated']:.3f}", _f(r["measured_over_analytic"]), f"{r['measured_over_simulated']:.2f}",
-             f"{r['bubble_spans_median']:.3f}", f"{r['step_wall_ms_median']:.0f}",
-             f"{r['compute_ms_per_rank_median']:.0f}"] for s, r in res.items()]
-    print(_common.table(["schedule", "stages/devs", "bubble meas", "analytic", "simulated", "meas/analytic",
-                         "meas/sim", "spans only", "step ms", "busy ms/rank"], rows))
-    print("\npeak activation bytes per rank (saved for backward; predicted = replay of the action list "
-          "with the measured per-stage bytes)")
-    rows = []
-    for s, r in res.items():
-        for a in r["activations"]:
-            rows.append([s, a["rank"], ",".join(map(str, a["stages"])), a["peak_inflight"],
-                         _common.fmt_bytes(a["measured_bytes"]), _common.fmt_bytes(a["predicted_bytes"]),
-                         _f(a["measured_over_predicted"]), _f(a.get("over_gpipe"))])
-    print(_common.table(["schedule", "rank", "stages", "peak in-flight", "measured B", "predicted B",
-                         "meas/pred", "/ gpipe"], rows))
+             f"{r['bubble_simulated']:.3f}", _f(r["measured_over_analytic"], "{:.2f}"),
+             f"{r['measured_over_simulated']:.2f}", f"{r['bubble_spans_median']:.3f}",
+             f"{r['bubble_replay_cpu_costs_median']:.3f}", f"{r['step_wall_ms_median']:.0f}",
+             f"{r['busy_ms_per_rank_median']:.0f}", f"{r['recv_wait_ms_per_rank_median']:.0f}",
+             f"{r['on_cpu_fraction_of_busy']:.2f}", f"{r['speedup_over_unpipelined']:.2f}"] for s, r in res.items()]
+    print(_common.table(["schedule", "stages/devs", "bubble", "analytic", "simulated", "/analytic", "/sim",
+                         "spans only", "replay cpu", "step ms", "busy ms", "wait ms", "on-cpu", "speed-up"], rows))
+    losses = [r["losses"] for r in res.values()]
+    print(f"losses over the timed steps agree across schedules: max |diff| "
+          f"{max(abs(a - b) for l in losses for a, b in zip(l, losses[0])):.2e} (same data, same initial weights)")
+    print("\npeak activation bytes per rank (saved for backward, one step; theory = the rank's action list "
+          "replayed with 36 mb d bytes per block per micro-batch, + 8 mb d for the loss)")
+    rows = [[s, a["rank"], ",".join(map(str, a["stages"])), a["peak_inflight"], _common.fmt_bytes(a["measured_bytes"]),
+             _common.fmt_bytes(a["theory_bytes"]), _f(a["measured_over_theory"]), _f(a.get("over_gpipe")),
+             _common.fmt_bytes(a["sent_bytes_held_to_step_end"])]
+            for s, r in res.items() for a in r["activations"]]
+    print(_common.table(["schedule", "rank", "stages", "peak in-flight", "measured B", "theory B",
+                         "meas/theory", "/ gpipe", "sends held B"], rows))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=4, choices=(2, 4))
-    ap.add_argument("--schedules", nargs="*", default=None)
+    ap.add_argument("--ranks", type=int, default=4, choices=(2, 4), help="plan = runtime devices = pipeline devices")
+    ap.add_argument("--schedules", nargs="*", default=None, help="default: all that fit --ranks")
     ap.add_argument("--nmicros", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=6, help="measured steps; the first one tracks activations")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps (after the warm-up and the activation step)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.schedules = args.schedules or SCHEDULES[args.ranks]
+    args.schedules = list(dict.fromkeys(args.schedules or SCHEDULES[args.ranks]))
     args.threads = args.threads or _common.threads_per_rank(args.ranks)
-    out = args.out or str(_common.RESULTS_DIR / ("pipeline.json" if args.ranks == 4 else f"pipeline_r{args.ranks}.json"))
+    name = "pipeline.json" if args.ranks == 4 else f"pipeline_r{args.ranks}.json"
+    out = args.out or str(_common.RESULTS_DIR / name)
     load0 = _common.loadavg()
     with tempfile.TemporaryDirectory() as tmp:
         args.gen_dir = tmp
         ranks, spawn_s = _common.spawn_gloo(_worker, (args,), args.ranks, os.path.join(tmp, "result.json"),
                                             threads=args.threads)
-    res = summarize(args, ranks)
-    report(args, res)
-    cfg = {k: v for k, v in vars(args).items() if k != "gen_dir"}
-    data = {**_common.run_header(), "config": cfg, "loadavg_before": load0, "loadavg_after": _common.loadavg(),
-            "spawn_s": spawn_s, "oversubscribed": args.ranks > _common.cpu_count(), "schedules": res,
-            "raw_timelines_rank_step": {s: [r[s]["steps"][-1]["timeline"] for r in ranks] for s in args.schedules}}
-    for r in res.values():
-        r.pop("render")
+    ref_s = _common.median(ranks[0]["unpipelined_s"])
+    ranks = [r["runs"] for r in ranks]
+    res = summarize(args, ranks, ref_s)
+    report(args, res, ref_s)
+    data = {**_common.run_header(), "config": {k: v for k, v in vars(args).items() if k != "gen_dir"},
+            "loadavg_before": load0, "loadavg_after": _common.loadavg(), "spawn_s": spawn_s,
+            "oversubscribed": args.ranks > _common.cpu_count(), "unpipelined_step_ms": 1e3 * ref_s, "schedules": res,
+            "last_step_timelines": {s: [r[s]["steps"][-1]["timeline"] for r in ranks] for s in args.schedules}}
     _common.save_results(out, data)
-    print(f"total {spawn_s:.0f} s")
+    print(f"{spawn_s:.0f} s in the workers")
 
 
 if __name__ == "__main__":

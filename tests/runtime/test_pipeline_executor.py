@@ -49,7 +49,7 @@ def test_header_refuses_what_it_cannot_carry():
     with pytest.raises(ValueError, match=f"at most {MAX_DIMS} dims"):
         tensor_header(torch.zeros((1,) * (MAX_DIMS + 1)))
     with pytest.raises(TypeError, match="dtype"):
-        tensor_header(torch.zeros(2, dtype=torch.complex32))
+        tensor_header(torch.zeros(2, dtype=torch.uint16))
 
 
 # -- same-rank mailbox (no torch.distributed) ----------------------------------------------------

@@ -11,6 +11,11 @@ walks this rank's action list of the schedule:
 * ``B(s, m)``: receive the gradients of the stage's outputs (summed over their consumers; the
   loss gets 1), run autograd on them, send the inputs' gradients back to their producers.
 
+Receives follow each peer's send order (inbox.py), so the same code is right where messages
+match in issue order (NCCL) as well as by tag (gloo). Sends are asynchronous and are waited
+at the end of the step, so sent gradients stay allocated until then (boundary-sized, one per
+micro-batch and cut).
+
 Gradients accumulate locally over the step (every backward runs inside
 ``sync_grad_when(False)``); at the end the module's reducers synchronise once -- unless the
 caller is inside ``sync_grad_when(False)`` itself (accumulating over several ``train_step``
@@ -30,6 +35,7 @@ from nnscaler.ir.schedules import Action, get_schedule
 
 from ..errors import NnScalerError
 from ..reducer import sync_grad_when
+from .inbox import OrderedInbox, sends_between
 from .p2p import HEADER_LEN, Mailbox, empty_from_header, tensor_header
 
 __all__ = ["PipelineExecutor"]
@@ -52,6 +58,7 @@ class PipelineExecutor:
         self.mailbox = Mailbox(grid.rank, module.device)
         self.final = sorted(self._output_ids() & set(meta["producer"]))
         self.last_timeline: List[Tuple[str, float, float]] = []
+        self._inboxes: Dict[bool, OrderedInbox] = {}
         # Activation accounting (off by default; costs a hook per saved tensor): the bytes autograd
         # keeps for backward, parameters excluded, counted per stage forward until its backward.
         self.track_activations = False
@@ -72,6 +79,24 @@ class PipelineExecutor:
     def _tag(self, vid: int, stage: int, micro: int, backward: bool) -> int:
         return ((vid * self.nstages + stage) * self.nmicros + micro) * 2 + int(backward)
 
+    def _inbox(self, training: bool) -> OrderedInbox:
+        """Receives in each peer's send order (see inbox.py), for training or inference steps."""
+        if training not in self._inboxes:
+            me = self.group_index
+            peers = {self.unit_start + g * self.tp + self.local: sends_between(self.schedule, self.meta, g, me, training)
+                     for g in range(self.schedule.ndevices) if g != me}
+            self._inboxes[training] = OrderedInbox(
+                self.mailbox, peers, lambda msg: self._tag(msg[1], msg[2], msg[3], msg[0] == "B"),
+                lambda vid: self.meta["kinds"][vid] == "int")
+        return self._inboxes[training]
+
+    def _recv(self, src: int, msg) -> Any:
+        if src == self.mailbox.rank:  # a stage on this rank: in memory
+            tag = self._tag(msg[1], msg[2], msg[3], msg[0] == "B")
+            return self.mailbox.recv_int(src, tag) if self.meta["kinds"][msg[1]] == "int" else \
+                self.mailbox.recv_tensor(src, tag)
+        return self.inbox.recv(src, msg)
+
     # -- steps --------------------------------------------------------------------------------
     def run(self, samples: Sequence[Any], training: bool) -> List[Any]:
         name = "train_step" if training else "infer_step"
@@ -89,6 +114,10 @@ class PipelineExecutor:
         sync = training and _sync_requested() and self.module._pipeline_nosync_depth == 0
         if training:
             self.module._unshare_synced_grads()
+        self.inbox = self._inbox(training)
+        self.inbox.reset()
+        self.live_activation_bytes = self.peak_activation_bytes = 0  # per step
+        self._saved_bytes.clear()
         self._ins: Dict[Tuple[int, int], Dict[int, Any]] = {}
         self._outs: Dict[Tuple[int, int], Dict[int, Any]] = {}
         self._final: Dict[int, Dict[int, Any]] = {m: {} for m in range(self.nmicros)}
@@ -119,10 +148,7 @@ class PipelineExecutor:
         meta, s, m = self.meta, a.stage, a.micro
         ins = {}
         for vid in meta["inputs"][s]:
-            src = self.rank_of(meta["producer"][vid], m)
-            tag = self._tag(vid, s, m, False)
-            ins[vid] = (self.mailbox.recv_int(src, tag) if meta["kinds"][vid] == "int"
-                        else self.mailbox.recv_tensor(src, tag))
+            ins[vid] = self._recv(self.rank_of(meta["producer"][vid], m), ("F", vid, s, m))
         args, kwargs = _as_call(sample)
         args, kwargs = self.module._to_device((args, kwargs))
         stage_fn = getattr(self.module, f"_stage_{s}")
@@ -146,6 +172,8 @@ class PipelineExecutor:
                     self.mailbox.send_int(value, dst, tag)
                 else:
                     self.mailbox.send_tensor(value, dst, tag)
+                    # the consumer returns a gradient exactly when this tensor needs one
+                    self.inbox.grad_expected[("B", vid, t, m)] = bool(value.requires_grad)
             if vid in self.final:
                 self._final[m][vid] = value
         if training:
@@ -161,7 +189,7 @@ class PipelineExecutor:
                 continue
             grad = None
             for t in meta["consumers"][vid]:
-                g = self.mailbox.recv_tensor(self.rank_of(t, m), self._tag(vid, t, m, True))
+                g = self._recv(self.rank_of(t, m), ("B", vid, t, m))
                 grad = g if grad is None else grad + g
             if vid == meta["loss"]:
                 one = torch.ones_like(out)
