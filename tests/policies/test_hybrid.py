@@ -231,10 +231,9 @@ def test_refuses_without_end2end(run, policy):
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "pp"])
-def test_refuses_zero_with_a_pipeline(run, policy):
-    with pytest.raises(ConfigError, match=rf"policy '{policy}' made a pipeline, and ZeRO is not supported with "
-                                          r"pipeline parallelism yet: set use_zero=False"):
-        run(policy, plan=2, runtime=4, zero=True, pipeline_nmicros=4, pipeline_pivots="Block")
+def test_zero_combines_with_a_pipeline(run, policy):
+    graph = run(policy, plan=2, runtime=4, zero=True, pipeline_nmicros=4, pipeline_pivots="Block")
+    assert graph.pipeline is not None and graph.pipeline.nstages == 2
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "pp"])

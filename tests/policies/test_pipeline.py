@@ -367,7 +367,6 @@ def test_apply_policy_refuses_a_pipeline_without_end2end(gpt):
         apply_policy(gpt, ComputeConfig(2, 2), custom_pipeline)
 
 
-def test_apply_policy_refuses_a_pipeline_with_zero(gpt):
-    with pytest.raises(ConfigError, match=r"ZeRO is not supported with pipeline parallelism yet: set "
-                                          r"use_zero=False"):
-        apply_policy(gpt, ComputeConfig(2, 4, use_end2end=True, use_zero=True), custom_pipeline)
+def test_apply_policy_accepts_a_pipeline_with_zero(gpt):
+    apply_policy(gpt, ComputeConfig(2, 4, use_end2end=True, use_zero=True), custom_pipeline)
+    assert gpt.pipeline.nstages == 2

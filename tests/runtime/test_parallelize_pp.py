@@ -2,13 +2,13 @@
 
 `pp` with 2 and 4 stages under every training schedule (1f1b, 1f1b_plus, gpipe, chimera_direct
 with 4 stages, 1f1b_interleaved with two stages per device), `hybrid` pp 2 x tp 2, pp 2 x dp 2
-and hybrid pp 2 x tp 1 x dp 2, on the GPT (its tied embedding / head lives on the first and the
+and hybrid pp 2 x tp 1 x dp 2, pp 2 x dp 2 with ZeRO-1 (all-reduce and reduce-scatter modes), on the GPT (its tied embedding / head lives on the first and the
 last stage): after 5 Adam steps on the same global batch (``train_step`` with
 ``pipeline_nmicros`` micro-batches, gradients scaled by 1 / nmicros), every micro-batch loss on
 every rank and every parameter (assembled from the ranks' shards; ranks holding the same slice
 must agree exactly) within 1e-5 of single-process training. Then ``infer_step`` returns the
 single-process per-micro losses of the trained model without touching gradients or weights.
-Two cases clip gradients (``opt.clip_gnorm``, pp 2 and hybrid pp 2 x tp 2): its norm equals
+Four cases clip gradients (``opt.clip_gnorm``: pp 2, hybrid pp 2 x tp 2, both ZeRO cases): its norm equals
 the single-process one (the tied weight held by two stages, and replicated tensors, count once),
 and an ``inference_only`` module with ``infer_pipe`` matches the untrained model. One spawn per
 world size runs all its cases (spawning costs seconds per rank).
@@ -40,8 +40,8 @@ def _batch(step, n):
     return random_batch(step, n, GPTConfig(**GPT_CFG))
 
 
-def _case(label, policy, plan, pas, clip=False, nmicros=NMICROS):
-    return dict(label=label, policy=policy, plan=plan, clip=clip,
+def _case(label, policy, plan, pas, clip=False, nmicros=NMICROS, **cfg):
+    return dict(label=label, policy=policy, plan=plan, clip=clip, cfg=cfg,
                 pas={"pipeline_nmicros": nmicros, **pas})
 
 
@@ -59,7 +59,12 @@ CASES = {
         _case("hybrid-pp2-tp2", "hybrid", 4, {**BLOCKS, "pipeline_nstages": 2, "pp_size": 2}),
         _case("hybrid-pp2-tp2-clip", "hybrid", 4, {**BLOCKS, "pipeline_nstages": 2, "pp_size": 2}, clip=True),
         _case("pp2-dp2", "pp", 2, {}),
-        _case("hybrid-pp2-tp1-dp2", "hybrid", 2, {**BLOCKS, "pipeline_nstages": 2, "pp_size": 2})],
+        _case("hybrid-pp2-tp1-dp2", "hybrid", 2, {**BLOCKS, "pipeline_nstages": 2, "pp_size": 2}),
+        # ZeRO-1 over the data-parallel replicas of each stage; the tied embedding / head (held by
+        # both stages) keeps its own reducer, ZeRO only copies its owned ranges
+        _case("pp2-dp2-zero-clip", "pp", 2, {}, clip=True, use_zero=True),
+        _case("pp2-dp2-zero-rs-clip", "pp", 2, {"pipeline_scheduler": "gpipe"}, clip=True, use_zero=True,
+              zero_use_reduce_scatter=True)],
 }
 
 
@@ -113,7 +118,7 @@ def _train(rank, world, case, gen_dir):
 
     plan, nmicros = case["plan"], case["pas"]["pipeline_nmicros"]
     dp, dp_rank = world // plan, rank // plan
-    cfg = ComputeConfig(plan, world, trace_strategy="cpu", use_end2end=True, pas_config=case["pas"])
+    cfg = ComputeConfig(plan, world, trace_strategy="cpu", use_end2end=True, pas_config=case["pas"], **case["cfg"])
     sample = _micro_batches(_batch(0, GLOBAL_BATCH), 0, dp, nmicros)[0]
     pm = parallelize(_make(), sample, case["policy"], cfg, gen_savedir=gen_dir,
                      instance_name=case["label"].replace("-", "_"))
@@ -136,9 +141,16 @@ def _train(rank, world, case, gen_dir):
                      for p, g in zip(params, grads))
                  and all(torch.equal(p, w) for p, w in zip(params, weights)))
 
+    zero = opt._nnscaler_zero
+    # ZeRO: (owned optimizer elements, local trainable elements, reduce-scatter buckets?) on this rank
+    zero_shard = None if zero is None else (
+        sum(p.stop - p.start for p in zero.layout.pieces), sum(p.numel() for p in params if p.requires_grad),
+        zero.layout.reduce_scatter,
+        sorted(pm.fullmap[t[1]].full_name for b in zero.layout.buckets if not b.reduce_scatter for t in b.tensors))
     shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
               for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
-    return dict(losses=losses, norms=norms, evaluation=evaluation, infer_untouched=untouched, shards=shards)
+    return dict(losses=losses, norms=norms, evaluation=evaluation, infer_untouched=untouched, shards=shards,
+                zero_shard=zero_shard)
 
 
 def _infer_only(rank, world, gen_dir):
@@ -204,6 +216,14 @@ def test_pipeline_parallel_parity(world, tmp_path):
             assert all(map(_close, got["evaluation"], want)), \
                 f"{label} rank {rank}: infer_step losses {got['evaluation']} vs {want}"
             assert got["infer_untouched"], f"{label} rank {rank}: infer_step changed gradients or weights"
+            if case["cfg"].get("use_zero"):  # each of the dp replicas owns about 1 / dp of its stage's state
+                owned, local, reduce_scatter, copied = got["zero_shard"]
+                assert local / dp - 64 <= owned <= local / dp + 64, f"{label} rank {rank}: owns {owned} of {local}"
+                assert reduce_scatter == case["cfg"].get("zero_use_reduce_scatter", False), label
+                if reduce_scatter:  # the tied weight (both stages) is averaged by its own reducer: not again
+                    assert copied == ["wte.weight"], f"{label} rank {rank}: copied, not reduced: {copied}"
+            else:
+                assert got["zero_shard"] is None, label
         params = assemble(results, label)
         assert set(params) == set(ref_params), f"{label}: {sorted(set(params) ^ set(ref_params))}"
         for name, value in params.items():

@@ -26,10 +26,6 @@ def apply_policy(graph, compute_config, policy):
         raise ConfigError(f"policy {policy_name(policy)!r} made a pipeline, which runs only end to end: set "
                           f"ComputeConfig(use_end2end=True) and call train_step / infer_step (parallel_modules "
                           f"and plain forward calls cannot be pipelined)")
-    if result.pipeline is not None and getattr(compute_config, "use_zero", False):
-        from nnscaler.ir.config import ConfigError
-        raise ConfigError(f"policy {policy_name(policy)!r} made a pipeline, and ZeRO is not supported with pipeline "
-                          f"parallelism yet: set use_zero=False (or use a policy without pipeline)")
     return result
 
 

@@ -224,12 +224,16 @@ def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: Lis
         if reduce_scatter and pm.reducer is not None:  # ZeRO reduce-scatters these gradients instead
             pm.reducer.remove()
             pm.reducer = None
+        # tensors held by several pipeline devices keep their own reducer (it sums over the holders
+        # too): their gradients arrive averaged, ZeRO only copies the owned ranges
+        shared = {id(p) for r in pm.shared_reducers for bucket in r.buckets for p in bucket}
         for name, p in pm.named_parameters():
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
             entry = pm.fullmap.get(name) or _whole(name, p, 1)
-            entries.append(ZeroParam(p, paths.get(id(pm), ""), True, entry, reduce=reduce_scatter))
+            entries.append(ZeroParam(p, paths.get(id(pm), ""), True, entry,
+                                     reduce=reduce_scatter and id(p) not in shared))
     names: Dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)

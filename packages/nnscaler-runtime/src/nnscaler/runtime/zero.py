@@ -64,7 +64,8 @@ is set afresh after ``zero_grad()`` and after the step), from the parameters' ac
   backward passes accumulated into ``.grad`` (``sync_grad_when`` has nothing left to skip). A "has
   a gradient" flag per tensor travels in the same collective, so a tensor that no rank gave a
   gradient is skipped by the optimizer, as in single-device training. Plain parameters of a
-  container keep their all-reduce (their Reducer).
+  container keep their all-reduce (their Reducer), and so do tensors held by several pipeline
+  stages (a tied embedding / head: their reducer sums over the holders too); ZeRO copies those.
 
 A backward pass after the sync and before the step is not seen by that step. ``clip_gnorm`` and
 ``scale_grads`` act on the shard gradients; ``p.grad`` keeps what backward left (averaged by
