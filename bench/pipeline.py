@@ -28,7 +28,8 @@ storages, parameters excluded) until its backward; `peak_activation_bytes` per r
 against the theory: the rank's action list replayed with 36 mb d bytes per block per micro-batch
 (fc input d, gelu and proj inputs 4d each, fp32) + 8 mb d for the loss (input and target), i.e.
 `peak_inflight(d)` x stage bytes with one stage per device; and the ratio to gpipe. Not counted
-there: the tensors this rank sent, which the Mailbox keeps until the end of the step ("sends held").
+there: the tensors this rank sent and still holds (until the schedule proves them delivered);
+their peak ("sends held") is reported next to all the bytes sent in the step ("sent").
 
 Caveat: more ranks than cores (4 on 2) oversubscribe the CPU: concurrent stages slow each other and
 a rank woken by a message may wait for a core, so wall-clock bubbles are noisy; `--ranks 2` gives
@@ -149,15 +150,17 @@ def _worker(rank: int, args) -> dict:
             sent = ex.mailbox.bytes_sent
             losses = r["pm"].train_step(samples)
             r["opt"].step()
-            if tracked:  # sends stay referenced by the mailbox until the end of the step (wait_sends)
+            if tracked:  # sent buffers stay referenced until the schedule proves them delivered
                 r["peak"], r["sent"] = ex.peak_activation_bytes, ex.mailbox.bytes_sent - sent
+                r["held"] = ex.mailbox.peak_held_bytes
             if step <= args.warmup:
                 continue
             tl = [(n, a0, a1, sum(min(a1, w1) - max(a0, w0) for w0, w1 in r["waits"] if w0 < a1 and w1 > a0),
                    r["cpu"][n]) for n, a0, a1 in ex.last_timeline]  # (action, start, end, receive wait, CPU)
             r["steps"].append({"timeline": tl, "loss": float(torch.stack([o.reshape(()) for o in losses]).mean())})
     out = {s: {"build_s": r["build_s"], "steps": r["steps"], "stage_act_bytes": r["unit"],
-               "peak_activation_bytes": r["peak"], "sent_bytes_per_step": r["sent"]} for s, r in runs.items()}
+               "peak_activation_bytes": r["peak"], "sent_bytes_per_step": r["sent"],
+               "peak_sent_bytes_held": r["held"]} for s, r in runs.items()}
     return {"runs": out, "unpipelined_s": ref_s[args.warmup + 1:]}
 
 
@@ -220,7 +223,8 @@ def summarize(args, ranks: list, ref_s: float) -> dict:
             act.append({"rank": d, "stages": sorted({a.stage for a in sc.actions(d)}),
                         "peak_inflight": sc.peak_inflight(d), "measured_bytes": meas, "theory_bytes": th,
                         "measured_over_theory": meas / th, "from_measured_stage_bytes": pred,
-                        "sent_bytes_held_to_step_end": per[d]["sent_bytes_per_step"]})
+                        "sent_bytes_per_step": per[d]["sent_bytes_per_step"],
+                        "peak_sent_bytes_held": per[d]["peak_sent_bytes_held"]})
         med, ana, sim = _common.median(m["bubble"]), sc.analytic_bubble(), sc.bubble_fraction()
         res[sched] = {
             "nstages": nstages, "pp_size": R, "nmicros": args.nmicros,
@@ -273,10 +277,10 @@ def report(args, res: dict, ref_s: float) -> None:
           "replayed with 36 mb d bytes per block per micro-batch, + 8 mb d for the loss)")
     rows = [[s, a["rank"], ",".join(map(str, a["stages"])), a["peak_inflight"], _common.fmt_bytes(a["measured_bytes"]),
              _common.fmt_bytes(a["theory_bytes"]), _f(a["measured_over_theory"]), _f(a.get("over_gpipe")),
-             _common.fmt_bytes(a["sent_bytes_held_to_step_end"])]
+             _common.fmt_bytes(a["sent_bytes_per_step"]), _common.fmt_bytes(a["peak_sent_bytes_held"])]
             for s, r in res.items() for a in r["activations"]]
     print(_common.table(["schedule", "rank", "stages", "peak in-flight", "measured B", "theory B",
-                         "meas/theory", "/ gpipe", "sends held B"], rows))
+                         "meas/theory", "/ gpipe", "sent B", "sends held B"], rows))
 
 
 def main():

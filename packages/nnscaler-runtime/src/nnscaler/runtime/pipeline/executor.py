@@ -12,9 +12,10 @@ walks this rank's action list of the schedule:
   loss gets 1), run autograd on them, send the inputs' gradients back to their producers.
 
 Receives follow each peer's send order (inbox.py), so the same code is right where messages
-match in issue order (NCCL) as well as by tag (gloo). Sends are asynchronous and are waited
-at the end of the step, so sent gradients stay allocated until then (boundary-sized, one per
-micro-batch and cut).
+match in issue order (NCCL) as well as by tag (gloo). Sends are asynchronous; after every action
+the sends that the schedule proves delivered (the peer has since sent this rank something it
+sends only after receiving them) are released, the rest at the end of the step: a sent tensor is
+held about as long as its micro-batch is in flight, not for the whole step.
 
 Gradients accumulate locally over the step (every backward runs inside
 ``sync_grad_when(False)``); at the end the module's reducers synchronise once -- unless the
@@ -35,7 +36,7 @@ from nnscaler.ir.schedules import Action, get_schedule
 
 from ..errors import NnScalerError
 from ..reducer import sync_grad_when
-from .inbox import OrderedInbox, sends_between
+from .inbox import OrderedInbox, acks_between, sends_between
 from .p2p import HEADER_LEN, Mailbox, empty_from_header, tensor_header
 
 __all__ = ["PipelineExecutor"]
@@ -82,12 +83,13 @@ class PipelineExecutor:
     def _inbox(self, training: bool) -> OrderedInbox:
         """Receives in each peer's send order (see inbox.py), for training or inference steps."""
         if training not in self._inboxes:
-            me = self.group_index
-            peers = {self.unit_start + g * self.tp + self.local: sends_between(self.schedule, self.meta, g, me, training)
-                     for g in range(self.schedule.ndevices) if g != me}
+            me, sc, meta = self.group_index, self.schedule, self.meta
+            rank = {g: self.unit_start + g * self.tp + self.local for g in range(sc.ndevices) if g != me}
             self._inboxes[training] = OrderedInbox(
-                self.mailbox, peers, lambda msg: self._tag(msg[1], msg[2], msg[3], msg[0] == "B"),
-                lambda vid: self.meta["kinds"][vid] == "int")
+                self.mailbox, {r: sends_between(sc, meta, g, me, training) for g, r in rank.items()},
+                lambda msg: self._tag(msg[1], msg[2], msg[3], msg[0] == "B"),
+                lambda vid: meta["kinds"][vid] == "int",
+                acks={r: acks_between(sc, meta, me, g, training) for g, r in rank.items()})
         return self._inboxes[training]
 
     def _recv(self, src: int, msg) -> Any:
@@ -117,6 +119,7 @@ class PipelineExecutor:
         self.inbox = self._inbox(training)
         self.inbox.reset()
         self.live_activation_bytes = self.peak_activation_bytes = 0  # per step
+        self.mailbox.peak_held_bytes = self.mailbox.held_bytes
         self._saved_bytes.clear()
         self._ins: Dict[Tuple[int, int], Dict[int, Any]] = {}
         self._outs: Dict[Tuple[int, int], Dict[int, Any]] = {}
@@ -130,6 +133,7 @@ class PipelineExecutor:
                         self._forward(a, samples[a.micro], training)
                     else:
                         self._backward(a)
+                    self.mailbox.release(self.inbox.delivered)
                     timeline.append((str(a), t0, time.perf_counter()))
             self.mailbox.wait_sends()
         finally:
@@ -168,10 +172,11 @@ class PipelineExecutor:
         for vid, value in outs.items():
             for t in meta["consumers"][vid]:
                 dst, tag = self.rank_of(t, m), self._tag(vid, t, m, False)
+                key = ("F", vid, t, m)
                 if meta["kinds"][vid] == "int":
-                    self.mailbox.send_int(value, dst, tag)
+                    self.mailbox.send_int(value, dst, tag, key)
                 else:
-                    self.mailbox.send_tensor(value, dst, tag)
+                    self.mailbox.send_tensor(value, dst, tag, key)
                     # the consumer returns a gradient exactly when this tensor needs one
                     self.inbox.grad_expected[("B", vid, t, m)] = bool(value.requires_grad)
             if vid in self.final:
@@ -203,7 +208,8 @@ class PipelineExecutor:
         for vid, leaf in ins.items():
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                self.mailbox.send_tensor(grad, self.rank_of(meta["producer"][vid], m), self._tag(vid, s, m, True))
+                self.mailbox.send_tensor(grad, self.rank_of(meta["producer"][vid], m), self._tag(vid, s, m, True),
+                                         ("B", vid, s, m))
 
     # -- outputs ------------------------------------------------------------------------------
     def _broadcast_final(self, m: int) -> Dict[int, Any]:

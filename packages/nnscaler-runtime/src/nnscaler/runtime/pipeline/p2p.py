@@ -1,14 +1,16 @@
 """Point-to-point messages between pipeline stages: a tensor (with a small header giving its
 dtype, shape and whether it needs a gradient) or an int.
 
-Sends are asynchronous (``isend``) and kept until `Mailbox.wait_sends`; receives block. Every
-message carries a tag unique within a step (value, consuming stage, micro-batch, direction), so
-a receive matches its send whatever order the two ranks issue them in (gloo matches by tag).
-Messages between two stages on the same rank (interleaved schedules) stay in memory.
+Sends are asynchronous (``isend``); a send's buffer stays referenced until `Mailbox.release`
+learns it was delivered (the executor knows that from the schedule, see inbox.py) or, at the
+latest, `Mailbox.wait_sends` at the end of the step. Receives block. Every message carries a tag
+unique within a step (value, consuming stage, micro-batch, direction); the executor receives in
+each sender's order anyway (inbox.py). Messages between two stages on the same rank
+(interleaved schedules) stay in memory.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,20 +47,24 @@ class Mailbox:
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
-        self._pending: List[Tuple[object, torch.Tensor]] = []
+        self._pending: List[Tuple[object, torch.Tensor, int, Any]] = []  # (work, buffer, dst, key)
         self._local: Dict[int, object] = {}
         self.bytes_sent = 0
         self.messages = 0
+        # payload bytes of sends not yet released (their buffers stay referenced), and the peak
+        self.held_bytes = 0
+        self.peak_held_bytes = 0
 
     # -- tensors ------------------------------------------------------------------------------
-    def send_tensor(self, x: torch.Tensor, dst: int, tag: int) -> None:
+    def send_tensor(self, x: torch.Tensor, dst: int, tag: int, key: Any = None) -> None:
+        """Send `x` without waiting; `key` names the message for `release`."""
         if dst == self.rank:
             self._local[tag] = x
             return
         header = tensor_header(x)
         payload = x.detach().contiguous()
-        self._isend(header.to(self.device), dst, 2 * tag)
-        self._isend(payload, dst, 2 * tag + 1)
+        self._isend(header.to(self.device), dst, 2 * tag, key)
+        self._isend(payload, dst, 2 * tag + 1, key)
         self.bytes_sent += payload.numel() * payload.element_size()
 
     def recv_tensor(self, src: int, tag: int) -> torch.Tensor:
@@ -74,11 +80,11 @@ class Mailbox:
         return x.requires_grad_(grad)
 
     # -- ints ---------------------------------------------------------------------------------
-    def send_int(self, value: int, dst: int, tag: int) -> None:
+    def send_int(self, value: int, dst: int, tag: int, key: Any = None) -> None:
         if dst == self.rank:
             self._local[tag] = int(value)
             return
-        self._isend(torch.tensor([int(value)], dtype=torch.int64, device=self.device), dst, 2 * tag)
+        self._isend(torch.tensor([int(value)], dtype=torch.int64, device=self.device), dst, 2 * tag, key)
 
     def recv_int(self, src: int, tag: int) -> int:
         if src == self.rank:
@@ -88,15 +94,31 @@ class Mailbox:
         return int(buf.item())
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def _isend(self, x: torch.Tensor, dst: int, tag: int) -> None:
-        self._pending.append((dist.isend(x, dst=dst, tag=tag), x))
+    def _isend(self, x: torch.Tensor, dst: int, tag: int, key: Any) -> None:
+        self._pending.append((dist.isend(x, dst=dst, tag=tag), x, dst, key))
         self.messages += 1
+        self.held_bytes += x.numel() * x.element_size()
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
+    def release(self, delivered: Callable[[int, Any], bool]) -> None:
+        """Wait for (at once: they have arrived) and drop the sends whose `delivered(dst, key)`
+        is true, so their buffers can be freed before the end of the step."""
+        keep = []
+        for entry in self._pending:
+            work, x, dst, key = entry
+            if key is not None and delivered(dst, key):
+                work.wait()
+                self.held_bytes -= x.numel() * x.element_size()
+            else:
+                keep.append(entry)
+        self._pending = keep
 
     def wait_sends(self) -> None:
         """Wait for every send issued so far (their buffers are released afterwards)."""
-        for work, _ in self._pending:
+        for work, *_ in self._pending:
             work.wait()
         self._pending.clear()
+        self.held_bytes = 0
         if self._local:  # pragma: no cover - an executor bug, not a user error
             leftover = sorted(self._local)
             self._local.clear()
