@@ -26,3 +26,18 @@ def train_steps(pm, opt, batch_fn, *, steps, global_batch, dp_rank, dp, end2end=
         dist.all_reduce(t)
         losses.append(t.item() / dist.get_world_size())
     return losses
+
+
+def assemble_full(shards, label):
+    """Full tensors from `shards`: an iterable of (rank, [(full name, full shape, slices, value), ...]).
+    Every element must be held by some rank (checked by the caller through NaNs) and ranks holding
+    the same slice must agree exactly."""
+    full = {}
+    for rank, pieces in shards:
+        for name, shape, slices, value in pieces:
+            tensor = full.setdefault(name, torch.full(shape, float("nan")))
+            index = tuple(slice(a, b) for a, b in slices)
+            if not torch.isnan(tensor[index]).all():
+                assert torch.equal(tensor[index], value), f"{label}: rank {rank} disagrees with another on {name}{slices}"
+            tensor[index] = value
+    return full

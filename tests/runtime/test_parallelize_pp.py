@@ -20,6 +20,7 @@ import torch
 
 from gpt import GPT, GPTConfig, random_batch
 from launch import run_workers
+from parity import assemble_full
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -174,17 +175,7 @@ def run_cases(rank, world, gen_dir):
 
 # -- checks --------------------------------------------------------------------------------------
 def assemble(results, label):
-    """Full parameters from every rank's shards; ranks holding the same slice must agree exactly."""
-    full = {}
-    for rank, per_rank in enumerate(results):
-        for name, shape, slices, value in per_rank[label]["shards"]:
-            tensor = full.setdefault(name, torch.full(shape, float("nan")))
-            index = tuple(slice(a, b) for a, b in slices)
-            existing = tensor[index]
-            if not torch.isnan(existing).all():
-                assert torch.equal(existing, value), f"{label}: rank {rank} disagrees with another on {name}{slices}"
-            tensor[index] = value
-    return full
+    return assemble_full(((r, per_rank[label]["shards"]) for r, per_rank in enumerate(results)), label)
 
 
 def _close(got, want):

@@ -12,7 +12,7 @@ import torch
 import toy_models
 from gpt import GPT, GPTConfig, random_batch
 from launch import run_workers
-from parity import train_steps
+from parity import assemble_full, train_steps
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -91,17 +91,7 @@ def run_cases(rank, world, gen_dir):
 
 
 def assemble(results, case):
-    """Full parameters from every rank's shards; replicas must agree."""
-    full = {}
-    for per_rank in results:
-        for name, shape, slices, value in per_rank[case][1]:
-            tensor = full.setdefault(name, torch.full(shape, float("nan")))
-            index = tuple(slice(a, b) for a, b in slices)
-            existing = tensor[index]
-            if not torch.isnan(existing).all():
-                assert torch.equal(existing, value), f"{case}: ranks disagree on {name}"
-            tensor[index] = value
-    return full
+    return assemble_full(((r, per_rank[case][1]) for r, per_rank in enumerate(results)), case)
 
 
 @pytest.mark.multiprocess

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import toy_models
 from gpt import GPT, GPTConfig, random_batch
 from launch import no_leaks, run_workers  # noqa: F401  (fixtures)
+from parity import assemble_full
 from nnscaler.runtime.errors import ConfigError
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
@@ -452,15 +453,7 @@ def _check_masters(results):
 
 
 def _assemble_params(results, name):
-    full = {}
-    for per_rank in results:
-        for fname, shape, slices, value in per_rank[name]["tensors"]:
-            tensor = full.setdefault(fname, torch.full(shape, float("nan")))
-            index = tuple(slice(a, b) for a, b in slices)
-            if not torch.isnan(tensor[index]).all():
-                assert torch.equal(tensor[index], value), f"{name}: ranks disagree on {fname}"
-            tensor[index] = value
-    return full
+    return assemble_full(((r, per_rank[name]["tensors"]) for r, per_rank in enumerate(results)), name)
 
 
 def _assemble_state(results, name):
