@@ -335,6 +335,28 @@ def test_end2end_steps():
         NotScalar().train_step([batch(0)])
 
 
+def test_train_step_scale_fn():
+    """scale_fn is what backward runs on: a power-of-two scale gives exactly scaled gradients and
+    the returned losses stay unscaled; bad scale_fns are refused naming the fix."""
+    state = MLP().state_dict()
+    samples = [batch(0, 4), batch(1, 4)]
+    plain, scaled = gen_class(use_end2end=True)(), gen_class(use_end2end=True)()
+    plain.load_full_state(state)
+    scaled.load_full_state(state)
+    outs = plain.train_step(samples)
+    outs_scaled = scaled.train_step(samples, scale_fn=lambda loss: loss * 8)
+    assert [o.item() for o in outs_scaled] == [o.item() for o in outs]
+    for p, q in zip(plain.parameters(), scaled.parameters()):
+        assert torch.equal(q.grad, p.grad * 8)
+    pm = gen_class(use_end2end=True)()
+    for bad, match in ((3.0, "scale_fn must be a callable"),
+                       (lambda loss: 1.0, "must return the scaled loss.*float"),
+                       (lambda loss: loss.expand(2), r"must return the scaled loss.*\(2,\)"),
+                       (lambda loss: loss.detach(), "without gradient history")):
+        with pytest.raises(NnScalerError, match=match):
+            pm.train_step(samples, scale_fn=bad)
+
+
 # -- multi-process parity -------------------------------------------------------------------------
 
 def _train(cls, rank, world, mode, steps=STEPS):

@@ -2,8 +2,9 @@
 
 `pp` with 2 and 4 stages under every training schedule (1f1b, 1f1b_plus, gpipe, chimera_direct
 with 4 stages, 1f1b_interleaved with two stages per device), `hybrid` pp 2 x tp 2, pp 2 x dp 2
-and hybrid pp 2 x tp 1 x dp 2, pp 2 x dp 2 with ZeRO-1 (all-reduce and reduce-scatter modes), on the GPT (its tied embedding / head lives on the first and the
-last stage): after 5 Adam steps on the same global batch (``train_step`` with
+and hybrid pp 2 x tp 1 x dp 2, pp 2 x dp 2 with ZeRO-1 (all-reduce and reduce-scatter modes),
+pp 2 with every Block recomputed in backward, on the GPT (its tied embedding / head lives on the
+first and the last stage): after 5 Adam steps on the same global batch (``train_step`` with
 ``pipeline_nmicros`` micro-batches, gradients scaled by 1 / nmicros), every micro-batch loss on
 every rank and every parameter (assembled from the ranks' shards; ranks holding the same slice
 must agree exactly) within 1e-5 of single-process training. Then ``infer_step`` returns the
@@ -14,6 +15,8 @@ and an ``inference_only`` module with ``infer_pipe`` matches the untrained model
 world size runs all its cases (spawning costs seconds per rank).
 """
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -54,7 +57,9 @@ def _pp(plan, scheduler, **extra):
 CASES = {
     2: [_pp(2, "1f1b"), _pp(2, "1f1b_plus"), _pp(2, "gpipe"),
         _pp(2, "1f1b_interleaved", pipeline_nstages=4),
-        _case("pp2-1f1b-clip", "pp", 2, {"pipeline_scheduler": "1f1b"}, clip=True)],
+        _case("pp2-1f1b-clip", "pp", 2, {"pipeline_scheduler": "1f1b"}, clip=True),
+        # activation recomputation inside the stages (checkpointed blocks rerun in each backward)
+        _case("pp2-1f1b-recompute", "pp", 2, {"pipeline_scheduler": "1f1b", "recompute_modules": "Block"})],
     4: [_pp(4, "1f1b"), _pp(4, "1f1b_plus"), _pp(4, "gpipe"), _pp(4, "chimera_direct"),
         _pp(4, "1f1b_interleaved", pipeline_nstages=8),
         _case("hybrid-pp2-tp2", "hybrid", 4, {**BLOCKS, "pipeline_nstages": 2, "pp_size": 2}),
@@ -150,8 +155,9 @@ def _train(rank, world, case, gen_dir):
         sorted(pm.fullmap[t[1]].full_name for b in zero.layout.buckets if not b.reduce_scatter for t in b.tensors))
     shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
               for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
+    code = open(sys.modules[type(pm).__module__].__file__).read()
     return dict(losses=losses, norms=norms, evaluation=evaluation, infer_untouched=untouched, shards=shards,
-                zero_shard=zero_shard)
+                zero_shard=zero_shard, recomputed="torch.utils.checkpoint.checkpoint(" in code)
 
 
 def _infer_only(rank, world, gen_dir):
@@ -207,6 +213,7 @@ def test_pipeline_parallel_parity(world, tmp_path):
             assert all(map(_close, got["evaluation"], want)), \
                 f"{label} rank {rank}: infer_step losses {got['evaluation']} vs {want}"
             assert got["infer_untouched"], f"{label} rank {rank}: infer_step changed gradients or weights"
+            assert got["recomputed"] == ("recompute_modules" in case["pas"]), f"{label} rank {rank}: checkpointing"
             if case["cfg"].get("use_zero"):  # each of the dp replicas owns about 1 / dp of its stage's state
                 owned, local, reduce_scatter, copied = got["zero_shard"]
                 assert local / dp - 64 <= owned <= local / dp + 64, f"{label} rank {rank}: owns {owned} of {local}"

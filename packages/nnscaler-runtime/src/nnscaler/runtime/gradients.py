@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from .errors import ConfigError, NnScalerError
 
 LOSS_REDUCTIONS = ("mean", "sum")
 GRAD_REDUCTIONS = ("mean", "sum", "per-token-mean")
@@ -105,3 +105,18 @@ def reduce_gradients(optimizer, grad_reduction: str, agg: AggregatedOutputs, dp_
     if factor != 1.0:
         optimizer.scale_grads(factor)
     return factor
+
+
+def scaled_loss(loss: torch.Tensor, scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]],
+                owner: str) -> torch.Tensor:
+    """`scale_fn(loss)` (or `loss`), checked to be a tensor backward can run on."""
+    if scale_fn is None:
+        return loss
+    scaled = scale_fn(loss)
+    if isinstance(scaled, torch.Tensor) and loss.requires_grad and not scaled.requires_grad:
+        raise NnScalerError(f"{owner}.train_step: scale_fn returned a tensor without gradient history; it must "
+                            f"compute from the loss it is given (e.g. `lambda loss: loss * 4`), not detach it")
+    if not isinstance(scaled, torch.Tensor) or scaled.numel() != 1:
+        raise NnScalerError(f"{owner}.train_step: scale_fn must return the scaled loss (a one-element tensor), "
+                            f"got {type(scaled).__name__}{'' if not isinstance(scaled, torch.Tensor) else tuple(scaled.shape)}")
+    return scaled

@@ -43,6 +43,7 @@ import torch
 from .device import default_device
 from .errors import GenerationError, NnScalerError, PlanMismatchError
 from .grid import RankGrid
+from .gradients import scaled_loss
 from .reducer import Reducer, sync_grad_when
 
 __all__ = ["ParallelModule", "FullMapEntry", "INIT_WEIGHTS_FILE"]
@@ -381,14 +382,22 @@ class ParallelModule(torch.nn.Module):
             raise NnScalerError(f"{type(self).__name__}.{what} needs ComputeConfig(use_end2end=True): "
                                 f"regenerate with it, or call the module and loss.backward() yourself")
 
-    def train_step(self, samples: Sequence[Any]) -> List[Any]:
+    def train_step(self, samples: Sequence[Any],
+                   scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Any]:
         """Forward and backward every micro-batch; gradients accumulate locally and are synced
         once, in the last backward. A sample is a dict (keyword arguments), a tuple (positional
         arguments) or any other object (the single first argument). The first output of forward
-        is the loss. Returns the outputs, detached. No loss scaling: see optimizer.scale_grads."""
+        is the loss. Returns the outputs, detached (the losses unscaled).
+
+        `scale_fn(loss)` is what backward runs on instead of each micro-batch's loss, e.g. a
+        grad scaler's `scaler.scale` for fp16 loss scaling, or `lambda l: l / n`. Without it the
+        gradients are the sum over the micro-batches (see optimizer.scale_grads)."""
         self._check_end2end("train_step", training=True)
+        if scale_fn is not None and not callable(scale_fn):
+            raise NnScalerError(f"{type(self).__name__}.train_step: scale_fn must be a callable taking the loss "
+                                f"tensor and returning the tensor to run backward on, got {type(scale_fn).__name__}")
         if self.PIPELINE is not None:
-            return self._executor().run(samples, training=True)
+            return self._executor().run(samples, training=True, scale_fn=scale_fn)
         outputs = []
         for i, sample in enumerate(samples):
             with sync_grad_when(i == len(samples) - 1):
@@ -397,7 +406,7 @@ class ParallelModule(torch.nn.Module):
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise NnScalerError(f"{type(self).__name__}.train_step: the first output of forward must be "
                                         f"the scalar loss, got {type(loss).__name__}")
-                loss.backward()
+                scaled_loss(loss, scale_fn, type(self).__name__).backward()
             outputs.append(_map_tensors(out, torch.Tensor.detach))
         return outputs
 

@@ -27,7 +27,7 @@ outputs of every micro-batch are broadcast over the unit, so every rank returns 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,8 @@ import torch.distributed as dist
 from nnscaler.ir.schedules import Action, get_schedule
 
 from ..errors import NnScalerError
+from ..gradients import scaled_loss
+from ..precision.casting import autocast, cast_inputs, cast_outputs, get_precision
 from ..reducer import sync_grad_when
 from .inbox import OrderedInbox, acks_between, sends_between
 from .p2p import HEADER_LEN, Mailbox, empty_from_header, tensor_header
@@ -66,6 +68,7 @@ class PipelineExecutor:
         self.live_activation_bytes = 0
         self.peak_activation_bytes = 0
         self._saved_bytes: Dict[Tuple[int, int], int] = {}
+        self.precision = None  # the module's apply_precision config, read at every step
 
     def _output_ids(self) -> set:
         ids = set()
@@ -100,7 +103,8 @@ class PipelineExecutor:
         return self.inbox.recv(src, msg)
 
     # -- steps --------------------------------------------------------------------------------
-    def run(self, samples: Sequence[Any], training: bool) -> List[Any]:
+    def run(self, samples: Sequence[Any], training: bool,
+            scale_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Any]:
         name = "train_step" if training else "infer_step"
         if not isinstance(samples, (list, tuple)) or len(samples) != self.nmicros:
             got = len(samples) if isinstance(samples, (list, tuple)) else type(samples).__name__
@@ -113,6 +117,8 @@ class PipelineExecutor:
         elif not self.schedule.training:
             raise NnScalerError(f"{type(self.module).__name__}.train_step: pipeline_scheduler "
                                 f"{self.meta['scheduler']!r} runs forwards only; regenerate with a training schedule")
+        self._check_hooks()
+        self.precision = get_precision(self.module)  # apply_precision may come after parallelize
         sync = training and _sync_requested() and self.module._pipeline_nosync_depth == 0
         if training:
             self.module._unshare_synced_grads()
@@ -132,7 +138,7 @@ class PipelineExecutor:
                     if a.kind == "F":
                         self._forward(a, samples[a.micro], training)
                     else:
-                        self._backward(a)
+                        self._backward(a, scale_fn)
                     self.mailbox.release(self.inbox.delivered)
                     timeline.append((str(a), t0, time.perf_counter()))
             self.mailbox.wait_sends()
@@ -145,8 +151,22 @@ class PipelineExecutor:
         for m in range(self.nmicros):
             vals = self._broadcast_final(m)
             out = self.module._pipeline_output(vals)
+            if self.precision is not None:
+                out = cast_outputs(out, self.precision)
             outputs.append(_detach(out) if training else out)
         return outputs
+
+    def _check_hooks(self) -> None:
+        """Refuse forward hooks the pipeline would skip (apply_precision's are honoured)."""
+        module = self.module
+        ours = {h.id for h in module.__dict__.get("_nnscaler_precision_hooks", ())}
+        hooks = [h for d in (module._forward_pre_hooks, module._forward_hooks) for i, h in d.items() if i not in ours]
+        if hooks:
+            names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
+            raise NnScalerError(f"{type(module).__name__} is pipelined: its forward never runs as a whole, so the "
+                                f"forward hooks registered on it ({names}) would not run; remove them (register "
+                                f"them on the single-device model's submodules before parallelize, or use "
+                                f"apply_precision for precision, which the pipeline honours)")
 
     def _forward(self, a: Action, sample: Any, training: bool) -> None:
         meta, s, m = self.meta, a.stage, a.micro
@@ -155,16 +175,19 @@ class PipelineExecutor:
             ins[vid] = self._recv(self.rank_of(meta["producer"][vid], m), ("F", vid, s, m))
         args, kwargs = _as_call(sample)
         args, kwargs = self.module._to_device((args, kwargs))
+        if self.precision is not None:
+            args, kwargs = cast_inputs((args, kwargs), self.precision)
         stage_fn = getattr(self.module, f"_stage_{s}")
         try:
-            if self.track_activations and training:
-                with _SavedBytes(self.module) as saved:
+            with autocast(self.precision, self.module.device.type):
+                if self.track_activations and training:
+                    with _SavedBytes(self.module) as saved:
+                        outs = stage_fn(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
+                    self._saved_bytes[(s, m)] = saved.nbytes
+                    self.live_activation_bytes += saved.nbytes
+                    self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
+                else:
                     outs = stage_fn(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
-                self._saved_bytes[(s, m)] = saved.nbytes
-                self.live_activation_bytes += saved.nbytes
-                self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
-            else:
-                outs = stage_fn(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
         except Exception as exc:
             self.module._note_source(exc)
             raise
@@ -185,7 +208,7 @@ class PipelineExecutor:
             self._ins[(s, m)] = ins
             self._outs[(s, m)] = outs
 
-    def _backward(self, a: Action) -> None:
+    def _backward(self, a: Action, scale_fn) -> None:
         meta, s, m = self.meta, a.stage, a.micro
         ins, outs = self._ins.pop((s, m)), self._outs.pop((s, m))
         tensors, grads = [], []
@@ -197,8 +220,13 @@ class PipelineExecutor:
                 g = self._recv(self.rank_of(t, m), ("B", vid, t, m))
                 grad = g if grad is None else grad + g
             if vid == meta["loss"]:
-                one = torch.ones_like(out)
-                grad = one if grad is None else grad + one
+                if scale_fn is None:
+                    one = torch.ones_like(out)
+                    grad = one if grad is None else grad + one
+                else:  # backward of scale_fn(loss) seeds the loss's gradient
+                    scaled = scaled_loss(out, scale_fn, type(self.module).__name__)
+                    tensors.append(scaled)
+                    grads.append(torch.ones_like(scaled))
             if grad is not None:
                 tensors.append(out)
                 grads.append(grad)

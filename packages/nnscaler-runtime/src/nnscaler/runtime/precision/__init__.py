@@ -72,8 +72,8 @@ dtype (bf16/fp16 in the ``-true`` modes); masters receive the accumulated gradie
 """
 
 from .settings import PrecisionConfig, parse_precision, TENSOR_TYPES, PRECISIONS, LIGHTNING_PRECISIONS
-from .casting import apply_precision, remove_precision, get_precision, cast_module, cast_inputs, autocast
+from .casting import apply_precision, remove_precision, get_precision, cast_module, cast_inputs, cast_outputs, autocast
 from .master import MixedPrecisionOptimizer, with_master_weights
 from .scaler import GradScaler, PrecisionPlugin
 
-__all__ = ["PrecisionConfig", "parse_precision", "apply_precision", "remove_precision", "get_precision", "cast_module", "cast_inputs", "autocast", "MixedPrecisionOptimizer", "with_master_weights", "GradScaler", "PrecisionPlugin", "TENSOR_TYPES", "PRECISIONS", "LIGHTNING_PRECISIONS"]
+__all__ = ["PrecisionConfig", "parse_precision", "apply_precision", "remove_precision", "get_precision", "cast_module", "cast_inputs", "cast_outputs", "autocast", "MixedPrecisionOptimizer", "with_master_weights", "GradScaler", "PrecisionPlugin", "TENSOR_TYPES", "PRECISIONS", "LIGHTNING_PRECISIONS"]

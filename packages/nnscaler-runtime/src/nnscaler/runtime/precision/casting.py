@@ -86,6 +86,12 @@ def autocast(config: Union[PrecisionConfig, str, Mapping, None], device_type: Op
     return torch.autocast(device_type or default_device().type, dtype=config.compute_dtype)
 
 
+def cast_outputs(obj: Any, config: Union[PrecisionConfig, str, Mapping, None]) -> Any:
+    """`obj` with its fp16/bf16 floating tensors as fp32 in a mixed config (what a module with
+    that precision applied returns), unchanged otherwise."""
+    return _map_floating(obj, _to_fp32) if parse_precision(config).mixed else obj
+
+
 class _CastInputs:
     """Forward pre-hook (with kwargs): floating tensor inputs -> `dtype`. Picklable."""
 

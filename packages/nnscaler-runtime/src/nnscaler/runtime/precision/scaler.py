@@ -43,7 +43,17 @@ class GradScaler(torch.amp.GradScaler):
         state["process_group"] = None  # process groups do not pickle: the default group after loading
         return state
 
+    def _ensure_scale(self) -> None:
+        """Create the scale on a rank that never scaled a loss itself: a pipeline stage before the
+        one computing the loss still receives scaled gradients and must unscale them alike."""
+        if self.is_enabled() and self._scale is None:
+            device = torch.device(self._device)
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._lazy_init_scale_growth_tracker(device)
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self._ensure_scale()
         if self.is_enabled() and isinstance(optimizer, MixedPrecisionOptimizer):
             optimizer.prepare_master_grads()
             self._mp_seen.append(weakref.ref(optimizer))
@@ -63,12 +73,14 @@ class GradScaler(torch.amp.GradScaler):
         if not self.is_enabled():
             self.last_step_skipped = False
             return optimizer.step(*args, **kwargs)
+        self._ensure_scale()
         retval = super().step(optimizer, *args, **kwargs)  # calls our unscale_ when not yet done
         self.last_step_skipped = _step_skipped(self, optimizer)
         self.skipped_steps += int(self.last_step_skipped)
         return retval
 
     def update(self, new_scale=None) -> None:
+        self._ensure_scale()
         super().update(new_scale)
         for ref in self._mp_seen:  # a skipped step leaves the unscaled master grads behind
             opt = ref()
