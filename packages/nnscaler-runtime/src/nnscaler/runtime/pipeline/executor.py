@@ -17,6 +17,11 @@ the sends that the schedule proves delivered (the peer has since sent this rank 
 sends only after receiving them) are released, the rest at the end of the step: a sent tensor is
 held about as long as its micro-batch is in flight, not for the whole step.
 
+The module's precision (`apply_precision`) is applied here, since its forward hooks never run:
+samples cast to the input dtype, stage forwards under autocast, outputs fp32 in the mixed modes;
+other forward hooks on the module are refused. `scale_fn` (train_step) turns the loss into what
+backward seeds (loss scaling).
+
 Gradients accumulate locally over the step (every backward runs inside
 ``sync_grad_when(False)``); at the end the module's reducers synchronise once -- unless the
 caller is inside ``sync_grad_when(False)`` itself (accumulating over several ``train_step``

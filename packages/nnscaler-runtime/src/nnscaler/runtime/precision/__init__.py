@@ -58,6 +58,10 @@ and the Lightning strategy):
         scaler.update()
         opt.zero_grad()
 
+    With ``train_step`` (end2end, pipelined or not) pass the scaling in:
+    ``pm.train_step(samples, scale_fn=scaler.scale)``. A pipeline stage that never computes the
+    loss still unscales: the scaler creates its scale on first use there.
+
     Gradients must be unscaled before they are clipped (or their norm is read): a clip threshold
     applies to true gradients, and the scaled ones are ``scale`` times larger.
     ``PrecisionPlugin.clip_gnorm`` does this.
