@@ -149,3 +149,26 @@ def test_parameter_names_never_shadow_module_attributes(tmp_path):
     model = Clashing()
     pm.load_full_state(dict(model.named_parameters()))
     assert torch.allclose(pm(torch.ones(2, 3)), model(torch.ones(2, 3)))
+
+
+class ModeDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        h = F.dropout(self.bn(self.fc(x)), 0.1, self.training)
+        return (h * (3.0 if self.training else 1.0)).sum()
+
+
+def test_mode_dependent_ops_read_self_training(tmp_path):
+    graph, config = planned(ModeDependent(), {"x": torch.randn(8, 4)}, world=1)
+    text = generate(graph, config, tmp_path, policy="dp")[0].read_text()
+    assert "TRACED_TRAINING = True" in text and "MODE_DIVERGENCE" not in text
+    assert "training=self.training" in text  # batch_norm's keyword
+    assert "torch.nn.functional.dropout(" in text and ", 0.1, self.training)" in text
+    assert "(3.0 if self.training else 1.0)" in text
+    guarded = text.index("        if self.training:\n            ")
+    assert text[guarded:].split("\n")[1].strip().endswith("self.bn_num_batches_tracked.add_(1)")
+    ast.parse(text)

@@ -20,7 +20,7 @@ from .adapters import transition_steps
 from .errors import GenerationError
 from .layouts import UnitPlan, is_shape_query, local_slices, plan_unit
 from .stages import holding_groups, loss_value, shared_holders, stage_io
-from .render import RawExpr, Renderer, python_name
+from .render import ModeChoice, RawExpr, Renderer, python_name
 
 R = Replicate()
 
@@ -129,6 +129,9 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
     out.append(f"    COMPUTE_CONFIG = {compute_config!r}")
     out.append(f"    RANK = {rank}")
     out.append(f"    GRAPH_FINGERPRINT = {fingerprint!r}")
+    out.append(f"    TRACED_TRAINING = {bool(graph.traced_training)!r}")
+    if graph.mode_divergence is not None:
+        out.append(f"    MODE_DIVERGENCE = {graph.mode_divergence!r}")
     out.extend(extra)
     out.append("    SOURCE_MAP = {}  # filled below: generated line -> user source\n")
     out.append("    def __init__(self, init_params=True):")
@@ -162,8 +165,12 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
         if src != prev_src[0] and src:
             out.append(f"# {src}")
             prev_src[0] = src
-        stmt = adapt.inputs(node) + _statement(node, adapt.renderer_for(node), graph, unit) + \
+        conversions = adapt.inputs(node)  # first: it tells the renderer the converted names
+        own = _statement(node, adapt.renderer_for(node), graph, unit) + \
             _rescale_sizes(node, unit, names, graph, adapt.received)
+        if node.only_when is not None:  # an op of one mode only (nnscaler.ir.modes); nothing reads its outputs
+            own = [f"if {'' if node.only_when else 'not '}self.training:"] + ["    " + line for line in own]
+        stmt = conversions + own
         for line in stmt:
             source_of_line[(id(out), len(out))] = _describe_source(node, full=True) or node.target
             out.append(line)
@@ -258,16 +265,20 @@ class _Adapter:
 
 
 def _statement(node: Node, renderer: Renderer, graph: IRGraph, unit: UnitPlan) -> List[str]:
-    args = node.args
+    args, kwargs = node.args, node.kwargs
     if unit.partitioned.get(node.id) and node.target in _SHAPE_ARG_OPS:
         args = _localize_shape_args(node, graph, unit)
+    if node.mode_args:  # constants that differ between training and eval (nnscaler.ir.modes)
+        args, kwargs = list(args), dict(kwargs)
+        for where, key, train, eval_ in node.mode_args:
+            (args if where == "args" else kwargs)[key] = ModeChoice(train, eval_)
     if node.target == "torch.Tensor.__setitem__":
-        tgt, idx, val = node.args[:3]
+        tgt, idx, val = args[:3]
         lines = [f"{renderer.value(tgt)}[{renderer.value(idx, in_index=True)}] = {renderer.value(val)}"]
         if node.outputs is not None:
             lines.append(f"{renderer.value(node.outputs)} = {renderer.value(tgt)}")
         return lines
-    expr = renderer.call(node.target, args, node.kwargs)
+    expr = renderer.call(node.target, args, kwargs)
     if node.outputs is None:
         return [expr]
     lhs = renderer.value(node.outputs)

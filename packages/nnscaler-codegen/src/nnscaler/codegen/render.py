@@ -25,6 +25,21 @@ class RawExpr:
         raise NotImplementedError
 
 
+class ModeChoice(RawExpr):
+    """A constant that depends on the module's mode: ``self.training``, ``(not self.training)`` or
+    ``(a if self.training else b)``."""
+
+    def __init__(self, train, eval_):
+        self.train, self.eval = train, eval_
+
+    def render(self, renderer: "Renderer") -> str:
+        if self.train is True and self.eval is False:
+            return "self.training"
+        if self.train is False and self.eval is True:
+            return "(not self.training)"
+        return f"({renderer.value(self.train)} if self.training else {renderer.value(self.eval)})"
+
+
 class Renderer:
     """Renders constants and Refs; `names` maps value ids to Python expressions."""
 

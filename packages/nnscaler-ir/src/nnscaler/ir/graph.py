@@ -74,6 +74,11 @@ class Node:
     pieces: list = field(default_factory=list)
     recompute: Optional[str] = None
     stage: Optional[int] = None  # pipeline stage (set by the policy's staging; None: no pipeline)
+    # Filled by trace in both modes (nnscaler.ir.modes): constant arguments that differ between
+    # training and eval ([where, key, training value, eval value]), and the one mode an op runs
+    # in when the other mode's trace does not have it (None: both).
+    mode_args: list = field(default_factory=list)
+    only_when: Optional[bool] = None
 
     @property
     def short_name(self) -> str:
@@ -129,6 +134,8 @@ class IRGraph:
     constant_folding: bool = False
     module_types: Dict[str, str] = field(default_factory=dict)  # module path -> "pkg.mod.Class"
     pipeline: Any = None  # a nnscaler.ir.pipeline_plan.PipelinePlan once a policy staged the graph
+    traced_training: bool = True  # the module's mode when traced
+    mode_divergence: Optional[str] = None  # where the other mode runs other ops (nnscaler.ir.modes)
 
     # -- queries -----------------------------------------------------------------------------
     def value(self, ref: Ref) -> Value:
@@ -174,8 +181,11 @@ class IRGraph:
             "nodes": [{"id": n.id, "target": n.target, "args": encode(n.args), "kwargs": encode(n.kwargs),
                        "outputs": encode(n.outputs), "module_path": n.module_path,
                        "source": [n.source.file, n.source.line, n.source.code, n.source.function] if n.source else None,
-                       "annotation": n.annotation, "inplace": n.inplace} for n in self.nodes],
+                       "annotation": n.annotation, "inplace": n.inplace,
+                       "mode_args": encode(n.mode_args), "only_when": n.only_when} for n in self.nodes],
             "output": encode(self.output),
+            "traced_training": self.traced_training,
+            "mode_divergence": self.mode_divergence,
         }
 
     @classmethod
@@ -184,7 +194,8 @@ class IRGraph:
                   for v in data["values"]}
         nodes = [Node(n["id"], n["target"], decode(n["args"]), decode(n["kwargs"]), decode(n["outputs"]),
                       n["module_path"], SourceLoc(*n["source"]) if n["source"] else None,
-                      n["annotation"], n["inplace"]) for n in data["nodes"]]
+                      n["annotation"], n["inplace"], mode_args=decode(n.get("mode_args", [])),
+                      only_when=n.get("only_when")) for n in data["nodes"]]
         inputs = [InputSpec(i["name"], i["kind"], i["has_default"], i["default"], i["traced"],
                             [(decode(p), Ref(r)) for p, r in i["leaves"]]) for i in data["inputs"]]
         return cls(data["module_class"], inputs,
@@ -192,13 +203,15 @@ class IRGraph:
                    {s["name"]: _spec_from(s) for s in data["buffers"]},
                    {s["name"]: _spec_from(s) for s in data["constants"]},
                    values, nodes, decode(data["output"]), data.get("constant_folding", False),
-                   dict(data.get("module_types", {})))
+                   dict(data.get("module_types", {})), traced_training=data.get("traced_training", True),
+                   mode_divergence=data.get("mode_divergence"))
 
     def fingerprint(self) -> str:
         """A hash identifying the traced program (ops, shapes, names), independent of source lines."""
         data = self.to_json()
         for n in data["nodes"]:
             n.pop("source")
+        data["mode_divergence"] = data["mode_divergence"] is not None  # names a source line
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import sys
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -20,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from . import tracing_context
 from .graph import (IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode,
                     iter_refs)
+from .modes import annotate_modes, mode_name
 from .op_names import op_name
 from .symbolic_int import TracedInt
 from .trace_device import ExecutionDevice
@@ -285,13 +287,39 @@ def _input_leaves(tracer: Tracer, obj, path: tuple, hint: str, leaves: list):
 
 
 def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, constant_folding: bool = False,
-          trace_strategy: str = "cpu") -> IRGraph:
-    """Run `module.forward(**dummy_forward_args)` once and record it as an IRGraph.
+          trace_strategy: str = "cpu", both_modes: bool = True) -> IRGraph:
+    """Run `module.forward(**dummy_forward_args)` and record it as an IRGraph.
 
     `dummy_forward_args` maps forward parameter names to example values (tensors, nested
     dicts/lists of tensors, or constants); parameters left out use their defaults. The module's
-    weights, buffers and the global RNG state are left as they were.
+    weights, buffers, training flags and the global RNG state are left as they were.
+
+    The graph is the forward in the module's current mode (``module.training``). With
+    `both_modes` the forward also runs in the other mode, and the graph records what differs
+    (see nnscaler.ir.modes), so the generated code follows ``.train()`` / ``.eval()``.
     """
+    graph = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy)
+    graph.traced_training = module.training
+    if both_modes:
+        flags = [(m, m.training) for m in module.modules()]
+        module.train(not module.training)
+        try:
+            with warnings.catch_warnings():  # the first trace has said it all
+                warnings.simplefilter("ignore")
+                other = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy)
+        except Exception as exc:  # the other mode cannot even run: remember where, as a divergence
+            graph.mode_divergence = (f"the forward fails in {mode_name(not graph.traced_training)} mode "
+                                     f"({type(exc).__name__}: {exc})")
+        else:
+            annotate_modes(graph, other, graph.traced_training)
+        finally:
+            for m, flag in flags:
+                m.training = flag
+    return graph
+
+
+def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], constant_folding: bool,
+                trace_strategy: str) -> IRGraph:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"trace() needs a torch.nn.Module instance, got {type(module).__name__}")
     if not isinstance(dummy_forward_args, dict):

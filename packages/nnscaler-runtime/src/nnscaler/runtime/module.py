@@ -97,9 +97,14 @@ class ParallelModule(torch.nn.Module):
     SOURCE_MAP: Mapping[int, str] = {}
     FULL_NAMES: Optional[Sequence[str]] = None
     PIPELINE: Optional[Mapping[str, Any]] = None  # set in pipelined plans (see pipeline.executor)
+    # The mode the forward was traced in (the module starts in it) and, when the other mode runs
+    # other ops (a Python branch on self.training), the user's line where they part (nnscaler.ir.modes).
+    TRACED_TRAINING: bool = True
+    MODE_DIVERGENCE: Optional[str] = None
 
     def __init__(self):
         super().__init__()
+        self.training = bool(self.TRACED_TRAINING)
         self.compute_config = make_compute_config(self.COMPUTE_CONFIG)
         self.grid = RankGrid.get(self.compute_config.plan_ngpus, self.compute_config.runtime_ngpus)
         self.rank = self.grid.rank
@@ -317,12 +322,25 @@ class ParallelModule(torch.nn.Module):
             raise NnScalerError(f"{type(self).__name__} is pipelined (pipeline_scheduler "
                                 f"{self.PIPELINE['scheduler']!r}): its stages run only inside train_step(samples) "
                                 f"/ infer_step(samples), not through a plain forward call")
+        self._check_mode()
         args, kwargs = self._to_device((args, kwargs))
         try:
             return self._forward_impl(*args, **kwargs)
         except Exception as exc:
             self._note_source(exc)
             raise
+
+    def _check_mode(self) -> None:
+        """Refuse the mode the generated code cannot follow (see MODE_DIVERGENCE)."""
+        if self.MODE_DIVERGENCE is None or self.training == self.TRACED_TRAINING:
+            return
+        traced, now = ("training", "eval") if self.TRACED_TRAINING else ("eval", "training")
+        raise NnScalerError(
+            f"{type(self).__name__} is in {now} mode, but its forward was traced in {traced} mode and runs other "
+            f"ops in {now} mode, at {self.MODE_DIVERGENCE}. The generated code follows the {traced} mode only: call "
+            f".{'train' if self.TRACED_TRAINING else 'eval'}() to go back, or make the difference an argument of an "
+            f"op (e.g. F.dropout(x, p, training=self.training), torch.where) instead of a Python branch on "
+            f"self.training, then generate again; or parallelize a copy of the model in {now} mode for it")
 
     def _forward_impl(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} must define _forward_impl (generated code)")

@@ -123,6 +123,7 @@ class PipelineExecutor:
             raise NnScalerError(f"{type(self.module).__name__}.train_step: pipeline_scheduler "
                                 f"{self.meta['scheduler']!r} runs forwards only; regenerate with a training schedule")
         self._check_hooks()
+        self.module._check_mode()
         self.precision = get_precision(self.module)  # apply_precision may come after parallelize
         sync = training and _sync_requested() and self.module._pipeline_nosync_depth == 0
         if training:
