@@ -5,6 +5,8 @@
 Single process, no torch.distributed. For each depth, `--repeats` times (a fresh trace each time):
 
 * trace   : nnscaler.ir.trace(model, dummy_args, constant_folding=False, trace_strategy='cpu')
+            (the forward in training and in eval mode); also timed alone, not in the total: the
+            same with both_modes=False (one mode), the reference for the cost of the second mode
 * policy  : nnscaler.policies.apply_policy(graph, ComputeConfig(1, 2, trace_strategy='cpu'), 'dp')
 * codegen : nnscaler.codegen.generate(graph, same config, tmpdir, policy='dp') -> 2 rank files
 
@@ -61,9 +63,11 @@ def measure(n_layer: int, args, outroot: Path) -> dict:
     model = GPT(cfg)
     dummy = random_batch(0, args.batch, cfg)
     cc = ComputeConfig(1, 2, trace_strategy="cpu")
-    times = {p: [] for p in PHASES}
+    times = {p: [] for p in (*PHASES, "trace_one_mode")}
     nodes = lines = 0
     for r in range(args.repeats):
+        _, t = _timed(lambda: trace(model, dummy, constant_folding=False, trace_strategy="cpu", both_modes=False))
+        times["trace_one_mode"].append(t)
         graph, t = _timed(lambda: trace(model, dummy, constant_folding=False, trace_strategy="cpu"))
         times["trace"].append(t)
         nodes = len(graph.nodes)
@@ -126,8 +130,8 @@ def main() -> None:
             res = measure(n, args, Path(tmp))
             results.append(res)
             b = res["best_s"]
-            print(f"  {n:3d} layers: trace {b['trace']:.3f} s, policy {b['policy']:.3f} s, "
-                  f"codegen {b['codegen']:.3f} s ({res['graph_nodes']} nodes)", flush=True)
+            print(f"  {n:3d} layers: trace {b['trace']:.3f} s (one mode {b['trace_one_mode']:.3f} s), policy "
+                  f"{b['policy']:.3f} s, codegen {b['codegen']:.3f} s ({res['graph_nodes']} nodes)", flush=True)
     wall = time.perf_counter() - t_start
 
     lo, hi = results[0], results[-1]
@@ -154,6 +158,9 @@ def main() -> None:
                       f"{a:.3f}", f"{k:.2f}", verdict])
     print(_common.table(["phase", f"t({hi['layers']})/t({lo['layers']})", "linear", "/linear",
                          "slope ms/layer", "intercept s", "exponent k", "verdict"], srows))
+    modes = {str(r["layers"]): r["best_s"]["trace"] / r["best_s"]["trace_one_mode"] for r in results}
+    print("trace in both modes / trace in one mode (both_modes=False): "
+          + ", ".join(f"{k} layers {v:.2f}" for k, v in modes.items()))
     print(f"total wall time {wall:.1f} s")
 
     data = {
@@ -165,6 +172,7 @@ def main() -> None:
                    "torch_threads": torch.get_num_threads()},
         "results": results,
         "growth": growth,
+        "trace_both_modes_over_one_mode": modes,
         "wall_seconds": wall,
     }
     _common.save_results(args.out, data)

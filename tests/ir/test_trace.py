@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nnscaler.ir import IRGraph, Ref, TraceError, trace
+from nnscaler.ir import IRGraph, TraceError, trace
 
 torch.manual_seed(0)
 HERE = os.path.realpath(__file__)

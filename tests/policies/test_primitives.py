@@ -120,7 +120,6 @@ def test_partition_error_names_the_users_line_and_the_splittable_dims(graph):
 
 
 def test_tp_data_and_megatron_cover_the_unit(graph):
-    from nnscaler.policies import get_policy
     for name in ("tp", "data", "megatron"):
         planned = apply_policy(graph, ComputeConfig(2, 4), name)
         for node in planned.nodes:

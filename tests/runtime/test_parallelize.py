@@ -13,7 +13,6 @@ import torch.nn as nn
 import toy_models
 from nnscaler import ComputeConfig, ParallelModule, build_optimizer, parallelize
 from nnscaler.ir import ConfigError
-from nnscaler.runtime import GenerationError
 
 ARGS = toy_models.mlp_batch(0, 4)
 

@@ -53,7 +53,6 @@ def test_recompute_by_path_and_unknown_names(tmp_path):
 
 
 def tp_recompute(rank, world, gen_dir):
-    from nnscaler import build_optimizer
     batch = random_batch(0, 8, GPTConfig(**CFG))
     out = {}
     for name, pas in (("plain", {}), ("recompute", {"recompute_modules": "CausalSelfAttention,MLP"})):
