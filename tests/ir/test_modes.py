@@ -8,34 +8,7 @@ import torch.nn.functional as F
 
 from nnscaler.ir import IRGraph, trace
 
-
-class DropNorm(nn.Module):
-    """Dropout and batch norm (mode-dependent constants and a training-only counter), a
-    mode-dependent constant in user code, and a counter updated in both modes."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.bn = nn.BatchNorm1d(4)
-        self.drop = nn.Dropout(0.25)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x):
-        self.calls += 1
-        h = self.drop(self.bn(self.fc(x)))
-        return (h * (2.0 if self.training else 0.5)).sum()
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.fc(x)
-        if self.training:
-            h = torch.tanh(h)  # a Python branch: other ops in eval mode
-        return h.sum()
+from mode_models import Branchy, DropNorm
 
 
 X = {"x": torch.randn(8, 4)}
@@ -72,7 +45,7 @@ def test_traced_in_eval_mode_orients_values_by_mode():
 def test_python_branch_on_training_is_a_divergence_naming_the_users_line():
     g = trace(Branchy(), X)
     assert g.mode_divergence is not None
-    assert "test_modes.py" in g.mode_divergence and "h = torch.tanh(h)" in g.mode_divergence
+    assert "mode_models.py" in g.mode_divergence and "h = torch.tanh(h)" in g.mode_divergence
     assert all(n.mode_args == [] and n.only_when is None for n in g.nodes)
 
 

@@ -8,36 +8,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.runtime.errors import NnScalerError
 
-
-class DropNorm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.bn = nn.BatchNorm1d(4)
-        self.drop = nn.Dropout(0.5)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x):
-        self.calls += 1
-        h = self.drop(self.bn(self.fc(x)))
-        return (h * (2.0 if self.training else 0.5)).sum()
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.fc(x)
-        if self.training:
-            h = torch.tanh(h)
-        return h.sum()
+from mode_models import Branchy, DropNorm
 
 
 def _x(seed):
@@ -104,7 +79,7 @@ def test_python_branch_on_training_is_refused_in_the_other_mode(tmp_path):
     with pytest.raises(NnScalerError) as err:
         pm(_x(1))
     message = str(err.value)
-    assert "eval mode" in message and "test_parallelize_modes.py" in message and "h = torch.tanh(h)" in message
+    assert "eval mode" in message and "mode_models.py" in message and "h = torch.tanh(h)" in message
     assert ".train()" in message and "training=self.training" in message
     pm.train()
     assert torch.equal(pm(_x(1)), ref(_x(1)))
