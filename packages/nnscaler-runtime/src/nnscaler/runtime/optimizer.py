@@ -191,7 +191,10 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
                           async_op=getattr(pms[0].compute_config, "use_async_reducer", False))
         object.__setattr__(module, "_nnscaler_reducer", reducer)
     zero = _zero_engine(module, pms, params, replicas, grid)
-    optimizer = optimizer_fn(zero.optimizer_params() if zero is not None else params, **kwargs)
+    opt_params = zero.optimizer_params() if zero is not None else params
+    # A rank can hold no trainable parameter (a pipeline stage of frozen layers, a ZeRO shard of
+    # nothing): it still takes part in every collective of the step, with an empty group.
+    optimizer = optimizer_fn(opt_params if len(opt_params) else [{"params": []}], **kwargs)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"build_optimizer: optimizer_fn returned {type(optimizer).__name__}, "
                         f"not a torch.optim.Optimizer")
