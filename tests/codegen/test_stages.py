@@ -137,3 +137,23 @@ def test_op_off_its_stage_devices_is_refused(tmp_path):
     graph.nodes[-1].pieces[0].device = 0  # the loss belongs to stage 1 (device 1)
     with pytest.raises(GenerationError, match="stage 1"):
         generate(graph, cfg, tmp_path)
+
+
+def test_arguments_are_checked_once_per_sample_not_in_each_stage(tmp_path):
+    class Optional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, mask=None):
+            h = self.b(self.a(x))
+            return (h if mask is None else h * mask).sum()
+
+    m = Optional()
+    nodes = trace(m, {"x": torch.randn(2, 4)}).nodes
+    graph = manual_pipeline(m, {"x": torch.randn(2, 4)}, [next(i for i, n in enumerate(nodes) if n.module_path == "b")])
+    text = generate(graph, ComputeConfig(2, 2, use_end2end=True), tmp_path)[0].read_text()
+    methods = {f.name: ast.get_source_segment(text, f) for f in ast.walk(ast.parse(text)) if isinstance(f, ast.FunctionDef)}
+    assert "def _check_sample(self, x, mask=None):" in methods["_check_sample"]
+    assert "if mask is not None:" in methods["_check_sample"] and "argument mask was not in dummy_forward_args" in text
+    assert all("mask is not None" not in body for name, body in methods.items() if name.startswith("_stage_"))

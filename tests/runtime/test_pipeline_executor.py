@@ -124,6 +124,9 @@ def _checks(rank, world, gen_dir):
     out["too_few"] = _error(lambda: pm.train_step(samples[:3]))
     out["not_a_list"] = _error(lambda: pm.train_step(samples[0]))
     out["infer_too_many"] = _error(lambda: pm.infer_step(samples + samples[:1]))
+    # a sample the forward cannot take fails on every rank before any message is sent
+    out["unknown_arg"] = _error(lambda: pm.train_step(samples[:3] + [{**samples[3], "mask": samples[3]["idx"]}]))
+    out["missing_arg"] = _error(lambda: pm.infer_step([{"targets": s["targets"]} for s in samples]))
 
     # the errors above left nothing behind: a full step still runs, and the timeline follows it
     ex.track_activations = True
@@ -168,6 +171,16 @@ def test_wrong_number_of_samples_fails(two_ranks):
             assert is_ours, f"rank {rank} {key}: {kind}: {msg}"
             assert f"pipeline_nmicros={NMICROS}" in msg and got in msg, f"rank {rank} {key}: {msg}"
         assert "train_step" in out["too_few"][2] and "infer_step" in out["infer_too_many"][2]
+
+
+@pytest.mark.multiprocess
+def test_samples_the_forward_cannot_take_fail_on_every_rank(two_ranks):
+    for rank, out in enumerate(two_ranks):
+        _, kind, msg = out["unknown_arg"]
+        assert kind == "TypeError" and "train_step: sample 3" in msg and "'mask'" in msg, f"rank {rank}: {msg}"
+        _, kind, msg = out["missing_arg"]
+        assert kind == "TypeError" and "infer_step: sample 0" in msg and "'idx'" in msg, f"rank {rank}: {msg}"
+        assert "forward()" in msg and "_check_sample" not in msg
 
 
 @pytest.mark.multiprocess

@@ -93,7 +93,7 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
             # except a forward output, which the producer makes whole for the caller
             adapt = _Adapter(unit, names, taken, ranks, received=set(io.inputs[stage]) & final)
             nodes = [nd for nd in graph.nodes if nd.stage == stage]
-            head = _untraced_checks(graph) + arg_lines
+            head = list(arg_lines)  # the arguments were checked once per step (_check_sample)
             if io.inputs[stage]:
                 head.append(_unpack_target([Ref(v) for v in io.inputs[stage]], adapt.renderer_for(None))
                             + " = _acts")
@@ -116,6 +116,9 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
         out_names = dict(names)
         out_names.update({vid: f"_vals[{vid}]" for vid in io.producer})
         methods.append(("_pipeline_output", "_vals", ["return " + Renderer(out_names).value(graph.output)], {}))
+        # every rank checks every sample before the step's first message: a bad one fails on all
+        # ranks at once instead of leaving the other stages waiting for a message
+        methods.append(("_check_sample", signature, _untraced_checks(graph) + ["return None"], {}))
         extra.append(f"    PIPELINE = {_pipeline_meta(graph, io)!r}")
 
     init = _init_lines(graph, local, unit, device, compute_config)

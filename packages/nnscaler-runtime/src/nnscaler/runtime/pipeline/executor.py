@@ -124,6 +124,14 @@ class PipelineExecutor:
                                 f"{self.meta['scheduler']!r} runs forwards only; regenerate with a training schedule")
         self._check_hooks()
         self.module._check_mode()
+        check = getattr(self.module, "_check_sample", None)
+        for i, sample in enumerate(samples if check is not None else ()):
+            args, kwargs = _as_call(sample)
+            try:
+                check(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{type(self.module).__name__}.{name}: sample {i}: "
+                                f"{str(exc).replace('_check_sample()', 'forward()')}") from None
         self.precision = get_precision(self.module)  # apply_precision may come after parallelize
         sync = training and _sync_requested() and self.module._pipeline_nosync_depth == 0
         if training:
