@@ -172,3 +172,27 @@ def test_mode_dependent_ops_read_self_training(tmp_path):
     guarded = text.index("        if self.training:\n            ")
     assert text[guarded:].split("\n")[1].strip().endswith("self.bn_num_batches_tracked.add_(1)")
     ast.parse(text)
+
+
+class Rebinds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.ema = self.ema * 0.9 + h.detach().mean(0) * 0.1
+        return (h * self.ema).sum()
+
+
+def test_reassigned_buffer_is_rebound_and_a_split_one_refused(tmp_path):
+    graph, config = planned(Rebinds(), {"x": torch.randn(8, 4)}, world=1)
+    text = generate(graph, config, tmp_path / "dp", policy="dp")[0].read_text()
+    (value,) = graph.buffer_updates.values()
+    assert f"self.ema = {graph.value(value).name}_{value.id}" in text
+    # tp (seed 1) splits both readers of ema on its only dim: the plan stores it split
+    tp_cfg = ComputeConfig(2, 2, trace_strategy="cpu", pas_config={"seed": 1})
+    split = apply_policy(trace(Rebinds(), {"x": torch.randn(8, 4)}), tp_cfg, "tp")
+    with pytest.raises(GenerationError, match="reassigns buffer ema, which the plan stores split.*in place"):
+        generate(split, tp_cfg, tmp_path / "tp", policy="tp")

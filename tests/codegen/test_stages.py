@@ -157,3 +157,21 @@ def test_arguments_are_checked_once_per_sample_not_in_each_stage(tmp_path):
     assert "def _check_sample(self, x, mask=None):" in methods["_check_sample"]
     assert "if mask is not None:" in methods["_check_sample"] and "argument mask was not in dummy_forward_args" in text
     assert all("mask is not None" not in body for name, body in methods.items() if name.startswith("_stage_"))
+
+
+def test_pipelined_forward_reassigning_a_buffer_is_refused(tmp_path):
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.register_buffer("steps", torch.zeros(()))
+
+        def forward(self, x):
+            self.steps = self.steps + 1
+            return self.b(self.a(x)).sum()
+
+    m = Counter()
+    nodes = trace(m, {"x": torch.randn(2, 4)}).nodes
+    graph = manual_pipeline(m, {"x": torch.randn(2, 4)}, [next(i for i, n in enumerate(nodes) if n.module_path == "b")])
+    with pytest.raises(GenerationError, match=r"reassigns buffer\(s\) steps.*pipelined.*in place"):
+        generate(graph, ComputeConfig(2, 2, use_end2end=True), tmp_path)

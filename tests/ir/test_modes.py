@@ -98,3 +98,30 @@ def test_json_round_trip_and_fingerprint_keep_the_modes():
     assert trace(DropNorm(), X, both_modes=False).fingerprint() != g.fingerprint()
     div = trace(Branchy(), X)
     assert IRGraph.from_json(div.to_json()).mode_divergence == div.mode_divergence
+
+
+def test_buffer_reassigned_in_one_mode_only_is_a_divergence():
+    class Ema(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("ema", torch.zeros(4))
+
+        def forward(self, x):
+            new = self.ema * 0.9 + x.mean(0) * 0.1
+            if self.training:  # the same ops in both modes, but eval does not keep the result
+                self.ema = new
+            return (x * new).sum()
+
+    g = trace(Ema(), X)
+    assert g.mode_divergence is not None and "reassigns buffers ['ema'] in training mode" in g.mode_divergence
+    assert list(g.buffer_updates) == ["ema"]
+
+
+def test_same_op_on_other_arguments_is_described_as_such():
+    class Swap(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            return (y * x if self.training else y * y).sum()
+
+    g = trace(Swap(), X)
+    assert "runs torch.Tensor.mul on other arguments in training mode than in eval mode" in g.mode_divergence

@@ -328,8 +328,30 @@ def test_rebound_buffer_restored():
 
     m = Counter()
     original = m.steps
-    trace(m, {"x": torch.randn(2)})
+    g = trace(m, {"x": torch.randn(2)})
     assert m.steps is original and m.steps.item() == 0
+    # the rebinding itself is part of the program: the buffer's new value is kept alive and named
+    (name, ref), = g.buffer_updates.items()
+    add = next(n for n in g.nodes if n.target.endswith("__add__") or n.target.endswith(".add"))
+    assert name == "steps" and ref == add.outputs
+    back = IRGraph.from_json(g.to_json())
+    assert back.buffer_updates == g.buffer_updates and back.fingerprint() == g.fingerprint()
+
+
+def test_buffer_set_to_something_else_than_a_tensor_is_refused():
+    class Drops(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(2))
+
+        def forward(self, x):
+            self.cache = None
+            return x.sum()
+
+    m = Drops()
+    with pytest.raises(TraceError, match="forward sets buffer cache to NoneType.*must stay a tensor"):
+        trace(m, {"x": torch.randn(2)})
+    assert torch.equal(m.cache, torch.zeros(2))
 
 
 def test_rng_state_and_params_unchanged():

@@ -181,3 +181,36 @@ def test_pregenerated_code_runs_with_runtime_alone(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "OK" in out.stdout
     assert "REFUSED GenerationError" in out.stdout and "nnscaler-runtime[compile]" in out.stdout
+
+
+class RebindsBuffers(nn.Module):
+    """Reassigns buffers in forward (no in-place op): an EMA of activations and a step counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.ema = self.ema * 0.9 + h.detach().mean(0) * 0.1
+        self.steps = self.steps + 1
+        return (h * self.ema).sum()
+
+
+def test_buffers_reassigned_in_forward_are_updated_like_the_model(tmp_path):
+    import copy
+    torch.manual_seed(0)
+    model = RebindsBuffers()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, {"x": torch.randn(8, 4)}, "dp", cfg(), gen_savedir=tmp_path)
+    for step in range(3):
+        x = torch.randn(8, 4)
+        want, got = ref(x), pm(x)
+        assert torch.equal(got, want), step
+        got.backward()
+        want.backward()
+        assert torch.equal(pm.fc_weight.grad, ref.fc.weight.grad)
+    assert torch.equal(pm.ema, ref.ema) and int(pm.steps) == int(ref.steps) == 3
+    assert set(dict(pm.named_buffers())) == {"ema", "steps"}  # still registered buffers (state_dict)

@@ -77,12 +77,18 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
         ranks = tuple(range(rank - device, rank - device + n))
         adapt = _Adapter(unit, names, taken, ranks)
         keep = {r.id for r in iter_refs(graph.output)}
+        keep |= {r.id for r in iter_refs(graph.buffer_updates)}
         body, src = _emit_ops(graph, graph.nodes, names, adapt, keep, arg_names, taken, unit,
                               _untraced_checks(graph) + arg_lines)
+        body.extend(_buffer_update_lines(graph, unit, local, adapt))
         body.extend(adapt.outputs(graph))
         body.append("return " + adapt.renderer_for(None).value(graph.output))
         methods.append(("_forward_impl", signature, body, src))
     else:
+        if graph.buffer_updates:
+            raise GenerationError(f"forward reassigns buffer(s) {', '.join(sorted(graph.buffer_updates))} "
+                                  f"(self.name = new tensor), which a pipelined plan does not support: update "
+                                  f"them in place instead (self.name.copy_(new), self.name.mul_(...))")
         io = stage_io(graph)
         unit_start = rank - device
         final = {r.id for r in iter_refs(graph.output)}
@@ -198,6 +204,18 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
                         body, source_of_line, taken, keep)
         idx = end
     return body, {k[1]: v for k, v in source_of_line.items() if k[0] == id(body)}
+
+
+def _buffer_update_lines(graph: IRGraph, unit: UnitPlan, local: Dict[str, str], adapt: "_Adapter") -> List[str]:
+    """Rebind the buffers forward reassigned to their new (whole) values, as the model does."""
+    lines: List[str] = []
+    for name, ref in sorted(graph.buffer_updates.items()):
+        if isinstance(unit.stored[name], Shard):
+            raise GenerationError(f"forward reassigns buffer {name}, which the plan stores split: update it in "
+                                  f"place (self.<buffer>.copy_(new)), or replicate the ops that read it")
+        var = adapt._convert(ref.id, R, False, lines) if graph.value(ref).is_tensor else None
+        lines.append(f"self.{local[name]} = {var or adapt.renderer_for(None).value(ref)}")
+    return lines
 
 
 def _pipeline_meta(graph: IRGraph, io) -> dict:

@@ -135,6 +135,7 @@ class IRGraph:
     module_types: Dict[str, str] = field(default_factory=dict)  # module path -> "pkg.mod.Class"
     pipeline: Any = None  # a nnscaler.ir.pipeline_plan.PipelinePlan once a policy staged the graph
     traced_training: bool = True  # the module's mode when traced
+    buffer_updates: Dict[str, Any] = field(default_factory=dict)  # buffer forward rebinds -> new value
     mode_divergence: Optional[str] = None  # where the other mode runs other ops (nnscaler.ir.modes)
 
     # -- queries -----------------------------------------------------------------------------
@@ -185,6 +186,7 @@ class IRGraph:
                        "mode_args": encode(n.mode_args), "only_when": n.only_when} for n in self.nodes],
             "output": encode(self.output),
             "traced_training": self.traced_training,
+            "buffer_updates": encode(self.buffer_updates),
             "mode_divergence": self.mode_divergence,
         }
 
@@ -204,6 +206,7 @@ class IRGraph:
                    {s["name"]: _spec_from(s) for s in data["constants"]},
                    values, nodes, decode(data["output"]), data.get("constant_folding", False),
                    dict(data.get("module_types", {})), traced_training=data.get("traced_training", True),
+                   buffer_updates=decode(data.get("buffer_updates", {"$dict": []})),
                    mode_divergence=data.get("mode_divergence"))
 
     def fingerprint(self) -> str:

@@ -98,6 +98,10 @@ class _Alignment:
                 i, j = i + 1, j + 1
                 continue
             return _describe(a, b, traced_training)
+        mine_upd, their_upd = self.graph.buffer_updates, self.other.buffer_updates
+        if set(mine_upd) != set(their_upd) or not all(self._same(mine_upd[k], their_upd[k]) for k in mine_upd):
+            return (f"forward reassigns buffers {sorted(mine_upd)} in {mode_name(traced_training)} mode and "
+                    f"{sorted(their_upd)} (or to other values) in {mode_name(not traced_training)} mode")
         if not self._same(self.graph.output, self.other.output):
             return (f"the forward returns other values in {mode_name(not traced_training)} mode than in "
                     f"{mode_name(traced_training)} mode")
@@ -198,6 +202,8 @@ def _describe(a: Optional[Node], b: Optional[Node], traced_training: bool) -> st
     mine, theirs = mode_name(traced_training), mode_name(not traced_training)
     node = a if a is not None and a.source is not None else b
     where = f"{node.source}" if node is not None and node.source is not None else "the end of forward"
+    if a is not None and b is not None and a.target == b.target:
+        return f"{where} (it runs {a.target} on other arguments in {mine} mode than in {theirs} mode)"
     ran_a = a.target if a is not None else "nothing more"
     ran_b = b.target if b is not None else "nothing more"
     return f"{where} (in {mine} mode it runs {ran_a}, in {theirs} mode {ran_b})"

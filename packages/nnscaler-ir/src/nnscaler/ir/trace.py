@@ -382,6 +382,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
         with torch.no_grad(), tracing_context.activate(tracer), \
                 _RecordingMode(tracer):
             out = module(**call_kwargs)
+        rebound = saved.rebound()
     finally:
         for h in hooks:
             h.remove()
@@ -390,8 +391,23 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
     graph = IRGraph(f"{type(module).__module__}.{type(module).__qualname__}", inputs, params, buffers,
                     tracer.constants, tracer.values, tracer.nodes, output, constant_folding,
                     dict(tracer.module_types))
+    graph.buffer_updates = _buffer_updates(tracer, rebound, by_id)
     _eliminate_dead_code(graph)
     return graph
+
+
+def _buffer_updates(tracer: "Tracer", rebound, by_id) -> Dict[str, Any]:
+    """Buffers the forward rebinds (``self.ema = self.ema * 0.9 + x``): buffer name -> new value."""
+    updates = {}
+    for mod, name, old, new in rebound:
+        path = tracer._module_names.get(id(mod), "")
+        full = f"{path}.{name}" if path else name
+        if old is None or id(old) not in by_id or not isinstance(new, torch.Tensor):
+            raise TraceError(f"forward sets buffer {full} to {type(new).__name__} (it was "
+                             f"{type(old).__name__}): a buffer must stay a tensor; give it its value in "
+                             f"__init__ and update it in forward (self.{name} = new tensor, or in place)")
+        updates[by_id[id(old)].name] = tracer._to_refs(new)
+    return updates
 
 
 def _encodable(obj) -> bool:
@@ -412,6 +428,10 @@ class _SavedState:
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
 
+    def rebound(self):
+        """(module, name, original, now) of every buffer slot forward rebound to another object."""
+        return [(m, n, b, m._buffers.get(n)) for m, n, b in self.slots if m._buffers.get(n) is not b]
+
     def restore(self):
         for m, n, b in self.slots:
             m._buffers[n] = b
@@ -424,7 +444,7 @@ class _SavedState:
 
 
 def _eliminate_dead_code(graph: IRGraph) -> None:
-    live = {r.id for r in iter_refs(graph.output)}
+    live = {r.id for r in iter_refs(graph.output)} | {r.id for r in iter_refs(graph.buffer_updates)}
     kept = []
     for node in reversed(graph.nodes):
         outs = {r.id for r in node.output_refs()}
