@@ -122,16 +122,7 @@ class PipelineExecutor:
         elif not self.schedule.training:
             raise NnScalerError(f"{type(self.module).__name__}.train_step: pipeline_scheduler "
                                 f"{self.meta['scheduler']!r} runs forwards only; regenerate with a training schedule")
-        self._check_hooks()
-        self.module._check_mode()
-        check = getattr(self.module, "_check_sample", None)
-        for i, sample in enumerate(samples if check is not None else ()):
-            args, kwargs = _as_call(sample)
-            try:
-                check(*args, **kwargs)
-            except TypeError as exc:
-                raise TypeError(f"{type(self.module).__name__}.{name}: sample {i}: "
-                                f"{str(exc).replace('_check_sample()', 'forward()')}") from None
+        self._check_step(samples, name)
         self.precision = get_precision(self.module)  # apply_precision may come after parallelize
         sync = training and _sync_requested() and self.module._pipeline_nosync_depth == 0
         if training:
@@ -170,17 +161,28 @@ class PipelineExecutor:
             outputs.append(_detach(out) if training else out)
         return outputs
 
-    def _check_hooks(self) -> None:
-        """Refuse forward hooks the pipeline would skip (apply_precision's are honoured)."""
+    def _check_step(self, samples: Sequence[Any], name: str) -> None:
+        """What every rank refuses before the step's first message, so all fail together: forward
+        hooks the pipeline would skip (apply_precision's are honoured), a mode the generated code
+        cannot follow, samples the forward cannot take."""
         module = self.module
         ours = {h.id for h in module.__dict__.get("_nnscaler_precision_hooks", ())}
         hooks = [h for d in (module._forward_pre_hooks, module._forward_hooks) for i, h in d.items() if i not in ours]
         if hooks:
             names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
             raise NnScalerError(f"{type(module).__name__} is pipelined: its forward never runs as a whole, so the "
-                                f"forward hooks registered on it ({names}) would not run; remove them (register "
-                                f"them on the single-device model's submodules before parallelize, or use "
-                                f"apply_precision for precision, which the pipeline honours)")
+                                f"forward hooks registered on it ({names}) would not run; remove them: put that "
+                                f"logic in the model's forward or read the outputs {name} returns (precision: "
+                                f"apply_precision, which the pipeline honours)")
+        module._check_mode()
+        check = getattr(module, "_check_sample", None)
+        for i, sample in enumerate(samples if check is not None else ()):
+            args, kwargs = _as_call(sample)
+            try:
+                check(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{type(module).__name__}.{name}: sample {i}: "
+                                f"{str(exc).replace('_check_sample()', 'forward()')}") from None
 
     def _forward(self, a: Action, sample: Any, training: bool) -> None:
         meta, s, m = self.meta, a.stage, a.micro
