@@ -12,11 +12,12 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from nnscaler.ir.graph import IRGraph, Node, Ref, decode, iter_refs
+from nnscaler.ir.graph import IRGraph, Node, Ref, iter_refs
 
 from nnscaler.ir.layout import Replicate, Shard
 
 from .adapters import transition_steps
+from .arguments import forward_signature, untraced_checks
 from .errors import GenerationError
 from .layouts import UnitPlan, is_shape_query, local_slices, plan_unit
 from .stages import holding_groups, loss_value, shared_holders, stage_io
@@ -70,7 +71,7 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
         for ref in node.output_refs():
             names[ref.id] = python_name(f"{graph.value(ref).name}_{ref.id}", taken)
 
-    signature = _signature(graph)
+    signature = forward_signature(graph)
     methods = []  # (name, signature, body lines, {body index: source})
     extra: List[str] = []
     if pipe is None:
@@ -79,7 +80,7 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
         keep = {r.id for r in iter_refs(graph.output)}
         keep |= {r.id for r in iter_refs(graph.buffer_updates)}
         body, src = _emit_ops(graph, graph.nodes, names, adapt, keep, arg_names, taken, unit,
-                              _untraced_checks(graph) + arg_lines)
+                              untraced_checks(graph) + arg_lines)
         body.extend(_buffer_update_lines(graph, unit, local, adapt))
         body.extend(adapt.outputs(graph))
         body.append("return " + adapt.renderer_for(None).value(graph.output))
@@ -124,7 +125,7 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
         methods.append(("_pipeline_output", "_vals", ["return " + Renderer(out_names).value(graph.output)], {}))
         # every rank checks every sample before the step's first message: a bad one fails on all
         # ranks at once instead of leaving the other stages waiting for a message
-        methods.append(("_check_sample", signature, _untraced_checks(graph) + ["return None"], {}))
+        methods.append(("_check_sample", signature, untraced_checks(graph) + ["return None"], {}))
         extra.append(f"    PIPELINE = {_pipeline_meta(graph, io)!r}")
 
     init = _init_lines(graph, local, unit, device, compute_config)
@@ -430,39 +431,6 @@ def _last_uses(nodes: List[Node], keep: set) -> Dict[int, List[int]]:
         if vid not in keep:
             out.setdefault(idx, []).append(vid)
     return {k: sorted(set(v)) for k, v in out.items()}
-
-
-def _signature(graph: IRGraph) -> str:
-    parts, star_done = [], False
-    for inp in graph.inputs:
-        if inp.kind == "VAR_POSITIONAL":
-            parts.append(f"*{inp.name}")
-            star_done = True
-        elif inp.kind == "VAR_KEYWORD":
-            parts.append(f"**{inp.name}")
-        else:
-            if inp.kind == "KEYWORD_ONLY" and not star_done:
-                parts.append("*")
-                star_done = True
-            if inp.has_default:
-                parts.append(f"{inp.name}={Renderer({}).value(decode(inp.default))}")
-            else:
-                parts.append(inp.name)
-    return ", ".join(parts)
-
-
-def _untraced_checks(graph: IRGraph) -> List[str]:
-    """Arguments that had no dummy value: the generated code ran with their default, so refuse others."""
-    lines = []
-    for inp in graph.inputs:
-        if inp.traced or not inp.has_default or inp.kind.startswith("VAR_"):
-            continue
-        if decode(inp.default) is None:
-            lines.append(f"if {inp.name} is not None:")
-            lines.append(f"    raise TypeError(\"argument {inp.name!s} was not in dummy_forward_args when the "
-                         f"model was traced, so the generated code only supports its default (None); "
-                         f"trace with a value for it\")")
-    return lines
 
 
 def _init_lines(graph: IRGraph, local: Dict[str, str], unit: UnitPlan, device: int, cfg: dict) -> List[str]:
