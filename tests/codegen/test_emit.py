@@ -196,3 +196,44 @@ def test_reassigned_buffer_is_rebound_and_a_split_one_refused(tmp_path):
     split = apply_policy(trace(Rebinds(), {"x": torch.randn(8, 4)}), tp_cfg, "tp")
     with pytest.raises(GenerationError, match="reassigns buffer ema, which the plan stores split.*in place"):
         generate(split, tp_cfg, tmp_path / "tp", policy="tp")
+
+
+class Regions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.teacher, self.student = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.teacher(x)
+            t = torch.relu(t) * 2
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.student(x)
+        return ((h.float() - t) ** 2).mean()
+
+
+def test_no_grad_and_autocast_regions_become_with_blocks(tmp_path):
+    graph, config = planned(Regions(), {"x": torch.randn(8, 4)}, world=1)
+    text = generate(graph, config, tmp_path, policy="dp")[0].read_text()
+    ast.parse(text)
+    body = text[text.index("def _forward_impl"):]
+    assert body.count("with torch.no_grad():") == 1  # the three ops of the region share one block
+    block = body[body.index("with torch.no_grad():"):].split("\n")[1:]
+    inside = [line for line in block[:block.index(next(x for x in block if not x.startswith(" " * 12)))]]
+    ops = [x for x in inside if not x.strip().startswith(("#", "del "))]
+    assert len(ops) == 3 and ".linear(" in ops[0] and ".relu(" in ops[1] and " * 2)" in ops[2], inside
+    assert "with torch.autocast('cpu', dtype=torch.bfloat16):" in body
+    after = body[body.index("torch.autocast"):].split("\n")
+    assert after[1].strip().startswith("linear_") and "float()" not in after[1] and "float()" in "\n".join(after[2:])
+
+
+def test_layout_conversions_stay_outside_no_grad_blocks(tmp_path):
+    config = ComputeConfig(2, 2, trace_strategy="cpu", pas_config={"seed": 1})
+    graph = apply_policy(trace(Regions(), {"x": torch.randn(8, 4)}), config, "tp")
+    text = generate(graph, config, tmp_path, policy="tp")[0].read_text()
+    lines = text[text.index("def _forward_impl"):].split("\n")
+    assert any("nr.comm." in line for line in lines) and any("with torch.no_grad():" in line for line in lines)
+    for i, line in enumerate(lines):
+        if "nr.comm." in line:  # a conversion is never the body of a `with` block
+            assert not lines[i - 1].strip().startswith("with "), lines[i - 1:i + 1]
+            assert len(line) - len(line.lstrip()) == 8, line

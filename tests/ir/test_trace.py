@@ -480,3 +480,27 @@ def test_trace_is_deterministic():
     assert a.fingerprint() == b.fingerprint()
     c = trace(m, {"x": torch.randn(2, 6, 8)})
     assert c.fingerprint() != a.fingerprint()
+
+
+def test_grad_mode_and_autocast_regions_are_recorded():
+    class TeacherStudent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.teacher, self.student = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                t = torch.relu(self.teacher(x))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.student(x)
+            return ((h.float() - t) ** 2).mean()
+
+    g = trace(TeacherStudent(), {"x": torch.randn(2, 4)})
+    by_module = {(n.module_path, n.target.rsplit(".", 1)[-1]): (n.grad_enabled, n.autocast) for n in g.nodes}
+    assert by_module[("teacher", "linear")] == (False, None)
+    assert by_module[("", "relu")] == (False, None)
+    assert by_module[("student", "linear")] == (True, ["cpu", "bfloat16"])
+    assert g.value(next(n for n in g.nodes if n.module_path == "student").outputs).dtype == "bfloat16"
+    assert all(n.grad_enabled and n.autocast is None for n in g.nodes if n.target.endswith(("float", "mean")))
+    back = IRGraph.from_json(g.to_json())
+    assert [(n.grad_enabled, n.autocast) for n in back.nodes] == [(n.grad_enabled, n.autocast) for n in g.nodes]

@@ -158,7 +158,9 @@ def test_fallback_device_settings(strategy, cache, offload):
 
 # ----------------------------------------------------------------------------- the reuse cache
 def test_reuse_cache_answers_repeated_calls(devices, real_calls):
-    g = quiet_trace(Twins(), {"x": torch.randn(3, 4)}, trace_strategy="reuse_cache", both_modes=False)
+    # x needs a gradient like a(x) does (the trace runs with grad on): same input metadata
+    g = quiet_trace(Twins(), {"x": torch.randn(3, 4, requires_grad=True)}, trace_strategy="reuse_cache",
+                    both_modes=False)
     assert len(devices[-1].cache) == 1  # both F.linear calls have the same signature
     assert real_calls.count("linear") == 1
     assert [n.module_path for n in g.nodes] == ["a", "b"]

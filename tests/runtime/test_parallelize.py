@@ -214,3 +214,33 @@ def test_buffers_reassigned_in_forward_are_updated_like_the_model(tmp_path):
         assert torch.equal(pm.fc_weight.grad, ref.fc.weight.grad)
     assert torch.equal(pm.ema, ref.ema) and int(pm.steps) == int(ref.steps) == 3
     assert set(dict(pm.named_buffers())) == {"ema", "steps"}  # still registered buffers (state_dict)
+
+
+class TeacherStudent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.teacher, self.student = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.student(x)
+        return ((h.float() - target) ** 2).mean()
+
+
+def test_no_grad_and_autocast_regions_of_forward_are_kept(tmp_path):
+    import copy
+    torch.manual_seed(0)
+    model = TeacherStudent()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, {"x": torch.randn(8, 4)}, "dp", cfg(), gen_savedir=tmp_path)
+    x = torch.randn(8, 4)
+    want, got = ref(x), pm(x)
+    assert torch.equal(got, want)  # bf16 student: an fp32 run differs in the third digit
+    with torch.no_grad():
+        assert abs(model.student(x).sub(model.teacher(x)).pow(2).mean().item() - got.item()) > 1e-4
+    got.backward()
+    want.backward()
+    assert pm.teacher_weight.grad is None and ref.teacher.weight.grad is None
+    assert torch.equal(pm.student_weight.grad, ref.student.weight.grad)

@@ -1,7 +1,8 @@
 """Parity of tensor-parallel plans with single-process training, on real gloo processes.
 
 `tp` (plan_ngpus 2 and 4), the Megatron-style policy (plan_ngpus 2), `data`, and tp 2 x dp 2
-(runtime_ngpus 4), on the MLP, the GPT with tied embedding/head and a small CNN: losses and
+(runtime_ngpus 4), on the MLP, the GPT with tied embedding/head, a small CNN and a distillation
+model whose teacher runs under torch.no_grad() (it must get no gradient, so no update): losses and
 every parameter (assembled from the ranks' shards) after 5 Adam steps within 1e-5.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ def _make(name):
     torch.manual_seed(0)
     if name == "gpt":
         return GPT(GPTConfig(**GPT_CFG))
-    return {"mlp": toy_models.MLP, "cnn": toy_models.SmallCNN, "fanout": toy_models.FanOut}[name]()
+    return {"mlp": toy_models.MLP, "cnn": toy_models.SmallCNN, "fanout": toy_models.FanOut,
+            "distill": toy_models.Distill}[name]()
 
 
 def _batch(name, step, n):
@@ -81,7 +83,7 @@ def train(rank, world, name, policy, plan, gen_dir):
 
 FAN_OUT = "toy_models.fan_out_policy"  # a user policy, by dotted path
 CASES = {2: [("mlp", "tp", 2), ("gpt", "tp", 2), ("cnn", "tp", 2), ("gpt", "megatron", 2), ("gpt", "data", 2),
-             ("fanout", FAN_OUT, 2), ("mlp", "megatron", 2), ("cnn", "megatron", 2)],
+             ("fanout", FAN_OUT, 2), ("mlp", "megatron", 2), ("cnn", "megatron", 2), ("distill", "tp", 2)],
          4: [("mlp", "tp", 4), ("gpt", "tp", 4), ("cnn", "tp", 4),
              ("mlp", "tp", 2), ("gpt", "tp", 2), ("cnn", "tp", 2), ("gpt", "megatron", 2)]}
 

@@ -123,3 +123,19 @@ class SumMLP(MLP):
         for layer in self.layers:
             x = F.gelu(layer(x))
         return F.mse_loss(x.sum(-1), y, reduction="sum")
+
+
+class Distill(nn.Module):
+    """A student fitting its targets and a teacher's outputs computed under torch.no_grad(): the
+    teacher gets no gradient (and so no update) however the plan splits its ops."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.student = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            target = self.teacher(x)
+        h = self.student(x)
+        return F.mse_loss(h.sum(-1), y) + F.mse_loss(h, target)

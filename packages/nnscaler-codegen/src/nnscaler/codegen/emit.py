@@ -169,26 +169,38 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
     defined = {names[r.id] for i in graph.inputs for _, r in i.leaves} | {
         names[r.id] for r in iter_refs(head_values)}
     prev_src = [None]
+    open_block: Dict[int, tuple] = {}  # id(out) -> (context line, len(out) where its block ends)
 
     def node_lines(idx: int, node: Node, out: List[str], with_dels: bool) -> None:
         src = _describe_source(node)
-        if src != prev_src[0] and src:
-            out.append(f"# {src}")
-            prev_src[0] = src
+        comment = f"# {src}" if src != prev_src[0] and src else None
+        prev_src[0] = src or prev_src[0]
         conversions = adapt.inputs(node)  # first: it tells the renderer the converted names
         own = _statement(node, adapt.renderer_for(node), graph, unit) + \
             _rescale_sizes(node, unit, names, graph, adapt.received)
         if node.only_when is not None:  # an op of one mode only (nnscaler.ir.modes); nothing reads its outputs
             own = [f"if {'' if node.only_when else 'not '}self.training:"] + ["    " + line for line in own]
-        stmt = conversions + own
-        for line in stmt:
+        # the user's `with torch.no_grad():` / `with torch.autocast(...)`: consecutive ops share one
+        # block; layout conversions stay outside (a later consumer may need their gradient)
+        context = _context_line(node)
+        indent = "    " if context else ""
+        inside = context is not None and not conversions and open_block.get(id(out)) == (context, len(out))
+        if comment:
+            out.append(indent + comment if inside else comment)
+        if not inside:
+            out.extend(conversions)
+            if context:
+                out.append(context)
+        for line in own:
             source_of_line[(id(out), len(out))] = _describe_source(node, full=True) or node.target
-            out.append(line)
+            out.append(indent + line)
         if with_dels:
             dead = [names[r] for r in last_use.get(idx, []) if not names[r].startswith("self.")
                     and names[r] not in arg_names]
             if dead:
-                out.append("del " + ", ".join(dead))
+                out.append(indent + "del " + ", ".join(dead))
+        if context:
+            open_block[id(out)] = (context, len(out))
 
     idx = 0
     while idx < len(nodes):
@@ -205,6 +217,14 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
                         body, source_of_line, taken, keep)
         idx = end
     return body, {k[1]: v for k, v in source_of_line.items() if k[0] == id(body)}
+
+
+def _context_line(node: Node) -> Optional[str]:
+    """The `with` line re-creating the grad mode / autocast region the op ran in, or None."""
+    parts = [] if node.grad_enabled else ["torch.no_grad()"]
+    if node.autocast is not None:
+        parts.append(f"torch.autocast({node.autocast[0]!r}, dtype=torch.{node.autocast[1]})")
+    return f"with {', '.join(parts)}:" if parts else None
 
 
 def _buffer_update_lines(graph: IRGraph, unit: UnitPlan, local: Dict[str, str], adapt: "_Adapter") -> List[str]:

@@ -79,6 +79,10 @@ class Node:
     # in when the other mode's trace does not have it (None: both).
     mode_args: list = field(default_factory=list)
     only_when: Optional[bool] = None
+    # The grad mode and autocast region the user's forward ran the op in (`with torch.no_grad():`,
+    # `with torch.autocast(...)`): autocast is [device type, dtype name] or None.
+    grad_enabled: bool = True
+    autocast: Optional[list] = None
 
     @property
     def short_name(self) -> str:
@@ -183,7 +187,8 @@ class IRGraph:
                        "outputs": encode(n.outputs), "module_path": n.module_path,
                        "source": [n.source.file, n.source.line, n.source.code, n.source.function] if n.source else None,
                        "annotation": n.annotation, "inplace": n.inplace,
-                       "mode_args": encode(n.mode_args), "only_when": n.only_when} for n in self.nodes],
+                       "mode_args": encode(n.mode_args), "only_when": n.only_when,
+                       "grad_enabled": n.grad_enabled, "autocast": n.autocast} for n in self.nodes],
             "output": encode(self.output),
             "traced_training": self.traced_training,
             "buffer_updates": encode(self.buffer_updates),
@@ -197,7 +202,8 @@ class IRGraph:
         nodes = [Node(n["id"], n["target"], decode(n["args"]), decode(n["kwargs"]), decode(n["outputs"]),
                       n["module_path"], SourceLoc(*n["source"]) if n["source"] else None,
                       n["annotation"], n["inplace"], mode_args=decode(n.get("mode_args", [])),
-                      only_when=n.get("only_when")) for n in data["nodes"]]
+                      only_when=n.get("only_when"), grad_enabled=n.get("grad_enabled", True),
+                      autocast=n.get("autocast")) for n in data["nodes"]]
         inputs = [InputSpec(i["name"], i["kind"], i["has_default"], i["default"], i["traced"],
                             [(decode(p), Ref(r)) for p, r in i["leaves"]]) for i in data["inputs"]]
         return cls(data["module_class"], inputs,

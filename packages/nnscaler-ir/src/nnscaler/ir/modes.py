@@ -124,14 +124,16 @@ class _Alignment:
         to_mine = lambda r: Ref(self.ids[r.id])  # noqa: E731
         node = Node(max((n.id for n in g.nodes), default=-1) + 1, b.target, map_refs(b.args, to_mine),
                     map_refs(b.kwargs, to_mine), map_refs(b.outputs, lambda r: Ref(fresh[r.id])), b.module_path,
-                    b.source, b.annotation, b.inplace, only_when=not g.traced_training)
+                    b.source, b.annotation, b.inplace, only_when=not g.traced_training,
+                    grad_enabled=b.grad_enabled, autocast=b.autocast)
         g.nodes.insert(index, node)
         return True
 
     def _match(self, a: Node, b: Node) -> Optional[List[list]]:
         """The constant arguments that differ (a list, maybe empty) when `a` and `b` are the same op
         on the same values; None when they are not."""
-        if (a.target, a.module_path, a.inplace) != (b.target, b.module_path, b.inplace) \
+        if (a.target, a.module_path, a.inplace, a.grad_enabled, a.autocast) != \
+                (b.target, b.module_path, b.inplace, b.grad_enabled, b.autocast) \
                 or len(a.args) != len(b.args) or set(a.kwargs) != set(b.kwargs):
             return None
         outs_a, outs_b = list(iter_refs(a.outputs)), list(iter_refs(b.outputs))

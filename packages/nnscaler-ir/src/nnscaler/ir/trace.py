@@ -127,7 +127,8 @@ class Tracer:
 
     def _add_node(self, target: str, args, kwargs, outputs, annotation=None, inplace=False) -> Node:
         node = Node(len(self.nodes), target, list(args), dict(kwargs), outputs, self._module_stack[-1],
-                    self.source_location(), annotation, inplace)
+                    self.source_location(), annotation, inplace,
+                    grad_enabled=torch.is_grad_enabled(), autocast=_autocast_region())
         self.nodes.append(node)
         return node
 
@@ -248,6 +249,14 @@ class Tracer:
     def _post_hook(self, mod, args, out):
         if len(self._module_stack) > 1:
             self._module_stack.pop()
+
+
+def _autocast_region() -> Optional[list]:
+    """[device type, dtype name] of the autocast region the forward is in, or None."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return [device_type, dtype_name(torch.get_autocast_dtype(device_type))]
+    return None
 
 
 class TracedSize(tuple):
@@ -379,7 +388,8 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer._pre_hook),
              torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
     try:
-        with torch.no_grad(), tracing_context.activate(tracer), \
+        # grad on, as in a training forward: the ops record the user's own torch.no_grad() regions
+        with torch.enable_grad(), tracing_context.activate(tracer), \
                 _RecordingMode(tracer):
             out = module(**call_kwargs)
         rebound = saved.rebound()
