@@ -504,3 +504,39 @@ def test_grad_mode_and_autocast_regions_are_recorded():
     assert all(n.grad_enabled and n.autocast is None for n in g.nodes if n.target.endswith(("float", "mean")))
     back = IRGraph.from_json(g.to_json())
     assert [(n.grad_enabled, n.autocast) for n in back.nodes] == [(n.grad_enabled, n.autocast) for n in g.nodes]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_ops_inside_checkpoint_and_autograd_functions_keep_the_callers_grad_mode(reentrant):
+    """torch runs an autograd.Function's forward (a reentrant checkpoint's too) with grad off:
+    that is not the user's torch.no_grad(), so the ops must not be recorded as such."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=reentrant)
+            with torch.no_grad():
+                frozen = Scale.apply(self.b(x))
+            return (Scale.apply(self.b(h)) + frozen).sum()
+
+    original = torch.autograd.Function.__dict__["apply"]
+    g = trace(Checkpointed(), {"x": torch.randn(2, 4, requires_grad=True)})
+    assert torch.autograd.Function.__dict__["apply"] is original  # put back after tracing
+    modes = [(n.module_path, n.target.rsplit(".", 1)[-1], n.grad_enabled) for n in g.nodes]
+    assert ("a", "linear", True) in modes and ("", "relu", True) in modes
+    assert [m for m in modes if m[:2] == ("b", "linear")] == [("b", "linear", False), ("b", "linear", True)]
+    muls = [m[2] for m in modes if m[1] in ("mul", "__mul__")]
+    assert muls == [False, True]  # Scale's forward: under the user's no_grad, then not

@@ -9,6 +9,7 @@ torch.export is written down in docs/architecture.md.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import sys
@@ -62,6 +63,7 @@ class Tracer:
         self._tensor_values: Dict[int, tuple] = {}  # id(tensor) -> (tensor, Ref); keeps tensors alive
         self.constants: Dict[str, TensorSpec] = {}
         self._module_stack = [""]
+        self._function_grad: list = []  # grad mode at each enclosing autograd.Function.apply
         self._module_names = {}
         self.module_types: Dict[str, str] = {}  # module path -> "package.module.Class"
         for name, mod in module.named_modules(remove_duplicate=False):
@@ -128,9 +130,14 @@ class Tracer:
     def _add_node(self, target: str, args, kwargs, outputs, annotation=None, inplace=False) -> Node:
         node = Node(len(self.nodes), target, list(args), dict(kwargs), outputs, self._module_stack[-1],
                     self.source_location(), annotation, inplace,
-                    grad_enabled=torch.is_grad_enabled(), autocast=_autocast_region())
+                    grad_enabled=self.grad_enabled(), autocast=_autocast_region())
         self.nodes.append(node)
         return node
+
+    def grad_enabled(self) -> bool:
+        """The user's grad mode: inside an autograd.Function's forward (torch turns grad off there,
+        e.g. a reentrant torch.utils.checkpoint), the mode the Function was called in."""
+        return self._function_grad[-1] if self._function_grad else torch.is_grad_enabled()
 
     def _wrap_outputs(self, result, hint: str, inplace_target=None):
         """Give every tensor (and traced int) in `result` a fresh value; return (refs, result)."""
@@ -249,6 +256,26 @@ class Tracer:
     def _post_hook(self, mod, args, out):
         if len(self._module_stack) > 1:
             self._module_stack.pop()
+
+
+@contextlib.contextmanager
+def _function_grad_mode(tracer: "Tracer"):
+    """While tracing, autograd.Function.apply remembers the grad mode it was called in (its
+    forward runs with grad off, which is not the user's torch.no_grad())."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        tracer._function_grad.append(tracer.grad_enabled())
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            tracer._function_grad.pop()
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
 
 
 def _autocast_region() -> Optional[list]:
@@ -389,7 +416,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
              torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
     try:
         # grad on, as in a training forward: the ops record the user's own torch.no_grad() regions
-        with torch.enable_grad(), tracing_context.activate(tracer), \
+        with torch.enable_grad(), tracing_context.activate(tracer), _function_grad_mode(tracer), \
                 _RecordingMode(tracer):
             out = module(**call_kwargs)
         rebound = saved.rebound()
