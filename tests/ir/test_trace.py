@@ -4,6 +4,7 @@ in-place ops, leaving the module untouched, forward inputs and error reporting."
 import collections
 import inspect
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -540,3 +541,37 @@ def test_ops_inside_checkpoint_and_autograd_functions_keep_the_callers_grad_mode
     assert [m for m in modes if m[:2] == ("b", "linear")] == [("b", "linear", False), ("b", "linear", True)]
     muls = [m[2] for m in modes if m[1] in ("mul", "__mul__")]
     assert muls == [False, True]  # Scale's forward: under the user's no_grad, then not
+
+
+def test_reading_a_traced_tensors_value_warns_at_the_users_line():
+    from nnscaler.ir import TracingWarning
+
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+            self.scale = torch.tensor(3.0)  # a captured constant: reading it is fine
+
+        def forward(self, x):
+            h = self.l(x)
+            for _ in range(3):
+                if h.sum() > 0:  # one warning for this line, not three
+                    h = h * 2
+            k = float(self.scale) + h.shape[0]  # shapes and constants: no warning
+            repr(h)  # printing reads values but changes nothing
+            return h.sum() * k + h.mean().item()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace(DataDependent(), {"x": torch.randn(2, 4)})
+    ours = [w for w in caught if issubclass(w.category, TracingWarning)]
+    assert [(os.path.basename(w.filename), w.lineno) for w in ours] == [
+        ("test_trace.py", _line_of(DataDependent.forward, "if h.sum() > 0")),
+        ("test_trace.py", _line_of(DataDependent.forward, "h.mean().item()"))]
+    assert "bool(tensor)" in str(ours[0].message) and "torch.where" in str(ours[0].message)
+    assert "tensor.item()" in str(ours[1].message) and "return h.sum() * k" in str(ours[1].message)
+
+
+def _line_of(func, marker: str) -> int:
+    lines, first = inspect.getsourcelines(func)
+    return first + next(i for i, line in enumerate(lines) if marker in line)

@@ -5,12 +5,12 @@
 """
 from .config import ComputeConfig, ConfigError, OptionalComputeConfig
 from .graph import IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value
-from .trace import TraceError, trace
+from .trace import TraceError, TracingWarning, trace
 
 __all__ = [
     "ComputeConfig", "ConfigError", "OptionalComputeConfig",
     "IRGraph", "InputSpec", "Node", "Ref", "SourceLoc", "TensorSpec", "Value",
-    "TraceError", "trace",
+    "TraceError", "TracingWarning", "trace",
 ]
 
 try:  # the op registry (annotations) lives beside the tracer

@@ -39,8 +39,16 @@ _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloo
 
 
 
+# Reading a traced tensor's values in Python: the result is frozen into the program.
+_VALUE_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__array__"}
+
+
 class TraceError(RuntimeError):
     """Tracing the user's module failed; the message names the user's source line."""
+
+
+class TracingWarning(UserWarning):
+    """Something in the user's forward that the generated code cannot follow for other inputs."""
 
 
 class _RecordingMode(TorchFunctionMode):
@@ -64,6 +72,7 @@ class Tracer:
         self.constants: Dict[str, TensorSpec] = {}
         self._module_stack = [""]
         self._function_grad: list = []  # grad mode at each enclosing autograd.Function.apply
+        self._warned: set = set()  # source locations already warned about
         self._module_names = {}
         self.module_types: Dict[str, str] = {}  # module path -> "package.module.Class"
         for name, mod in module.named_modules(remove_duplicate=False):
@@ -134,6 +143,28 @@ class Tracer:
         self.nodes.append(node)
         return node
 
+    def _in_graph(self, obj) -> bool:
+        """An input, parameter, buffer or op output (not a captured constant)."""
+        hit = self._tensor_values.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+        return hit is not None and hit[0] is obj and not self.values[hit[1].id].name.startswith("_constant_")
+
+    def _warn_value_read(self, name: str) -> None:
+        loc = self.source_location()
+        key = (loc.file, loc.line) if loc else None
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        what = {"__bool__": "bool(tensor): an `if`, `while`, `and`/`or` or assert on a tensor",
+                "__index__": "a tensor used as an index", "__int__": "int(tensor)", "__float__": "float(tensor)",
+                "__array__": "a tensor turned into a NumPy array"}.get(name, f"tensor.{name}()")
+        message = (f"forward reads a tensor's value in Python ({what}); the generated code keeps the value "
+                   f"and the branch it took while tracing, for every input and every step. Compute it with "
+                   f"tensor ops instead (torch.where, masking), or pass it to forward as an argument")
+        if loc is None:
+            warnings.warn(message, TracingWarning, stacklevel=3)
+        else:
+            warnings.warn_explicit(f"{message} (at {loc})", TracingWarning, loc.file, loc.line)
+
     def grad_enabled(self) -> bool:
         """The user's grad mode: inside an autograd.Function's forward (torch turns grad off there,
         e.g. a reentrant torch.utils.checkpoint), the mode the Function was called in."""
@@ -172,6 +203,8 @@ class Tracer:
                 self._add_node("getattr", (self._to_refs(args[0]), attr), {}, refs)
             return real
         if name in _FOLDED_ATTRS:
+            if name in _VALUE_READS and args and self._in_graph(args[0]):
+                self._warn_value_read(name)
             return self.device.run(func, args, kwargs)
         if name in _SIZE_FUNCS:
             real = self.device.run(func, args, kwargs)
