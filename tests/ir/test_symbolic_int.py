@@ -19,10 +19,14 @@ class Probe(nn.Module):
     def __init__(self, fn):
         super().__init__()
         self.fn = fn
-        self.seen = None
+        self.record = {}  # mutated, not reassigned: tracing restores plain attributes it changed
+
+    @property
+    def seen(self):
+        return self.record.get("seen")
 
     def forward(self, x):
-        self.seen = self.fn(x)
+        self.record["seen"] = self.fn(x)
         return x + 0
 
 

@@ -575,3 +575,24 @@ def test_reading_a_traced_tensors_value_warns_at_the_users_line():
 def _line_of(func, marker: str) -> int:
     lines, first = inspect.getsourcelines(func)
     return first + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def test_python_attributes_changed_by_forward_warn_and_are_restored():
+    from nnscaler.ir import TracingWarning
+
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.inner.calls = 0
+            self.name = "counts"
+
+        def forward(self, x):
+            self.inner.calls += 1
+            return self.inner(x).sum()
+
+    m = Counts()
+    with pytest.warns(TracingWarning, match=r"Python attribute\(s\) inner\.calls .*register_buffer") as record:
+        trace(m, {"x": torch.randn(2, 4)})
+    assert m.inner.calls == 0 and m.name == "counts"
+    assert os.path.realpath(record[0].filename) == os.path.realpath(__file__)  # points at the caller

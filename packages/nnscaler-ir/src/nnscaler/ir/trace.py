@@ -26,7 +26,7 @@ from .modes import annotate_modes, mode_name
 from .op_names import op_name
 from .symbolic_int import TracedInt
 from .trace_device import ExecutionDevice
-from .user_code import is_internal
+from .user_code import is_internal, warn_user
 
 _SIZE_FUNCS = {"size", "numel"}
 _FOLDED_ATTRS = {"dtype", "device", "is_cuda", "is_meta", "requires_grad", "ndim", "layout", "is_leaf",
@@ -161,7 +161,7 @@ class Tracer:
                    f"and the branch it took while tracing, for every input and every step. Compute it with "
                    f"tensor ops instead (torch.where, masking), or pass it to forward as an argument")
         if loc is None:
-            warnings.warn(message, TracingWarning, stacklevel=3)
+            warn_user(message, TracingWarning)
         else:
             warnings.warn_explicit(f"{message} (at {loc})", TracingWarning, loc.file, loc.line)
 
@@ -453,6 +453,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                 _RecordingMode(tracer):
             out = module(**call_kwargs)
         rebound = saved.rebound()
+        changed = saved.changed_attributes(tracer._module_names)
     finally:
         for h in hooks:
             h.remove()
@@ -462,6 +463,10 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                     tracer.constants, tracer.values, tracer.nodes, output, constant_folding,
                     dict(tracer.module_types))
     graph.buffer_updates = _buffer_updates(tracer, rebound, by_id)
+    if changed:
+        warn_user(f"forward changes the Python attribute(s) {', '.join(changed)} of the module; the generated "
+                  f"code does not (it runs the ops only), so they keep their values. Keep state that forward "
+                  f"updates in a buffer (register_buffer) instead", TracingWarning)
     _eliminate_dead_code(graph)
     return graph
 
@@ -488,6 +493,9 @@ def _encodable(obj) -> bool:
         return False
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
 class _SavedState:
     """Buffers and RNG state, restored after tracing (the trace must not change the model)."""
 
@@ -495,8 +503,16 @@ class _SavedState:
         self.buffers = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
         # forward may also rebind a buffer (self.steps = self.steps + 1): put the original back
         self.slots = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()]
+        # plain Python attributes (a step counter): forward may change them, generated code cannot
+        self.attrs = [(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
+                      if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN)]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def changed_attributes(self, names) -> list:
+        """'path.attr' of every plain attribute forward changed."""
+        return [f"{names.get(id(m)) + '.' if names.get(id(m)) else ''}{k}" for m, k, v in self.attrs
+                if k not in m.__dict__ or type(m.__dict__[k]) is not type(v) or m.__dict__[k] != v]
 
     def rebound(self):
         """(module, name, original, now) of every buffer slot forward rebound to another object."""
@@ -505,6 +521,9 @@ class _SavedState:
     def restore(self):
         for m, n, b in self.slots:
             m._buffers[n] = b
+        for m, k, v in self.attrs:  # a counter or flag goes back; an object forward stored stays
+            if isinstance(m.__dict__.get(k), _PLAIN):
+                m.__dict__[k] = v
         with torch.no_grad():
             for b, v in self.buffers:
                 b.copy_(v)
