@@ -596,3 +596,23 @@ def test_python_attributes_changed_by_forward_warn_and_are_restored():
         trace(m, {"x": torch.randn(2, 4)})
     assert m.inner.calls == 0 and m.name == "counts"
     assert os.path.realpath(record[0].filename) == os.path.realpath(__file__)  # points at the caller
+
+
+def test_hooks_on_the_model_are_reported():
+    from nnscaler.ir import TracingWarning
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    features = []
+
+    def keep_features(module, args, output):
+        features.append(output)
+
+    m[0].register_forward_hook(keep_features)
+    m.register_full_backward_hook(lambda module, gin, gout: None)
+    with pytest.warns(TracingWarning, match=r"backward hook .* on the model; forward hook .*keep_features on 0") as rec:
+        trace(m, {"input": torch.randn(2, 4)})
+    assert os.path.realpath(rec[0].filename) == os.path.realpath(__file__)
+    assert "side effects" in str(rec[0].message) and len(features) == 2  # ran in both traces, not in the code
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TracingWarning)
+        trace(nn.Sequential(nn.Linear(4, 4)), {"input": torch.randn(2, 4)})  # no hooks: silent

@@ -444,6 +444,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                             f"{type(module).__qualname__}.forward")
         inputs.append(spec)
 
+    _warn_module_hooks(module)
     saved = _SavedState(module)
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer._pre_hook),
              torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
@@ -469,6 +470,22 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                   f"updates in a buffer (register_buffer) instead", TracingWarning)
     _eliminate_dead_code(graph)
     return graph
+
+
+def _warn_module_hooks(module: torch.nn.Module) -> None:
+    """Hooks on the model run while tracing only: what they compute into the output is traced,
+    but their side effects (storing features, logging) and backward hooks are not in the program."""
+    found = []
+    for path, mod in module.named_modules():
+        for kind, hooks in (("forward pre-hook", mod._forward_pre_hooks), ("forward hook", mod._forward_hooks),
+                            ("backward hook", mod._backward_hooks), ("backward pre-hook", mod._backward_pre_hooks)):
+            for hook in hooks.values():
+                found.append(f"{kind} {getattr(hook, '__qualname__', type(hook).__name__)} on {path or 'the model'}")
+    if found:
+        warn_user(f"the model has hooks: {'; '.join(found)}. They run while tracing only: ops a forward hook "
+                  f"applies to the output become part of the generated code, but side effects (storing, "
+                  f"logging) and backward hooks do not run in it. Do that work in forward, or on the outputs",
+                  TracingWarning)
 
 
 def _buffer_updates(tracer: "Tracer", rebound, by_id) -> Dict[str, Any]:
