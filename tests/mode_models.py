@@ -1,4 +1,5 @@
-"""Models whose forward depends on the training flag (shared by the IR and runtime mode tests)."""
+"""Models whose forward depends on a mode: the training flag, the grad mode, autocast (shared by the
+IR, codegen and runtime tests)."""
 from __future__ import annotations
 
 import torch
@@ -32,3 +33,19 @@ class Branchy(nn.Module):
         if self.training:
             h = torch.tanh(h)  # a Python branch: other ops in eval mode
         return h.sum()
+
+
+class TeacherStudent(nn.Module):
+    """A teacher under torch.no_grad() (three ops) and a student under bf16 autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher, self.student = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.teacher(x)
+            t = torch.relu(t) * 2
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.student(x)
+        return ((h.float() - t) ** 2).mean()

@@ -18,6 +18,7 @@ from nnscaler.ir.graph import Ref
 from nnscaler.policies import apply_policy, partition, replicate, select, assign
 
 from gpt import GPT, GPTConfig, random_batch
+from mode_models import TeacherStudent
 
 
 class WithOptional(nn.Module):
@@ -198,22 +199,8 @@ def test_reassigned_buffer_is_rebound_and_a_split_one_refused(tmp_path):
         generate(split, tp_cfg, tmp_path / "tp", policy="tp")
 
 
-class Regions(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.teacher, self.student = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x):
-        with torch.no_grad():
-            t = self.teacher(x)
-            t = torch.relu(t) * 2
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            h = self.student(x)
-        return ((h.float() - t) ** 2).mean()
-
-
 def test_no_grad_and_autocast_regions_become_with_blocks(tmp_path):
-    graph, config = planned(Regions(), {"x": torch.randn(8, 4)}, world=1)
+    graph, config = planned(TeacherStudent(), {"x": torch.randn(8, 4)}, world=1)
     text = generate(graph, config, tmp_path, policy="dp")[0].read_text()
     ast.parse(text)
     body = text[text.index("def _forward_impl"):]
@@ -229,7 +216,7 @@ def test_no_grad_and_autocast_regions_become_with_blocks(tmp_path):
 
 def test_layout_conversions_stay_outside_no_grad_blocks(tmp_path):
     config = ComputeConfig(2, 2, trace_strategy="cpu", pas_config={"seed": 1})
-    graph = apply_policy(trace(Regions(), {"x": torch.randn(8, 4)}), config, "tp")
+    graph = apply_policy(trace(TeacherStudent(), {"x": torch.randn(8, 4)}), config, "tp")
     text = generate(graph, config, tmp_path, policy="tp")[0].read_text()
     lines = text[text.index("def _forward_impl"):].split("\n")
     assert any("nr.comm." in line for line in lines) and any("with torch.no_grad():" in line for line in lines)
