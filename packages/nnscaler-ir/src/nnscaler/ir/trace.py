@@ -9,7 +9,6 @@ torch.export is written down in docs/architecture.md.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import sys
@@ -26,6 +25,8 @@ from .modes import annotate_modes, mode_name
 from .op_names import op_name
 from .symbolic_int import TracedInt
 from .trace_device import ExecutionDevice
+from .trace_state import (TraceError, TracingWarning, SavedState, autocast_region, buffer_updates_of,
+                          function_grad_mode, warn_module_hooks)
 from .user_code import is_internal, warn_user
 
 _SIZE_FUNCS = {"size", "numel"}
@@ -41,14 +42,6 @@ _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloo
 
 # Reading a traced tensor's values in Python: the result is frozen into the program.
 _VALUE_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__array__"}
-
-
-class TraceError(RuntimeError):
-    """Tracing the user's module failed; the message names the user's source line."""
-
-
-class TracingWarning(UserWarning):
-    """Something in the user's forward that the generated code cannot follow for other inputs."""
 
 
 class _RecordingMode(TorchFunctionMode):
@@ -139,7 +132,7 @@ class Tracer:
     def _add_node(self, target: str, args, kwargs, outputs, annotation=None, inplace=False) -> Node:
         node = Node(len(self.nodes), target, list(args), dict(kwargs), outputs, self._module_stack[-1],
                     self.source_location(), annotation, inplace,
-                    grad_enabled=self.grad_enabled(), autocast=_autocast_region())
+                    grad_enabled=self.grad_enabled(), autocast=autocast_region())
         self.nodes.append(node)
         return node
 
@@ -291,34 +284,6 @@ class Tracer:
             self._module_stack.pop()
 
 
-@contextlib.contextmanager
-def _function_grad_mode(tracer: "Tracer"):
-    """While tracing, autograd.Function.apply remembers the grad mode it was called in (its
-    forward runs with grad off, which is not the user's torch.no_grad())."""
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        tracer._function_grad.append(tracer.grad_enabled())
-        try:
-            return original.__func__(cls, *args, **kwargs)
-        finally:
-            tracer._function_grad.pop()
-
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original
-
-
-def _autocast_region() -> Optional[list]:
-    """[device type, dtype name] of the autocast region the forward is in, or None."""
-    for device_type in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device_type):
-            return [device_type, dtype_name(torch.get_autocast_dtype(device_type))]
-    return None
-
-
 class TracedSize(tuple):
     """The shape of a tensor whose entries are TracedInts (constant folding off)."""
 
@@ -444,13 +409,13 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                             f"{type(module).__qualname__}.forward")
         inputs.append(spec)
 
-    _warn_module_hooks(module)
-    saved = _SavedState(module)
+    warn_module_hooks(module)
+    saved = SavedState(module)
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer._pre_hook),
              torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
     try:
         # grad on, as in a training forward: the ops record the user's own torch.no_grad() regions
-        with torch.enable_grad(), tracing_context.activate(tracer), _function_grad_mode(tracer), \
+        with torch.enable_grad(), tracing_context.activate(tracer), function_grad_mode(tracer), \
                 _RecordingMode(tracer):
             out = module(**call_kwargs)
         rebound = saved.rebound()
@@ -463,7 +428,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
     graph = IRGraph(f"{type(module).__module__}.{type(module).__qualname__}", inputs, params, buffers,
                     tracer.constants, tracer.values, tracer.nodes, output, constant_folding,
                     dict(tracer.module_types))
-    graph.buffer_updates = _buffer_updates(tracer, rebound, by_id)
+    graph.buffer_updates = buffer_updates_of(tracer, rebound, by_id)
     if changed:
         warn_user(f"forward changes the Python attribute(s) {', '.join(changed)} of the module; the generated "
                   f"code does not (it runs the ops only), so they keep their values. Keep state that forward "
@@ -472,81 +437,12 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
     return graph
 
 
-def _warn_module_hooks(module: torch.nn.Module) -> None:
-    """Hooks on the model run while tracing only: what they compute into the output is traced,
-    but their side effects (storing features, logging) and backward hooks are not in the program."""
-    found = []
-    for path, mod in module.named_modules():
-        for kind, hooks in (("forward pre-hook", mod._forward_pre_hooks), ("forward hook", mod._forward_hooks),
-                            ("backward hook", mod._backward_hooks), ("backward pre-hook", mod._backward_pre_hooks)):
-            for hook in hooks.values():
-                found.append(f"{kind} {getattr(hook, '__qualname__', type(hook).__name__)} on {path or 'the model'}")
-    if found:
-        warn_user(f"the model has hooks: {'; '.join(found)}. They run while tracing only: ops a forward hook "
-                  f"applies to the output become part of the generated code, but side effects (storing, "
-                  f"logging) and backward hooks do not run in it. Do that work in forward, or on the outputs",
-                  TracingWarning)
-
-
-def _buffer_updates(tracer: "Tracer", rebound, by_id) -> Dict[str, Any]:
-    """Buffers the forward rebinds (``self.ema = self.ema * 0.9 + x``): buffer name -> new value."""
-    updates = {}
-    for mod, name, old, new in rebound:
-        path = tracer._module_names.get(id(mod), "")
-        full = f"{path}.{name}" if path else name
-        if old is None or id(old) not in by_id or not isinstance(new, torch.Tensor):
-            raise TraceError(f"forward sets buffer {full} to {type(new).__name__} (it was "
-                             f"{type(old).__name__}): a buffer must stay a tensor; give it its value in "
-                             f"__init__ and update it in forward (self.{name} = new tensor, or in place)")
-        updates[by_id[id(old)].name] = tracer._to_refs(new)
-    return updates
-
-
 def _encodable(obj) -> bool:
     try:
         encode(obj)
         return True
     except TypeError:
         return False
-
-
-_PLAIN = (bool, int, float, str, type(None))
-
-
-class _SavedState:
-    """Buffers and RNG state, restored after tracing (the trace must not change the model)."""
-
-    def __init__(self, module):
-        self.buffers = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
-        # forward may also rebind a buffer (self.steps = self.steps + 1): put the original back
-        self.slots = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()]
-        # plain Python attributes (a step counter): forward may change them, generated code cannot
-        self.attrs = [(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
-                      if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN)]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-
-    def changed_attributes(self, names) -> list:
-        """'path.attr' of every plain attribute forward changed."""
-        return [f"{names.get(id(m)) + '.' if names.get(id(m)) else ''}{k}" for m, k, v in self.attrs
-                if k not in m.__dict__ or type(m.__dict__[k]) is not type(v) or m.__dict__[k] != v]
-
-    def rebound(self):
-        """(module, name, original, now) of every buffer slot forward rebound to another object."""
-        return [(m, n, b, m._buffers.get(n)) for m, n, b in self.slots if m._buffers.get(n) is not b]
-
-    def restore(self):
-        for m, n, b in self.slots:
-            m._buffers[n] = b
-        for m, k, v in self.attrs:  # a counter or flag goes back; an object forward stored stays
-            if isinstance(m.__dict__.get(k), _PLAIN):
-                m.__dict__[k] = v
-        with torch.no_grad():
-            for b, v in self.buffers:
-                b.copy_(v)
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
 def _eliminate_dead_code(graph: IRGraph) -> None:

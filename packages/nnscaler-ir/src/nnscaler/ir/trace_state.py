@@ -1,0 +1,120 @@
+"""What tracing does around the user's forward: the grad mode and autocast region of each op,
+what the forward changes on the model (buffers rebound, plain attributes, hooks that run only
+then), and putting the model back as it was."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+import torch
+
+from .graph import dtype_name
+from .user_code import warn_user
+
+if TYPE_CHECKING:
+    from .trace import Tracer
+
+
+class TraceError(RuntimeError):
+    """Tracing the user's module failed; the message names the user's source line."""
+
+
+class TracingWarning(UserWarning):
+    """Something in the user's forward that the generated code cannot follow for other inputs."""
+
+
+@contextlib.contextmanager
+def function_grad_mode(tracer: "Tracer"):
+    """While tracing, autograd.Function.apply remembers the grad mode it was called in (its
+    forward runs with grad off, which is not the user's torch.no_grad())."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        tracer._function_grad.append(tracer.grad_enabled())
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            tracer._function_grad.pop()
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def autocast_region() -> Optional[list]:
+    """[device type, dtype name] of the autocast region the forward is in, or None."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return [device_type, dtype_name(torch.get_autocast_dtype(device_type))]
+    return None
+
+
+def warn_module_hooks(module: torch.nn.Module) -> None:
+    """Hooks on the model run while tracing only: what they compute into the output is traced,
+    but their side effects (storing features, logging) and backward hooks are not in the program."""
+    found = []
+    for path, mod in module.named_modules():
+        for kind, hooks in (("forward pre-hook", mod._forward_pre_hooks), ("forward hook", mod._forward_hooks),
+                            ("backward hook", mod._backward_hooks), ("backward pre-hook", mod._backward_pre_hooks)):
+            for hook in hooks.values():
+                found.append(f"{kind} {getattr(hook, '__qualname__', type(hook).__name__)} on {path or 'the model'}")
+    if found:
+        warn_user(f"the model has hooks: {'; '.join(found)}. They run while tracing only: ops a forward hook "
+                  f"applies to the output become part of the generated code, but side effects (storing, "
+                  f"logging) and backward hooks do not run in it. Do that work in forward, or on the outputs",
+                  TracingWarning)
+
+
+def buffer_updates_of(tracer: "Tracer", rebound, by_id) -> Dict[str, Any]:
+    """Buffers the forward rebinds (``self.ema = self.ema * 0.9 + x``): buffer name -> new value."""
+    updates = {}
+    for mod, name, old, new in rebound:
+        path = tracer._module_names.get(id(mod), "")
+        full = f"{path}.{name}" if path else name
+        if old is None or id(old) not in by_id or not isinstance(new, torch.Tensor):
+            raise TraceError(f"forward sets buffer {full} to {type(new).__name__} (it was "
+                             f"{type(old).__name__}): a buffer must stay a tensor; give it its value in "
+                             f"__init__ and update it in forward (self.{name} = new tensor, or in place)")
+        updates[by_id[id(old)].name] = tracer._to_refs(new)
+    return updates
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class SavedState:
+    """Buffers and RNG state, restored after tracing (the trace must not change the model)."""
+
+    def __init__(self, module):
+        self.buffers = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+        # forward may also rebind a buffer (self.steps = self.steps + 1): put the original back
+        self.slots = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()]
+        # plain Python attributes (a step counter): forward may change them, generated code cannot
+        self.attrs = [(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
+                      if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN)]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def changed_attributes(self, names) -> list:
+        """'path.attr' of every plain attribute forward changed."""
+        return [f"{names.get(id(m)) + '.' if names.get(id(m)) else ''}{k}" for m, k, v in self.attrs
+                if k not in m.__dict__ or type(m.__dict__[k]) is not type(v) or m.__dict__[k] != v]
+
+    def rebound(self):
+        """(module, name, original, now) of every buffer slot forward rebound to another object."""
+        return [(m, n, b, m._buffers.get(n)) for m, n, b in self.slots if m._buffers.get(n) is not b]
+
+    def restore(self):
+        for m, n, b in self.slots:
+            m._buffers[n] = b
+        for m, k, v in self.attrs:  # a counter or flag goes back; an object forward stored stays
+            if isinstance(m.__dict__.get(k), _PLAIN):
+                m.__dict__[k] = v
+        with torch.no_grad():
+            for b, v in self.buffers:
+                b.copy_(v)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
