@@ -44,7 +44,7 @@ from ..gradients import scaled_loss
 from ..precision.casting import autocast, cast_inputs, cast_outputs, get_precision
 from ..reducer import sync_grad_when
 from .inbox import OrderedInbox, acks_between, sends_between
-from .p2p import HEADER_LEN, Mailbox, empty_from_header, tensor_header
+from .p2p import HEADER_LEN, Mailbox, PeerFailure, empty_from_header, tensor_header
 
 __all__ = ["PipelineExecutor"]
 
@@ -74,6 +74,8 @@ class PipelineExecutor:
         self.peak_activation_bytes = 0
         self._saved_bytes: Dict[Tuple[int, int], int] = {}
         self.precision = None  # the module's apply_precision config, read at every step
+        self._broken = None  # why an earlier step failed (the pipeline cannot run again)
+        self.inbox = None
 
     def _output_ids(self) -> set:
         ids = set()
@@ -122,6 +124,10 @@ class PipelineExecutor:
         elif not self.schedule.training:
             raise NnScalerError(f"{type(self.module).__name__}.train_step: pipeline_scheduler "
                                 f"{self.meta['scheduler']!r} runs forwards only; regenerate with a training schedule")
+        if self._broken is not None:
+            raise NnScalerError(f"{type(self.module).__name__}.{name}: an earlier step failed ({self._broken}); "
+                                f"the pipeline's messages are out of step since, so it cannot run again: restart "
+                                f"the job (every rank raised in that step)")
         self._check_step(samples, name)
         self.precision = get_precision(self.module)  # apply_precision may come after parallelize
         sync = training and _sync_requested() and self.module._pipeline_nosync_depth == 0
@@ -136,6 +142,8 @@ class PipelineExecutor:
         self._outs: Dict[Tuple[int, int], Dict[int, Any]] = {}
         self._final: Dict[int, Dict[int, Any]] = {m: {} for m in range(self.nmicros)}
         timeline = []
+        self.mailbox.sent_keys.clear()
+        a = None
         try:
             with sync_grad_when(False), torch.set_grad_enabled(training):
                 for a in actions:
@@ -147,6 +155,12 @@ class PipelineExecutor:
                     self.mailbox.release(self.inbox.delivered)
                     timeline.append((str(a), t0, time.perf_counter()))
             self.mailbox.wait_sends()
+        except PeerFailure as exc:  # another rank failed: pass it on, and fail this step too
+            self._fail(training, a, str(exc), skip=exc.src)
+            raise NnScalerError(f"{type(self.module).__name__}.{name}: {exc}") from None
+        except BaseException as exc:  # this rank failed: tell the peers waiting for it, then raise
+            self._fail(training, a, f"rank {self.mailbox.rank}: {type(exc).__name__}: {exc}")
+            raise
         finally:
             self._ins, self._outs = {}, {}
         self.last_timeline = timeline
@@ -160,6 +174,37 @@ class PipelineExecutor:
                 out = cast_outputs(out, self.precision)
             outputs.append(_detach(out) if training else out)
         return outputs
+
+    def _fail(self, training: bool, action, reason: str, skip: int = -1) -> None:
+        """After a failure in the step: send every peer a poison in place of the next message it
+        waits for from this rank (so it raises instead of waiting forever, and passes it on), and
+        refuse later steps."""
+        self._broken = reason
+        stage, micro = (action.stage, action.micro) if action is not None else (-1, -1)
+        me, sc = self.group_index, self.schedule
+        for g in range(sc.ndevices):
+            peer = self.unit_start + g * self.tp + self.local
+            if g == me or peer == skip:
+                continue
+            for msg in sends_between(sc, self.meta, me, g, training):
+                if (peer, msg) in self.mailbox.sent_keys:
+                    continue
+                kind, vid, t, m = msg
+                needed = None if kind == "F" else self._grad_needed(vid, t, m)
+                if needed is False:  # a gradient the peer does not wait for
+                    continue
+                self.mailbox.send_poison(peer, self._tag(vid, t, m, kind == "B"), self.meta["kinds"][vid] == "int",
+                                         stage, micro)
+                if kind == "F" or needed:  # certainly the message the peer waits for next
+                    break
+        self.mailbox.abandon()
+        if self.inbox is not None:
+            self.inbox.arrived.clear()
+
+    def _grad_needed(self, vid: int, stage: int, micro: int):
+        """Whether this rank sends the gradient of `vid` for (stage, micro): None when unknown."""
+        leaf = self._ins.get((stage, micro), {}).get(vid)
+        return None if not isinstance(leaf, torch.Tensor) else bool(leaf.requires_grad)
 
     def _check_step(self, samples: Sequence[Any], name: str) -> None:
         """What every rank refuses before the step's first message, so all fail together: forward

@@ -15,13 +15,32 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Mailbox", "HEADER_LEN", "MAX_DIMS", "tensor_header", "empty_from_header"]
+from ..errors import NnScalerError
+
+__all__ = ["Mailbox", "PeerFailure", "HEADER_LEN", "MAX_DIMS", "tensor_header", "empty_from_header"]
 
 MAX_DIMS = 12
 HEADER_LEN = 3 + MAX_DIMS  # dtype code, requires_grad, ndim, dims
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+# A failed rank sends, in place of the messages its peers wait for, a "poison": a tensor header
+# whose dtype code is _POISON (with the failed rank, stage and micro-batch), or _INT_POISON for
+# an int message. Same size and tag as the real message, so it matches on gloo and on NCCL.
+_POISON = -1
+_INT_POISON = -(2 ** 63)
+
+
+class PeerFailure(NnScalerError):
+    """Another pipeline rank failed during this step (its own error says why)."""
+
+    def __init__(self, src: int, stage: int = -1, micro: int = -1):
+        where = f" in stage {stage}, micro-batch {micro}" if stage >= 0 else ""
+        super().__init__(f"pipeline rank {src} failed{where} (its own error says why); this rank stopped waiting "
+                         f"for it")
+        self.src = src
 
 
 def tensor_header(x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +68,8 @@ class Mailbox:
         self.rank, self.device = rank, device
         self._pending: List[Tuple[object, torch.Tensor, int, Any]] = []  # (work, buffer, dst, key)
         self._local: Dict[int, object] = {}
+        self._poison: List[Tuple[object, torch.Tensor]] = []  # failure notices, kept alive unwaited
+        self.sent_keys: set = set()  # (dst, key) of this step's sends to other ranks
         self.bytes_sent = 0
         self.messages = 0
         # payload bytes of sends not yet released (their buffers stay referenced), and the peak
@@ -74,6 +95,8 @@ class Mailbox:
             return x.detach().requires_grad_(x.requires_grad)
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         dist.recv(header, src=src, tag=2 * tag)
+        if int(header[0]) == _POISON:
+            raise PeerFailure(src, int(header[2]), int(header[3]))
         x = empty_from_header(header, self.device)
         grad = x.requires_grad
         dist.recv(x.requires_grad_(False), src=src, tag=2 * tag + 1)
@@ -91,10 +114,33 @@ class Mailbox:
             return self._local.pop(tag)
         buf = torch.empty(1, dtype=torch.int64, device=self.device)
         dist.recv(buf, src=src, tag=2 * tag)
+        if int(buf.item()) == _INT_POISON:
+            raise PeerFailure(src)
         return int(buf.item())
+
+    # -- failure --------------------------------------------------------------------------------
+    def send_poison(self, dst: int, tag: int, is_int: bool, stage: int, micro: int) -> None:
+        """Tell `dst`, in place of the message with `tag`, that this rank failed. Not waited for
+        (the peer may never post that receive); a send that cannot go out is ignored."""
+        if is_int:
+            buf = torch.tensor([_INT_POISON], dtype=torch.int64, device=self.device)
+        else:
+            buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
+            buf[0], buf[1], buf[2], buf[3] = _POISON, self.rank, stage, micro
+        try:
+            self._poison.append((dist.isend(buf, dst=dst, tag=2 * tag), buf))
+        except Exception:  # noqa: BLE001 - the peer may be gone already; the local error is what matters
+            pass
+
+    def abandon(self) -> None:
+        """Forget the step's messages after a failure (nothing is waited for)."""
+        self._pending.clear()
+        self._local.clear()
+        self.held_bytes = 0
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _isend(self, x: torch.Tensor, dst: int, tag: int, key: Any) -> None:
+        self.sent_keys.add((dst, key))
         self._pending.append((dist.isend(x, dst=dst, tag=tag), x, dst, key))
         self.messages += 1
         self.held_bytes += x.numel() * x.element_size()

@@ -1,0 +1,59 @@
+"""A stage that fails in the middle of a step (2 gloo processes, pp 2, 1f1b): the failing rank
+raises its own error, the other rank raises at once instead of waiting for a message that will
+never come (the failed rank sends a failure notice in place of it), and neither runs another step
+(the messages are out of step). Both processes stay alive until both are done (a barrier), so
+without the notice the other rank would wait until the test's timeout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpt import GPT, GPTConfig, random_batch
+from launch import run_workers
+
+NMICROS = 4
+GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+
+def _micros(step, bad_micro=None):
+    micros = [random_batch(step * NMICROS + i, 2, GPT_CFG) for i in range(NMICROS)]
+    if bad_micro is not None:  # a label past the vocabulary: the loss (last stage) fails
+        micros[bad_micro]["targets"] = micros[bad_micro]["targets"].clone().fill_(99)
+    return micros
+
+
+def _outcome(fn):
+    from nnscaler.runtime.errors import NnScalerError
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
+        return isinstance(exc, NnScalerError), type(exc).__name__, str(exc)
+    return None
+
+
+def work(rank, world, gen_dir):
+    from nnscaler import ComputeConfig, parallelize
+
+    torch.manual_seed(0)
+    cfg = ComputeConfig(2, 2, trace_strategy="cpu", use_end2end=True,
+                        pas_config={"pipeline_nmicros": NMICROS, "pipeline_scheduler": "1f1b"})
+    pm = parallelize(GPT(GPT_CFG), _micros(0)[0], "pp", cfg, gen_savedir=gen_dir)
+    ok = _outcome(lambda: pm.train_step(_micros(0)))
+    failed = _outcome(lambda: pm.train_step(_micros(1, bad_micro=2)))
+    after = _outcome(lambda: pm.train_step(_micros(2)))
+    import torch.distributed as dist
+    dist.barrier()  # both processes stay alive until both are done: a rank left waiting would hang here
+    return dict(ok=ok, failed=failed, after=after)
+
+
+@pytest.mark.multiprocess
+def test_a_failing_stage_fails_the_step_on_every_rank(tmp_path):
+    first, last = run_workers(work, 2, str(tmp_path / "gen"), timeout=60)
+    assert first["ok"] is None and last["ok"] is None
+    ours, kind, msg = last["failed"]  # the last stage computes the loss: its own error
+    assert not ours and "out of bounds" in msg, (kind, msg)
+    ours, kind, msg = first["failed"]  # the first stage: told, not left waiting
+    assert ours and "pipeline rank 1 failed in stage 1, micro-batch 2" in msg and "train_step" in msg, msg
+    for rank, result in enumerate((first, last)):
+        ours, kind, msg = result["after"]
+        assert ours and "an earlier step failed" in msg and "restart" in msg, (rank, msg)
