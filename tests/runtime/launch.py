@@ -141,3 +141,14 @@ def no_leaks():
     yield
     RankGrid.destroy_all()
     assert not dist.is_initialized(), "the test left a torch.distributed process group initialized"
+
+
+def error_of(fn: Callable[[], Any]):
+    """(is an NnScalerError, exception class name, message) of what `fn()` raises; None if it
+    returns. For workers: the parent asserts on what every rank reported."""
+    from nnscaler.runtime.errors import NnScalerError
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
+        return isinstance(exc, NnScalerError), type(exc).__name__, str(exc)
+    return None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpt import GPT, GPTConfig, random_batch
-from launch import run_workers
+from launch import error_of, run_workers
 from nnscaler.runtime.pipeline.p2p import HEADER_LEN, MAX_DIMS, Mailbox, empty_from_header, tensor_header
 
 CPU = torch.device("cpu")
@@ -105,28 +105,18 @@ def _build(gen_dir, name, scheduler, inference_only=False):
     return parallelize(GPT(GPTConfig(**GPT_CFG)), _samples()[0], "pp", cfg, gen_savedir=gen_dir, instance_name=name)
 
 
-def _error(fn):
-    """(is an NnScalerError, message) of what `fn()` raises; None if it returns."""
-    from nnscaler.runtime.errors import NnScalerError
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
-        return isinstance(exc, NnScalerError), type(exc).__name__, str(exc)
-    return None
-
-
 def _checks(rank, world, gen_dir):
     out = {}
     samples = _samples()
     pm = _build(gen_dir, "pp_1f1b", "1f1b")
     ex = pm._executor()
-    out["forward"] = _error(lambda: pm(**samples[0]))
-    out["too_few"] = _error(lambda: pm.train_step(samples[:3]))
-    out["not_a_list"] = _error(lambda: pm.train_step(samples[0]))
-    out["infer_too_many"] = _error(lambda: pm.infer_step(samples + samples[:1]))
+    out["forward"] = error_of(lambda: pm(**samples[0]))
+    out["too_few"] = error_of(lambda: pm.train_step(samples[:3]))
+    out["not_a_list"] = error_of(lambda: pm.train_step(samples[0]))
+    out["infer_too_many"] = error_of(lambda: pm.infer_step(samples + samples[:1]))
     # a sample the forward cannot take fails on every rank before any message is sent
-    out["unknown_arg"] = _error(lambda: pm.train_step(samples[:3] + [{**samples[3], "mask": samples[3]["idx"]}]))
-    out["missing_arg"] = _error(lambda: pm.infer_step([{"targets": s["targets"]} for s in samples]))
+    out["unknown_arg"] = error_of(lambda: pm.train_step(samples[:3] + [{**samples[3], "mask": samples[3]["idx"]}]))
+    out["missing_arg"] = error_of(lambda: pm.infer_step([{"targets": s["targets"]} for s in samples]))
 
     # the errors above left nothing behind: a full step still runs, and the timeline follows it
     ex.track_activations = True
@@ -145,7 +135,7 @@ def _checks(rank, world, gen_dir):
     out["peak_gpipe"], out["live_after_gpipe"] = gp._executor().peak_activation_bytes, gp._executor().live_activation_bytes
 
     inf = _build(gen_dir, "pp_infer", "infer_pipe", inference_only=True)
-    out["infer_only_train"] = _error(lambda: inf.train_step(samples))
+    out["infer_only_train"] = error_of(lambda: inf.train_step(samples))
     out["infer_only_infer"] = len(inf.infer_step(samples))
     return out
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpt import GPT, GPTConfig, random_batch
-from launch import run_workers
+from launch import error_of, run_workers
 
 NMICROS = 4
 GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -22,15 +22,6 @@ def _micros(step, bad_micro=None):
     return micros
 
 
-def _outcome(fn):
-    from nnscaler.runtime.errors import NnScalerError
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
-        return isinstance(exc, NnScalerError), type(exc).__name__, str(exc)
-    return None
-
-
 def work(rank, world, gen_dir):
     from nnscaler import ComputeConfig, parallelize
 
@@ -38,9 +29,9 @@ def work(rank, world, gen_dir):
     cfg = ComputeConfig(2, 2, trace_strategy="cpu", use_end2end=True,
                         pas_config={"pipeline_nmicros": NMICROS, "pipeline_scheduler": "1f1b"})
     pm = parallelize(GPT(GPT_CFG), _micros(0)[0], "pp", cfg, gen_savedir=gen_dir)
-    ok = _outcome(lambda: pm.train_step(_micros(0)))
-    failed = _outcome(lambda: pm.train_step(_micros(1, bad_micro=2)))
-    after = _outcome(lambda: pm.train_step(_micros(2)))
+    ok = error_of(lambda: pm.train_step(_micros(0)))
+    failed = error_of(lambda: pm.train_step(_micros(1, bad_micro=2)))
+    after = error_of(lambda: pm.train_step(_micros(2)))
     import torch.distributed as dist
     dist.barrier()  # both processes stay alive until both are done: a rank left waiting would hang here
     return dict(ok=ok, failed=failed, after=after)
