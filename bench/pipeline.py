@@ -106,9 +106,9 @@ def _instrument(ex, waits: list, cpu: dict, unit: dict) -> None:
         if ex.track_activations and training:
             unit[a.stage] = ex._saved_bytes[(a.stage, a.micro)]
 
-    def backward(a):
+    def backward(a, *rest):
         c0 = time.thread_time()
-        bwd(a)
+        bwd(a, *rest)
         cpu[str(a)] = time.thread_time() - c0
     ex._forward, ex._backward = forward, backward
 
