@@ -18,6 +18,7 @@ so `trace` runs the forward in both modes and `annotate_modes` lines the two gra
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, List, Optional
 
@@ -33,18 +34,18 @@ def mode_name(training: bool) -> str:
 def annotate_modes(graph: IRGraph, other: IRGraph, traced_training: bool) -> None:
     """Annotate `graph` (traced in mode `traced_training`) from `other`, the same forward traced in
     the other mode (see the module docstring). Changes `graph` in place."""
-    graph.traced_training = traced_training
+    _clear(graph)
+    align = _Alignment(graph, other)
+    problem = align.start() or align.walk(traced_training)
+    if problem is not None:
+        _clear(graph)
+        graph.mode_divergence = problem
+
+
+def _clear(graph: IRGraph) -> None:
     graph.mode_divergence = None
     for node in graph.nodes:
         node.mode_args, node.only_when = [], None
-    align = _Alignment(graph, other)
-    problem = align.start()
-    if problem is None:
-        problem = align.walk(traced_training)
-    if problem is not None:
-        for node in graph.nodes:
-            node.mode_args, node.only_when = [], None
-        graph.mode_divergence = problem
 
 
 class _Alignment:
@@ -88,11 +89,11 @@ class _Alignment:
                         self.ids[ro.id] = rg.id
                     i, j = i + 1, j + 1
                     continue
-            if a is not None and _side_effect_only(a, i, readers, self.graph):
+            if a is not None and _side_effect_only(a, i, readers):
                 a.only_when = traced_training
                 i += 1
                 continue
-            if b is not None and _side_effect_only(b, j, other_readers, self.other) and self._adopt(b, i):
+            if b is not None and _side_effect_only(b, j, other_readers) and self._adopt(b, i, not traced_training):
                 mine = self.graph.nodes  # b's copy now sits at index i, before a
                 readers = _last_reader(self.graph)
                 i, j = i + 1, j + 1
@@ -107,9 +108,9 @@ class _Alignment:
                     f"{mode_name(traced_training)} mode")
         return None
 
-    def _adopt(self, b: Node, index: int) -> bool:
+    def _adopt(self, b: Node, index: int, other_training: bool) -> bool:
         """Insert a copy of the other mode's side-effect-only op `b` at `index` (it runs only in
-        that mode); False when it reads a value this graph does not have."""
+        that mode, `other_training`); False when it reads a value this graph does not have."""
         if any(r.id not in self.ids for r in b.input_refs()):
             return False
         g = self.graph
@@ -117,14 +118,12 @@ class _Alignment:
         next_value = max(g.values, default=-1) + 1
         for r in b.output_refs():
             fresh[r.id] = next_value
-            value = self.other.values[r.id]
-            g.values[next_value] = type(value)(next_value, value.kind, value.name, value.shape, value.dtype,
-                                               value.requires_grad)
+            g.values[next_value] = dataclasses.replace(self.other.values[r.id], id=next_value)
             next_value += 1
         to_mine = lambda r: Ref(self.ids[r.id])  # noqa: E731
         node = Node(max((n.id for n in g.nodes), default=-1) + 1, b.target, map_refs(b.args, to_mine),
                     map_refs(b.kwargs, to_mine), map_refs(b.outputs, lambda r: Ref(fresh[r.id])), b.module_path,
-                    b.source, b.annotation, b.inplace, only_when=not g.traced_training,
+                    b.source, b.annotation, b.inplace, only_when=other_training,
                     grad_enabled=b.grad_enabled, autocast=b.autocast)
         g.nodes.insert(index, node)
         return True
@@ -169,7 +168,7 @@ class _Alignment:
 
 
 def _is_constant(obj) -> bool:
-    return not any(True for _ in iter_refs(obj))
+    return next(iter_refs(obj), None) is None
 
 
 def _value_key(graph: IRGraph, ref: Ref):
@@ -185,17 +184,18 @@ def _same_tensor(x, y) -> bool:
 
 
 def _last_reader(graph: IRGraph) -> Dict[int, int]:
-    """value id -> index of the last node reading it (graph outputs read at the end)."""
+    """value id -> index of the last node reading it (graph outputs and buffers' new values are
+    read at the end)."""
     last = {}
     for idx, node in enumerate(graph.nodes):
         for r in node.input_refs():
             last[r.id] = idx
-    for r in iter_refs(graph.output):
+    for r in iter_refs((graph.output, graph.buffer_updates)):
         last[r.id] = len(graph.nodes)
     return last
 
 
-def _side_effect_only(node: Node, idx: int, readers: Dict[int, int], graph: IRGraph) -> bool:
+def _side_effect_only(node: Node, idx: int, readers: Dict[int, int]) -> bool:
     """An in-place op whose outputs nothing after it reads (a counter update)."""
     return node.inplace and all(readers.get(r.id, -1) <= idx for r in node.output_refs())
 

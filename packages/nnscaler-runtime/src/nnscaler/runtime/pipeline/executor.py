@@ -85,7 +85,11 @@ class PipelineExecutor:
     # -- placement ----------------------------------------------------------------------------
     def rank_of(self, stage: int, micro: int) -> int:
         """The global rank that runs `stage` of `micro` at this rank's local index."""
-        return self.unit_start + self.schedule.device_of(stage, micro) * self.tp + self.local
+        return self.device_rank(self.schedule.device_of(stage, micro))
+
+    def device_rank(self, device: int) -> int:
+        """The global rank of pipeline device `device` at this rank's local index."""
+        return self.unit_start + device * self.tp + self.local
 
     def _tag(self, vid: int, stage: int, micro: int, backward: bool) -> int:
         return ((vid * self.nstages + stage) * self.nmicros + micro) * 2 + int(backward)
@@ -94,7 +98,7 @@ class PipelineExecutor:
         """Receives in each peer's send order (see inbox.py), for training or inference steps."""
         if training not in self._inboxes:
             me, sc, meta = self.group_index, self.schedule, self.meta
-            rank = {g: self.unit_start + g * self.tp + self.local for g in range(sc.ndevices) if g != me}
+            rank = {g: self.device_rank(g) for g in range(sc.ndevices) if g != me}
             self._inboxes[training] = OrderedInbox(
                 self.mailbox, {r: sends_between(sc, meta, g, me, training) for g, r in rank.items()},
                 lambda msg: self._tag(msg[1], msg[2], msg[3], msg[0] == "B"),
@@ -183,7 +187,7 @@ class PipelineExecutor:
         stage, micro = (action.stage, action.micro) if action is not None else (-1, -1)
         me, sc = self.group_index, self.schedule
         for g in range(sc.ndevices):
-            peer = self.unit_start + g * self.tp + self.local
+            peer = self.device_rank(g)
             if g == me or peer == skip:
                 continue
             for msg in sends_between(sc, self.meta, me, g, training):
