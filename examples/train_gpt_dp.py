@@ -53,6 +53,7 @@ def worker(rank: int, args) -> None:
             dist.all_reduce(mean)
             if rank == 0:
                 print(f"step {step}: loss {mean.item() / args.nproc:.4f}", flush=True)
+        dist.barrier()  # nobody tears its connections down while a peer still talks on them
     finally:
         dist.destroy_process_group()
 
