@@ -23,6 +23,7 @@ def test_seed_defaults():
     assert c.reducer_bucket_cap_mb is None
     assert c.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB == 25.0
     assert c.zero_use_reduce_scatter is False
+    assert c.sync_batchnorm is False  # per-replica batch statistics, as DDP
     assert c.dp_size == 4
 
 
@@ -31,7 +32,8 @@ def test_field_order_and_required_fields():
     assert names[:2] == ["plan_ngpus", "runtime_ngpus"]
     assert set(names) == {"plan_ngpus", "runtime_ngpus", "constant_folding", "trace_strategy", "use_zero",
                           "zero_ngroups", "zero_use_reduce_scatter", "use_async_reducer",
-                          "reducer_bucket_cap_mb", "inference_only", "use_end2end", "pas_config", "user_config"}
+                          "reducer_bucket_cap_mb", "inference_only", "use_end2end", "pas_config", "user_config",
+                          "rng_mode", "sync_batchnorm"}
     assert ComputeConfig(1, 2).runtime_ngpus == 2  # positional, as in the seed
     with pytest.raises(TypeError):
         ComputeConfig(plan_ngpus=1)
@@ -67,6 +69,7 @@ def test_frozen():
     (dict(plan_ngpus=1, runtime_ngpus=1, use_async_reducer=0), ["use_async_reducer", "bool"]),
     (dict(plan_ngpus=1, runtime_ngpus=1, inference_only="no"), ["inference_only", "bool"]),
     (dict(plan_ngpus=1, runtime_ngpus=1, use_end2end=1.0), ["use_end2end", "bool"]),
+    (dict(plan_ngpus=1, runtime_ngpus=1, sync_batchnorm="yes"), ["sync_batchnorm", "must be bool", "str"]),
     (dict(plan_ngpus=1, runtime_ngpus=1, trace_strategy="gpu"), ["trace_strategy", "one of", "reuse_cache", "'gpu'"]),
     (dict(plan_ngpus=1, runtime_ngpus=1, trace_strategy=None), ["trace_strategy", "must be str"]),
     (dict(plan_ngpus=1, runtime_ngpus=1, reducer_bucket_cap_mb=0), ["reducer_bucket_cap_mb", "> 0"]),

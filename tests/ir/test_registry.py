@@ -230,6 +230,28 @@ case(F.scaled_dot_product_attention, (q, k, v, torch.rand(6, 10) > 0.3), dims={"
      id="sdpa-mask")
 case(F.scaled_dot_product_attention, (q, k, v), dict(attn_mask=r(2, 1, 6, 10), scale=0.3),
      dims={"_0", "_1", "s", "e"}, id="sdpa-float-mask")
+# grouped-query attention (HF Llama / Qwen2 / Mistral): 4 query heads read 2 kv heads; splitting
+# the kv heads h splits q's heads in matching groups
+qg, kg, vg = r(2, 4, 6, 8), r(2, 2, 10, 8), r(2, 2, 10, 12)
+case(F.scaled_dot_product_attention, (qg, kg, vg), dict(enable_gqa=True), dims={"_0", "h", "s", "e"},
+     id="sdpa-gqa")
+case(F.scaled_dot_product_attention, (qg, r(2, 2, 6, 8), r(2, 2, 6, 12)), dict(is_causal=True, enable_gqa=True),
+     dims={"_0", "h", "e"}, id="sdpa-gqa-causal")
+case(F.scaled_dot_product_attention, (qg, kg, vg), dict(attn_mask=r(2, 1, 6, 10), enable_gqa=True, scale=0.3),
+     dims={"_0", "h", "s", "e"}, id="sdpa-gqa-mask")
+case(F.scaled_dot_product_attention, (qg, kg, vg), dict(attn_mask=r(2, 4, 6, 10), enable_gqa=True),
+     dims={"_0", "h", "s", "e"}, id="sdpa-gqa-head-mask")
+case(F.scaled_dot_product_attention, (q, k, v), dict(enable_gqa=True), dims={"_0", "h", "s", "e"},
+     id="sdpa-gqa-equal-heads")
+# addmm (HF GPT-2's Conv1D: addmm(bias, x.view(-1, nx), W))
+for fn in (torch.addmm, T.addmm):
+    case(fn, (r(8), r(4, 6), r(6, 8)), dims={"m", "k", "n"})
+case(torch.addmm, (r(4, 8), r(4, 6), r(6, 8)), dict(beta=0.5, alpha=2.0), dims={"m", "k", "n"},
+     id="addmm-2d-scaled")
+case(torch.addmm, (r(1, 8), r(4, 6), r(6, 8)), dims={"m", "k", "n"}, id="addmm-row-bias")
+# in-place elementwise (ResNet's residual `x += y`)
+for name in builtin_ops._INPLACE_ELEMENTWISE:
+    case(getattr(T, name), (r(4, 6), r(6)), dims={"_0", "_1"})
 case(F.conv2d, (img, r(6, 4, 3, 3), r(6)), dict(padding=1), dims={"n", "c", "o"})
 case(F.conv2d, (img, r(6, 2, 3, 3)), dict(groups=2), dims={"n"}, id="conv2d-groups")
 case(F.conv2d, (r(4, 6, 6), r(6, 4, 3, 3)), dims={"c", "o"}, id="conv2d-unbatched")
@@ -304,6 +326,9 @@ def test_checker_catches_a_wrong_annotation():
     (F.scaled_dot_product_attention, (q, k, v), dict(is_causal=True),
      "... s^ d^, ... t^ d^, ... t^ e -> ... s^ e"),
     (F.cross_entropy, (logits, target), {}, "n^ c^, n^ -> 1"),
+    (F.scaled_dot_product_attention, (qg, kg, vg), dict(enable_gqa=True),
+     "... (h g^) s d^, ... h t^ d^, ... h t^ e -> ... (h g^) s e"),
+    (torch.addmm, (r(8), r(4, 6), r(6, 8)), {}, "+n, m k+, k+ n -> m n"),
 ])
 def test_annotation_text(fn, args, kwargs, expected):
     assert REGISTRY.lookup(fn, args, kwargs) == expected
@@ -315,7 +340,8 @@ def test_annotation_text(fn, args, kwargs, expected):
     (T.view, (x3, torch.float64), {}),                # a dtype view
     (torch.einsum, ("ii->i", r(3, 3)), {}),          # a diagonal
     (F.embedding, (torch.zeros(2, dtype=torch.long), w), dict(max_norm=1.0)),
-    (F.scaled_dot_product_attention, (q, r(2, 2, 10, 8), r(2, 2, 10, 12)), dict(enable_gqa=True)),
+    (F.scaled_dot_product_attention, (r(2, 3, 6, 8), r(2, 2, 10, 8), r(2, 2, 10, 12)), dict(enable_gqa=True)),
+    (T.add_, (r(6), r(4, 6)), {}),                  # in place on the smaller tensor
     (T.size, (x3,), {}),                              # not registered
     (T.__getitem__, (x3, torch.tensor([0, 1])), {}),  # advanced indexing
     (T.__getitem__, (x3, (0, 0, 0, 0)), {}),          # too many indices

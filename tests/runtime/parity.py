@@ -35,7 +35,7 @@ def assemble_full(shards, label):
     full = {}
     for rank, pieces in shards:
         for name, shape, slices, value in pieces:
-            tensor = full.setdefault(name, torch.full(shape, float("nan")))
+            tensor = full.setdefault(name, torch.full(shape, float("nan"), dtype=value.dtype))  # float64 stays exact
             index = tuple(slice(a, b) for a, b in slices)
             if not torch.isnan(tensor[index]).all():
                 assert torch.equal(tensor[index], value), f"{label}: rank {rank} disagrees with another on {name}{slices}"

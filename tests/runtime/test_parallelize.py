@@ -83,9 +83,10 @@ def test_error_inside_generated_code_points_at_the_users_line(tmp_path):
             return self.fc(x).view(-1, 3, 2).sum()  # the user's line
 
     Reshaper.__module__ = toy_models.__name__  # generated code names the class's module
-    pm = parallelize(Reshaper(), {"x": torch.ones(2, 6)}, "dp", cfg(constant_folding=True), gen_savedir=tmp_path)
+    pm = parallelize(Reshaper(), {"x": torch.ones(2, 6)}, "dp", cfg(), gen_savedir=tmp_path)
     with pytest.raises(RuntimeError) as info:
-        pm(torch.ones(2, 5))  # wrong feature size: fails inside the generated code
+        pm(torch.ones(2, 5))  # wrong feature size: fails inside the generated code (under constant
+        # folding the generated forward refuses it first: tests/bad_inputs/test_inputs.py)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert os.path.basename(__file__) in notes and "the user's line" in notes
 

@@ -47,7 +47,7 @@ def test_train_and_eval_match_the_single_device_model(tmp_path, traced_in):
         x = _x(step + 1)
         torch.manual_seed(step)
         want = ref(x)
-        torch.manual_seed(step)
+        pm.manual_seed(step)  # the module's random stream (runtime/random.py) = torch.manual_seed
         got = pm(x)
         assert torch.equal(got, want), (mode, step, got, want)
         if mode == "train":

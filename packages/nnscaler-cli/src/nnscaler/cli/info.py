@@ -63,12 +63,51 @@ def devices(torch: Any) -> list[tuple[str, str]]:
     return rows
 
 
-def _import_torch() -> Optional[Any]:
+def _import_torch() -> tuple[Optional[Any], Optional[str]]:
+    """``(torch, None)``, or ``(None, why)`` when torch is missing or its import fails (a broken
+    install raises anything: OSError for a missing shared library, AttributeError, ...)."""
     try:
         import torch
-    except ImportError:
-        return None
-    return torch
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and e.name == "torch":
+            return None, None  # not installed
+        return None, _broken(e)
+    except Exception as e:  # noqa: BLE001 - reported, not raised: `info` is what diagnoses this
+        return None, _broken(e)
+    return torch, None
+
+
+def _broken(e: BaseException) -> str:
+    where = ""
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("torch")
+        if spec is not None and spec.origin:
+            where = f" (from {os.path.dirname(spec.origin)})"
+    except Exception:  # noqa: BLE001
+        pass
+    message = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {message}{where}"
+
+
+def _torch_rows(torch: Any) -> list[tuple[str, str]]:
+    """The environment rows about torch; a torch that imports but fails here is reported broken."""
+    try:
+        cuda = torch.version.cuda
+        rows = [("torch", torch.__version__ + (f" (CUDA {cuda})" if cuda else ""))]
+        backends = distributed_backends(torch)
+        rows.append(("distributed backends", ", ".join(
+            f"{name} [green]yes[/green]" if ok else f"{name} [dim]no[/dim]" for name, ok in backends.items())))
+        rows += devices(torch)
+    except Exception as e:  # noqa: BLE001
+        return [("torch", _broken_row(_broken(e)))]
+    return rows
+
+
+def _broken_row(why: str) -> str:
+    from rich.markup import escape
+    return (f"[red]broken[/red]: {escape(why)}; reinstall it (pip install --force-reinstall torch, or "
+            f"bash tools/install.sh)")
 
 
 def info(ctx: typer.Context) -> None:
@@ -89,18 +128,14 @@ def info(ctx: typer.Context) -> None:
     env.add_column()
     env.add_row("python", f"{platform.python_version()} ({sys.executable})")
     env.add_row("platform", platform.platform())
-    torch = _import_torch()
-    if torch is None:
+    torch, broken = _import_torch()
+    if broken is not None:
+        env.add_row("torch", _broken_row(broken))
+    elif torch is None:
         env.add_row("torch", "[red]not installed[/red] (bash tools/install.sh installs it)")
     else:
-        cuda = torch.version.cuda
-        env.add_row("torch", torch.__version__ + (f" (CUDA {cuda})" if cuda else ""))
-        backends = distributed_backends(torch)
-        env.add_row("distributed backends", ", ".join(
-            f"{name} [green]yes[/green]" if ok else f"{name} [dim]no[/dim]"
-            for name, ok in backends.items()))
-        for device, description in devices(torch):
-            env.add_row(device, description)
+        for name, value in _torch_rows(torch):
+            env.add_row(name, value)
     console.print(env)
 
     group = ctx.parent.command if ctx.parent is not None else None

@@ -1,7 +1,8 @@
 """nnscaler.codegen: turn a planned IRGraph into one Python module per runtime rank.
 
 `generate(graph, compute_config, outdir, policy=...)` writes ``gencode{rank}.py`` for every
-runtime rank and returns their paths. Reuse decisions and the manifest are the runtime's
+runtime rank and the plan report (``plan_report.json`` and ``.txt``, `build_report`) and returns
+the paths of the rank modules. Reuse decisions and the manifest are the runtime's
 (`nnscaler.runtime.parallelize`), which calls this only when code must be (re)generated.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import List
 from .emit import emit_rank, param_local_names
 from .errors import GenerationError
 from .layouts import plan_unit
+from .report import REPORT_JSON, REPORT_TEXT, build_report, write_report
 
 
 def gencode_name(rank: int) -> str:
@@ -20,11 +22,14 @@ def gencode_name(rank: int) -> str:
 
 
 def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str = "") -> List[Path]:
-    """Write one module per runtime rank into `outdir`; returns the written paths."""
+    """Write one module per runtime rank and the plan report into `outdir`; returns the modules' paths."""
     cfg = compute_config.to_dict() if hasattr(compute_config, "to_dict") else dict(compute_config)
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
+    if graph.pipeline is not None:  # stages cannot share a decision: the traced branch, guarded
+        from nnscaler.ir.branches import keep_traced_branch
+        keep_traced_branch(graph)
     unit = plan_unit(graph, cfg["plan_ngpus"])
     for rank in range(cfg["runtime_ngpus"]):
         text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint(), unit=unit)
@@ -34,7 +39,10 @@ def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str 
         tmp.write_text(text)
         os.replace(tmp, path)
         paths.append(path)
+    # what the plan split, beside the code (plan_report.json / .txt; see nnscaler.ir.plan_report)
+    write_report(build_report(graph, cfg, policy, unit=unit), outdir)
     return paths
 
 
-__all__ = ["GenerationError", "generate", "gencode_name", "param_local_names"]
+__all__ = ["GenerationError", "generate", "gencode_name", "param_local_names", "build_report", "write_report",
+           "REPORT_JSON", "REPORT_TEXT"]

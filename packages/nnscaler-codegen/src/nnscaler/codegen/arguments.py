@@ -5,6 +5,7 @@ from typing import List
 
 from nnscaler.ir.graph import IRGraph, decode
 
+from .input_checks import input_checks
 from .render import Renderer
 
 
@@ -28,7 +29,9 @@ def forward_signature(graph: IRGraph) -> str:
 
 
 def untraced_checks(graph: IRGraph) -> List[str]:
-    """Arguments that had no dummy value: the generated code ran with their default, so refuse others."""
+    """The checks at the top of the generated forward: arguments that had no dummy value (the
+    generated code ran with their default, so refuse others), then the tensor arguments' schema
+    (`input_checks`: shapes and dtypes under constant folding, else ranks)."""
     lines = []
     for inp in graph.inputs:
         if inp.traced or not inp.has_default or inp.kind.startswith("VAR_"):
@@ -38,4 +41,4 @@ def untraced_checks(graph: IRGraph) -> List[str]:
             lines.append(f"    raise TypeError(\"argument {inp.name!s} was not in dummy_forward_args when the "
                          f"model was traced, so the generated code only supports its default (None); "
                          f"trace with a value for it\")")
-    return lines
+    return lines + input_checks(graph)

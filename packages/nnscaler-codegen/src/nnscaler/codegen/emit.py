@@ -13,15 +13,20 @@ import re
 from typing import Dict, List, Optional
 
 from nnscaler.ir.graph import IRGraph, Node, Ref, iter_refs
+from nnscaler.ir.guards import is_guard
 
 from nnscaler.ir.layout import Replicate, Shard
 
 from .adapters import transition_steps
 from .arguments import forward_signature, untraced_checks
 from .errors import GenerationError
+from .branches import branch_emit, keep_alive, with_branch_args
+from .guards import guard_statement
 from .layouts import UnitPlan, is_shape_query, local_slices, plan_unit
 from .stages import holding_groups, loss_value, shared_holders, stage_io
 from .render import ModeChoice, RawExpr, Renderer, python_name
+from .random_streams import RandomOps
+from .sync_batchnorm import SyncBatchNorm
 
 R = Replicate()
 
@@ -49,6 +54,8 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
     device = rank % n
     pipe = graph.pipeline
     unit = unit or plan_unit(graph, n)
+    rnd = RandomOps(graph, compute_config, unit)  # random ops draw from the runtime's stream
+    sbn = SyncBatchNorm(compute_config)  # ComputeConfig.sync_batchnorm (codegen/sync_batchnorm.py)
     local = param_local_names(graph)
     class_name = class_name or graph.module_class.rsplit(".", 1)[-1]
 
@@ -80,7 +87,7 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
         keep = {r.id for r in iter_refs(graph.output)}
         keep |= {r.id for r in iter_refs(graph.buffer_updates)}
         body, src = _emit_ops(graph, graph.nodes, names, adapt, keep, arg_names, taken, unit,
-                              untraced_checks(graph) + arg_lines)
+                              untraced_checks(graph) + arg_lines, rnd=rnd, sbn=sbn)
         body.extend(_buffer_update_lines(graph, unit, local, adapt))
         body.extend(adapt.outputs(graph))
         body.append("return " + adapt.renderer_for(None).value(graph.output))
@@ -105,7 +112,7 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
                 head.append(_unpack_target([Ref(v) for v in io.inputs[stage]], adapt.renderer_for(None))
                             + " = _acts")
             body, src = _emit_ops(graph, nodes, names, adapt, set(io.outputs[stage]), arg_names, taken, unit, head,
-                                  [Ref(v) for v in io.inputs[stage]])
+                                  [Ref(v) for v in io.inputs[stage]], rnd=rnd, sbn=sbn)
             outs = []
             for vid in io.outputs[stage]:
                 lines: List[str] = []
@@ -140,6 +147,8 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
     out.append(f"    RANK = {rank}")
     out.append(f"    GRAPH_FINGERPRINT = {fingerprint!r}")
     out.append(f"    TRACED_TRAINING = {bool(graph.traced_training)!r}")
+    if rnd.nops:
+        out.append(f"    RANDOM = {rnd.class_attr()!r}")
     if graph.mode_divergence is not None:
         out.append(f"    MODE_DIVERGENCE = {graph.mode_divergence!r}")
     out.extend(extra)
@@ -160,12 +169,12 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
 
 
 def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "_Adapter", keep: set,
-              arg_names: set, taken: set, unit: UnitPlan, head: List[str], head_values=()):
+              arg_names: set, taken: set, unit: UnitPlan, head: List[str], head_values=(), rnd=None, sbn=None):
     """Body lines running `nodes` in order (recompute groups as checkpointed functions) and a map
     {body index: user source} for the lines that came from ops. Values in `keep` are not deleted."""
     body = list(head)
     source_of_line: Dict[tuple, str] = {}
-    last_use = _last_uses(nodes, keep)
+    last_use = _last_uses(nodes, set(keep) | keep_alive(graph))
     defined = {names[r.id] for i in graph.inputs for _, r in i.leaves} | {
         names[r.id] for r in iter_refs(head_values)}
     prev_src = [None]
@@ -175,9 +184,16 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
         src = _describe_source(node)
         comment = f"# {src}" if src != prev_src[0] and src else None
         prev_src[0] = src or prev_src[0]
-        conversions = adapt.inputs(node)  # first: it tells the renderer the converted names
+        branch = branch_emit(node, adapt, graph)  # an op of one branch of a decision (codegen/branches.py)
+        conversions = branch.inputs() if branch else adapt.inputs(node)  # first: it tells the renderer the converted names
         own = _statement(node, adapt.renderer_for(node), graph, unit) + \
             _rescale_sizes(node, unit, names, graph, adapt.received)
+        if rnd is not None:  # random ops draw from the runtime's stream (codegen/random_streams.py)
+            own = rnd.wrap(node, own, adapt.renderer_for(node))
+        if sbn is not None:  # batch norm statistics over the data-parallel replicas
+            own = sbn.wrap(node, own)
+        if branch is not None:
+            conversions, own = branch.wrap(conversions, own)
         if node.only_when is not None:  # an op of one mode only (nnscaler.ir.modes); nothing reads its outputs
             own = [f"if {'' if node.only_when else 'not '}self.training:"] + ["    " + line for line in own]
         # the user's `with torch.no_grad():` / `with torch.autocast(...)`: consecutive ops share one
@@ -307,9 +323,13 @@ class _Adapter:
 
 
 def _statement(node: Node, renderer: Renderer, graph: IRGraph, unit: UnitPlan) -> List[str]:
+    if is_guard(node):  # a decision the trace took on a tensor's value (codegen/guards.py)
+        return guard_statement(node, renderer, pipelined=graph.pipeline is not None)
     args, kwargs = node.args, node.kwargs
     if unit.partitioned.get(node.id) and node.target in _SHAPE_ARG_OPS:
         args = _localize_shape_args(node, graph, unit)
+    if node.branch_args:  # arguments that differ between the branches of a decision
+        args, kwargs = with_branch_args(node, args, kwargs)
     if node.mode_args:  # constants that differ between training and eval (nnscaler.ir.modes)
         args, kwargs = list(args), dict(kwargs)
         for where, key, train, eval_ in node.mode_args:
@@ -497,7 +517,7 @@ def _init_lines(graph: IRGraph, local: Dict[str, str], unit: UnitPlan, device: i
 def _user_imports(nodes: List[Node]) -> set:
     mods = set()
     for node in nodes:
-        if node.target.startswith(("torch.", "operator.")) or node.target == "getattr":
+        if node.target.startswith(("torch.", "operator.")) or node.target == "getattr" or is_guard(node):
             continue
         from nnscaler.ir.op_names import resolve
         obj = resolve(node.target)

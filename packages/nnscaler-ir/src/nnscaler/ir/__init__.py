@@ -4,12 +4,14 @@
 (`register_op` for custom ops).
 """
 from .config import ComputeConfig, ConfigError, OptionalComputeConfig
+from .config_checks import ConfigWarning
 from .graph import IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value
+from .plan_report import PlanReport
 from .trace import TraceError, TracingWarning, trace
 
 __all__ = [
-    "ComputeConfig", "ConfigError", "OptionalComputeConfig",
-    "IRGraph", "InputSpec", "Node", "Ref", "SourceLoc", "TensorSpec", "Value",
+    "ComputeConfig", "ConfigError", "ConfigWarning", "OptionalComputeConfig",
+    "IRGraph", "InputSpec", "Node", "Ref", "SourceLoc", "TensorSpec", "Value", "PlanReport",
     "TraceError", "TracingWarning", "trace",
 ]
 

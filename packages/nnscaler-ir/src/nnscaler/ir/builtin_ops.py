@@ -85,6 +85,21 @@ def _linear(*args, **kwargs):
     return _anno(ordered, {"input": "b... k+", "weight": "n k+", "bias": "+n"}, ["b... n"])
 
 
+def _addmm(*args, **kwargs):
+    """``beta * input + alpha * (mat1 @ mat2)`` (HF GPT-2's Conv1D: ``addmm(bias, x, W)``): the
+    added input is additive (value-split with the products when ``k`` is split)."""
+    if "out" in kwargs:
+        return None
+    v, ordered = _call(("input", "mat1", "mat2", "beta", "alpha"), args, kwargs)
+    bias, m1, m2 = v["input"], v["mat1"], v["mat2"]
+    if m1.dim() != 2 or m2.dim() != 2 or not isinstance(bias, torch.Tensor) or bias.dim() > 2:
+        return None
+    m, n = m1.shape[0], m2.shape[1]
+    names = [("m", m), ("n", n)][2 - bias.dim():]
+    spec = _j(["1" if size == 1 and full != 1 else name for (name, full), size in zip(names, bias.shape)])
+    return _anno(ordered, {"input": "+" + spec, "mat1": "m k+", "mat2": "k+ n"}, ["m n"])
+
+
 def _matmul(*args, reverse=False, **kwargs):
     if "out" in kwargs:
         return None
@@ -428,17 +443,35 @@ def _batch_norm(*args, **kwargs):
 def _sdpa(*args, **kwargs):
     v, ordered = _call(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                         "enable_gqa"), args, kwargs)
-    if v.get("enable_gqa"):
-        return None
     s = "s^" if v.get("is_causal") else "s"  # a causal mask is laid out on the full sequence
-    specs = {"query": f"... {s} d^", "key": "... t^ d^", "value": "... t^ e"}
     mask = v.get("attn_mask")
+    if v.get("enable_gqa"):
+        return _sdpa_gqa(ordered, v["query"], v["key"], mask, s)
+    specs = {"query": f"... {s} d^", "key": "... t^ d^", "value": "... t^ e"}
     if isinstance(mask, torch.Tensor):
         last = ["1" if mask.shape[-1] == 1 else "t^"]
         if mask.dim() >= 2:
             last.insert(0, "1" if mask.shape[-2] == 1 else s)
         specs["attn_mask"] = _j((["..."] if mask.dim() > 2 else []) + last)
     return _anno(ordered, specs, [f"... {s} e"])
+
+
+def _sdpa_gqa(ordered, q, k, mask, s):
+    """Grouped-query attention: q has ``h * g`` heads, k / v have ``h``; q's head ``i`` reads kv
+    head ``i // g``. Splitting ``h`` splits q's heads and k/v's kv-heads consistently (both
+    counts divisible by the degree)."""
+    if q.dim() < 3 or k.dim() != q.dim() or q.shape[-3] % k.shape[-3]:
+        return None
+    heads = "h" if q.shape[-3] == k.shape[-3] else "(h g^)"
+    specs = {"query": f"... {heads} {s} d^", "key": "... h t^ d^", "value": "... h t^ e"}
+    if isinstance(mask, torch.Tensor):
+        last = ["1" if mask.shape[-1] == 1 else "t^"]
+        if mask.dim() >= 2:
+            last.insert(0, "1" if mask.shape[-2] == 1 else s)
+        if mask.dim() >= 3:
+            last.insert(0, "1" if mask.shape[-3] == 1 else heads)
+        specs["attn_mask"] = _j((["..."] if mask.dim() > 3 else []) + last)
+    return _anno(ordered, specs, [f"... {heads} {s} e"])
 
 
 def _conv(*args, **kwargs):
@@ -496,6 +529,19 @@ _ELEMENTWISE = {
 }
 
 
+# In-place elementwise methods (a residual ``x += y`` in ResNet, ``x.mul_(s)``): the result is
+# the first tensor, which broadcasting may not grow.
+_INPLACE_ELEMENTWISE = ["__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_",
+                        "div_"]
+
+
+def _inplace_elementwise(*args, **kwargs) -> Optional[str]:
+    ts = _tensors((args, kwargs))
+    if not ts or "out" in kwargs or any(t.dim() > ts[0].dim() for t in ts[1:]):
+        return None
+    return _elementwise(*args, **kwargs)
+
+
 def register_builtins(registry) -> None:
     """Register the annotations of the built-in torch ops in ``registry``."""
     def reg(ns, names, anno):
@@ -509,6 +555,9 @@ def register_builtins(registry) -> None:
     reg(torch, "where", _where)
     reg(torch.Tensor, ["to", "type_as"], _first_only)
     reg(F, "linear", _linear)
+    for ns in (torch, torch.Tensor):
+        reg(ns, "addmm", _addmm)
+    reg(torch.Tensor, _INPLACE_ELEMENTWISE, _inplace_elementwise)
     for ns in (torch, torch.Tensor):
         reg(ns, "matmul", _matmul)
         reg(ns, "mm", lambda *a, **k: None if "out" in k else "m k+, k+ n -> m n")

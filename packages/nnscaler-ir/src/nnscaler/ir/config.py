@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 
 TRACE_STRATEGIES = ("cpu", "cuda", "meta", "cuda_run_cpu_offload", "reuse_cache")
 DEFAULT_BUCKET_CAP_MB = 25.0
+RNG_MODES = ("parallel", "exact")
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,14 @@ class ComputeConfig:
     inference_only: bool = False
     use_end2end: bool = False
 
+    # random ops of the generated forward (nnscaler.runtime.random, docs/tracing.md "Random numbers"):
+    # "parallel" = one stream per replica, "exact" = the single-device run's masks
+    rng_mode: str = "parallel"
+
+    # training-mode batch norm computes its batch statistics over all data-parallel replicas
+    # (nnscaler.runtime.sync_batchnorm, docs/tracing.md "BatchNorm under data parallelism")
+    sync_batchnorm: bool = False
+
     pas_config: Dict[str, Any] = field(default_factory=dict)
     user_config: Dict[str, Any] = field(default_factory=dict)
 
@@ -86,13 +95,19 @@ class ComputeConfig:
                 f"Use runtime_ngpus={self.plan_ngpus * max(1, self.runtime_ngpus // self.plan_ngpus)} "
                 f"or change plan_ngpus.")
         for name in ("constant_folding", "use_zero", "zero_use_reduce_scatter", "use_async_reducer",
-                     "inference_only", "use_end2end"):
+                     "inference_only", "use_end2end", "sync_batchnorm"):
             _check_type(name, getattr(self, name), bool)
         _check_type("trace_strategy", self.trace_strategy, str)
         if self.trace_strategy not in TRACE_STRATEGIES:
             raise ConfigError(
                 f"ComputeConfig.trace_strategy must be one of {', '.join(TRACE_STRATEGIES)}; "
                 f"got {self.trace_strategy!r}")
+        _check_type("rng_mode", self.rng_mode, str)
+        if self.rng_mode not in RNG_MODES:
+            raise ConfigError(
+                f"ComputeConfig.rng_mode must be one of {', '.join(map(repr, RNG_MODES))}, got {self.rng_mode!r}: "
+                f"'parallel' (default) gives every replica one random stream, 'exact' reproduces the "
+                f"single-device run's random numbers (dropout masks) for parity tests")
         _check_type("reducer_bucket_cap_mb", self.reducer_bucket_cap_mb, (int, float), allow_none=True)
         if self.reducer_bucket_cap_mb is not None and not self.reducer_bucket_cap_mb > 0:
             raise ConfigError(

@@ -83,6 +83,12 @@ class Node:
     # `with torch.autocast(...)`): autocast is [device type, dtype name] or None.
     grad_enabled: bool = True
     autocast: Optional[list] = None
+    # Filled by trace when both branches of a Python decision on a tensor value are traced
+    # (nnscaler.ir.branches): [id of the decision's guard node, the decision's value] when the op runs
+    # in that branch only; arguments that differ between the branches ([where, key, decision guard id,
+    # value when True, value when False]); `args`/`kwargs` hold one of the two.
+    branch: Optional[list] = None
+    branch_args: list = field(default_factory=list)
 
     @property
     def short_name(self) -> str:
@@ -188,7 +194,8 @@ class IRGraph:
                        "source": [n.source.file, n.source.line, n.source.code, n.source.function] if n.source else None,
                        "annotation": n.annotation, "inplace": n.inplace,
                        "mode_args": encode(n.mode_args), "only_when": n.only_when,
-                       "grad_enabled": n.grad_enabled, "autocast": n.autocast} for n in self.nodes],
+                       "grad_enabled": n.grad_enabled, "autocast": n.autocast,
+                       "branch": n.branch, "branch_args": encode(n.branch_args)} for n in self.nodes],
             "output": encode(self.output),
             "traced_training": self.traced_training,
             "buffer_updates": encode(self.buffer_updates),
@@ -203,7 +210,8 @@ class IRGraph:
                       n["module_path"], SourceLoc(*n["source"]) if n["source"] else None,
                       n["annotation"], n["inplace"], mode_args=decode(n.get("mode_args", [])),
                       only_when=n.get("only_when"), grad_enabled=n.get("grad_enabled", True),
-                      autocast=n.get("autocast")) for n in data["nodes"]]
+                      autocast=n.get("autocast"), branch=n.get("branch"),
+                      branch_args=decode(n.get("branch_args", []))) for n in data["nodes"]]
         inputs = [InputSpec(i["name"], i["kind"], i["has_default"], i["default"], i["traced"],
                             [(decode(p), Ref(r)) for p, r in i["leaves"]]) for i in data["inputs"]]
         return cls(data["module_class"], inputs,

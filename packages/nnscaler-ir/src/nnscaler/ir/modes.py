@@ -145,11 +145,16 @@ class _Alignment:
         for where, key, x, y in pairs:
             if self._same(x, y):
                 continue
-            if _is_constant(x) and _is_constant(y):
+            if self._may_differ(x, y):
                 diffs.append([where, key, x, y])
                 continue
             return None
         return diffs
+
+    def _may_differ(self, x, y) -> bool:
+        """Whether arguments `x` (this graph) and `y` (the other) may differ in a matched op: here
+        constants only (nnscaler.ir.branches also allows values)."""
+        return _is_constant(x) and _is_constant(y)
 
     def _same(self, x, y) -> bool:
         if isinstance(y, Ref):

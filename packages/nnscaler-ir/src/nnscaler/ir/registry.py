@@ -69,6 +69,7 @@ class OpRegistry:
 
     def __init__(self) -> None:
         self._ops: Dict[Any, _Entry] = {}
+        self._user: set = set()  # functions (and wrappers) annotated by register_op: checked when traced
 
     def register(self, fn: Any, annotation: Annotation, name: Optional[str] = None) -> None:
         """Register (or replace) ``fn``'s annotation; a string is validated at once."""
@@ -92,7 +93,12 @@ class OpRegistry:
             return anno
         try:
             text = anno(*args, **(kwargs or {}))
-        except Exception:
+        except Exception as e:
+            if fn in self._user:  # a user's annotation function that fails is not a silent replication
+                from nnscaler.ir.trace_state import TraceError
+                raise TraceError(f"the annotation function {getattr(anno, '__qualname__', anno)!r} of custom op "
+                                 f"{entry.name} raised {type(e).__name__}: {e}; it must return the annotation "
+                                 f"string of the call (or None to run the op replicated)") from e
             return None
         if text is None:
             return None
@@ -102,6 +108,18 @@ class OpRegistry:
             raise AnnotationError(f"the annotation computed for {entry.name} is invalid: "
                                   f"{e.reason}", e.annotation, e.position) from None
         return text
+
+    def check_call(self, wrapper: Any, fn: Any, annotation: Optional[str], args: tuple, kwargs: dict,
+                   result: Any) -> None:
+        """Check a custom op's annotation on a traced call (`nnscaler.ir.custom_op_check`): raises
+        TraceError when it does not fit the shapes or a split it allows changes the numbers."""
+        try:
+            if fn not in self._user and wrapper not in self._user:
+                return  # a built-in annotation: checked by the tests (tests/ir/test_registry.py)
+        except TypeError:  # unhashable
+            return
+        from nnscaler.ir.custom_op_check import check_custom_op
+        check_custom_op(self.name_of(wrapper), fn, annotation, args, kwargs, result)
 
     def name_of(self, fn: Any) -> str:
         """A dotted name under which ``fn`` can be found: the registered one, else a derived one."""
@@ -131,7 +149,7 @@ REGISTRY = OpRegistry()
 
 
 def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] = None, *,
-                name: Optional[str] = None):
+                name: Optional[str] = None, override: bool = False):
     """Register a custom op with its annotation; usable as ``register_op(fn, "a b -> a b")``,
     ``@register_op("a b -> a b")`` or ``@register_op(annotation=...)``.
 
@@ -139,6 +157,11 @@ def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] 
     (``tracer.record_custom_op(fn, args, kwargs)``) and otherwise calls ``fn``. Both the wrapper
     and ``fn`` are registered in `REGISTRY`; ``wrapper.__nnscaler_op__`` is ``fn`` and
     ``fn.__nnscaler_wrapper__`` the wrapper.
+
+    A function or a name that is already registered (a built-in op, or an earlier register_op) is
+    refused with a ValueError unless ``override=True``; registering the same function again with
+    the same annotation is allowed and returns the existing wrapper. The annotation is checked on
+    the first traced call with given shapes (see `nnscaler.ir.custom_op_check`).
     """
     if fn is None or isinstance(fn, str):
         if isinstance(fn, str):
@@ -148,7 +171,7 @@ def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] 
         if annotation is None:
             raise TypeError("register_op needs an annotation, e.g. @register_op('a b -> a b')")
         _validate(annotation, "register_op")
-        return lambda f: register_op(f, annotation, name=name)
+        return lambda f: register_op(f, annotation, name=name, override=override)
     if not callable(fn):
         raise TypeError(f"register_op: {fn!r} is not callable")
     fn = getattr(fn, "__nnscaler_op__", fn)
@@ -156,6 +179,9 @@ def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] 
     if annotation is None:
         raise TypeError(f"{label} needs an annotation, e.g. register_op(fn, 'a b -> a b')")
     _validate(annotation, label)
+    existing = _existing_wrapper(fn, annotation, name, override, label)
+    if existing is not None:
+        return existing
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -171,7 +197,34 @@ def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] 
         pass
     REGISTRY.register(fn, annotation, name)
     REGISTRY.register(wrapper, annotation, name or REGISTRY.name_of(fn))
+    REGISTRY._user.update((fn, wrapper))
     return wrapper
+
+
+def _existing_wrapper(fn, annotation, name, override, label):
+    """The wrapper of an identical earlier registration of ``fn``; raises for a conflicting one
+    (the function, or the name, registered before with another annotation or for another
+    function) unless ``override``."""
+    target = name or _derived_name(fn)
+    old = REGISTRY._ops.get(fn)
+    same_name = [f for f, e in REGISTRY._ops.items()
+                 if e.name == target and f is not fn and getattr(f, "__nnscaler_op__", None) is not fn]
+    if old is not None and not same_name and old.annotation == annotation and old.name == target \
+            and getattr(fn, "__nnscaler_wrapper__", None) is not None:
+        return fn.__nnscaler_wrapper__
+    if override or (old is None and not same_name):
+        return None
+    if old is not None:
+        what = f"{REGISTRY.name_of(fn)} is already registered with the annotation {_show(old.annotation)}"
+    else:
+        what = f"the name {target!r} is already registered for another function ({_show(REGISTRY._ops[same_name[0]].annotation)})"
+    raise ValueError(f"{label}: {what}; pass override=True to replace it "
+                     f"(register_op(fn, annotation, override=True)), or give it another name (name=...)")
+
+
+def _show(annotation: Annotation) -> str:
+    return repr(annotation) if isinstance(annotation, str) else \
+        f"computed by {getattr(annotation, '__qualname__', annotation)!r}"
 
 
 def _validate(annotation: Annotation, label: str) -> None:

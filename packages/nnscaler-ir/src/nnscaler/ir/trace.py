@@ -21,6 +21,9 @@ from torch.overrides import TorchFunctionMode
 from . import tracing_context
 from .graph import (IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode,
                     iter_refs)
+from .branches import decisions_of, merge_branches
+from .guards import is_guard, record_value_read, warn_guards
+from .example_inputs import check_trace_inputs
 from .modes import annotate_modes, mode_name
 from .op_names import op_name
 from .symbolic_int import TracedInt
@@ -67,6 +70,13 @@ class Tracer:
         self._function_grad: list = []  # grad mode at each enclosing autograd.Function.apply
         self._warned: set = set()  # source locations already warned about
         self._module_names = {}
+        # value reads become guards (nnscaler.ir.guards); decision k in `flips` returns the other branch
+        self.input_names: Dict[int, str] = {}  # graph input value id -> "attention_mask", "batch['mask']"
+        self.param_names: Dict[int, str] = {}  # parameter/buffer value id -> full name
+        self.decisions = 0  # bool() reads so far
+        self.flips: set = set()
+        self._producers: Dict[int, Node] = {}
+        self._indexed = 0
         self.module_types: Dict[str, str] = {}  # module path -> "package.module.Class"
         for name, mod in module.named_modules(remove_duplicate=False):
             self._module_names.setdefault(id(mod), name)
@@ -136,6 +146,14 @@ class Tracer:
         self.nodes.append(node)
         return node
 
+    def producer_index(self) -> Dict[int, Node]:
+        """value id -> the node that produced it (so far)."""
+        for node in self.nodes[self._indexed:]:
+            for r in node.output_refs():
+                self._producers[r.id] = node
+        self._indexed = len(self.nodes)
+        return self._producers
+
     def _in_graph(self, obj) -> bool:
         """An input, parameter, buffer or op output (not a captured constant)."""
         hit = self._tensor_values.get(id(obj)) if isinstance(obj, torch.Tensor) else None
@@ -196,9 +214,12 @@ class Tracer:
                 self._add_node("getattr", (self._to_refs(args[0]), attr), {}, refs)
             return real
         if name in _FOLDED_ATTRS:
+            real = self.device.run(func, args, kwargs)
             if name in _VALUE_READS and args and self._in_graph(args[0]):
-                self._warn_value_read(name)
-            return self.device.run(func, args, kwargs)
+                node = record_value_read(self, name, args[0], real)  # a guard (nnscaler.ir.guards)
+                if name == "__bool__" and node.kwargs["decision"] in self.flips:
+                    return not real  # tracing the other branch (nnscaler.ir.branches)
+            return real
         if name in _SIZE_FUNCS:
             real = self.device.run(func, args, kwargs)
             if self.constant_folding:
@@ -226,6 +247,9 @@ class Tracer:
         hint = name.strip("_") or "out"
         refs, result = self._wrap_outputs(real, hint)
         annotation = self._annotation(func, args, kwargs, annotation_fn)
+        if annotation is not None:  # a register_op annotation of a torch function is checked like a custom op's
+            from .registry import REGISTRY
+            REGISTRY.check_call(func, func, annotation, args, kwargs, real)
         self._add_node(target, arg_refs, kwarg_refs, refs, annotation, inplace)
         return result
 
@@ -269,6 +293,7 @@ class Tracer:
         annotation = REGISTRY.lookup(wrapper, args, kwargs) or REGISTRY.lookup(fn, args, kwargs)
         arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
         real = self.device.run(fn, args, kwargs, mode_off=True)
+        REGISTRY.check_call(wrapper, fn, annotation, args, kwargs, real)  # the annotation fits and splits right
         refs, result = self._wrap_outputs(real, qualname.rsplit(".", 1)[-1])
         self._add_node(f"{module}.{qualname}", arg_refs, kwarg_refs, refs, annotation)
         return result
@@ -321,7 +346,7 @@ def _input_leaves(tracer: Tracer, obj, path: tuple, hint: str, leaves: list):
 
 
 def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, constant_folding: bool = False,
-          trace_strategy: str = "cpu", both_modes: bool = True) -> IRGraph:
+          trace_strategy: str = "cpu", both_modes: bool = True, both_branches: bool = True) -> IRGraph:
     """Run `module.forward(**dummy_forward_args)` and record it as an IRGraph.
 
     `dummy_forward_args` maps forward parameter names to example values (tensors, nested
@@ -331,7 +356,12 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
     The graph is the forward in the module's current mode (``module.training``). With
     `both_modes` the forward also runs in the other mode, and the graph records what differs
     (see nnscaler.ir.modes), so the generated code follows ``.train()`` / ``.eval()``.
+
+    A Python decision on a tensor's value (``if mask.all():``) becomes a guard (nnscaler.ir.guards);
+    with `both_branches` the forward also runs with such a boolean decision flipped, and where the
+    two traces line up both branches are kept, chosen at run time (nnscaler.ir.branches).
     """
+    check_trace_inputs(module, dummy_forward_args)  # NumPy inputs, quantized/sparse tensors: named refusals
     graph = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy)
     graph.traced_training = module.training
     if both_modes:
@@ -349,11 +379,18 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
         finally:
             for m, flag in flags:
                 m.training = flag
+    if both_branches and decisions_of(graph):
+        def retrace(flips):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return _trace_once(module, dummy_forward_args, constant_folding, trace_strategy, flips)
+        merge_branches(graph, retrace)
+    warn_guards(graph)
     return graph
 
 
 def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], constant_folding: bool,
-                trace_strategy: str) -> IRGraph:
+                trace_strategy: str, flips=frozenset()) -> IRGraph:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"trace() needs a torch.nn.Module instance, got {type(module).__name__}")
     if not isinstance(dummy_forward_args, dict):
@@ -371,6 +408,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                             f"give the forward named parameters instead")
     device = ExecutionDevice.for_strategy(trace_strategy)
     tracer = Tracer(module, constant_folding, device)
+    tracer.flips = set(flips)
 
     by_id: Dict[int, TensorSpec] = {}
     persistent = set(module.state_dict().keys())
@@ -383,6 +421,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                 by_id[id(t)].aliases.append(name)
                 continue
             ref = tracer.new_value(t, name.replace(".", "_"))
+            tracer.param_names[ref.id] = name
             tracer.bind_tensor(t, ref)
             is_param = isinstance(t, torch.nn.Parameter)
             by_id[id(t)] = specs[name] = TensorSpec(name, ref, tuple(t.shape), dtype_name(t.dtype),
@@ -409,6 +448,9 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                             f"{type(module).__qualname__}.forward")
         inputs.append(spec)
 
+    for spec in inputs:  # guards name the forward argument a value derives from
+        for path, ref in spec.leaves:
+            tracer.input_names[ref.id] = spec.name + "".join(f"[{p!r}]" for p in path)
     warn_module_hooks(module)
     saved = SavedState(module)
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer._pre_hook),
@@ -450,7 +492,7 @@ def _eliminate_dead_code(graph: IRGraph) -> None:
     kept = []
     for node in reversed(graph.nodes):
         outs = {r.id for r in node.output_refs()}
-        if node.inplace or outs & live:
+        if node.inplace or outs & live or is_guard(node):  # guards check the data on every step
             kept.append(node)
             live.update(r.id for r in node.input_refs())
     kept.reverse()

@@ -6,8 +6,13 @@ process group, the data-parallel `Reducer`, `build_optimizer`, `sync_grad_when`,
 imported only when code must be generated: install ``nnscaler-runtime[compile]`` for that.
 """
 from . import comm
+from . import random  # random streams of generated code (nr.random.*)
+from . import sync_batchnorm  # batch statistics over data-parallel replicas (nr.sync_batchnorm.*)
 from .device import default_backend, default_device
 from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
+from .failures import PeerFailedError, StepRefusedError  # a failed step reaches every rank (failures.py)
+from . import guards  # run-time checks of the trace's decisions on tensor values (nr.guards.check)
+from .guards import GuardError
 from .gen_dir import ReuseType
 from .gradients import (AggregatedOutputs, aggregate_outputs, count_tokens, grad_scale, reduce_gradients,
                         reduce_loss)
@@ -15,6 +20,7 @@ from .grid import RankGrid
 from .module import ParallelModule
 from .optimizer import build_optimizer
 from .parallelize import load_generated_class, parallelize
+from .plan_report import PlanWarning
 from .precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin, apply_precision,
                         parse_precision, with_master_weights)
 from .reducer import Reducer, sync_grad_when
@@ -24,7 +30,8 @@ __all__ = [
     "AggregatedOutputs", "aggregate_outputs", "count_tokens", "grad_scale", "reduce_gradients", "reduce_loss",
     "GradScaler", "MixedPrecisionOptimizer", "PrecisionConfig", "PrecisionPlugin", "apply_precision",
     "parse_precision", "with_master_weights",
-    "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
+    "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "GuardError", "guards", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
-    "load_generated_class", "parallelize", "sync_grad_when",
+    "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "sync_batchnorm",
+    "PeerFailedError", "StepRefusedError",
 ]

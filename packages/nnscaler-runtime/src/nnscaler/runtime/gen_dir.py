@@ -6,6 +6,8 @@
 - ``graph.json`` (+ ``constants.safetensors``): the traced graph, reused by ReuseType.GRAPH;
 - ``fullmodel.safetensors``: the initial full weights, read when a generated class is built with
   ``init_params=True``;
+- ``plan_report.json`` / ``plan_report.txt``: what the plan split (``nnscaler.ir.PlanReport``,
+  written by codegen, printed by ``parallelize(..., verbose=True)``);
 - ``manifest.json``: written last, it makes the directory valid. It records the compute config,
   the policy, the module class, the dummy input schema, the graph fingerprint and the SHA-256 and
   size of every other file.

@@ -7,6 +7,7 @@ Contract for generated code (one module file per plan device, `gencode{d}.py`)::
         RANK = 0                 # plan device this file was generated for (checked modulo plan_ngpus)
         SOURCE_MAP = {57: "model.py:42 in MLP.forward (layers.0): x = F.gelu(layer(x))"}
         FULL_NAMES = (...)       # optional: every full tensor name of the whole plan
+        RANDOM = {"mode": "parallel", "ops": 9}  # optional: the program's random ops (runtime/random.py)
 
         def __init__(self, init_params=True):
             super().__init__()
@@ -44,7 +45,9 @@ from .device import default_device
 from .errors import GenerationError, NnScalerError, PlanMismatchError
 from .grid import RankGrid
 from .gradients import scaled_loss
+from .random import RandomStreamsMixin
 from .reducer import Reducer, sync_grad_when
+from . import failures
 
 __all__ = ["ParallelModule", "FullMapEntry", "INIT_WEIGHTS_FILE"]
 
@@ -52,7 +55,7 @@ INIT_WEIGHTS_FILE = "fullmodel.safetensors"
 _NOTE_PREFIX = "nnscaler: raised by "
 _CONFIG_DEFAULTS = dict(constant_folding=False, trace_strategy="cuda_run_cpu_offload", use_zero=False,
                         zero_ngroups=1, zero_use_reduce_scatter=False, use_async_reducer=False,
-                        reducer_bucket_cap_mb=None, inference_only=False, use_end2end=False,
+                        reducer_bucket_cap_mb=None, inference_only=False, use_end2end=False, rng_mode="parallel", sync_batchnorm=False,
                         pas_config={}, user_config={})
 
 
@@ -89,7 +92,7 @@ def make_compute_config(data: Any):
     return from_dict(dict(data)) if from_dict else ComputeConfig(**data)
 
 
-class ParallelModule(torch.nn.Module):
+class ParallelModule(RandomStreamsMixin, torch.nn.Module):
     """One rank's share of a parallelized model. See the module docstring for the contract."""
 
     COMPUTE_CONFIG: Mapping[str, Any] = {"plan_ngpus": 1, "runtime_ngpus": 1}
@@ -107,6 +110,7 @@ class ParallelModule(torch.nn.Module):
         self.training = bool(self.TRACED_TRAINING)
         self.compute_config = make_compute_config(self.COMPUTE_CONFIG)
         self.grid = RankGrid.get(self.compute_config.plan_ngpus, self.compute_config.runtime_ngpus)
+        failures.arm()  # lets peers tell that this process died (failures.py)
         self.rank = self.grid.rank
         self.device = default_device()
         self.reducer: Optional[Reducer] = None
@@ -189,6 +193,7 @@ class ParallelModule(torch.nn.Module):
             self.to(self.device)
         if init_params:
             self._load_initial_weights()
+        self._random_streams  # collective: rank 0's seed (runtime/random.py)
         cfg = self.compute_config
         trainable = self.parameters_for_optimizer()
         shared = self._shared_param_groups() if self.PIPELINE is not None else {}
@@ -322,13 +327,18 @@ class ParallelModule(torch.nn.Module):
             raise NnScalerError(f"{type(self).__name__} is pipelined (pipeline_scheduler "
                                 f"{self.PIPELINE['scheduler']!r}): its stages run only inside train_step(samples) "
                                 f"/ infer_step(samples), not through a plain forward call")
+        failures.check_step(f"{type(self).__name__}.forward")  # refused after a failed step (failures.py)
         self._check_mode()
         args, kwargs = self._to_device((args, kwargs))
         try:
-            return self._forward_impl(*args, **kwargs)
+            with self.rng_scope():  # the module's random stream (runtime/random.py)
+                out = self._forward_impl(*args, **kwargs)
         except Exception as exc:
             self._note_source(exc)
+            failures.report(exc, "forward")  # peers waiting in a collective raise with it
             raise
+        failures.watch_backward(out)  # a backward pass through `out` that raises is reported too
+        return out
 
     def _check_mode(self) -> None:
         """Refuse the mode the generated code cannot follow (see MODE_DIVERGENCE)."""

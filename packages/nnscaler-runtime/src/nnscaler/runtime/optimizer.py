@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from . import failures
 from .errors import ConfigError
 from .grid import RankGrid
 from .module import FullMapEntry, ParallelModule
@@ -100,7 +101,7 @@ class NnScalerOptimizerMixin:
             total = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
             squares = squares + (total / replicas if replicas != 1 else total)
         if group is not None:
-            dist.all_reduce(squares, group=group)
+            failures.run(dist.all_reduce, squares, group=group, what="the gradient-norm all-reduce")
         total_norm = squares.sqrt()
         if max_norm is not None:
             coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)

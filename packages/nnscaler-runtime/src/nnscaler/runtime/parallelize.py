@@ -14,6 +14,9 @@ import torch.distributed as dist
 
 from .broadcast import broadcast_files, check_strategy
 from .errors import ConfigError, GenerationError
+from .plan_report import report_plan
+from .error_display import is_deliberate
+from .savedir import savedir_error
 from .gen_dir import (CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, Action, Identity, ReuseType, decide,
                       generator_identity, instance_dir, read_manifest, write_manifest)
 
@@ -31,6 +34,7 @@ def parallelize(
     module_fn: Optional[Callable[[], torch.nn.Module]] = None,
     init_module_params: bool = True,
     broadcast_strategy: str = "none",
+    verbose: bool = False,
 ):
     """Parallelize a single-device module with a policy and load this rank's part.
 
@@ -47,6 +51,10 @@ def parallelize(
     module_fn: builds the instance to trace when a class is given (default: ``cls()``).
     init_module_params: for an instance, whether to copy its weights into the parallel module.
     broadcast_strategy: ``none``, ``all``, ``no_weights`` or ``code`` (see nnscaler.runtime.broadcast).
+    verbose: rank 0 prints the plan report (what each module's ops split, parameters sharded vs
+        replicated, collectives per step, ops without an annotation), also when the code is
+        reused. The report is always kept in the gen_savedir (``plan_report.json`` / ``.txt``);
+        a plan that splits little warns (`nnscaler.runtime.PlanWarning`) either way.
 
     Deliberate errors (bad input, a refused reuse, a failed trace or plan) are raised with the
     traceback cut at this call, so what is shown is the user's code and the message.
@@ -55,20 +63,17 @@ def parallelize(
         return _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute_config,
                             gen_savedir=gen_savedir, reuse=reuse, instance_name=instance_name,
                             load_module=load_module, module_fn=module_fn,
-                            init_module_params=init_module_params, broadcast_strategy=broadcast_strategy)
-    except _deliberate_errors() as e:
-        raise e.with_traceback(None) from None
-
-
-def _deliberate_errors() -> tuple:
-    from nnscaler.ir import ConfigError as IrConfigError, TraceError
-    from .errors import NnScalerError
-    errors = [NnScalerError, IrConfigError, TraceError, TypeError, ValueError]
-    return tuple(errors)
+                            init_module_params=init_module_params, broadcast_strategy=broadcast_strategy,
+                            verbose=verbose)
+    except Exception as e:
+        if is_deliberate(e):  # one message; an internal error keeps its traceback (runtime/error_display.py)
+            raise e.with_traceback(None) from None
+        raise
 
 
 def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute_config, *, gen_savedir,
-                 reuse, instance_name, load_module, module_fn, init_module_params, broadcast_strategy):
+                 reuse, instance_name, load_module, module_fn, init_module_params, broadcast_strategy,
+                 verbose=False):
     from nnscaler.ir import ComputeConfig
 
     if not isinstance(compute_config, ComputeConfig):
@@ -93,6 +98,9 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
     class_path = f"{cls.__module__}.{cls.__qualname__}"
     directory = instance_dir(gen_savedir, class_path, instance_name).resolve()
     rank, world = _rank_world()
+    if rank == 0:  # settings that do nothing (zero_ngroups without use_zero, ...): one warning each
+        from nnscaler.ir.config_checks import warn_ineffective_settings
+        warn_ineffective_settings(compute_config)
     if load_module and world != compute_config.runtime_ngpus:
         raise ConfigError(
             f"compute_config.runtime_ngpus is {compute_config.runtime_ngpus} but this job has {world} "
@@ -101,14 +109,16 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
 
     identity = Identity(class_path, compute_config.to_dict(), _policy_name(pas_policy),
                         _input_schema(dummy_forward_args), generator_identity() if rank == 0 else None)
-    error = None
+    error = action = None
     if rank == 0:
         try:
-            _generate_if_needed(module_or_module_class, module_fn, dummy_forward_args, pas_policy,
-                                compute_config, directory, reuse, identity)
+            action = _generate_if_needed(module_or_module_class, module_fn, dummy_forward_args, pas_policy,
+                                         compute_config, directory, reuse, identity)
         except Exception as e:  # shared with every rank below, so none of them hangs
-            error = e
+            error = savedir_error(e, gen_savedir, directory) or e  # an unusable gen_savedir: one clear line
     _share_outcome(error, rank)
+    if rank == 0:  # print (verbose) and warn about what the plan split: nnscaler.runtime.plan_report
+        report_plan(directory, verbose, reused=action is Action.REUSE)
     if world > 1:
         broadcast_files(directory, strategy, rank)
         dist.barrier()
@@ -127,10 +137,10 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
 # -- rank 0: generation -----------------------------------------------------------------------------
 
 def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg, directory: Path,
-                        reuse: ReuseType, identity: Identity) -> None:
+                        reuse: ReuseType, identity: Identity) -> Action:
     action = decide(directory, reuse, identity)
     if action is Action.REUSE:
-        return
+        return action
     try:
         import nnscaler.codegen as codegen
         import nnscaler.policies as policies
@@ -161,6 +171,7 @@ def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg,
     graph = policies.apply_policy(graph, cfg, pas_policy)
     codegen.generate(graph, cfg, directory, policy=identity.policy, fingerprint=fingerprint)
     write_manifest(directory, identity, fingerprint, graph.module_class.rsplit(".", 1)[-1])
+    return action
 
 
 def _write_json(path: Path, data) -> None:

@@ -30,6 +30,9 @@ averaged parts are equal on all ranks, the result is the mean of the sums.
 An unused parameter delays the launch of its bucket (and, to keep the order, of the buckets
 after it) to the end of backward; results stay correct.
 
+Every all-reduce is waited for through `failures.wait`: a rank whose step failed (or died) makes
+this one raise `PeerFailedError` within a fraction of a second instead of blocking (failures.py).
+
 Not supported: reentrant activation checkpointing (`use_reentrant=True`) runs a nested backward
 whose end would trigger the sync too early; use `use_reentrant=False`.
 """
@@ -44,6 +47,9 @@ import torch.distributed as dist
 
 from .device import is_distributed
 from .comm.stats import record
+from . import failures
+
+_WHAT = "the data-parallel gradient all-reduce"
 
 __all__ = ["Reducer", "ReducerStats", "sync_grad_when", "DEFAULT_BUCKET_CAP_MB"]
 
@@ -261,10 +267,15 @@ class Reducer:
         buffer = bucket.flatten()
         if self.divisor != 1:
             buffer.div_(self.divisor)  # gloo has no AVG: pre-divide, then sum
-        bucket.work = dist.all_reduce(buffer, group=self.group, async_op=async_op)
+        # always launched async: a blocking wait goes through failures.wait (a peer's failure notice)
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
         self.stats.allreduce_calls += 1
         self.stats.allreduce_bytes += bucket.nbytes
         record("dp_all_reduce", bucket.nbytes)  # counted apart from tensor-parallel traffic
+        if async_op:
+            bucket.work = work
+        else:
+            failures.wait(work, _WHAT, self.group, buffer)
 
     def _reduce_remaining(self) -> None:
         for bucket in self._buckets[self._next_launch:]:
@@ -272,7 +283,7 @@ class Reducer:
         self._next_launch = len(self._buckets)
         for bucket in self._buckets:
             if bucket.work is not None:
-                bucket.work.wait()
+                failures.wait(bucket.work, _WHAT, self.group, bucket.buffer)
                 bucket.work = None
             bucket.unflatten()
         self.stats.synced_passes += 1
@@ -285,10 +296,11 @@ class Reducer:
             elif not sync:
                 self.stats.local_passes += 1
         finally:
+            broken = failures.failed() is not None  # a failed step: its collectives never complete
             for bucket in self._buckets:  # never leave work pending
-                if bucket.work is not None:
-                    bucket.work.wait()
-                    bucket.work = None
+                if bucket.work is not None and not broken:
+                    failures.wait(bucket.work, _WHAT, self.group, bucket.buffer)
+                bucket.work = None
             self._next_launch = 0
 
     def __repr__(self) -> str:

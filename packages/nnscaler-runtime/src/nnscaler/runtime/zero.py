@@ -96,6 +96,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import failures
 from .comm import fallbacks
 from .comm.stats import record
 from .errors import ConfigError
@@ -376,7 +377,7 @@ class ZeroEngine:
             out = send[0]
         if g.cross_group is not None:
             record("zero_all_reduce", out.nbytes)
-            dist.all_reduce(out, group=g.cross_group)
+            failures.run(dist.all_reduce, out, group=g.cross_group, what="ZeRO's cross-group gradient all-reduce")
             self.stats.cross_all_reduce_calls += 1
         used = None
         if missing:  # read the flags back (a device sync on CUDA) only when a local gradient is missing
@@ -390,11 +391,11 @@ class ZeroEngine:
     def _reduce_scatter(self, send: torch.Tensor, group) -> torch.Tensor:
         if fallbacks.uses_fallback("reduce_scatter", str(dist.get_backend(group)), send.device.type):
             record("zero_reduce_scatter(fallback)", send.nbytes)
-            dist.all_reduce(send, group=group)
+            failures.run(dist.all_reduce, send, group=group, what="ZeRO's gradient reduce-scatter")
             return send[self.groups.group_index].clone()
         out = send.new_empty(send.shape[1:])
         record("zero_reduce_scatter", send.nbytes)
-        _reduce_scatter_single(out, send.view(-1), group=group)
+        failures.run(_reduce_scatter_single, out, send.view(-1), group=group, what="ZeRO's gradient reduce-scatter")
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -444,11 +445,11 @@ class ZeroEngine:
         if fallbacks.uses_fallback("all_gather", str(dist.get_backend(group)), shard.device.type):
             record("zero_all_gather(fallback)", shard.nbytes)
             out = [torch.empty_like(shard) for _ in range(n)]
-            dist.all_gather(out, shard, group=group)
+            failures.run(dist.all_gather, out, shard, group=group, what="ZeRO's parameter all-gather")
             return torch.cat(out)
         record("zero_all_gather", shard.nbytes)
         full = shard.new_empty(n * shard.numel())
-        _all_gather_single(full, shard, group=group)
+        failures.run(_all_gather_single, full, shard, group=group, what="ZeRO's parameter all-gather")
         return full
 
     def __repr__(self) -> str:

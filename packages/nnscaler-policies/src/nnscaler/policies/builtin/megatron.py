@@ -1,29 +1,57 @@
 """A hand-written Megatron-style policy for transformer blocks (the reference for good TP).
 
-Column-parallel linears (split their output features, `n`) start a parallel region;
-row-parallel linears (split their input features, `k`, giving value-split outputs) end it. Ops
-in between follow the layout their input arrives in (split along the dim that is already split),
-so the region runs without communication: per block, one all-reduce after attention and one
-after the MLP in forward, and their duals (one each) in backward. Everything else (embeddings,
-layer norms, the loss) is replicated.
+Column-parallel projections (split their output features, `n`) start a parallel region;
+row-parallel projections (split their input features, `k`, giving value-split outputs) end it.
+Ops in between follow the layout their input arrives in (split along the dim that is already
+split), so the region runs without communication: per block, one all-reduce after attention and
+one after the MLP in forward, and their duals (one each) in backward. Everything else
+(embeddings, layer norms, the loss) is replicated.
 
     from nnscaler.policies.builtin.megatron import megatron_policy
     pm = parallelize(model, args, megatron_policy, ComputeConfig(2, 2))
 
-Module globs choose the linears (defaults fit the example GPT: ``q_proj``/``k_proj``/``v_proj``
-and ``c_fc`` are column-parallel, ``attn.c_proj`` and ``mlp.c_proj`` row-parallel); pass
-``pas_config={'column': [...], 'row': [...]}`` to change them.
+A projection is an `nn.Linear` (``F.linear``) or Hugging Face's `Conv1D` (``torch.addmm``).
+Module globs choose them; the defaults fit our example GPT, Hugging Face GPT-2, Llama (and its
+relatives Qwen2 / Mistral), BERT and ViT (see `COLUMN`, `ROW`, `HEADS` and docs/megatron.md).
+Pass ``pas_config={'column': [...], 'row': [...], 'heads': [...]}`` to change them.
 """
 from __future__ import annotations
 
 import fnmatch
 
-from ..plan import tensor_inputs
+from nnscaler.ir.user_code import warn_user
+
+from ..plan import tensor_inputs, tensor_outputs
 from ..registry import register_policy
 from ._spread import dim_of_input_axis, replicate_over_unit, split_over_unit, splittable
 
-COLUMN = ("*.q_proj", "*.k_proj", "*.v_proj", "*.c_fc")
-ROW = ("*.attn.c_proj", "*.mlp.c_proj")
+__all__ = ["COLUMN", "ROW", "HEADS", "MegatronPatternWarning", "megatron_policy"]
+
+COLUMN = (
+    "*.q_proj", "*.k_proj", "*.v_proj", "*.c_fc",  # example GPT, GPT-2 MLP, Llama attention
+    "*.gate_proj", "*.up_proj",  # Llama / Qwen2 / Mistral MLP
+    "*.self.query", "*.self.key", "*.self.value",  # BERT attention
+    "*.attention.attention.query", "*.attention.attention.key", "*.attention.attention.value",  # ViT (4.x)
+    "*.intermediate.dense",  # BERT / ViT (4.x) MLP
+    "*.mlp.fc1",  # ViT (5.x), CLIP
+)
+ROW = (
+    "*.attn.c_proj", "*.mlp.c_proj",  # example GPT, GPT-2
+    "*.o_proj", "*.down_proj",  # Llama
+    "*.output.dense",  # BERT / ViT (4.x): attention output and MLP output
+    "*.mlp.fc2",  # ViT (5.x), CLIP
+)
+# Attention modules whose q/k/v come out of one fused projection (GPT-2's `c_attn`): the fused
+# projection stays replicated and the `view` that splits q, k, v into heads is split by heads.
+HEADS = ("*.attn",)
+
+_PROJECTIONS = ("linear", "addmm")
+
+
+class MegatronPatternWarning(UserWarning):
+    """A `megatron` pattern (``pas_config['column' | 'row' | 'heads']``) that matches no module
+    of the model, or a plan that splits no projection at all. The message names the patterns and
+    the module paths the model has."""
 
 
 def _matches(path: str, globs) -> bool:
@@ -33,25 +61,33 @@ def _matches(path: str, globs) -> bool:
 @register_policy("megatron")
 def megatron_policy(graph, compute_config):
     n = compute_config.plan_ngpus
-    column = compute_config.pas_config.get("column", COLUMN)
-    row = compute_config.pas_config.get("row", ROW)
+    pas = compute_config.pas_config
+    column, row, heads = (tuple(pas.get(key, default)) for key, default in
+                          (("column", COLUMN), ("row", ROW), ("heads", HEADS)))
     split_on = {}  # value id -> axis it is split along
+    projections = 0
     for node in graph.nodes:
         dim = None
-        if n > 1 and node.short_name == "linear" and _matches(node.module_path, column):
+        projection = node.short_name in _PROJECTIONS and node.target.startswith(("torch.",))
+        if n > 1 and projection and _matches(node.module_path, column):
             dim = "n"
-        elif n > 1 and node.short_name == "linear" and _matches(node.module_path, row):
+        elif n > 1 and projection and _matches(node.module_path, row):
             dim = "k"
         elif n > 1:
             dim = _follow(graph, node, split_on, n)
+            if dim is None and _matches(node.module_path, heads):
+                dim = _heads_dim(graph, node, n)
         if dim is not None and dim in splittable(graph, node, n):
             split_over_unit(graph, node, dim, n)
+            projections += projection and dim in ("n", "k")
             for ref, place in zip([r for r in node.output_refs() if graph.value(r).is_tensor],
                                   node.pieces[0].outputs):
                 if getattr(place, "dim", None) is not None:
                     split_on[ref.id] = place.dim
         else:
             replicate_over_unit(graph, node, n)
+    if n > 1:
+        _warn_unmatched(graph, pas, column, row, heads, projections)
     return graph
 
 
@@ -65,3 +101,44 @@ def _follow(graph, node, split_on, n):
         if dim is not None and dim in splittable(graph, node, n):
             return dim
     return None
+
+
+def _heads_dim(graph, node, n):
+    """For a ``view`` / ``reshape`` that splits the last dim into (heads, head_dim): the dim of
+    the heads, when it splits evenly."""
+    if node.short_name not in ("view", "reshape"):
+        return None
+    ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
+    if len(ins) != 1 or len(outs) != 1:
+        return None
+    before, after = graph.value(ins[0]).shape, graph.value(outs[0]).shape
+    if before is None or after is None or len(after) != len(before) + 1 \
+            or tuple(after[:len(before) - 1]) != tuple(before[:-1]):
+        return None
+    dim = dim_of_input_axis(graph, node, 0, len(before) - 1)
+    return dim if dim is not None and dim in splittable(graph, node, n) else None
+
+
+def _module_paths(graph):
+    paths = sorted({node.module_path for node in graph.nodes if node.module_path})
+    projections = sorted({node.module_path for node in graph.nodes
+                          if node.module_path and node.short_name in _PROJECTIONS})
+    return paths, projections
+
+
+def _warn_unmatched(graph, pas, column, row, heads, projections) -> None:
+    paths, proj_paths = _module_paths(graph)
+    shown = ", ".join(proj_paths[:12]) + (f", … ({len(proj_paths)} in all)" if len(proj_paths) > 12 else "")
+    for key, globs in (("column", column), ("row", row), ("heads", heads)):
+        if key not in pas:
+            continue  # the defaults cover several model families: most of them match nothing here
+        unmatched = [g for g in globs if not any(fnmatch.fnmatchcase(p, g) for p in paths)]
+        if unmatched:
+            warn_user(f"megatron: pas_config['{key}'] pattern(s) {unmatched} match no module of the model; "
+                      f"its projection modules (nn.Linear / Conv1D) are: {shown or 'none'}. Fix the globs "
+                      f"(fnmatch on the module path, e.g. '*.attn.q_proj').", MegatronPatternWarning)
+    if projections == 0:
+        warn_user(f"megatron: the plan splits no projection (column patterns {list(column)}, row patterns "
+                  f"{list(row)} match none of the model's projection modules: {shown or 'none'}); every "
+                  f"parameter is replicated. Pass pas_config={{'column': [...], 'row': [...]}} with globs "
+                  f"of the model's module paths.", MegatronPatternWarning)

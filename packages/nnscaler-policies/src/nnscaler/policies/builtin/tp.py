@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from ..registry import register_policy
+from ._nothing_split import warn_if_nothing_split
 from ._spread import replicate_over_unit, split_over_unit, splittable
 
 
@@ -22,4 +23,5 @@ def tp(graph, compute_config):
             split_over_unit(graph, node, rng.choice(sorted(dims)), n)
         else:
             replicate_over_unit(graph, node, n)
+    warn_if_nothing_split(graph, "tp", n)
     return graph

@@ -16,16 +16,22 @@ reduce_scatter(x,dim)  V -> D(dim)     reduce_scatter                   all_gath
 all_to_all(x,s,d)      D(s) -> D(d)    all_to_all                       all_to_all (d -> s)
 to_partial(x)          R -> V          piece 0 keeps x, others zeros    identity
 shard_to_partial(x,d)  D(d) -> V       zeros with own slice filled      own chunk
-grad_all_reduce(x)     R -> R*         identity                         all_reduce
+grad_all_reduce(x)     R -> R*         identity (a copy)                all_reduce
 all_gather_rs(x, dim)  D(dim) -> R*    all_gather                       reduce_scatter
 all_reduce_ar(x)       V -> R*         all_reduce                       all_reduce
 =====================  ==============  ===============================  ========================
 
 Every function takes `ranks`, the tuple of runtime ranks holding the pieces in piece order, and
 is the identity (no communication, `x` itself) when `ranks` has one rank. Negative dims count
-from the end. Outputs are fresh contiguous tensors, except for the identities
-(`grad_all_reduce`'s forward returns `x` as autograd's alias of it: modifying that output in
-place is refused by autograd; clone it first if a consumer must).
+from the end.
+
+In-place safety: every output, forward and backward, is a fresh contiguous tensor that is not a
+view and shares no memory with the input, so in-place ops (``relu_``, ``add_``, ``mul_``, a
+``ReLU(inplace=True)``) may modify it and the input stays intact. Where the collective already
+produces a fresh buffer this costs nothing (`primitives.own` drops the view-ness of a reshaped
+receive buffer without a copy); the one copy is `grad_all_reduce`'s forward, whose result is
+the input's value: it is a clone (autograd refuses in-place ops on an input returned as is).
+Backward identities (`all_reduce`, `to_partial`) pass the incoming gradient on, as autograd does.
 """
 from __future__ import annotations
 
@@ -57,6 +63,11 @@ def _own_chunk(x, dim, rs):
 
 def _identity(x, *args):
     return x
+
+
+def _copy(x, *args):
+    """A fresh copy (forward of an identity transition: the output may be modified in place)."""
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def _keep_on_first(x, rs):
@@ -97,7 +108,7 @@ _ReduceScatter = _dual("_ReduceScatter", reduce_scatter_, all_gather_)
 _AllToAll = _dual("_AllToAll", all_to_all_, _reverse_all_to_all)
 _ToPartial = _dual("_ToPartial", _keep_on_first, _identity)
 _ShardToPartial = _dual("_ShardToPartial", _pad_to_full, _own_chunk)
-_GradAllReduce = _dual("_GradAllReduce", _identity, all_reduce_)  # Megatron's f
+_GradAllReduce = _dual("_GradAllReduce", _copy, all_reduce_)  # Megatron's f
 _AllGatherRS = _dual("_AllGatherRS", all_gather_, reduce_scatter_)
 _AllReduceAR = _dual("_AllReduceAR", all_reduce_, all_reduce_)
 

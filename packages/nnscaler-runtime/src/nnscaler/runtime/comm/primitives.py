@@ -6,7 +6,9 @@ ranks (the default group when they are the whole world). torch orders a group's 
 ascending, so when `ranks` is not sorted the pieces are permuted around each collective.
 
 Every function here takes and returns whole local tensors (any dim, any strides) and returns a
-fresh contiguous tensor that shares no memory with its input.
+fresh contiguous tensor that shares no memory with its input and is not a view (`own`): the
+autograd functions of `collectives` return it as is, and autograd lets in-place ops
+(``relu_``, ``add_``) modify the output of a custom Function only when it is not a view.
 """
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ from nnscaler.ir.layout import LayoutError
 
 from ..device import is_distributed
 from ..errors import NnScalerError
+from .. import failures
 from .. import grid as _grid
 from . import fallbacks
 from .stats import record
 
 __all__ = ["CommError", "UnevenSplitError", "RankSet", "group_for", "resolve", "as_ranks",
-           "normalize_dim", "check_divisible", "local_slice", "all_reduce_", "all_gather_",
+           "normalize_dim", "check_divisible", "local_slice", "own", "all_reduce_", "all_gather_",
            "reduce_scatter_", "all_to_all_"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -142,6 +145,11 @@ def check_divisible(x: torch.Tensor, dim: int, n: int, op: str, ranks) -> int:
     return size // n
 
 
+def _what(op: str, rs: "RankSet") -> str:
+    """How failure messages name a collective (failures.py)."""
+    return f"the tensor-parallel {op} over ranks {rs.ranks}"
+
+
 def _pieces_to_group(stacked: torch.Tensor, rs: RankSet) -> torch.Tensor:
     return stacked if rs.to_group is None else stacked.index_select(0, rs.to_group.to(stacked.device))
 
@@ -150,11 +158,21 @@ def _group_to_pieces(stacked: torch.Tensor, rs: RankSet) -> torch.Tensor:
     return stacked if rs.to_piece is None else stacked.index_select(0, rs.to_piece.to(stacked.device))
 
 
+def own(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or, when `t` is a view (of a buffer nothing else holds), a tensor on the same
+    memory that is not a view: no copy. Autograd refuses in-place ops on a custom Function's
+    output that is a view ("Output 0 of _AllToAll is a view and is being modified inplace")."""
+    if t._base is None:
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 def _merge_first(stacked: torch.Tensor, dim: int) -> torch.Tensor:
-    """(n, *shape) -> concatenation of the n pieces along `dim` (contiguous)."""
+    """(n, *shape) -> concatenation of the n pieces along `dim` (contiguous, not a view: when the
+    concatenation is a reshape of the stacked buffer, the result owns that buffer)."""
     n, shape = stacked.shape[0], stacked.shape[1:]
     merged = shape[:dim] + (n * shape[dim],) + shape[dim + 1:]
-    return stacked.movedim(0, dim).reshape(merged).contiguous()
+    return own(stacked.movedim(0, dim).reshape(merged).contiguous())
 
 
 def _split_first(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
@@ -169,11 +187,12 @@ def _gather_stacked(x: torch.Tensor, rs: RankSet, fallback: bool) -> torch.Tenso
     x = x.contiguous()
     if fallback:
         out = [torch.empty_like(x) for _ in range(rs.n)]
-        dist.all_gather(out, x, group=rs.group)
+        failures.run(dist.all_gather, out, x, group=rs.group, what=_what("all_gather", rs))
         stacked = torch.stack(out)
     else:
         stacked = x.new_empty((rs.n,) + tuple(x.shape))
-        _all_gather_single(stacked.view(-1), x.view(-1), group=rs.group)
+        failures.run(_all_gather_single, stacked.view(-1), x.view(-1), group=rs.group,
+                     what=_what("all_gather", rs))
     return _group_to_pieces(stacked, rs)
 
 
@@ -181,7 +200,7 @@ def all_reduce_(x: torch.Tensor, rs: RankSet) -> torch.Tensor:
     """Sum of every rank's `x` (full shape)."""
     out = x.clone(memory_format=torch.contiguous_format)
     record("all_reduce", out.nbytes)
-    dist.all_reduce(out, group=rs.group)
+    failures.run(dist.all_reduce, out, group=rs.group, what=_what("all_reduce", rs))
     return out
 
 
@@ -198,13 +217,14 @@ def reduce_scatter_(x: torch.Tensor, dim: int, rs: RankSet) -> torch.Tensor:
     if fallbacks.uses_fallback("reduce_scatter", rs.backend, x.device.type):
         total = x.clone(memory_format=torch.contiguous_format)
         record("reduce_scatter(fallback)", total.nbytes)
-        dist.all_reduce(total, group=rs.group)
+        failures.run(dist.all_reduce, total, group=rs.group, what=_what("reduce_scatter", rs))
         c = x.shape[dim] // n
         return total.narrow(dim, rs.index * c, c).clone(memory_format=torch.contiguous_format)
     stacked = _pieces_to_group(_split_first(x, dim, n), rs).contiguous()
     out = stacked.new_empty(stacked.shape[1:])
     record("reduce_scatter", stacked.nbytes)
-    _reduce_scatter_single(out.view(-1), stacked.view(-1), group=rs.group)
+    failures.run(_reduce_scatter_single, out.view(-1), stacked.view(-1), group=rs.group,
+                 what=_what("reduce_scatter", rs))
     return out
 
 
@@ -220,7 +240,8 @@ def all_to_all_(x: torch.Tensor, src_dim: int, dst_dim: int, rs: RankSet) -> tor
     send = _pieces_to_group(_split_first(x, dst_dim, n), rs).contiguous()
     recv = torch.empty_like(send)
     record("all_to_all", send.nbytes)
-    dist.all_to_all_single(recv.view(-1), send.view(-1), group=rs.group)
+    failures.run(dist.all_to_all_single, recv.view(-1), send.view(-1), group=rs.group,
+                 what=_what("all_to_all", rs))
     return _merge_first(_group_to_pieces(recv, rs), src_dim)
 
 

@@ -1,0 +1,448 @@
+"""Failures reach every rank: a rank that raises in a step makes every other rank raise too.
+
+Without this, a rank that raises inside forward or backward while its process stays alive (the
+user's loop logs the error and goes on, a debugger stops there) leaves its peers blocked in the
+next collective they share with it (the gradient all-reduce, a tensor-parallel collective, ZeRO's
+reduce-scatter) until that process exits.
+
+The protocol (CPU / gloo collectives; see "Why a side channel" below):
+
+* **Failure notice.** A rank whose step raises writes a notice into the job's rendezvous store
+  (the key-value store torch.distributed was initialised with): its rank and its error
+  (``rank 1 failed in forward: ValueError: ...``). A forward failure is seen by
+  `ParallelModule.forward`; a backward failure by a callback that every backward pass through the
+  module's outputs queues on the autograd engine: when the pass ends without running it, the pass
+  raised (the error text is picked up as it leaves the engine; where a tracer such as a debugger is
+  active, the notice says "failed in backward" without the text).
+* **Watchful waits.** Every collective nnscaler issues during a step (the Reducer's bucket
+  all-reduces, ZeRO's reduce-scatter / all-reduce / all-gather, the tensor-parallel collectives of
+  `nnscaler.runtime.comm`, the gradient-norm all-reduce) is launched asynchronously and waited for
+  in slices of `POLL_S` seconds. A collective that completes within the first slice costs nothing
+  more than before. Between slices the waiter reads one counter in the store; once any rank has
+  posted a notice it raises `PeerFailedError` naming that rank and its error.
+* **Dead peers.** A rank killed outright (SIGKILL, the OOM killer) posts nothing; gloo fails the
+  pending collective within a second ("Connection closed by peer"). The waiter then looks up the
+  processes of the collective's ranks (host and pid, registered when the module was built) and
+  raises `PeerFailedError` saying which rank died, instead of gloo's message.
+* **Broken state.** After a failure (its own or a peer's) a process refuses later steps with
+  `StepRefusedError`: the ranks' collectives are out of step, nothing can be trusted but a restart.
+
+Why a side channel rather than a notice carried by the collective the peers wait for: the failing
+rank would have to issue exactly the collective each peer is blocked in, with the same size, and
+only its generated code knows which tensor-parallel collective comes next; the store reaches every
+rank whatever it waits for, costs one small write on failure and nothing on the fast path.
+
+Not covered: NCCL (device) collectives are not polled (the CPU does not block in them; use
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` and the process-group timeout there); a backward pass that
+fails before it reaches the module's outputs (in the user's loss code) posts no notice; a notice
+left by an earlier process group on the same store is seen by a later one.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .device import is_distributed
+from .errors import NnScalerError
+
+__all__ = ["PeerFailedError", "StepRefusedError", "POLL_S", "enabled", "arm", "report", "check_step", "wait", "run",
+           "watch_backward", "failed", "reset"]
+
+POLL_S = 0.25  # seconds between two looks at the store while a collective is pending
+# False turns the protocol off in this process (plain waits, no notices, no hooks): for
+# measuring its cost (bench/failure_overhead.py). Every rank must agree.
+enabled = True
+_PREFIX = "nnscaler/failure/"
+_COUNT = _PREFIX + "count"
+_TIMEOUT_TEXT = "Operation timed out!"  # c10d Work.wait(timeout) when the slice ends
+
+
+class PeerFailedError(NnScalerError, RuntimeError):
+    """Another rank failed (or died) during this step; `rank` is that rank, `reason` its error
+    (None when it died without one), `died` whether its process ended without reporting."""
+
+    def __init__(self, message: str, rank: Optional[int], reason: Optional[str], died: bool):
+        super().__init__(message)
+        self.rank, self.reason, self.died = rank, reason, died
+
+
+class StepRefusedError(NnScalerError, RuntimeError):
+    """A step on a process whose earlier step failed (here or on a peer): restart the job."""
+
+
+class _State:
+    def __init__(self, owner: Any):
+        self.owner = owner
+        self.broken: Optional[str] = None  # why this process cannot run steps any more
+        self.reported = False  # this rank posted its notice
+        self.armed = False
+        self.task: Optional[int] = None  # graph task of the last watched backward pass
+        self.ranks: Dict[int, Tuple[int, ...]] = {}
+
+
+_STATE = _State(None)
+
+
+def _state() -> _State:
+    global _STATE
+    owner = dist.group.WORLD if is_distributed() else None
+    if _STATE.owner is not owner:
+        _STATE = _State(owner)
+    return _STATE
+
+
+def _multi_rank() -> bool:
+    return enabled and is_distributed() and dist.get_world_size() > 1
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: the protocol is off, waits are plain
+        return None
+
+
+# -- this rank ------------------------------------------------------------------------------------
+def arm() -> None:
+    """Register this process (host, pid) so that peers can tell it died. Called when a
+    ParallelModule is built; cheap and idempotent."""
+    state = _state()
+    if state.armed or not _multi_rank():
+        return
+    state.armed = True
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"{_PREFIX}proc/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
+        except Exception:  # noqa: BLE001 - best effort: only the "which rank died" text needs it
+            pass
+
+
+def failed() -> Optional[str]:
+    """Why this process refuses steps (None while it can run them)."""
+    return _state().broken
+
+
+def reset() -> None:
+    """Forget this process's failure state (tests; a new process group starts clean anyway)."""
+    global _STATE
+    _STATE = _State(dist.group.WORLD if is_distributed() else None)
+
+
+def check_step(what: str) -> None:
+    """Refuse a step after an earlier failure (here or on a peer)."""
+    broken = _state().broken
+    if broken is not None:
+        raise StepRefusedError(
+            f"{what}: an earlier step failed ({broken}); the ranks' collectives are out of step since, so no "
+            f"step can run again in this job: restart it (every rank raises at its next collective)")
+
+
+def report(exc: BaseException, phase: str) -> None:
+    """This rank's step raised `exc` in `phase` ("forward", "backward"): post the notice every
+    peer waiting in a collective will raise with, and refuse later steps here."""
+    state = _state()
+    if isinstance(exc, (PeerFailedError, StepRefusedError)) or not _multi_rank():
+        return
+    if getattr(exc, "raised_on_every_rank", False):  # e.g. a GuardError the ranks agreed on (guards.py):
+        return  # every rank raised at the same point, their collectives are still in step
+    text = f"{type(exc).__name__}: {exc}"
+    notes = [str(n) for n in getattr(exc, "__notes__", ()) if str(n).strip()]
+    if notes:  # e.g. the user's source line ParallelModule adds
+        text += f" ({notes[0].strip().splitlines()[0]})"
+    _post(state, f"rank {dist.get_rank()} failed in {phase}: {text}")
+
+
+def _post(state: _State, reason: str) -> None:
+    if state.broken is None:
+        state.broken = reason
+    if state.reported:
+        return
+    state.reported = True
+    store = _store()
+    if store is None:
+        return
+    rank = dist.get_rank()
+    try:
+        store.set(f"{_PREFIX}rank{rank}", reason)
+        n = store.add(_COUNT, 1)
+        store.set(f"{_PREFIX}{n}", str(rank))
+    except Exception:  # noqa: BLE001 - the store is gone: peers see the connection drop instead
+        pass
+
+
+# -- backward -------------------------------------------------------------------------------------
+class _PassEnd:
+    """Queued on the autograd engine at the start of a backward pass through the module's outputs.
+    The engine runs it when the pass succeeds; when the pass raises, the engine drops it unrun and
+    `on_failure(error)` is called with the pass's error (None where it cannot be caught)."""
+
+    __slots__ = ("ran", "on_failure")
+
+    def __init__(self, on_failure):
+        self.ran = False
+        self.on_failure = on_failure
+
+    def __call__(self) -> None:
+        self.ran = True
+
+    def __del__(self):
+        if self.ran:
+            return
+        try:
+            if not _catch_leaving_error(self.on_failure):
+                self.on_failure(None)
+        except Exception:  # noqa: BLE001 - never raise from __del__
+            pass
+
+
+def _backward_failed(exc: Optional[BaseException]) -> None:
+    state = _state()
+    if state.broken is not None or not _multi_rank():
+        return  # a peer's failure raised in this pass (already known), or nobody to tell
+    if exc is None:
+        _post(state, f"rank {dist.get_rank()} failed in backward (its error is in its own log)")
+    else:
+        report(exc, "backward")
+
+
+def _catch_leaving_error(callback) -> bool:
+    """The engine is about to raise the pass's error into the Python frames that called it: trace
+    those frames until it arrives and pass it to `callback`. False where that cannot be done:
+    another tracer (a debugger, coverage) is active and left alone, or no Python frame called
+    the engine (a device thread)."""
+    if sys.gettrace() is not None:
+        return False
+    try:
+        frame = sys._getframe(2)  # _catch_leaving_error <- __del__ <- (the C++ engine) the caller
+    except ValueError:
+        return False
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+
+    def stop() -> None:
+        for f in frames:
+            f.f_trace = None
+        sys.settrace(None)
+
+    def on_event(frame, event, arg):
+        if event == "exception":
+            stop()
+            try:
+                callback(arg[1])
+            except Exception:  # noqa: BLE001
+                pass
+            return None
+        if event == "return" and frame is frames[-1]:
+            stop()  # left the outermost frame without an error: nothing to catch
+        return on_event
+
+    for f in frames:
+        f.f_trace_lines = False
+        f.f_trace = on_event
+    sys.settrace(_no_new_frames)
+    return True
+
+
+def _no_new_frames(frame, event, arg):
+    return None
+
+
+def _on_backward_start(grad):
+    state = _state()
+    task = torch._C._current_graph_task_id() if hasattr(torch._C, "_current_graph_task_id") else None
+    if task is None or task != state.task:
+        state.task = task
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(_PassEnd(_backward_failed))
+        except RuntimeError:  # not inside a backward pass (cannot happen from a tensor hook)
+            pass
+    return None
+
+
+def watch_backward(outputs: Any) -> None:
+    """Watch the backward passes through `outputs` (a forward's result): a pass that raises posts
+    this rank's failure notice. One hook per output tensor with a gradient graph."""
+    if not _multi_rank() or not torch.is_grad_enabled():
+        return
+    for t in _tensors(outputs):
+        if t.grad_fn is not None:
+            t.register_hook(_on_backward_start)
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+# -- peers ------------------------------------------------------------------------------------------
+def _notice(store) -> Optional[Tuple[int, str]]:
+    """(rank, reason) of the first failure any rank posted, or None."""
+    if store.add(_COUNT, 0) == 0:
+        return None
+    store.wait([f"{_PREFIX}1"], timedelta(seconds=10))
+    rank = int(store.get(f"{_PREFIX}1").decode())
+    return rank, store.get(f"{_PREFIX}rank{rank}").decode()
+
+
+def _group_ranks(group) -> Tuple[int, ...]:
+    state = _state()
+    key = id(group)
+    if key not in state.ranks:
+        try:
+            state.ranks[key] = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        except Exception:  # noqa: BLE001
+            state.ranks[key] = tuple(range(dist.get_world_size()))
+    return state.ranks[key]
+
+
+def _dead(store, ranks: Sequence[int]) -> Tuple[Sequence[int], Sequence[int]]:
+    """(ranks whose process is gone, ranks that could not be checked: on another host)."""
+    dead, unknown, me, host = [], [], dist.get_rank(), socket.gethostname()
+    for r in ranks:
+        if r == me:
+            continue
+        key = f"{_PREFIX}proc/{r}"
+        if not store.check([key]):
+            unknown.append(r)
+            continue
+        their_host, pid = store.get(key).decode().rsplit(" ", 1)
+        if their_host != host:
+            unknown.append(r)
+        elif not _alive(int(pid)):
+            dead.append(r)
+    return dead, unknown
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child its parent has not reaped yet is a zombie: dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _peer_failed(state: _State, rank: int, reason: str, what: str) -> PeerFailedError:
+    state.broken = state.broken or reason
+    return PeerFailedError(f"{reason}; this rank stopped waiting for it in {what}", rank, reason, died=False)
+
+
+def _connection_lost(state: _State, store, group, what: str, exc: BaseException) -> PeerFailedError:
+    if store is not None:
+        try:
+            found = _notice(store)
+            if found is not None:  # the rank failed, posted its notice, then exited
+                return _peer_failed(state, found[0], found[1], what)
+            dead, unknown = _dead(store, _group_ranks(group))
+            for _ in range(20):  # the connection drops while the killed process is still exiting
+                if dead or len(unknown) == len(_group_ranks(group)) - 1:
+                    break
+                time.sleep(0.05)
+                dead, unknown = _dead(store, _group_ranks(group))
+        except Exception:  # noqa: BLE001 - the store itself is gone with its host process
+            dead, unknown = [], None
+    else:
+        dead, unknown = [], None
+    if dead:
+        which = ", ".join(str(r) for r in dead)
+        reason = (f"rank {which} died (its process ended without reporting an error: killed, e.g. by SIGKILL or "
+                  f"the out-of-memory killer, or crashed)")
+        state.broken = state.broken or reason
+        return PeerFailedError(f"{reason}; this rank stopped waiting for it in {what}", dead[0], None, died=True)
+    ranks = _group_ranks(group)
+    if unknown is None:
+        reason = (f"a peer of {what} (ranks {list(ranks)}) lost its connection and the rendezvous store is "
+                  f"unreachable: the process hosting it (rank 0 with init_method env:// or tcp://) most likely died")
+    else:
+        reason = (f"a peer of {what} (ranks {list(ranks)}; on another host: {unknown}) closed its connection: "
+                  f"its process died or its host went away")
+    state.broken = state.broken or reason
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return PeerFailedError(f"{reason} (backend: {first[:200]})", None, None, died=True)
+
+
+def _polled(tensor: Optional[torch.Tensor]) -> bool:
+    return tensor is None or tensor.device.type == "cpu"
+
+
+# gloo runs these collectives inside `work.wait()` itself (the work is not started before, and
+# ignores a wait timeout): they are waited for on a helper thread instead.
+_WAIT_RUNS_IT = {f for f in (getattr(dist, "reduce_scatter_tensor", None), getattr(dist, "reduce_scatter_single", None))
+                 if f is not None}
+_HELPER = None
+
+
+def _wait_on_helper(work):
+    global _HELPER
+    if _HELPER is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnscaler-collective-wait")
+    return _HELPER.submit(work.wait)
+
+
+def wait(work, what: str, group=None, tensor: Optional[torch.Tensor] = None, runs_in_wait: bool = False) -> None:
+    """Wait for the async collective `work` (over `group`) like `work.wait()`, raising
+    `PeerFailedError` as soon as any rank has posted a failure notice or a peer's process died.
+    `what` names the collective in messages ("the gradient all-reduce"). Device (NCCL) work whose
+    `tensor` is not on the CPU is waited for plainly. `runs_in_wait`: the backend runs the
+    collective inside `work.wait()` (gloo's reduce-scatter): waited for on a helper thread."""
+    if not _polled(tensor) or not _multi_rank():
+        work.wait()
+        return
+    state, store = _state(), None
+    slice_ = timedelta(seconds=POLL_S)
+    future = _wait_on_helper(work) if runs_in_wait else None
+    while True:
+        try:
+            if future is None:
+                work.wait(slice_)
+                return
+            from concurrent.futures import TimeoutError as _Timeout
+            try:
+                future.result(timeout=POLL_S)
+                return
+            except _Timeout:
+                raise RuntimeError(_TIMEOUT_TEXT) from None
+        except RuntimeError as exc:
+            if str(exc).strip() != _TIMEOUT_TEXT:
+                raise _connection_lost(state, store if store is not None else _store(), group, what, exc) from None
+        if store is None:
+            store = _store()
+            if store is None:
+                work.wait()
+                return
+        try:
+            found = _notice(store)
+        except Exception:  # noqa: BLE001 - store unreachable: keep waiting, gloo reports the dead peer
+            found = None
+        if found is not None:
+            raise _peer_failed(state, found[0], found[1], what)
+
+
+def run(fn, *args, what: str, group=None, **kwargs):
+    """`fn(*args, group=group, async_op=True, **kwargs)` (a torch.distributed collective) waited
+    for with `wait`; returns None like the blocking call."""
+    tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    work = fn(*args, group=group, async_op=True, **kwargs)
+    wait(work, what, group, tensor, runs_in_wait=fn in _WAIT_RUNS_IT)

@@ -1,0 +1,63 @@
+"""ComputeConfig settings that are valid but do nothing: each warns, naming the key and the fix."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nnscaler import ComputeConfig, parallelize
+from nnscaler.ir import ConfigWarning
+from nnscaler.ir.config_checks import ineffective_settings
+
+
+@pytest.mark.parametrize("kwargs, key, fix", [
+    (dict(plan_ngpus=1, runtime_ngpus=4, zero_ngroups=2), "zero_ngroups=2 has no effect without use_zero=True",
+     "set use_zero=True"),
+    (dict(plan_ngpus=1, runtime_ngpus=4, zero_use_reduce_scatter=True),
+     "zero_use_reduce_scatter=True has no effect without use_zero=True", "set use_zero=True"),
+    (dict(plan_ngpus=2, runtime_ngpus=2, use_zero=True), "use_zero=True shards nothing",
+     "runtime_ngpus=4"),
+    (dict(plan_ngpus=1, runtime_ngpus=4, use_zero=True, zero_ngroups=4), "use_zero=True shards nothing",
+     "smaller zero_ngroups"),
+])
+def test_setting_that_does_nothing_is_named(kwargs, key, fix):
+    [message] = ineffective_settings(ComputeConfig(**kwargs))
+    assert f"ComputeConfig.{key}" in message and fix in message
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(plan_ngpus=1, runtime_ngpus=4),
+    dict(plan_ngpus=1, runtime_ngpus=4, use_zero=True),
+    dict(plan_ngpus=1, runtime_ngpus=4, use_zero=True, zero_ngroups=2, zero_use_reduce_scatter=True),
+    dict(plan_ngpus=2, runtime_ngpus=4, use_zero=True),
+])
+def test_effective_settings_are_quiet(kwargs):
+    assert ineffective_settings(ComputeConfig(**kwargs)) == []
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).sum()
+
+
+Small.__module__ = __name__
+
+
+def test_parallelize_warns_at_the_users_call(tmp_path):
+    cfg = ComputeConfig(1, 1, use_zero=True, trace_strategy="cpu")
+    with pytest.warns(ConfigWarning, match=r"ComputeConfig.use_zero=True shards nothing") as record:
+        parallelize(Small(), {"x": torch.randn(2, 4)}, "dp", cfg, gen_savedir=tmp_path)
+    assert [w.filename for w in record if issubclass(w.category, ConfigWarning)] == [__file__]
+
+
+def test_parallelize_with_a_useful_config_does_not_warn(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        parallelize(Small(), {"x": torch.randn(2, 4)}, "dp", ComputeConfig(1, 1, trace_strategy="cpu"),
+                    gen_savedir=tmp_path)

@@ -1,0 +1,134 @@
+"""Guards and both-branch decisions in generated code (codegen/guards.py, codegen/branches.py)."""
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nnscaler.codegen import generate
+from nnscaler.codegen.emit import emit_rank
+from nnscaler.ir import ComputeConfig, trace
+from nnscaler.policies import apply_policy
+
+
+class MaskIf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        if (mask == 1).all():  # decision line
+            h = h * 2
+        else:
+            h = h * mask
+        return h.sum()
+
+
+class MaskOrCausal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x, attention_mask):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        if attention_mask.sum() == attention_mask.numel():
+            mask = None
+        else:
+            mask = attention_mask.bool()[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None).sum()
+
+
+def _code(model, args, policy="dp", plan=1, world=1, both_branches=True, rank=0, **cfg):
+    config = ComputeConfig(plan, world, trace_strategy="cpu", **cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(model, args, both_branches=both_branches)
+    graph = apply_policy(graph, config, policy)
+    return emit_rank(graph, config.to_dict(), rank, policy, graph.fingerprint())
+
+
+def _line_of(text):
+    lines, start = inspect.getsourcelines(MaskIf.forward)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_guard_is_a_check_call_with_the_users_line():
+    text = _code(MaskIf(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, world=2, both_branches=False)
+    (call,) = [line.strip() for line in text.splitlines() if "nr.guards.check(" in line]
+    assert re.match(r"nr\.guards\.check\(all_\d+, 'bool', True, at='.*test_guard_code\.py:"
+                    f"{_line_of('decision line')} in MaskIf.forward: if \\(mask == 1\\).all\\(\\):", call), call
+    assert "cause=\"forward's argument `mask`\"" in call and call.endswith("agree=True)")
+    assert "import nnscaler.runtime.guards" not in text  # reached through `nr`
+    compile(text, "gencode0.py", "exec")
+
+
+def test_both_branches_become_if_blocks_and_conditional_arguments():
+    text = _code(MaskIf(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
+    assert "nr.guards.check(" not in text
+    (decision,) = re.findall(r"(_branch_\d+) = bool\(all_\d+\)", text)
+    body = [line.strip() for line in text.split("def _forward_impl")[1].splitlines()]
+    traced = body.index(f"if {decision}:")
+    other = body.index(f"if not {decision}:")
+    assert re.match(r"mul_\d+ = \(linear_\d+ \* 2\)", body[traced + 1])
+    assert re.match(r"mul_\d+ = \(linear_\d+ \* mask\)", body[other + 1])
+    assert re.search(rf"\(mul_\d+ if {decision} else mul_\d+\)", text)
+    compile(text, "gencode0.py", "exec")
+
+
+def test_tensor_parallel_conversions_of_a_branch_value_stay_inside_its_branch():
+    args = {"x": torch.randn(2, 4, 8), "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}
+    text = _code(MaskOrCausal(), args, policy="tp", plan=2, world=2)
+    compile(text, "gencode0.py", "exec")
+    (decision,) = re.findall(r"(_branch_\d+) = bool\(", text)
+    lines = text.split("def _forward_impl")[1].splitlines()
+    # every statement that touches a value computed in one branch runs under that branch's `if`
+    branch_vars, header = set(), None
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith(("if _branch", "if not _branch")):
+            header, indent = stripped, len(line) - len(line.lstrip())
+            continue
+        if header is not None and len(line) - len(line.lstrip()) > indent:
+            assign = re.match(r"\s*\(?([A-Za-z_0-9, ]+?)\)? = ", line)
+            if assign:
+                branch_vars |= {v.strip() for v in assign.group(1).split(",")}
+            continue
+        header = None
+        used = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", stripped.split("#")[0]))
+        outside = used & branch_vars
+        if outside and not stripped.startswith("del "):
+            assert " if _branch" in stripped, stripped  # only as one side of a conditional argument
+    assert any("nr.comm." in line and line.startswith(" " * 12) for line in lines), "no conversion inside a branch"
+    assert "attn_mask=" in text and f"if {decision} else" in text
+
+
+def test_a_pipelined_plan_keeps_the_traced_branch_guarded(tmp_path):
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x, mask):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            if not (mask == 1).all():
+                x = x * mask
+            return x.sum()
+
+    config = ComputeConfig(2, 2, trace_strategy="cpu", use_end2end=True,
+                           pas_config={"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = trace(Deep(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
+    assert any(n.branch is not None for n in graph.nodes)
+    paths = generate(apply_policy(graph, config, "pp"), config, tmp_path, policy="pp")
+    text = "".join(p.read_text() for p in paths)
+    assert "= bool(" not in text and "if _branch_" not in text and "* mask" not in text
+    (call,) = [line.strip() for line in text.splitlines() if "nr.guards.check(" in line]
+    assert "'bool', True" in call and call.endswith("agree=False)")  # the executor's failure notice

@@ -1,0 +1,192 @@
+"""The plan report codegen builds: exact parameter counts and bytes of known plans, the collectives
+per step against what a real 2-process run measures, un-annotated ops, pipelines."""
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from launch import run_workers  # noqa: E402
+
+from gpt import GPT, GPTConfig, random_batch  # noqa: E402
+from nnscaler.codegen import REPORT_JSON, REPORT_TEXT, build_report, generate  # noqa: E402
+from nnscaler.ir import ComputeConfig, PlanReport, trace  # noqa: E402
+from nnscaler.policies import apply_policy  # noqa: E402
+
+CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+BATCH = 4
+# the Megatron policy's defaults on the example GPT: column-parallel q/k/v and c_fc (weight and
+# bias split), row-parallel c_proj (weight split, bias whole)
+MEGATRON_SHARDED = ("*.q_proj.*", "*.k_proj.*", "*.v_proj.*", "*.c_fc.*", "*.c_proj.weight")
+
+
+def _planned(policy, plan, world, **cfg):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    graph = trace(model, random_batch(0, BATCH * plan // world, CFG))
+    cc = ComputeConfig(plan, world, **cfg)
+    return model, apply_policy(graph, cc, policy), cc
+
+
+def _registered(text: str):
+    """full name -> (full shape, local shape) of every parameter rank code registers (add_full_map)."""
+    out = {}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_full_map":
+            full = ast.literal_eval(node.args[1])
+            kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            out[full] = (tuple(kw["full_shape"]), tuple(b - a for a, b in kw["slices"]))
+    return out
+
+
+def _nbytes(shape, itemsize=4):
+    return math.prod(shape) * itemsize
+
+
+def test_megatron_report_has_exact_counts_and_bytes(tmp_path):
+    model, graph, cc = _planned("megatron", 2, 2)
+    report = build_report(graph, cc, "megatron")
+    params = dict(model.named_parameters())  # tied lm_head.weight is wte.weight: counted once
+    sharded = {n for n in params if any(fnmatch.fnmatchcase(n, g) for g in MEGATRON_SHARDED)}
+    assert len(sharded) == 10 * CFG.n_layer
+    assert report.params_sharded == len(sharded)
+    assert report.params_replicated == len(params) - len(sharded)
+    assert report.bytes_sharded == sum(params[n].numel() * 4 for n in sharded)
+    assert report.bytes_replicated == sum(p.numel() * 4 for n, p in params.items() if n not in sharded)
+    assert report.bytes_per_device == [report.bytes_sharded // 2 + report.bytes_replicated] * 2
+    by_path = {m.path: m for m in report.modules}
+    assert [(o.op, o.dim) for o in by_path["h.1.attn.q_proj"].ops] == [("linear", "n")]
+    assert [(o.op, o.dim) for o in by_path["h.0.mlp.c_proj"].ops] == [("linear", "k")]
+    assert [(o.op, o.dim) for o in by_path["ln_f"].ops] == [("layer_norm", None)]
+    # per block: one all-reduce after attention, one after the MLP, and their duals in backward
+    act = BATCH * CFG.block_size * CFG.n_embd * 4
+    assert report.collectives("forward") == {"all_reduce": (2 * CFG.n_layer, 2 * CFG.n_layer * act)}
+    assert report.collectives("backward") == {"all_reduce": (2 * CFG.n_layer, 2 * CFG.n_layer * act)}
+    assert report.warnings() == []
+    text = report.render_text()
+    assert "h.0..h.1 (x2, each)" in text and "linear[n]" in text and "linear[k]" in text
+
+
+@pytest.mark.parametrize("policy,plan,world", [("megatron", 2, 2), ("tp", 2, 2), ("tp", 2, 4), ("dp", 1, 2)])
+def test_storage_in_report_is_what_the_generated_code_registers(tmp_path, policy, plan, world):
+    _, graph, cc = _planned(policy, plan, world)
+    generate(graph, cc, tmp_path, policy=policy)
+    report = PlanReport.from_json(json.loads((tmp_path / REPORT_JSON).read_text()))
+    assert (tmp_path / REPORT_TEXT).read_text() == report.render_text()
+    registered = _registered((tmp_path / "gencode0.py").read_text())
+    params = {n: registered[n] for n in graph.params}
+    split = {n for n, (full, local) in params.items() if full != local}
+    assert report.params_sharded == (len(split) if plan > 1 else 0)
+    assert report.params_replicated == len(params) - report.params_sharded
+    assert report.bytes_sharded == (sum(_nbytes(params[n][0]) for n in split) if plan > 1 else 0)
+    assert report.bytes_per_device[0] == sum(_nbytes(local) for _, local in params.values())
+    assert report.dp_size == world // plan
+    assert (report.dp_grad_bytes > 0) == (world // plan > 1)
+    if policy == "dp":
+        assert report.total_calls() == 0 and report.warnings() == []
+
+
+class Bilinear(nn.Module):
+    """Its parameters are read only by F.bilinear, which has no dimension annotation."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.b1 = nn.Bilinear(dim, dim, dim)
+        self.b2 = nn.Bilinear(dim, dim, dim)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.b1(x, x))
+        h = self.b2(h, h)
+        return F.mse_loss(h.sum(-1), y)
+
+
+def test_unannotated_ops_are_listed_with_the_user_line_and_the_plan_warns():
+    graph = trace(Bilinear(), {"x": torch.randn(4, 8), "y": torch.randn(4)})
+    cc = ComputeConfig(2, 2)
+    report = build_report(apply_policy(graph, cc, "tp"), cc, "tp")
+    # one entry per (op, user line): the user's lines, not torch's nn.Bilinear.forward
+    assert [(u.target, u.module, u.count) for u in report.unannotated] == [
+        ("torch.nn.functional.bilinear", "b1", 1), ("torch.nn.functional.bilinear", "b2", 1)]
+    assert report.unannotated[0].where.startswith("test_report.py:")
+    assert report.unannotated[0].where.endswith("h = torch.tanh(self.b1(x, x))")
+    assert report.params_sharded == 0 and report.bytes_replicated == sum(
+        p.numel() * 4 for p in Bilinear().parameters())
+    (message,) = report.warnings()
+    assert "shards no parameter but sends" in message and "torch.nn.functional.bilinear x1 at" in message
+    assert "register_op(torch.nn.functional.bilinear" in message
+
+
+def test_pipeline_report_names_the_stages():
+    _, graph, cc = _planned("pp", 2, 2, use_end2end=True, pas_config={"pipeline_nmicros": 4})
+    report = build_report(graph, cc, "pp")
+    assert report.pipeline["nstages"] == 2 and report.pipeline["nmicros"] == 4
+    stages = report.pipeline["stages"]
+    assert "wte" in stages[0] and "lm_head" in stages[max(stages)]
+    # each stage's tensors live on its pipeline device only: nothing is held twice but the tied wte
+    params = dict(GPT(CFG).named_parameters())
+    assert sum(report.bytes_per_device) == sum(p.numel() * 4 for p in params.values()) + params["wte.weight"].numel() * 4
+    assert report.warnings() == []  # tp_size 1: stages split the model, not tensor parallelism
+    assert "stage 0:" in report.render_text()
+
+
+# -- analytic vs measured ------------------------------------------------------------------------------
+
+CASES = [("megatron", 2, {}), ("tp", 2, {}), ("dp", 1, {}), ("megatron", 2, {"recompute_modules": "Block"})]
+
+
+def _measure(rank, world, gen_dir):
+    from nnscaler import parallelize
+    from nnscaler.runtime.comm import count_collectives, enable_stats
+    from nnscaler.runtime.plan_report import load_plan_report
+    out = []
+    enable_stats()
+    for i, (policy, plan, pas) in enumerate(CASES):
+        torch.manual_seed(0)
+        batch = random_batch(0, BATCH * plan // world, CFG)
+        cc = ComputeConfig(plan, world, trace_strategy="cpu", pas_config=pas)
+        pm = parallelize(GPT(CFG), batch, policy, cc, gen_savedir=gen_dir, instance_name=f"case{i}")
+        with count_collectives() as fwd:
+            loss = pm(**batch)
+        with count_collectives() as bwd:
+            loss.backward()
+        report = load_plan_report(Path(gen_dir) / f"{GPT.__module__}.GPT" / f"case{i}") if rank == 0 else None
+        out.append((fwd.snapshot(), bwd.snapshot(), report and report.to_json()))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_collectives_per_step_equal_what_a_real_run_measures(tmp_path):
+    results = run_workers(_measure, 2, str(tmp_path), timeout=300)
+    for (policy, plan, pas), (fwd, bwd, data), (fwd1, bwd1, _) in zip(CASES[:-1], results[0], results[1]):
+        report = PlanReport.from_json(data)
+        label = (policy, plan, pas)
+        measured_fwd = {k: (v["calls"], v["bytes"]) for k, v in fwd.items()}
+        measured_bwd = {k: (v["calls"], v["bytes"]) for k, v in bwd.items() if k != "dp_all_reduce"}
+        assert report.collectives("forward") == measured_fwd, label
+        assert report.collectives("backward") == measured_bwd, label
+        assert (fwd, bwd) == (fwd1, bwd1), label  # every rank of the unit runs the same collectives
+        if report.dp_size > 1:
+            assert bwd["dp_all_reduce"]["bytes"] == report.dp_grad_bytes, label
+        else:
+            assert "dp_all_reduce" not in bwd, label
+        assert report.recompute == [], label
+
+    # activation checkpointing: the duals as above, plus at most the segments' forward collectives
+    (fwd, bwd, data) = results[0][-1]
+    report = PlanReport.from_json(data)
+    assert report.collectives("forward") == {k: (v["calls"], v["bytes"]) for k, v in fwd.items()}
+    duals, rerun = report.collectives("backward"), report.collectives("recompute")
+    assert rerun == report.collectives("forward")  # every forward collective sits in a Block
+    measured = bwd["all_reduce"]
+    assert duals["all_reduce"][0] < measured["calls"] <= duals["all_reduce"][0] + rerun["all_reduce"][0]
+    assert duals["all_reduce"][1] < measured["bytes"] <= duals["all_reduce"][1] + rerun["all_reduce"][1]

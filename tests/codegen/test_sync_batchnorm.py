@@ -1,0 +1,47 @@
+"""codegen/sync_batchnorm.py: ComputeConfig.sync_batchnorm rewrites the batch norm calls of the
+generated code (only those, only when asked and the data-parallel degree is above 1)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from nnscaler.codegen.emit import emit_rank
+from nnscaler.ir import ComputeConfig, trace
+from nnscaler.policies import apply_policy
+
+RUNTIME = "nr.sync_batchnorm.batch_norm(self, "
+
+
+class Norms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.inorm = nn.InstanceNorm2d(4, affine=True)
+        self.gnorm = nn.GroupNorm(2, 4)
+        self.bn1d = nn.BatchNorm1d(4, track_running_stats=False)  # batch statistics in eval too
+
+    def forward(self, x):
+        h = self.gnorm(self.inorm(self.bn(self.conv(x))))
+        return self.bn1d(h.mean((2, 3))).sum()
+
+
+def _code(world, plan=1, **cfg):
+    config = ComputeConfig(plan, world, trace_strategy="cpu", **cfg)
+    graph = apply_policy(trace(Norms(), {"x": torch.randn(4, 2, 4, 4)}), config, "dp")
+    return emit_rank(graph, config.to_dict(), 0, "dp", graph.fingerprint())
+
+
+def test_batch_norm_calls_use_the_runtime_when_asked():
+    text = _code(2, sync_batchnorm=True)
+    assert text.count(RUNTIME) == 2 and "torch.nn.functional.batch_norm(" not in text
+    # the training flag stays the module's mode: eval runs plain batch norm with running statistics
+    line = next(ln for ln in text.splitlines() if RUNTIME in ln and "self.bn_running_mean" in ln)
+    assert "training=self.training" in line or ", self.training," in line, line
+    # per-sample norms are never rewritten
+    assert "instance_norm(" in text and "group_norm(" in text
+
+
+def test_default_and_single_replica_keep_plain_batch_norm():
+    for text in (_code(2), _code(1, sync_batchnorm=True)):
+        assert RUNTIME not in text and text.count("torch.nn.functional.batch_norm(") == 2

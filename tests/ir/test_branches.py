@@ -1,0 +1,130 @@
+"""Both branches of a boolean decision on a tensor value in one graph (nnscaler.ir.branches)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nnscaler.ir import trace
+from nnscaler.ir.branches import MAX_FLIPS, keep_traced_branch
+from nnscaler.ir.graph import IRGraph
+from nnscaler.ir.guards import guards_of
+
+
+def _trace(model, args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trace(model, args, **kw)
+
+
+class TwoWays(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        if (mask == 1).all():
+            h = h * 2
+        else:
+            h = h * mask
+        return h.sum()
+
+
+class MaskOrCausal(nn.Module):
+    """HF's pattern: a mask when something is padded, else SDPA's is_causal."""
+
+    def forward(self, q, attention_mask):
+        if attention_mask.sum() == attention_mask.numel():
+            mask = None
+        else:
+            mask = attention_mask.bool()[:, None, None, :] & torch.ones(4, 4, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=mask is None).sum()
+
+
+def test_branch_only_ops_and_differing_arguments():
+    g = _trace(TwoWays(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
+    (guard,) = guards_of(g)
+    assert guard.kwargs["branches"] is True
+    by_target = [(n.target.rsplit(".", 1)[-1], n.branch) for n in g.nodes]
+    assert by_target == [("linear", None), ("__eq__", None), ("all", None), ("check", None),
+                         ("mul", [guard.id, True]), ("mul", [guard.id, False]), ("sum", None)]
+    traced_mul, other_mul, total = g.nodes[4], g.nodes[5], g.nodes[6]
+    assert other_mul.args[1] == g.inputs[1].leaves[0][1]  # `h * mask`, on the forward's argument
+    assert total.branch_args == [["args", 0, guard.id, traced_mul.outputs, other_mul.outputs]]
+    back = IRGraph.from_json(g.to_json())
+    assert [(n.branch, n.branch_args) for n in back.nodes] == [(n.branch, n.branch_args) for n in g.nodes]
+
+
+def test_hf_pattern_traced_with_padding_keeps_the_mask_and_the_causal_branch():
+    q = torch.randn(2, 1, 4, 8)
+    padded = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    g = _trace(MaskOrCausal(), {"q": q, "attention_mask": padded})
+    (guard,) = guards_of(g)
+    assert guard.kwargs["branches"] and guard.kwargs["traced"] is False
+    sdpa = [n for n in g.nodes if n.target.endswith("scaled_dot_product_attention")]
+    assert len(sdpa) == 1  # one op, its arguments differ: the mask (only in one branch) or None
+    (node,) = sdpa
+    mask_ref = node.kwargs["attn_mask"]
+    assert sorted(map(tuple, [e[1:] for e in node.branch_args]), key=str) == sorted(
+        [("attn_mask", guard.id, None, mask_ref), ("is_causal", guard.id, True, False)], key=str)
+    producers = {r.id: n for n in g.nodes for r in n.output_refs()}
+    assert producers[mask_ref.id].branch == [guard.id, False]  # the mask is built only when padded
+
+
+def test_traced_unpadded_the_other_branchs_mask_is_copied_in():
+    q = torch.randn(2, 1, 4, 8)
+    g = _trace(MaskOrCausal(), {"q": q, "attention_mask": torch.ones(2, 4, dtype=torch.long)})
+    (guard,) = guards_of(g)
+    assert guard.kwargs["branches"] and guard.kwargs["traced"] is True
+    (node,) = [n for n in g.nodes if n.target.endswith("scaled_dot_product_attention")]
+    # the op's base arguments are the side with the mask (its layout is planned); None on the other
+    entry = next(e for e in node.branch_args if e[1] == "attn_mask")
+    assert entry[3] is None and node.kwargs["attn_mask"] == entry[4]
+    copied = [n for n in g.nodes if n.branch == [guard.id, False]]
+    assert copied and all(n.id not in {m.id for m in g.nodes if m is not n} for n in copied)
+
+
+def test_not_representable_or_untraceable_stays_a_guard():
+    class OtherOutput(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x.sum()
+            return (x * 2).sum(), x  # another output structure
+
+    g = _trace(OtherOutput(), {"x": torch.ones(3)})
+    (guard,) = guards_of(g)
+    assert "branches" not in guard.kwargs and all(n.branch is None and not n.branch_args for n in g.nodes)
+    g = _trace(TwoWays(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, both_branches=False)
+    assert "branches" not in guards_of(g)[0].kwargs and all(n.branch is None for n in g.nodes)
+
+
+def test_at_most_max_flips_decisions_are_retraced():
+    calls = []
+
+    class Many(nn.Module):
+        def forward(self, x):
+            calls.append(1)
+            for i in range(MAX_FLIPS + 2):
+                if x[i] > 0:
+                    x = x + 1
+                else:
+                    x = x - 1
+            return x.sum()
+
+    g = _trace(Many(), {"x": torch.ones(MAX_FLIPS + 2)}, both_modes=False)
+    decisions = guards_of(g)
+    assert len(calls) == 1 + MAX_FLIPS  # one trace, one re-trace per flipped decision
+    assert [d.kwargs.get("skipped") is not None for d in decisions if "decision" in d.kwargs] == \
+        [False] * MAX_FLIPS + [True] * 2
+
+
+def test_keep_traced_branch_undoes_the_merge():
+    g = _trace(TwoWays(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
+    plain = _trace(TwoWays(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, both_branches=False)
+    keep_traced_branch(g)
+    assert [n.target for n in g.nodes] == [n.target for n in plain.nodes]
+    assert [(n.args, n.branch, n.branch_args) for n in g.nodes] == [(n.args, None, []) for n in plain.nodes]
+    assert "branches" not in guards_of(g)[0].kwargs

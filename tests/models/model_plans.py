@@ -1,0 +1,133 @@
+"""What the model tier runs on every rank: several plans per model in one spawn of worker
+processes, each with its own gen_savedir; the parent compares with `reference`."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import hf_models
+
+STEPS = 3
+GLOBAL_BATCH = 4
+NMICROS = 2
+LR = 1e-3
+
+
+def plan(label, policy, plan_ngpus, *, train=True, pad=False, **cfg):
+    """One plan of a model: `cfg` goes to ComputeConfig (pas_config included). With `train`
+    False the model trains in eval mode (BatchNorm uses its running statistics)."""
+    label = label if train else f"{label}-eval"
+    return dict(label=label, policy=policy, plan=plan_ngpus, train=train, pad=pad, cfg=cfg)
+
+
+def dp(**kw):
+    return plan("dp", "dp", 1, **kw)
+
+
+def zero(**kw):
+    return plan("dp-zero", "dp", 1, use_zero=True, **kw)
+
+
+def tp(**kw):
+    return plan("tp", "tp", 2, **kw)
+
+
+def megatron(**kw):
+    return plan("megatron", "megatron", 2, **kw)
+
+
+def pp(**kw):
+    return plan("pp", "pp", 2, use_end2end=True,
+                pas_config={"pipeline_nmicros": NMICROS, "pipeline_scheduler": "1f1b"}, **kw)
+
+
+def _micro(batch, n):
+    size = len(next(iter(batch.values()))) // n
+    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(n)]
+
+
+def _pad_at(pad, step):
+    """`pad` is one flag for every step, or one per step."""
+    return pad[step] if isinstance(pad, (list, tuple)) else pad
+
+
+def reference(name, train=True, pad=False, dtype=torch.float64, halves=False):
+    """Single-process Adam training on the global batch: (losses, parameters). With `halves`, each
+    step's gradient is accumulated over the two halves of the batch (each loss / 2) instead."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: float32 islands (HF softmax / RMSNorm) round per thread split
+    try:
+        return _reference(name, train, pad, dtype, halves)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(name, train, pad, dtype, halves):
+    model = hf_models.make(name, dtype, train)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        batch = hf_models.batch(name, step, GLOBAL_BATCH, dtype, _pad_at(pad, step))
+        opt.zero_grad()
+        if halves:
+            loss = 0.0
+            for mb in _micro(batch, 2):
+                half = model(**mb) / 2
+                half.backward()
+                loss += float(half)
+        else:
+            loss = model(**batch)
+            loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()) if torch.is_tensor(loss) else loss)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def train_plan(rank, world, name, case, gen_root):
+    """Train `name` under `case` for STEPS Adam steps; (mean loss per step, this rank's parameter
+    shards as (full name, full shape, slices, value))."""
+    import torch.distributed as dist
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+    from nnscaler.runtime import GuardError
+
+    dp_size, dp_rank = world // case["plan"], rank // case["plan"]
+    per = GLOBAL_BATCH // dp_size
+    cfg = ComputeConfig(case["plan"], world, trace_strategy="cpu", **case["cfg"])
+    end2end = cfg.use_end2end
+    sample = hf_models.batch(name, 0, per // NMICROS if end2end else per, pad=case.get("trace_pad", case["pad"]))
+    pm = parallelize(hf_models.make(name, train=case["train"]), sample, case["policy"], cfg,
+                     gen_savedir=os.path.join(gen_root, case["label"]),
+                     instance_name=f"{name}_{case['label']}".replace("-", "_"))
+    pm.train(case["train"])
+    opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        full = hf_models.batch(name, step, GLOBAL_BATCH, pad=_pad_at(case["pad"], step))
+        mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()}
+        opt.zero_grad()
+        try:
+            if end2end:
+                outputs = pm.train_step(_micro(mine, NMICROS))
+                opt.scale_grads(1.0 / NMICROS)
+                loss = torch.stack([o.detach().reshape(()) for o in outputs]).mean()
+            else:
+                loss = pm(**mine)
+                loss.backward()
+        except GuardError as exc:
+            if not case.get("guard_ok"):
+                raise
+            losses.append(("GuardError", str(exc)))  # the parent checks every rank said so
+            break
+        opt.step()
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
+              for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
+    return losses, shards
+
+
+def run_plans(rank, world, cases, gen_root):
+    """Every case (a `plan` with its "model") in this one spawn; results by label."""
+    return {case["label"]: train_plan(rank, world, case["model"], case, gen_root) for case in cases}

@@ -1,0 +1,113 @@
+"""Models whose forward decides in Python on tensor values (guards; importable by spawned workers)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MaskBranch(nn.Module):
+    """`if (mask == 1).all():` picks one of two computations."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        if (mask == 1).all():  # guarded line
+            h = h * 2
+        else:
+            h = h * mask
+        return h.sum()
+
+
+class ItemScale(nn.Module):
+    """`.item()` of a value computed from the input, used as a Python number."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, n):
+        k = n.max().item()  # item line
+        return (self.fc(x) * k).sum()
+
+
+def fast_all(t):
+    """Hugging Face's masking_utils.fast_all: `tensor.sum() == tensor.numel()`."""
+    return t.sum() == t.numel()
+
+
+def build_mask(attention_mask, seq):
+    """HF's sdpa_mask pattern: None (SDPA is_causal) when nothing is padded, else a boolean mask."""
+    if attention_mask is None or fast_all(attention_mask):  # the decision on the data
+        return None
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]
+
+
+class HFMaskAttention(nn.Module):
+    """A toy of the HF attention mask pattern: both branches produce the mask or None and feed SDPA."""
+
+    def __init__(self, dim=8, heads=2, vocab=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, vocab)
+        self.heads = heads
+
+    def forward(self, input_ids, attention_mask):
+        b, s = input_ids.shape
+        h = self.emb(input_ids)
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        mask = build_mask(attention_mask, s)
+        if mask is None:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+        logits = self.out(a.transpose(1, 2).reshape(b, s, -1))
+        keep = attention_mask.to(logits.dtype)
+        return (logits.logsumexp(-1) * keep).sum() / keep.sum()
+
+
+def mask_batch(step, n, padded, seq=6, vocab=16, dtype=torch.float64):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    mask = torch.ones(n, seq, dtype=torch.int64)
+    if padded:
+        mask[::2, seq - 2:] = 0  # every other sample padded at the end
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class AssertMask(nn.Module):
+    """The other branch cannot run (it raises), so the decision stays a guard."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        if (mask == 1).all():  # assert line
+            h = h * 2
+        else:
+            raise ValueError("this model takes unmasked batches only")
+        return h.sum()
+
+
+class PipeGuard(nn.Module):
+    """Four layers (a pipeline splits them) and a decision on the data in the second half, both
+    of whose branches trace (a pipelined plan keeps the traced one, guarded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, mask):
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h))
+            if i == 2 and not (mask == 1).all():  # pipelined guard line
+                h = h * mask
+        return h.sum()

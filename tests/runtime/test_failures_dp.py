@@ -1,0 +1,160 @@
+"""Failures reach every rank under dp, tp x dp and ZeRO (runtime/failures.py), on real gloo processes.
+
+One rank raises inside forward (an op of the generated code fails) or inside backward (a hook on
+one of its parameters), catches the error in its own loop and stays alive, waiting (through the
+store) until every other rank has raised. So a peer that blocked until the failing process exits
+would make the failing rank's wait time out: the test fails instead of passing slowly. Every
+other rank must raise `PeerFailedError` naming the failing rank and its message; later steps are
+refused everywhere with `StepRefusedError`. A rank killed with SIGKILL mid-step ends its peer with
+a message that says which rank died. Times are returned and printed, not asserted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import toy_models
+from launch import WorkerError, run_workers
+
+GLOBAL_BATCH = 8
+BOOM = "boom on the failing rank"
+
+# name: (plan_ngpus, runtime_ngpus, policy, extra ComputeConfig fields, failing rank, where)
+CASES = {
+    "dp_forward": (1, 2, "dp", {}, 1, "forward"),
+    "dp_backward": (1, 2, "dp", {}, 1, "backward"),
+    "dp_async_backward": (1, 2, "dp", dict(use_async_reducer=True, reducer_bucket_cap_mb=0.001), 1, "backward"),
+    "tp_dp_forward": (2, 4, "tp", {}, 1, "forward"),
+    "tp_dp_backward": (2, 4, "tp", {}, 1, "backward"),
+    "zero_rs_forward": (1, 2, "dp", dict(use_zero=True, zero_use_reduce_scatter=True), 1, "forward"),
+    "dp_kill": (1, 2, "dp", {}, 1, "kill"),
+}
+
+
+def _build(rank, world, name, gen_dir):
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+
+    plan, _, policy, extra, _, _ = CASES[name]
+    dp = world // plan
+    torch.manual_seed(0)
+    cfg = ComputeConfig(plan, world, trace_strategy="cpu", **extra)
+    pm = parallelize(toy_models.MLP(), toy_models.mlp_batch(0, GLOBAL_BATCH // dp), policy, cfg,
+                     gen_savedir=gen_dir, instance_name=name)
+    opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
+
+    def step(i):
+        per, dp_rank = GLOBAL_BATCH // dp, rank // plan
+        mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in toy_models.mlp_batch(i, GLOBAL_BATCH).items()}
+        opt.zero_grad()
+        loss = pm(**mine)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return pm, step
+
+
+def _inject(pm, where):
+    """Make this rank's next step raise (or die) in `where`."""
+    if where == "forward":  # an op of the generated forward fails on this rank only
+        real = torch.nn.functional.gelu
+
+        def gelu(*args, **kwargs):
+            raise ValueError(BOOM)
+        torch.nn.functional.gelu = gelu
+        return lambda: setattr(torch.nn.functional, "gelu", real)
+
+    def hook(grad):
+        if where == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError(BOOM)
+    handle = next(iter(pm.parameters())).register_hook(hook)  # the first layer: late in backward
+    return handle.remove
+
+
+def _worker(rank, world, name, gen_dir):
+    import torch.distributed as dist
+    from nnscaler.runtime.failures import PeerFailedError, StepRefusedError
+
+    failing, where = CASES[name][4], CASES[name][5]
+    pm, step = _build(rank, world, name, gen_dir)
+    store = dist.distributed_c10d._get_default_store()
+    step(0)  # a healthy step first
+    out = {"rank": rank}
+    if rank == failing:
+        undo = _inject(pm, where)
+        store.set("test/t_fail", repr(time.time()))
+        try:
+            step(1)
+        except ValueError as exc:  # the user's loop catches its own error and stays alive
+            out["own_error"] = str(exc)
+        undo()
+        # Alive until every peer has raised: a peer blocked until this process exits never sets
+        # its key, and this wait times out (the test fails).
+        store.wait([f"test/done/{r}" for r in range(world) if r != rank], timedelta(seconds=60))
+    else:
+        # A rank raises at its first collective that waits on the failed rank: in this step, or in
+        # the next one for a rank whose step needed nothing more from it (tp x dp: the other unit).
+        out["error"] = None
+        for i in (1, 2):
+            try:
+                step(i)
+            except PeerFailedError as exc:
+                out["elapsed_s"] = time.time() - float(store.get("test/t_fail").decode())
+                out.update(error=str(exc), failed_rank=exc.rank, died=exc.died, step=i)
+                break
+        store.set(f"test/done/{rank}", "1")
+        if where == "kill":
+            with open(os.path.join(gen_dir, f"kill_rank{rank}.json"), "w") as f:
+                json.dump(out, f)
+    try:
+        step(3)
+        out["refused"] = None
+    except StepRefusedError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def _check_peer(out, failing, message):
+    assert out["error"] is not None, f"rank {out['rank']} did not raise"
+    assert out["failed_rank"] == failing, out
+    assert f"rank {failing}" in out["error"] and message in out["error"], out["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp_forward", "dp_backward", "dp_async_backward", "zero_rs_forward",
+                                  "tp_dp_forward", "tp_dp_backward"])
+def test_failure_reaches_every_rank(name, tmp_path):
+    plan, world, _, _, failing, where = CASES[name]
+    results = run_workers(_worker, world, name, str(tmp_path), timeout=240)
+    print({r["rank"]: (r.get("step"), round(r.get("elapsed_s", 0.0), 2)) for r in results})
+    for out in results:
+        if out["rank"] == failing:
+            assert out["own_error"] == BOOM
+            assert "an earlier step failed" in out["refused"] and f"rank {failing} failed in {where}" in out["refused"]
+            continue
+        _check_peer(out, failing, BOOM)
+        assert f"failed in {where}" in out["error"] and not out["died"]
+        assert out["refused"] is not None and f"rank {failing} failed" in out["refused"], out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_killed_rank_ends_its_peer(tmp_path):
+    with pytest.raises(WorkerError) as info:
+        run_workers(_worker, 2, "dp_kill", str(tmp_path), timeout=240)
+    text = str(info.value)
+    assert "rank 1 died with exit code -9" in text and "--- rank 0 ---" not in text, text  # rank 0 returned
+    with open(tmp_path / "kill_rank0.json") as f:
+        out = json.load(f)
+    print("rank 0 raised", round(out["elapsed_s"], 2), "s after the kill:", out["error"])
+    assert out["failed_rank"] == 1 and out["died"], out
+    assert "rank 1 died" in out["error"] and "Connection closed" not in out["error"], out["error"]
+    assert "gradient all-reduce" in out["error"]
