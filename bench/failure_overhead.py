@@ -94,7 +94,7 @@ def _run(rank: int, args) -> dict:
 
 def _per_collective(args) -> dict:
     """µs per 64-float all-reduce: the blocking torch call (before the protocol), the watchful
-    wait (on), and the same path with the protocol off; alternating blocks, median of blocks."""
+    wait (on), and the same path with the protocol off; blocks in rotating order, median of blocks."""
     from nnscaler.runtime import failures
 
     x = torch.ones(64)
@@ -102,8 +102,10 @@ def _per_collective(args) -> dict:
             "on": lambda: failures.run(dist.all_reduce, x, what="bench"),
             "off": lambda: failures.run(dist.all_reduce, x, what="bench")}
     times = {k: [] for k in ways}
+    names = list(ways)
     for r in range(args.collective_rounds):
-        for name, fn in ways.items():
+        for name in names[r % 3:] + names[:r % 3]:  # rotating the order every round
+            fn = ways[name]
             failures.enabled = name != "off"
             dist.barrier()
             t0 = time.perf_counter()

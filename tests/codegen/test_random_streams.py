@@ -118,3 +118,25 @@ def test_exact_mode_keeps_an_inplace_dropout_inplace():
     line = _line_after(code, "(drop)")
     assert ".mul_(nr.random.piece(self, torch.nn.functional.dropout(nr.random.full_ones(" in line
     assert "inplace=False)" in line and "batch=True)" in line
+
+
+class SdpaDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.q_proj(x).view(2, 4, 4, 2).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1).sum()
+
+
+def test_attention_dropout_split_by_heads_draws_per_piece_and_exact_mode_refuses_it():
+    args = {"x": torch.randn(2, 4, 8)}
+    code = _code("megatron", 2, 2, model=SdpaDropout(), args=args, pas_config={"column": ["q_proj"], "row": []})
+    lines = code.splitlines()
+    at = next(i for i, line in enumerate(lines)
+              if "scaled_dot_product_attention(" in line and not line.strip().startswith("#"))
+    assert lines[at - 1].strip() == "with nr.random.shard_stream(self, 2):"
+    with pytest.raises(GenerationError, match="scaled_dot_product_attention at .*its output is split over 2 devices"):
+        _code("megatron", 2, 2, model=SdpaDropout(), args=args, pas_config={"column": ["q_proj"], "row": []},
+              rng_mode="exact")

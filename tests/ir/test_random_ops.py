@@ -45,3 +45,26 @@ def test_rng_mode_is_checked():
         ComputeConfig(1, 1, rng_mode="exakt")
     with pytest.raises(ConfigError, match="ComputeConfig.rng_mode must be str"):
         ComputeConfig(1, 1, rng_mode=None)
+
+
+def test_attention_with_dropout_is_random_only_when_dropout_p_is_not_zero():
+    import torch.nn.functional as F
+    from nnscaler.ir.random_ops import node_random_kind
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.fc(x).view(2, 4, 4, 2).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1 if self.training else 0.0)
+            b = F.scaled_dot_product_attention(q, q, q, None, 0.2)
+            c = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return a.sum() + b.sum() + c.sum()
+
+    graph = trace(Attn(), {"x": torch.randn(2, 4, 8)})
+    sdpa = [n for n in graph.nodes if n.target.endswith("scaled_dot_product_attention")]
+    assert [node_random_kind(n) for n in sdpa] == [OTHER, OTHER, None]
+    graph = trace(Attn().eval(), {"x": torch.randn(2, 4, 8)})  # 0.0 when traced, 0.1 in training
+    assert node_random_kind([n for n in graph.nodes if n.target.endswith("attention")][0]) == OTHER

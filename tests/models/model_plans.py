@@ -75,7 +75,7 @@ def _reference(name, train, pad, dtype, halves):
             for mb in _micro(batch, 2):
                 half = model(**mb) / 2
                 half.backward()
-                loss += float(half)
+                loss += float(half.detach())
         else:
             loss = model(**batch)
             loss.backward()

@@ -55,4 +55,3 @@ def test_padded_batches(model, tmp_path):
         else:
             matching.append(case)
     _check(results, matching)
-    return results

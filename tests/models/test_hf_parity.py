@@ -15,8 +15,10 @@ Exceptions, by design, each tested as such:
   batch and its float32 rounding changes with the layout, so the real Llama under `tp` is held
   to the float32 bar (1e-5 relative) and `llama64` (the same model with RMSNorm in the input's
   dtype) to 1e-10.
-Plan coverage: megatron on GPT-2 / Llama / BERT shards every attention and MLP projection it
-should (local shape < full shape, and the plan report says so); tp on GPT-2 shards parameters.
+Plan coverage: megatron on GPT-2 / Llama / BERT / ViT shards every attention and MLP projection it
+should (local shape < full shape, and the plan report says so) and sends exactly Megatron's
+forward collectives (one all-reduce after attention, one after the MLP, per block) on every
+transformer; tp on GPT-2 shards parameters.
 """
 from __future__ import annotations
 
@@ -35,7 +37,10 @@ TOL = 1e-10
 FP32_TOL = 1e-5
 
 CASES = {
-    "gpt2": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp()],
+    "gpt2": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp(),
+             # the alternative docs/megatron.md describes: the fused q/k/v projection row-parallel
+             dict(mp.megatron(pas_config={"row": ["*.attn.c_attn", "*.attn.c_proj", "*.mlp.c_proj"]}),
+                  label="megatron-row-c_attn")],
     "llama": [mp.dp(), mp.megatron(), mp.zero(), mp.pp(), dict(mp.tp(), tol=FP32_TOL),
               dict(mp.tp(), model="llama64", label="tp-llama64")],
     "bert": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp()],
@@ -52,6 +57,7 @@ MEGATRON_SHARDED = {
     "bert": [f"attention.self.{p}.weight" for p in ("query", "key", "value")]
             + ["attention.output.dense.weight", "intermediate.dense.weight", "layer.0.output.dense.weight",
                "layer.1.output.dense.weight"],
+    "vit": [f"attention.{p}_proj.weight" for p in "qkvo"] + ["mlp.fc1.weight", "mlp.fc2.weight"],
 }
 
 
@@ -117,7 +123,13 @@ def test_hf_model_parity(model, tmp_path):
             module_suffix = suffix.rsplit(".", 1)[0]
             modules = [m for p, m in by_path.items() if p.endswith(module_suffix)]
             assert modules and all(m["params_sharded"] >= 1 for m in modules), (model, suffix, modules)
+    if "megatron" in labels and model != "resnet":
+        # Megatron's minimum: per block one all-reduce after attention, one after the MLP
+        forward = [(c["kind"], c["calls"]) for c in _report(gen_root, "megatron")["forward"] if c["calls"]]
+        assert forward == [("all_reduce", 2 * 2)], forward
     if model == "gpt2":
+        assert {n for n in _sharded(results, "megatron-row-c_attn") if "c_attn" in n} == {
+            f"model.transformer.h.{i}.attn.c_attn.weight" for i in range(2)}
         assert len(_sharded(results, "tp")) >= 4
         assert sum(m["params_sharded"] for m in _report(gen_root, "tp")["modules"]) >= 4
 

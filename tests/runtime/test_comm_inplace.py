@@ -6,7 +6,8 @@ would let the in-place op corrupt the input. Every collective (native and fallba
 by ``mul_``/``add_``/``relu_`` on 2 gloo ranks: the output and the input's gradient equal the
 single-process computation (the table of `test_comm._expected`), the outputs and the backward's
 results are not views, the input is unchanged. The ResNet-18-style model with
-``ReLU(inplace=True)`` runs under `tp` 2 in eval and training mode and matches one process.
+``ReLU(inplace=True)`` runs under `tp` 2 in eval and training mode (and traced in eval, then
+trained) and matches one process.
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ STEPS = 3
 BATCH = 8
 LR = 1e-2
 TOL = 1e-10  # float64: the plan computes what one process computes, up to summation order
+# (mode traced in, mode run in): a module traced in eval mode may train; its batch norm must not
+# have been split along the batch then
+MODES = [(False, False), (True, True), (False, True)]
 
 
 def _batch(step):
@@ -118,14 +122,14 @@ def _resnet_job(rank, world, gen_dir):
     import warnings
     from nnscaler import ComputeConfig, build_optimizer, parallelize
     out = {}
-    for training in (False, True):
+    for traced, training in MODES:
         torch.manual_seed(0)
-        model = ResNet().double().train(training)
+        model = ResNet().double().train(traced)
         cfg = ComputeConfig(2, 2, trace_strategy="cpu")
         with warnings.catch_warnings():  # the plan report: tp leaves many conv weights replicated
             warnings.simplefilter("ignore")
             pm = parallelize(model, _batch(0), "tp", cfg, gen_savedir=gen_dir,
-                             instance_name=f"resnet_{'train' if training else 'eval'}")
+                             instance_name=f"resnet_{traced}_{training}")
         pm.train(training)
         opt = build_optimizer(pm, torch.optim.SGD, lr=LR)
         losses = []
@@ -137,7 +141,7 @@ def _resnet_job(rank, world, gen_dir):
             losses.append(loss.item())
         shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
                   for local, e in pm.fullmap.items() if torch.is_tensor(getattr(pm, local))]
-        out[training] = (losses, shards)
+        out[traced, training] = (losses, shards)
     return out
 
 
@@ -155,14 +159,14 @@ def merge_shards(per_rank):
 @pytest.mark.slow
 def test_resnet_with_inplace_relu_under_tp_matches_one_process(tmp_path):
     results = run_workers(_resnet_job, 2, str(tmp_path / "gen"), timeout=400)
-    for training in (False, True):
+    for traced, training in MODES:
         ref_losses, ref_state = _resnet_reference(training)
-        merged = merge_shards([res[training][1] for res in results])
-        for step, (got, want) in enumerate(zip(results[0][training][0], ref_losses)):
+        merged = merge_shards([res[traced, training][1] for res in results])
+        for step, (got, want) in enumerate(zip(results[0][traced, training][0], ref_losses)):
             assert abs(got - want) <= TOL * max(1.0, abs(want)), (training, step, got, want)
         assert set(merged) == set(ref_state), set(merged) ^ set(ref_state)
         for name, want in ref_state.items():
             got, want = merged[name], want.double()
             assert not torch.isnan(got).any(), f"{name}: parts are held by no rank"
             rel = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
-            assert rel <= TOL, f"training={training}: {name} differs (relative {rel:.2e})"
+            assert rel <= TOL, f"traced training={traced}, run training={training}: {name} differs (relative {rel:.2e})"

@@ -6,7 +6,10 @@ store) until every other rank has raised. So a peer that blocked until the faili
 would make the failing rank's wait time out: the test fails instead of passing slowly. Every
 other rank must raise `PeerFailedError` naming the failing rank and its message; later steps are
 refused everywhere with `StepRefusedError`. A rank killed with SIGKILL mid-step ends its peer with
-a message that says which rank died. Times are returned and printed, not asserted.
+a message that says which rank died; a rank that fails and exits is named with its error. Times
+are returned and printed, not asserted.
+
+    python -m pytest -q -s tests/runtime/test_failures_dp.py   # ~3 min on 2 cores
 """
 from __future__ import annotations
 
@@ -34,7 +37,12 @@ CASES = {
     "tp_dp_backward": (2, 4, "tp", {}, 1, "backward"),
     "zero_rs_forward": (1, 2, "dp", dict(use_zero=True, zero_use_reduce_scatter=True), 1, "forward"),
     "dp_kill": (1, 2, "dp", {}, 1, "kill"),
+    "dp_exit": (1, 2, "dp", {}, 1, "exit"),
 }
+# the collective a peer was waiting in when it raised (rank -> words of its name)
+WAITING_IN = {"dp_forward": {0: "data-parallel gradient all-reduce"},
+              "zero_rs_forward": {0: "ZeRO's gradient reduce-scatter"},
+              "tp_dp_forward": {0: "tensor-parallel", 3: "data-parallel gradient all-reduce"}}
 
 
 def _build(rank, world, name, gen_dir):
@@ -62,7 +70,7 @@ def _build(rank, world, name, gen_dir):
 
 def _inject(pm, where):
     """Make this rank's next step raise (or die) in `where`."""
-    if where == "forward":  # an op of the generated forward fails on this rank only
+    if where in ("forward", "exit"):  # an op of the generated forward fails on this rank only
         real = torch.nn.functional.gelu
 
         def gelu(*args, **kwargs):
@@ -95,6 +103,8 @@ def _worker(rank, world, name, gen_dir):
         except ValueError as exc:  # the user's loop catches its own error and stays alive
             out["own_error"] = str(exc)
         undo()
+        if where == "exit":  # ... or this rank ends (its error would be uncaught): its process exits
+            return out
         # Alive until every peer has raised: a peer blocked until this process exits never sets
         # its key, and this wait times out (the test fails).
         store.wait([f"test/done/{r}" for r in range(world) if r != rank], timedelta(seconds=60))
@@ -110,7 +120,7 @@ def _worker(rank, world, name, gen_dir):
                 out.update(error=str(exc), failed_rank=exc.rank, died=exc.died, step=i)
                 break
         store.set(f"test/done/{rank}", "1")
-        if where == "kill":
+        if where in ("kill", "exit"):
             with open(os.path.join(gen_dir, f"kill_rank{rank}.json"), "w") as f:
                 json.dump(out, f)
     try:
@@ -142,6 +152,8 @@ def test_failure_reaches_every_rank(name, tmp_path):
             continue
         _check_peer(out, failing, BOOM)
         assert f"failed in {where}" in out["error"] and not out["died"]
+        expected = WAITING_IN.get(name, {}).get(out["rank"])
+        assert expected is None or expected in out["error"], out["error"]
         assert out["refused"] is not None and f"rank {failing} failed" in out["refused"], out
 
 
@@ -158,3 +170,55 @@ def test_killed_rank_ends_its_peer(tmp_path):
     assert out["failed_rank"] == 1 and out["died"], out
     assert "rank 1 died" in out["error"] and "Connection closed" not in out["error"], out["error"]
     assert "gradient all-reduce" in out["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_rank_that_failed_and_exited_is_named_with_its_error(tmp_path):
+    results = run_workers(_worker, 2, "dp_exit", str(tmp_path), timeout=240)
+    assert results[1]["own_error"] == BOOM
+    out = results[0]
+    print("rank 0 raised", round(out["elapsed_s"], 2), "s after the failure:", out["error"])
+    _check_peer(out, 1, BOOM)
+    assert "failed in forward" in out["error"] and not out["died"], out
+
+
+
+def _pipeline_worker(rank, world, gen_dir):
+    import torch.distributed as dist
+    from gpt import GPT, GPTConfig, random_batch
+    from launch import error_of
+    from nnscaler import ComputeConfig, parallelize
+
+    gpt_cfg, nmicros = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16), 2
+
+    def micros(step, bad=False):
+        out = [random_batch(step * nmicros + i, 2, gpt_cfg) for i in range(nmicros)]
+        if bad:  # a label past the vocabulary: the loss (last stage) fails on this unit only
+            out[1]["targets"] = out[1]["targets"].clone().fill_(99)
+        return out
+
+    torch.manual_seed(0)
+    cfg = ComputeConfig(2, world, trace_strategy="cpu", use_end2end=True,
+                        pas_config={"pipeline_nmicros": nmicros, "pipeline_scheduler": "1f1b"})
+    pm = parallelize(GPT(gpt_cfg), micros(0)[0], "pp", cfg, gen_savedir=gen_dir)
+    ok = error_of(lambda: pm.train_step(micros(0)))
+    failed = error_of(lambda: pm.train_step(micros(1, bad=rank == 3)))
+    dist.barrier()  # every process stays alive until all are done: a rank left waiting hangs here
+    return dict(ok=ok, failed=failed)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_pipeline_failure_reaches_the_data_parallel_peers(tmp_path):
+    # pp 2 x dp 2: rank 3 (unit 1, last stage) fails; rank 2 hears it through the pipeline's own
+    # notice; ranks 0 and 1 (unit 0) finish their pipeline step and would wait in the gradient
+    # all-reduce with ranks 2 and 3 for ever without the failure notice.
+    results = run_workers(_pipeline_worker, 4, str(tmp_path), timeout=240)
+    assert all(r["ok"] is None for r in results)
+    assert "out of bounds" in results[3]["failed"][2]
+    assert "pipeline rank 3 failed" in results[2]["failed"][2]
+    for rank in (0, 1):
+        ours, kind, msg = results[rank]["failed"]
+        assert kind == "PeerFailedError" and "rank 3 failed in train_step" in msg and "out of bounds" in msg, msg
+        assert "data-parallel gradient all-reduce" in msg, msg

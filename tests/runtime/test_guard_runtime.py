@@ -1,25 +1,21 @@
 """Guards and both-branch decisions at run time (nnscaler.runtime.guards, nnscaler.ir.branches).
 
-Single process: data that takes another branch than the trace raises GuardError naming the
-user's line; `.item()` is guarded on its value. On 2 real gloo processes: a guard that fails on
-one data-parallel rank only raises GuardError on every rank (nobody hangs: the run has a
-timeout); a pipelined plan fails the step on every rank through its failure notice; the toy of
-Hugging Face's mask pattern, traced with padding, trains on padded, unpadded and mixed batches
-like one process (float64) under dp 2 and tp 2.
+Single process: `check` itself; data that takes another branch than the trace raises GuardError
+naming the user's line; `.item()` is guarded on its value; the toy of Hugging Face's mask pattern
+and a tiny Hugging Face Llama, traced with padding, run padded and unpadded batches like the
+model itself. Two processes: test_guard_runtime_mp.py.
 """
 from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
 
-from guard_models import AssertMask, HFMaskAttention, ItemScale, PipeGuard, mask_batch
-from launch import error_of, run_workers
+from guard_models import AssertMask, HFMaskAttention, ItemScale, mask_batch
 
-STEPS = 3
-LR = 1e-2
 
 
 def _line_of(cls, text):
@@ -29,6 +25,28 @@ def _line_of(cls, text):
 
 def _x(seed, n=2):
     return torch.randn(n, 8, generator=torch.Generator().manual_seed(seed))
+
+
+# -- check() ------------------------------------------------------------------------------------
+
+def test_check_compares_what_was_read():
+    from nnscaler.runtime.guards import GuardError, check
+
+    check(torch.tensor(True), "bool", True)
+    check(torch.tensor(3), "item", 3)
+    check(torch.tensor(1.0, dtype=torch.float32) + 1e-7, "float", 1.0)  # another summation order
+    check(torch.tensor([[1, 2], [3, 4]]), "tolist", [[1, 2], [3, 4]])
+    big = torch.arange(2000.0)
+    from nnscaler.ir.guards import digest
+    check(big, "array", {"digest": digest(big)})
+    for value, read, traced in [(torch.tensor(False), "bool", True), (torch.tensor(4), "item", 3),
+                                (torch.tensor(1.01), "float", 1.0), (torch.tensor([1, 2]), "tolist", [1, 3]),
+                                (big.flip(0), "array", {"digest": digest(big)})]:
+        with pytest.raises(GuardError) as e:
+            check(value, read, traced, at="model.py:3 in forward: if m.all():", cause="forward's argument `m`")
+        msg = str(e.value)
+        assert "model.py:3 in forward: if m.all():" in msg and "forward's argument `m`" in msg, msg
+        assert f"While tracing it was {traced!r}" in msg or "the traced tensor" in msg, msg
 
 
 # -- single process --------------------------------------------------------------------------------
@@ -94,141 +112,6 @@ def test_hf_mask_pattern_traced_with_padding_runs_both_branches(tmp_path):
         ref.zero_grad()
 
 
-# -- two processes -------------------------------------------------------------------------------
-
-def _mixed_batch(step, n):
-    """Padding in the first half of the batch only: dp rank 0 pads, rank 1 does not."""
-    batch = mask_batch(step, n, padded=False)
-    batch["attention_mask"][: n // 2, -2:] = 0
-    return batch
-
-
-BATCHES = {0: lambda s, n: mask_batch(s, n, True), 1: lambda s, n: mask_batch(s, n, False), 2: _mixed_batch}
-
-
-def _hf_reference(dp):
-    torch.manual_seed(0)
-    model = HFMaskAttention().double()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        full = BATCHES[step](step, 4)
-        per = 4 // dp
-        loss = sum(model(**{k: v[r * per:(r + 1) * per] for k, v in full.items()}) for r in range(dp)) / dp
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def _train_hf(rank, world, policy, plan, gen_dir):
-    from nnscaler import ComputeConfig, build_optimizer, parallelize
-    from parity import train_steps
-
-    dp = world // plan
-    torch.manual_seed(0)
-    pm = parallelize(HFMaskAttention().double(), mask_batch(0, 4 // dp, True), policy,
-                     ComputeConfig(plan, world, trace_strategy="cpu"), gen_savedir=gen_dir,
-                     instance_name=f"hf_{policy}_{plan}")
-    opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
-    losses = train_steps(pm, opt, lambda step, n: BATCHES[step](step, n), steps=STEPS, global_batch=4,
-                         dp_rank=rank // plan, dp=dp)
-    shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
-              for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
-    return losses, shards
-
-
-def _guard_on_one_rank(rank, world, gen_dir):
-    from nnscaler import ComputeConfig, parallelize
-
-    torch.manual_seed(0)
-    cfg = ComputeConfig(1, world, trace_strategy="cpu")
-    assert_pm = parallelize(AssertMask(), {"x": _x(0), "mask": torch.ones(2, 8)}, "dp", cfg, gen_savedir=gen_dir,
-                            instance_name="assert")
-    item_pm = parallelize(ItemScale(), {"x": _x(0), "n": torch.tensor([1, 3])}, "dp", cfg, gen_savedir=gen_dir,
-                          instance_name="item")
-    mask = torch.ones(2, 8)
-    if rank == 1:
-        mask[0, 0] = 0  # only rank 1's data takes the other branch
-    out = {"ok": error_of(lambda: assert_pm(_x(rank), torch.ones(2, 8))),
-           "bool": error_of(lambda: assert_pm(_x(rank), mask)),
-           "item": error_of(lambda: item_pm(_x(rank), torch.tensor([1, 3 if rank == 0 else 5]))),
-           "after": error_of(lambda: assert_pm(_x(rank), torch.ones(2, 8)))}  # the ranks are still in step
-    out["hf_dp"] = _train_hf(rank, world, "dp", 1, gen_dir)
-    out["hf_tp"] = _train_hf(rank, world, "tp", 2, gen_dir)
-    return out
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_guards_and_branches_on_two_ranks(tmp_path):
-    from parity import assemble_full
-
-    results = run_workers(_guard_on_one_rank, 2, str(tmp_path / "gen"), timeout=240)
-    line = f"guard_models.py:{_line_of(AssertMask, 'assert line')}"
-    for rank, res in enumerate(results):
-        assert res["ok"] is None and res["after"] is None, (rank, res)
-        ours, kind, msg = res["bool"]
-        assert ours and kind == "GuardError" and line in msg, (rank, msg)
-        ours, kind, msg = res["item"]
-        assert ours and kind == "GuardError" and "tensor.item()" in msg, (rank, msg)
-    assert "it is False now (rank 1)" in results[1]["bool"][2]
-    assert "differs now on rank 1 (this rank, 0, matched" in results[0]["bool"][2]
-    assert "it is 5 now (rank 1)" in results[1]["item"][2] and "differs now on rank 1" in results[0]["item"][2]
-    for key, dp in (("hf_dp", 2), ("hf_tp", 1)):
-        ref_losses, ref_params = _hf_reference(dp)
-        losses = results[0][key][0]
-        assert losses == results[1][key][0]
-        for got, want in zip(losses, ref_losses):
-            assert abs(got - want) <= 1e-10 * abs(want), (key, losses, ref_losses)
-        full = assemble_full(((r, res[key][1]) for r, res in enumerate(results)), key)
-        for name, want in ref_params.items():
-            err = ((full[name] - want).norm() / want.norm()).item()
-            assert err <= 1e-10, (key, name, err)
-
-
-def _pipelined_guard(rank, world, gen_dir):
-    from nnscaler import ComputeConfig, parallelize
-
-    torch.manual_seed(0)
-    cfg = ComputeConfig(2, 2, trace_strategy="cpu", use_end2end=True,
-                        pas_config={"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b"})
-    pm = parallelize(PipeGuard(), {"x": _x(0), "mask": torch.ones(2, 8)}, "pp", cfg, gen_savedir=gen_dir)
-    bad = torch.ones(2, 8)
-    bad[1, 1] = 0
-    ok = error_of(lambda: pm.train_step([{"x": _x(1), "mask": torch.ones(2, 8)}] * 2))
-    failed = error_of(lambda: pm.train_step([{"x": _x(2), "mask": torch.ones(2, 8)}, {"x": _x(3), "mask": bad}]))
-    _store_barrier(world)  # both stay alive until both are done; a rank left waiting would time out the run
-    return dict(ok=ok, failed=failed)
-
-
-def _store_barrier(world):
-    """Wait for every rank through the rendezvous store (a gloo barrier would sit behind the
-    failed step's abandoned messages)."""
-    import time
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    store.add("guard_test_done", 1)
-    while store.add("guard_test_done", 0) < world:
-        time.sleep(0.05)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_pipelined_guard_fails_the_step_on_every_rank(tmp_path):
-    first, last = run_workers(_pipelined_guard, 2, str(tmp_path / "gen"), timeout=90)
-    assert first["ok"] is None and last["ok"] is None
-    failed = [r["failed"] for r in (first, last)]
-    assert all(f is not None and f[0] for f in failed), failed
-    line = f"guard_models.py:{_line_of(PipeGuard, 'pipelined guard line')}"
-    own = next(f for f in failed if f[1] == "GuardError")  # the stage that runs the guard
-    assert line in own[2] and "it is False now" in own[2], own
-    other = next(f for f in failed if f is not own)  # told by the failure notice, not left waiting
-    assert other[1] == "NnScalerError" and "pipeline rank 1 failed in stage 1, micro-batch 1" in other[2], other
-
-
 # -- Hugging Face Llama (tiny, built in code, float64) ---------------------------------------------
 
 class _Llama(torch.nn.Module):
@@ -256,25 +139,24 @@ def _llama_batch(seed, padded):
 
 @pytest.mark.parametrize("traced_padded", [False, True])
 def test_hf_llama_padding(tmp_path, traced_padded):
+    """Traced with or without padding, padded and unpadded batches both match the model: both
+    branches of masking_utils' decisions are in the program (the padded branch's own decision is
+    flipped with the first, see nnscaler.ir.branches)."""
     from nnscaler import ComputeConfig, parallelize
-    from nnscaler.runtime import GuardError
 
     torch.manual_seed(0)
     model = _Llama().double()
     ref = copy.deepcopy(model)
-    pm = parallelize(model, _llama_batch(0, traced_padded), "dp", ComputeConfig(1, 1, trace_strategy="cpu"),
-                     gen_savedir=tmp_path, instance_name=f"llama_{traced_padded}")
-    for step, padded in enumerate([traced_padded, not traced_padded, traced_padded]):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = parallelize(model, _llama_batch(0, traced_padded), "dp", ComputeConfig(1, 1, trace_strategy="cpu"),
+                         gen_savedir=tmp_path, instance_name=f"llama_{traced_padded}")
+    told = [str(w.message) for w in caught if "masking_utils.py" in str(w.filename)]
+    assert told and "both branches are generated" in told[0] and "modeling_llama.py" in told[0], told
+    assert "forward's argument `attention_mask`" in told[0]
+    for step, padded in enumerate([traced_padded, not traced_padded, traced_padded, not traced_padded]):
         batch = _llama_batch(step + 1, padded)
-        want = ref(**batch)
-        if padded and not traced_padded:  # traced unpadded: the padded batch is refused, never silently wrong
-            with pytest.raises(GuardError) as e:
-                pm(**batch)
-            msg = str(e.value)
-            assert "masking_utils.py" in msg and "modeling_llama.py" in msg, msg  # the library and the model line
-            assert "forward's argument `attention_mask`" in msg and "it is False now" in msg, msg
-            continue
-        got = pm(**batch)
+        got, want = pm(**batch), ref(**batch)
         got.backward()
         want.backward()
         assert torch.allclose(got, want, rtol=1e-12, atol=0), (step, padded, got.item(), want.item())

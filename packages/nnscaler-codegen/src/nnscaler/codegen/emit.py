@@ -201,6 +201,10 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
         context = _context_line(node)
         indent = "    " if context else ""
         inside = context is not None and not conversions and open_block.get(id(out)) == (context, len(out))
+        # consecutive ops of one branch share its `if` block (codegen/branches.py)
+        header = own[0] if branch is not None and node.branch is not None and not context else None
+        if header is not None and not conversions and open_block.get(id(out)) == (header, len(out)):
+            own, comment = own[1:], comment and "    " + comment
         if comment:
             out.append(indent + comment if inside else comment)
         if not inside:
@@ -210,6 +214,8 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
         for line in own:
             source_of_line[(id(out), len(out))] = _describe_source(node, full=True) or node.target
             out.append(indent + line)
+        if header is not None:
+            open_block[id(out)] = (header, len(out))
         if with_dels:
             dead = [names[r] for r in last_use.get(idx, []) if not names[r].startswith("self.")
                     and names[r] not in arg_names]

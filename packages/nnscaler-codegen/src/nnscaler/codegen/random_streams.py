@@ -19,14 +19,14 @@ from typing import Dict, List, Optional
 
 from nnscaler.ir.graph import IRGraph, Node
 from nnscaler.ir.layout import Shard
-from nnscaler.ir.random_ops import LIKE, MASK, random_kind
+from nnscaler.ir.random_ops import LIKE, MASK, node_random_kind
 
 from .errors import GenerationError
 from .render import ModeChoice, RawExpr, Renderer
 
 
 def count_random_ops(graph: IRGraph) -> int:
-    return sum(1 for node in graph.nodes if random_kind(node.target) is not None)
+    return sum(1 for node in graph.nodes if node_random_kind(node) is not None)
 
 
 class _Call(RawExpr):
@@ -55,7 +55,7 @@ class RandomOps:
         self.nops = count_random_ops(graph)
         self._batch: Optional[set] = None
         if self.mode == "exact" and self.nops and graph.pipeline is not None:
-            first = next(nd for nd in graph.nodes if random_kind(nd.target) is not None)
+            first = next(nd for nd in graph.nodes if node_random_kind(nd) is not None)
             raise GenerationError(
                 f"ComputeConfig.rng_mode='exact' does not support pipelined plans yet (the stages draw in "
                 f"schedule order, not in the single device's order), and the model has random ops, e.g. "
@@ -98,7 +98,7 @@ class RandomOps:
 
     # -- the rewrite ----------------------------------------------------------------------------
     def wrap(self, node: Node, lines: List[str], renderer: Renderer) -> List[str]:
-        kind = random_kind(node.target)
+        kind = node_random_kind(node)
         if kind is None:
             return lines
         shard = self._shard(node)
@@ -117,11 +117,14 @@ class RandomOps:
                 f"ComputeConfig.rng_mode='exact' cannot reproduce the single-device draw of {_where(node)}: "
                 f"{why}, and only dropout and rand_like / randn_like / randint_like can be drawn at the full "
                 f"shape. Use rng_mode='parallel', keep this op replicated without data parallelism, or "
-                f"draw it with F.dropout / torch.rand_like")
+                f"draw it with F.dropout / torch.rand_like (attention: dropout_p=0, or softmax then F.dropout)")
         return [self._exact(node, kind, renderer, shard, batch)]
 
     def _exact(self, node: Node, kind: str, renderer: Renderer, shard, batch: bool) -> str:
         args, kwargs = list(node.args), dict(node.kwargs)
+        if getattr(node, "branch_args", None):  # arguments that differ between branches (codegen/branches.py)
+            from .branches import with_branch_args
+            args, kwargs = with_branch_args(node, args, kwargs)
         for where, key, train, eval_ in node.mode_args:
             (args if where == "args" else kwargs)[key] = ModeChoice(train, eval_)
         if args:

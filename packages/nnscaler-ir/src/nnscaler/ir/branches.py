@@ -44,24 +44,44 @@ def decisions_of(graph: IRGraph) -> List[Node]:
 
 
 def merge_branches(graph: IRGraph, retrace: Callable[[set], IRGraph]) -> int:
-    """Merge the other branch of (up to MAX_FLIPS) boolean decisions into `graph`; `retrace(flips)`
-    traces the forward with the decisions numbered in `flips` flipped. Returns how many merged."""
+    """Merge the other branch of (up to MAX_FLIPS re-traces) boolean decisions into `graph`;
+    `retrace(flips)` traces the forward with the decisions numbered in `flips` flipped. Returns how
+    many decisions were merged.
+
+    In the flipped trace the example data still belongs to the traced side, so a later decision on
+    the same forward argument that only the other branch takes (Hugging Face: "is the padding only
+    in future positions?") usually answers like the traced side. Those decisions are flipped too,
+    one more re-trace each, as long as the result still lines up: the data that takes the other
+    branch of the first decision (a padded batch) usually takes theirs as well. Their guards check
+    it at run time either way."""
     plans, tried = [], 0
     next_value = max(graph.values, default=-1) + 1
     for guard in decisions_of(graph):
         if tried >= MAX_FLIPS:
             guard.kwargs["skipped"] = f"more than {MAX_FLIPS} decisions in one forward"
             continue
-        tried += 1
-        try:
-            other = retrace({guard.kwargs["decision"]})
-        except Exception:  # noqa: BLE001 - the other branch cannot run on this example: keep the guard
-            continue
-        merge = _Merge(graph, other, guard, next_value)
-        plan = merge.plan()
-        next_value = merge.next_value
-        if plan is not None:
-            plans.append(plan)
+        flips, best = {guard.kwargs["decision"]}, None
+        while tried < MAX_FLIPS:
+            tried += 1
+            try:
+                other = retrace(flips)
+            except Exception:  # noqa: BLE001 - that branch cannot run on this example
+                break
+            merge = _Merge(graph, other, guard, next_value)
+            try:
+                plan = merge.plan()
+            except Exception:  # noqa: BLE001 - traces we cannot line up: the guard is the safe answer
+                plan = None
+            next_value = merge.next_value
+            if plan is None:
+                break
+            best = plan
+            follow = [d for d in plan.other_decisions if d[1] == guard.kwargs.get("cause") and d[0] not in flips]
+            if not follow:
+                break
+            flips = flips | {follow[0][0]}
+        if best is not None:
+            plans.append(best)
     merged = 0
     for plan in plans:
         if plan.fits(graph):
@@ -102,6 +122,7 @@ class _Plan:
     only_traced: List[Node]  # ops of the traced branch only
     only_other: List[tuple]  # (op to insert before or None: the end, new op, {value id: Value}, after the decision)
     diffs: Dict[int, tuple]  # node id -> (node, diffs [[where, key, traced side, other side]], other node or None)
+    other_decisions: List[tuple] = dataclasses.field(default_factory=list)  # (number, cause) in the other branch
 
     def fits(self, graph: IRGraph) -> bool:
         """Does not overlap a merge applied before (nested or shared branches stay guarded)."""
@@ -183,9 +204,11 @@ class _Merge(_Alignment):
                 break
             a, b = mine[pa], theirs[pb]
             found = self._match(a, b)
-            if a is self.guard:
-                if found != [] or b.kwargs.get("decision") != a.kwargs.get("decision"):
+            if a is self.guard:  # the flipped trace followed the other value
+                if b.kwargs.get("decision") != a.kwargs.get("decision") or \
+                        any(d[:2] != ["kwargs", "traced"] for d in found or [[None]]):
                     return None
+                found = []
                 paired_guard = True
             if found is None:  # same place, other op: one in each branch
                 if pa <= at:
@@ -211,7 +234,11 @@ class _Merge(_Alignment):
             return None
         if not only_traced and not only_other and not diffs:
             return None  # the other branch runs the same ops: the guard alone is right
-        return _Plan(self.guard, only_traced, only_other, diffs)
+        others = [(b.kwargs["decision"], b.kwargs.get("cause")) for b in self.other.nodes
+                  if is_guard(b) and "decision" in b.kwargs and b.kwargs["decision"] > self.guard.kwargs["decision"]
+                  and any(n.kwargs.get("cause") == b.kwargs.get("cause") and n.source == b.source
+                          for _, n, _, cond in only_other if cond and is_guard(n))]
+        return _Plan(self.guard, only_traced, only_other, diffs, others)
 
     def _pair(self, a: Node, b: Node) -> None:
         for ro, rg in zip(iter_refs(b.outputs), iter_refs(a.outputs)):

@@ -73,6 +73,12 @@ def _first_only(*args, **kwargs) -> Optional[str]:
     return ", ".join(["..."] + ["?"] * (n - 1)) + " -> ..." if n else None
 
 
+def _type(x, dtype=None, non_blocking=False, **kwargs):
+    """``x.type(torch.float64)`` converts like ``to`` (HF GPT-2's attention does it to the
+    softmax); ``x.type()`` returns a string, no tensor."""
+    return None if dtype is None else "... -> ..."
+
+
 def _where(*args, **kwargs):
     return None if len(args) + len(kwargs) == 1 else _elementwise(*args, **kwargs)
 
@@ -432,9 +438,12 @@ def _mse_loss(*args, **kwargs):
 def _batch_norm(*args, **kwargs):
     v, ordered = _call(("input", "running_mean", "running_var", "weight", "bias", "training",
                         "momentum", "eps"), args, kwargs)
-    x, training = v["input"], v.get("training", False)
+    x = v["input"]
     rest = ["n"] + [f"h{i}" for i in range(x.dim() - 2)]  # batch statistics: n, h.. are reduced
-    marks = "^" if training or v.get("running_mean") is None else ""
+    # never split n, h.. (also when traced in eval mode with running statistics): the generated code
+    # passes `training=self.training`, and a module traced in eval may train, where a split batch
+    # would normalise each piece with its own statistics (a silently different result)
+    marks = "^"
     spec = _j([rest[0] + marks, "c"] + [h + marks for h in rest[1:]])
     return _anno(ordered, {"input": spec, "running_mean": "c", "running_var": "c",
                            "weight": "c", "bias": "c"}, [spec])
@@ -520,7 +529,7 @@ _ELEMENTWISE = {
                    "add", "sub", "mul", "div", "pow", "neg", "exp", "sqrt", "rsqrt", "abs",
                    "log", "sin", "cos", "reciprocal", "square", "clamp", "masked_fill",
                    "relu", "tanh", "sigmoid", "contiguous", "clone", "detach", "float", "half",
-                   "bfloat16", "double"],
+                   "bfloat16", "double", "eq", "ne", "lt", "le", "gt", "ge"],
     torch: ["add", "sub", "mul", "div", "pow", "neg", "exp", "sqrt", "rsqrt", "abs", "log",
             "sin", "cos", "reciprocal", "square", "clamp", "masked_fill", "relu", "tanh",
             "sigmoid", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"],
@@ -554,6 +563,7 @@ def register_builtins(registry) -> None:
         reg(ns, names, _elementwise)
     reg(torch, "where", _where)
     reg(torch.Tensor, ["to", "type_as"], _first_only)
+    reg(torch.Tensor, "type", _type)
     reg(F, "linear", _linear)
     for ns in (torch, torch.Tensor):
         reg(ns, "addmm", _addmm)

@@ -68,7 +68,6 @@ class Tracer:
         self.constants: Dict[str, TensorSpec] = {}
         self._module_stack = [""]
         self._function_grad: list = []  # grad mode at each enclosing autograd.Function.apply
-        self._warned: set = set()  # source locations already warned about
         self._module_names = {}
         # value reads become guards (nnscaler.ir.guards); decision k in `flips` returns the other branch
         self.input_names: Dict[int, str] = {}  # graph input value id -> "attention_mask", "batch['mask']"
@@ -159,23 +158,6 @@ class Tracer:
         hit = self._tensor_values.get(id(obj)) if isinstance(obj, torch.Tensor) else None
         return hit is not None and hit[0] is obj and not self.values[hit[1].id].name.startswith("_constant_")
 
-    def _warn_value_read(self, name: str) -> None:
-        loc = self.source_location()
-        key = (loc.file, loc.line) if loc else None
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        what = {"__bool__": "bool(tensor): an `if`, `while`, `and`/`or` or assert on a tensor",
-                "__index__": "a tensor used as an index", "__int__": "int(tensor)", "__float__": "float(tensor)",
-                "__array__": "a tensor turned into a NumPy array"}.get(name, f"tensor.{name}()")
-        message = (f"forward reads a tensor's value in Python ({what}); the generated code keeps the value "
-                   f"and the branch it took while tracing, for every input and every step. Compute it with "
-                   f"tensor ops instead (torch.where, masking), or pass it to forward as an argument")
-        if loc is None:
-            warn_user(message, TracingWarning)
-        else:
-            warnings.warn_explicit(f"{message} (at {loc})", TracingWarning, loc.file, loc.line)
-
     def grad_enabled(self) -> bool:
         """The user's grad mode: inside an autograd.Function's forward (torch turns grad off there,
         e.g. a reentrant torch.utils.checkpoint), the mode the Function was called in."""
@@ -218,6 +200,7 @@ class Tracer:
             if name in _VALUE_READS and args and self._in_graph(args[0]):
                 node = record_value_read(self, name, args[0], real)  # a guard (nnscaler.ir.guards)
                 if name == "__bool__" and node.kwargs["decision"] in self.flips:
+                    node.kwargs["traced"] = not real  # the branch this trace follows: its guard checks it
                     return not real  # tracing the other branch (nnscaler.ir.branches)
             return real
         if name in _SIZE_FUNCS:

@@ -19,7 +19,12 @@ The protocol (CPU / gloo collectives; see "Why a side channel" below):
   `nnscaler.runtime.comm`, the gradient-norm all-reduce) is launched asynchronously and waited for
   in slices of `POLL_S` seconds. A collective that completes within the first slice costs nothing
   more than before. Between slices the waiter reads one counter in the store; once any rank has
-  posted a notice it raises `PeerFailedError` naming that rank and its error.
+  posted a notice it raises `PeerFailedError` naming that rank and its error. So every rank raises
+  at its first collective that waits on the failed rank (directly or through a rank that already
+  raised): in the failing step, or early in the next one for a rank whose step needed nothing more
+  from it. gloo runs a reduce-scatter inside `work.wait()` and ignores the slice: that one is
+  waited for on a helper thread. The pipeline executor posts its ranks' failures too (for the
+  data-parallel peers in other units; its own poison messages serve the pipeline).
 * **Dead peers.** A rank killed outright (SIGKILL, the OOM killer) posts nothing; gloo fails the
   pending collective within a second ("Connection closed by peer"). The waiter then looks up the
   processes of the collective's ranks (host and pid, registered when the module was built) and
@@ -42,6 +47,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import queue
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
@@ -348,7 +355,7 @@ def _peer_failed(state: _State, rank: int, reason: str, what: str) -> PeerFailed
     return PeerFailedError(f"{reason}; this rank stopped waiting for it in {what}", rank, reason, died=False)
 
 
-def _connection_lost(state: _State, store, group, what: str, exc: BaseException) -> PeerFailedError:
+def _connection_lost(state: _State, store, group, what: str, exc: BaseException) -> Optional[PeerFailedError]:
     if store is not None:
         try:
             found = _notice(store)
@@ -371,12 +378,18 @@ def _connection_lost(state: _State, store, group, what: str, exc: BaseException)
         state.broken = state.broken or reason
         return PeerFailedError(f"{reason}; this rank stopped waiting for it in {what}", dead[0], None, died=True)
     ranks = _group_ranks(group)
+    text = str(exc).lower()
+    if unknown is not None and not any(w in text for w in ("connection", "closed", "reset", "broken pipe")):
+        return None  # not a lost peer (e.g. the process group's own timeout): gloo's error stands
     if unknown is None:
         reason = (f"a peer of {what} (ranks {list(ranks)}) lost its connection and the rendezvous store is "
                   f"unreachable: the process hosting it (rank 0 with init_method env:// or tcp://) most likely died")
-    else:
+    elif unknown:
         reason = (f"a peer of {what} (ranks {list(ranks)}; on another host: {unknown}) closed its connection: "
                   f"its process died or its host went away")
+    else:
+        reason = (f"a peer of {what} (ranks {list(ranks)}) closed its connection while its process is alive: it "
+                  f"left the collective (destroyed its process group) or ran another sequence of collectives")
     state.broken = state.broken or reason
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return PeerFailedError(f"{reason} (backend: {first[:200]})", None, None, died=True)
@@ -390,15 +403,29 @@ def _polled(tensor: Optional[torch.Tensor]) -> bool:
 # ignores a wait timeout): they are waited for on a helper thread instead.
 _WAIT_RUNS_IT = {f for f in (getattr(dist, "reduce_scatter_tensor", None), getattr(dist, "reduce_scatter_single", None))
                  if f is not None}
-_HELPER = None
+_HELPER: Optional["queue.SimpleQueue"] = None
 
 
-def _wait_on_helper(work):
+def _helper_loop(jobs: "queue.SimpleQueue") -> None:
+    while True:
+        work, errors, done = jobs.get()
+        try:
+            work.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            errors.append(exc)
+        done.set()
+
+
+def _wait_on_helper(work) -> Tuple[list, threading.Event]:
+    """(errors, done): `work.wait()` runs on a daemon thread (it never holds up the exit of a
+    process whose peer failed mid-collective)."""
     global _HELPER
     if _HELPER is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnscaler-collective-wait")
-    return _HELPER.submit(work.wait)
+        _HELPER = queue.SimpleQueue()
+        threading.Thread(target=_helper_loop, args=(_HELPER,), daemon=True, name="nnscaler-collective-wait").start()
+    errors, done = [], threading.Event()
+    _HELPER.put((work, errors, done))
+    return errors, done
 
 
 def wait(work, what: str, group=None, tensor: Optional[torch.Tensor] = None, runs_in_wait: bool = False) -> None:
@@ -418,19 +445,26 @@ def wait(work, what: str, group=None, tensor: Optional[torch.Tensor] = None, run
             if future is None:
                 work.wait(slice_)
                 return
-            from concurrent.futures import TimeoutError as _Timeout
-            try:
-                future.result(timeout=POLL_S)
-                return
-            except _Timeout:
-                raise RuntimeError(_TIMEOUT_TEXT) from None
+            if not future[1].wait(POLL_S):
+                raise RuntimeError(_TIMEOUT_TEXT)
+            if future[0]:
+                raise future[0][0]
+            return
         except RuntimeError as exc:
             if str(exc).strip() != _TIMEOUT_TEXT:
-                raise _connection_lost(state, store if store is not None else _store(), group, what, exc) from None
+                lost = _connection_lost(state, store if store is not None else _store(), group, what, exc)
+                if lost is None:
+                    raise
+                raise lost from None
         if store is None:
             store = _store()
             if store is None:
-                work.wait()
+                if future is None:
+                    work.wait()
+                else:
+                    future[1].wait()
+                    if future[0]:
+                        raise future[0][0]
                 return
         try:
             found = _notice(store)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from nnscaler.ir.schedules import Action, get_schedule
 
+from .. import failures
 from ..errors import NnScalerError
 from ..gradients import scaled_loss
 from ..precision.casting import autocast, cast_inputs, cast_outputs, get_precision
@@ -164,6 +165,7 @@ class PipelineExecutor:
             raise NnScalerError(f"{type(self.module).__name__}.{name}: {exc}") from None
         except BaseException as exc:  # this rank failed: tell the peers waiting for it, then raise
             self._fail(training, a, f"rank {self.mailbox.rank}: {type(exc).__name__}: {exc}")
+            failures.report(exc, name)  # data-parallel peers in other units (runtime/failures.py)
             raise
         finally:
             self._ins, self._outs = {}, {}
