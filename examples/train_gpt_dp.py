@@ -55,6 +55,8 @@ def worker(rank: int, args) -> None:
                 print(f"step {step}: loss {mean.item() / args.nproc:.4f}", flush=True)
         dist.barrier()  # nobody tears its connections down while a peer still talks on them
     finally:
+        from nnscaler.runtime import RankGrid
+        RankGrid.destroy_all()  # nnscaler's groups first, then the default one
         dist.destroy_process_group()
 
 

@@ -63,9 +63,14 @@ def test_guard_is_a_check_call_with_the_users_line():
     (call,) = [line.strip() for line in text.splitlines() if "nr.guards.check(" in line]
     assert re.match(r"nr\.guards\.check\(all_\d+, 'bool', True, at='.*test_guard_code\.py:"
                     f"{_line_of('decision line')} in MaskIf.forward: if \\(mask == 1\\).all\\(\\):", call), call
-    assert "cause=\"forward's argument `mask`\"" in call and call.endswith("agree=True)")
+    # data-parallel only: ranks agree in a training forward; eval under no_grad may run on one rank alone
+    assert "cause=\"forward's argument `mask`\"" in call and call.endswith("agree=torch.is_grad_enabled())")
     assert "import nnscaler.runtime.guards" not in text  # reached through `nr`
     compile(text, "gencode0.py", "exec")
+    tp = _code(MaskIf(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, policy="tp", plan=2, world=2,
+               both_branches=False)
+    (call,) = [line.strip() for line in tp.splitlines() if "nr.guards.check(" in line]
+    assert call.endswith("agree=True)")  # a tensor-parallel forward runs collectives anyway
 
 
 def test_both_branches_become_if_blocks_and_conditional_arguments():

@@ -107,18 +107,27 @@ def test_at_most_max_flips_decisions_are_retraced():
     class Many(nn.Module):
         def forward(self, x):
             calls.append(1)
-            for i in range(MAX_FLIPS + 2):
+            for i in range(MAX_FLIPS):
                 if x[i] > 0:
                     x = x + 1
                 else:
                     x = x - 1
+            if x[-1] > 0:  # one decision too many
+                x = x * 2
             return x.sum()
 
-    g = _trace(Many(), {"x": torch.ones(MAX_FLIPS + 2)}, both_modes=False)
-    decisions = guards_of(g)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = trace(Many(), {"x": torch.ones(MAX_FLIPS + 1)}, both_modes=False)
+    decisions = [d for d in guards_of(g) if "decision" in d.kwargs]
     assert len(calls) == 1 + MAX_FLIPS  # one trace, one re-trace per flipped decision
-    assert [d.kwargs.get("skipped") is not None for d in decisions if "decision" in d.kwargs] == \
-        [False] * MAX_FLIPS + [True] * 2
+    assert [d.kwargs.get("skipped") is not None for d in decisions] == [False] * MAX_FLIPS + [True]
+    # the first merges; later ones overlap its branches (every later value depends on it): guarded
+    assert [bool(d.kwargs.get("branches")) for d in decisions] == [True] + [False] * MAX_FLIPS
+    messages = [str(w.message) for w in caught if "Python" in str(w.message)]
+    assert len(messages) == 2 and "both branches are generated" in messages[0]
+    assert f"not traced: more than {MAX_FLIPS} decisions in one forward" in messages[1]
+    assert "raises nnscaler.runtime.GuardError" in messages[1]
 
 
 def test_keep_traced_branch_undoes_the_merge():

@@ -156,6 +156,9 @@ def test_library_line_and_the_models_line_for_hugging_face():
     assert os.path.basename(first.source.file) == "masking_utils.py"
     assert "modeling_llama.py" in first.kwargs["via"] and "create_causal_mask" in first.kwargs["via"]
     assert first.kwargs["cause"] == "forward's argument `attention_mask`"
+    fingerprint = g.fingerprint()  # like source lines, the library caller's line does not identify the program
+    first.kwargs["via"] = "elsewhere.py:1"
+    assert g.fingerprint() == fingerprint
     msg = next(str(w.message) for w in caught if issubclass(w.category, TracingWarning)
                and "masking_utils.py" in w.filename)
     assert "called from the model's line" in msg and "modeling_llama.py" in msg

@@ -90,6 +90,12 @@ def test_no_projection_split_warns_with_the_module_paths():
     assert caught[0].filename == __file__  # attributed to the user's call (here: this test)
 
 
+def test_warning_class_is_public_and_a_policy_warning():
+    from nnscaler.policies import MegatronPatternWarning as exported, PolicyWarning
+    assert exported is MegatronPatternWarning and issubclass(exported, PolicyWarning)
+    assert issubclass(exported, UserWarning)
+
+
 def test_configured_pattern_matching_nothing_warns():
     graph, caught = _plan(Plain(), {"x": torch.randn(4, 8)}, column=["*up", "*.mlp.fc1"], row=["down"])
     messages = [str(w.message) for w in caught]

@@ -111,3 +111,20 @@ class PipeGuard(nn.Module):
             if i == 2 and not (mask == 1).all():  # pipelined guard line
                 h = h * mask
         return h.sum()
+
+
+class LoopDecisions(nn.Module):
+    """Several decisions in a loop, each on a value the previous ones changed."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        x = self.fc(x)
+        for i in range(3):
+            if x[0, i] > 0:
+                x = x + 1
+            else:
+                x = x - 1
+        return x.sum()

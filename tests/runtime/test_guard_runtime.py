@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from guard_models import AssertMask, HFMaskAttention, ItemScale, mask_batch
+from guard_models import AssertMask, HFMaskAttention, ItemScale, LoopDecisions, mask_batch
 
 
 
@@ -110,6 +110,30 @@ def test_hf_mask_pattern_traced_with_padding_runs_both_branches(tmp_path):
         assert torch.allclose(pm.qkv_weight.grad, ref.qkv.weight.grad, rtol=1e-10, atol=1e-14)
         pm.zero_grad()
         ref.zero_grad()
+
+
+def test_chained_decisions_are_right_or_refused_never_silently_wrong(tmp_path):
+    from nnscaler import ComputeConfig, parallelize
+    from nnscaler.runtime import GuardError
+
+    torch.manual_seed(0)
+    model = LoopDecisions()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = parallelize(model, {"x": torch.full((2, 3), 5.0)}, "dp", ComputeConfig(1, 1, trace_strategy="cpu"),
+                         gen_savedir=tmp_path, instance_name="loop")
+    ran = refused = 0
+    for seed in range(40):
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(seed)) * 3
+        try:
+            got = pm(x)
+        except GuardError:
+            refused += 1
+            continue
+        ran += 1
+        assert torch.allclose(got, ref(x)), seed
+    assert ran > 0 and refused > 0 and ran + refused == 40  # both happen: more than the traced path runs
 
 
 # -- Hugging Face Llama (tiny, built in code, float64) ---------------------------------------------

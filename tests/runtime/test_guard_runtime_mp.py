@@ -1,7 +1,8 @@
 """Guards and both-branch decisions on 2 real gloo processes (nnscaler.runtime.guards).
 
 A guard that fails on one data-parallel rank only raises GuardError on every rank (nobody hangs:
-the run has a timeout, and the ranks stay in step: a later forward runs); a pipelined plan fails
+the run has a timeout, and the ranks stay in step: a later forward runs); a no_grad forward on
+one rank alone does not wait for the others; a pipelined plan fails
 the step on every rank through its failure notice; the toy of Hugging Face's mask pattern, traced
 with padding, trains on padded, unpadded and mixed batches (dp rank 0 padded, rank 1 not) like
 one process (float64) under dp 2 and tp 2.
@@ -88,6 +89,9 @@ def _guard_on_one_rank(rank, world, gen_dir):
            "bool": error_of(lambda: assert_pm(_x(rank), mask)),
            "item": error_of(lambda: item_pm(_x(rank), torch.tensor([1, 3 if rank == 0 else 5]))),
            "after": error_of(lambda: assert_pm(_x(rank), torch.ones(2, 8)))}  # the ranks are still in step
+    if rank == 0:  # evaluation on one rank alone (no_grad, data-parallel only): no agreement, no hang
+        with torch.no_grad():
+            out["alone"] = error_of(lambda: assert_pm(_x(0), torch.ones(2, 8)))
     out["hf_dp"] = _train_hf(rank, world, "dp", 1, gen_dir)
     out["hf_tp"] = _train_hf(rank, world, "tp", 2, gen_dir)
     return out
@@ -101,7 +105,7 @@ def test_guards_and_branches_on_two_ranks(tmp_path):
     results = run_workers(_guard_on_one_rank, 2, str(tmp_path / "gen"), timeout=240)
     line = f"guard_models.py:{_line_of(AssertMask, 'assert line')}"
     for rank, res in enumerate(results):
-        assert res["ok"] is None and res["after"] is None, (rank, res)
+        assert res["ok"] is None and res["after"] is None and res.get("alone") is None, (rank, res)
         ours, kind, msg = res["bool"]
         assert ours and kind == "GuardError" and line in msg, (rank, msg)
         ours, kind, msg = res["item"]

@@ -132,6 +132,6 @@ class BranchEmit:
         return conversions + blocks, own
 
 
-def decision_statement(node: Node, renderer) -> List[str]:
-    """The decision both of whose branches are in the program."""
-    return [f"{decision_var(node.id)} = bool({renderer.value(node.args[0])})  # both branches are generated"]
+def decision_statement(node: Node, value: str) -> List[str]:
+    """The decision both of whose branches are in the program (`value`: the rendered tensor)."""
+    return [f"{decision_var(node.id)} = bool({value})  # both branches are generated"]

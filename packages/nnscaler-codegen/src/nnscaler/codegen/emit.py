@@ -329,8 +329,6 @@ class _Adapter:
 
 
 def _statement(node: Node, renderer: Renderer, graph: IRGraph, unit: UnitPlan) -> List[str]:
-    if is_guard(node):  # a decision the trace took on a tensor's value (codegen/guards.py)
-        return guard_statement(node, renderer, pipelined=graph.pipeline is not None)
     args, kwargs = node.args, node.kwargs
     if unit.partitioned.get(node.id) and node.target in _SHAPE_ARG_OPS:
         args = _localize_shape_args(node, graph, unit)
@@ -340,6 +338,8 @@ def _statement(node: Node, renderer: Renderer, graph: IRGraph, unit: UnitPlan) -
         args, kwargs = list(args), dict(kwargs)
         for where, key, train, eval_ in node.mode_args:
             (args if where == "args" else kwargs)[key] = ModeChoice(train, eval_)
+    if is_guard(node):  # a decision the trace took on a tensor's value (codegen/guards.py)
+        return guard_statement(node, renderer, graph.pipeline is not None, args, kwargs, unit.plan_ngpus)
     if node.target == "torch.Tensor.__setitem__":
         tgt, idx, val = args[:3]
         lines = [f"{renderer.value(tgt)}[{renderer.value(idx, in_index=True)}] = {renderer.value(val)}"]

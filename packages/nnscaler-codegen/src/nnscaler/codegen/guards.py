@@ -3,8 +3,10 @@
 A guard node (nnscaler.ir.guards) becomes one call of ``nr.guards.check`` on the tensor the
 user's forward read (made whole first by the adapters: a guard is replicated, so it needs its
 input replicated), with the kind of read, the value seen while tracing, the user's line and the
-graph inputs the value derives from. ``agree=True`` (world size > 1, not pipelined) makes every
-rank raise together; a pipelined module relies on its executor's failure notices.
+graph inputs the value derives from. ``agree`` makes every rank raise together (world size > 1):
+always for a tensor-parallel plan, for a data-parallel-only plan when grad is enabled (a training
+forward; evaluating under ``torch.no_grad()`` on one rank alone keeps working), never for a
+pipelined module, which relies on its executor's failure notices.
 """
 from __future__ import annotations
 
@@ -12,19 +14,20 @@ from typing import List
 
 from nnscaler.ir.graph import Node
 
-from .render import ModeChoice, Renderer
+from .render import Renderer
 
 
-def guard_statement(node: Node, renderer: Renderer, pipelined: bool) -> List[str]:
-    if node.kwargs.get("branches"):  # both branches are in the program: the decision chooses
+def guard_statement(node: Node, renderer: Renderer, pipelined: bool, args=None, kwargs=None,
+                    plan_ngpus: int = 1) -> List[str]:
+    """`args`/`kwargs`: the node's, with the values that differ between training and eval or
+    between the branches of an earlier decision already substituted (ModeChoice, BranchChoice)."""
+    args = node.args if args is None else args
+    kwargs = dict(node.kwargs if kwargs is None else kwargs)
+    if kwargs.get("branches"):  # both branches are in the program: the decision chooses
         from .branches import decision_statement
-        return decision_statement(node, renderer)
-    kwargs = dict(node.kwargs)
-    for where, key, train, eval_ in node.mode_args:  # a value that differs between training and eval
-        if where == "kwargs":
-            kwargs[key] = ModeChoice(train, eval_)
+        return decision_statement(node, renderer.value(args[0]))
     at = f"{node.source}" if node.source is not None else ""
-    parts = [renderer.value(node.args[0]), renderer.value(kwargs.pop("read")), renderer.value(kwargs.pop("traced"))]
+    parts = [renderer.value(args[0]), renderer.value(kwargs.pop("read")), renderer.value(kwargs.pop("traced"))]
     kwargs.pop("skipped", None)
     decision = kwargs.pop("decision", None)
     parts.append(f"at={at!r}")
@@ -33,5 +36,10 @@ def guard_statement(node: Node, renderer: Renderer, pipelined: bool) -> List[str
             parts.append(f"{key}={renderer.value(kwargs[key])}")
     if decision is not None:
         parts.append(f"decision={decision!r}")
-    parts.append(f"agree={not pipelined!r}")
+    if pipelined:
+        parts.append("agree=False")
+    elif plan_ngpus > 1:
+        parts.append("agree=True")
+    else:  # data-parallel only: a forward under no_grad runs no collective and may run on one rank alone
+        parts.append("agree=torch.is_grad_enabled()")
     return [f"nr.guards.check({', '.join(parts)})"]

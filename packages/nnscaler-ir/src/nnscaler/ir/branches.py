@@ -56,7 +56,10 @@ def merge_branches(graph: IRGraph, retrace: Callable[[set], IRGraph]) -> int:
     it at run time either way."""
     plans, tried = [], 0
     next_value = max(graph.values, default=-1) + 1
+    inside = set()  # ops of a branch merged before: their decisions stay guards (no re-trace)
     for guard in decisions_of(graph):
+        if guard.id in inside:
+            continue
         if tried >= MAX_FLIPS:
             guard.kwargs["skipped"] = f"more than {MAX_FLIPS} decisions in one forward"
             continue
@@ -82,6 +85,7 @@ def merge_branches(graph: IRGraph, retrace: Callable[[set], IRGraph]) -> int:
             flips = flips | {follow[0][0]}
         if best is not None:
             plans.append(best)
+            inside |= {n.id for n in best.only_traced}
     merged = 0
     for plan in plans:
         if plan.fits(graph):
@@ -278,30 +282,35 @@ class _Merge(_Alignment):
 
 
 def _lcs(a: List[Node], b: List[Node]) -> Optional[List[tuple]]:
-    """Index pairs of a longest common subsequence of op signatures (common tail trimmed first)."""
+    """Index pairs of a longest common subsequence of op signatures (the common head and tail are
+    trimmed first, so the table covers the part where the traces differ)."""
     sa = [_sig(n) for n in a]
     sb = [_sig(n) for n in b]
+    head = 0
+    while head < len(sa) and head < len(sb) and sa[head] == sb[head]:
+        head += 1
     tail = 0
-    while tail < len(sa) and tail < len(sb) and sa[-1 - tail] == sb[-1 - tail]:
+    while tail < len(sa) - head and tail < len(sb) - head and sa[-1 - tail] == sb[-1 - tail]:
         tail += 1
-    n, m = len(sa) - tail, len(sb) - tail
+    ma, mb = sa[head:len(sa) - tail], sb[head:len(sb) - tail]
+    n, m = len(ma), len(mb)
     if n * m > _MAX_CELLS:
         return None
     table = [[0] * (m + 1) for _ in range(n + 1)]
     for i in range(n - 1, -1, -1):
         row, below = table[i], table[i + 1]
         for j in range(m - 1, -1, -1):
-            row[j] = below[j + 1] + 1 if sa[i] == sb[j] else max(below[j], row[j + 1])
-    pairs, i, j = [], 0, 0
+            row[j] = below[j + 1] + 1 if ma[i] == mb[j] else max(below[j], row[j + 1])
+    pairs, i, j = [(k, k) for k in range(head)], 0, 0
     while i < n and j < m:
-        if sa[i] == sb[j]:
-            pairs.append((i, j))
+        if ma[i] == mb[j]:
+            pairs.append((head + i, head + j))
             i, j = i + 1, j + 1
         elif table[i + 1][j] >= table[i][j + 1]:
             i += 1
         else:
             j += 1
-    pairs += [(n + k, m + k) for k in range(tail)]
+    pairs += [(head + n + k, head + m + k) for k in range(tail)]
     return pairs
 
 

@@ -228,6 +228,8 @@ class IRGraph:
         data = self.to_json()
         for n in data["nodes"]:
             n.pop("source")
+            if n["target"] == "nnscaler.runtime.guards.check":  # a guard's library-caller line (ir/guards.py)
+                n["kwargs"] = {"$dict": [kv for kv in n["kwargs"]["$dict"] if kv[0] != "via"]}
         data["mode_divergence"] = data["mode_divergence"] is not None  # names a source line
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -203,7 +203,10 @@ def warn_guards(graph: IRGraph) -> None:
         if key in seen:
             continue
         seen.add(key)
-        message = trace_warning(node, BOTH if node.kwargs.get("branches") else GUARDED)
+        handled = BOTH if node.kwargs.get("branches") else GUARDED
+        if node.kwargs.get("skipped"):  # nnscaler.ir.branches.MAX_FLIPS
+            handled += f" (its other branch was not traced: {node.kwargs['skipped']})"
+        message = trace_warning(node, handled)
         if node.source is None:
             warnings.warn(message, TracingWarning)
         else:

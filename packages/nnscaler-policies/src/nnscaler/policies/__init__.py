@@ -11,6 +11,7 @@ from .registry import available_policies, get_policy, policy_name, register_poli
 from .user_policy import call_policy
 from . import builtin as _builtin  # noqa: F401  (registers dp, ...)
 from .builtin._nothing_split import PolicyWarning
+from .builtin.megatron import MegatronPatternWarning
 
 
 def apply_policy(graph, compute_config, policy):
@@ -29,6 +30,6 @@ def apply_policy(graph, compute_config, policy):
     return result
 
 
-__all__ = ["Piece", "PlanError", "PolicyWarning", "apply_policy", "assign", "available_policies", "get_policy", "partition",
+__all__ = ["Piece", "PlanError", "PolicyWarning", "MegatronPatternWarning", "apply_policy", "assign", "available_policies", "get_policy", "partition",
            "policy_name", "cut_stages", "pivot_leads", "schedule", "stage", "stage_devices", "recompute", "recompute_modules", "register_policy", "replicate", "select",
            "validate_plan"]

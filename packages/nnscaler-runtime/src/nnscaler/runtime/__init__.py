@@ -21,6 +21,7 @@ from .module import ParallelModule
 from .optimizer import build_optimizer
 from .parallelize import load_generated_class, parallelize
 from .plan_report import PlanWarning
+from .model_sources import SourceChangedWarning  # reuse='match' of code from an edited model
 from .precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin, apply_precision,
                         parse_precision, with_master_weights)
 from .reducer import Reducer, sync_grad_when
@@ -32,6 +33,6 @@ __all__ = [
     "parse_precision", "with_master_weights",
     "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "GuardError", "guards", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
-    "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "sync_batchnorm",
+    "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm",
     "PeerFailedError", "StepRefusedError",
 ]

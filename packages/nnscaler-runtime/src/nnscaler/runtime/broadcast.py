@@ -1,23 +1,33 @@
 """Sharing rank 0's generated files with the other nodes (`broadcast_strategy`).
 
 A node is a group of LOCAL_WORLD_SIZE consecutive ranks (torchrun's layout). Rank 0 generates;
-the first rank of every other node receives the files and writes them into its own gen_savedir.
+the first rank of every other node (its *leader*) receives the files and writes them into its own
+gen_savedir; the node's other ranks read them from there. Files travel once per node, point to
+point from rank 0 as raw bytes (no pickle), one file at a time, so a rank holds at most the
+largest file in memory and the non-leader ranks hold none.
 
-- ``none``: nothing is sent: every node must already see rank 0's gen_savedir (shared storage);
+- ``none``: nothing is sent: every node must already hold rank 0's code (shared storage, or the
+  same code generated earlier). Whether it does is checked at load time (runtime/load_check.py);
 - ``all``: every file, initial weights included;
 - ``no_weights``: every file but ``fullmodel.safetensors`` (build with ``init_params=False`` and
   load a checkpoint);
 - ``code``: only the generated modules, the graph constants and the manifest.
+
+A receiving node's directory then holds exactly what it received (older files there are removed)
+and its manifest lists only those files, with ``received`` = ``{"strategy", "omitted"}``: it
+describes what the node holds, so a relaunch where that node becomes rank 0 can reuse it.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
-from .gen_dir import CONSTANTS_FILE, MANIFEST, WEIGHTS_FILE
+from .gen_dir import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE
 
 STRATEGIES = ("none", "all", "no_weights", "code")
 
@@ -40,29 +50,157 @@ def files_to_send(directory: Path, strategy: str) -> List[str]:
     return []
 
 
+def local_world_size() -> int:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", world)), 1)
+
+
+def node_of(rank: int) -> int:
+    """The node index of `rank` (LOCAL_WORLD_SIZE consecutive ranks per node)."""
+    return rank // local_world_size()
+
+
 def node_leader(rank: int) -> bool:
     """Whether `rank` is the first rank of its node."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-    return rank % max(local_world, 1) == 0
+    return rank % local_world_size() == 0
 
 
-def broadcast_files(directory: Path, strategy: str, rank: int) -> None:
-    """Collective: send rank 0's files of `directory` to the first rank of every other node."""
-    if strategy == "none" or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    leaders = [None] * dist.get_world_size()
-    dist.all_gather_object(leaders, node_leader(rank))
-    if sum(bool(x) for x in leaders) <= 1:
-        return  # one node: it already sees rank 0's files
-    payload = [None]
-    if rank == 0:
-        payload = [{name: (directory / name).read_bytes() for name in files_to_send(directory, strategy)}]
-    dist.broadcast_object_list(payload, src=0)
-    if rank != 0 and leaders[rank]:
+# -- small collectives without pickle -------------------------------------------------------------
+
+def _send_bytes(data: bytes, dst: int) -> None:
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+
+
+def _recv_bytes(src: int) -> bytes:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    if buf.numel():
+        dist.recv(buf, src)
+    return buf.numpy().tobytes()
+
+
+def all_gather_json(obj) -> list:
+    """Every rank's JSON-able `obj`, by rank (collective over the default group)."""
+    data = json.dumps(obj, sort_keys=True).encode()
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, mine)
+    return [json.loads(b[:int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+
+# -- the transfer ---------------------------------------------------------------------------------
+
+def _header(directory: Path, strategy: str) -> dict:
+    """Rank 0: what it sends, or why it cannot."""
+    manifest_path = directory / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    names = files_to_send(directory, strategy)
+    omitted = [n for n in (manifest.get("received") or {}).get("omitted", []) if not n.startswith("plan_report")]
+    wanted = {"all": omitted, "no_weights": [n for n in omitted if n != WEIGHTS_FILE]}.get(strategy, [])
+    if wanted:
+        return {"error": (
+            f"broadcast_strategy={strategy!r} must send {', '.join(sorted(wanted))}, but rank 0's copy in "
+            f"{directory} was itself received with broadcast_strategy="
+            f"{manifest['received'].get('strategy')!r} and does not hold them. Relaunch with the node "
+            f"that generated the code as node rank 0, use broadcast_strategy='code' (and load the weights "
+            f"from a checkpoint), or regenerate with reuse='override'.")}
+    return {"files": [[n, (directory / n).stat().st_size] for n in names], "strategy": strategy}
+
+
+def _receive(directory: Path, header: dict, src: int) -> Optional[str]:
+    """A node leader: receive every file of `header`, write what it holds; an error as text."""
+    error = None
+    files = [n for n, _ in header["files"]]
+    try:
         directory.mkdir(parents=True, exist_ok=True)
-        files = payload[0]
-        # The manifest goes last: it is what makes the directory valid.
-        for name in sorted(files, key=lambda n: n == MANIFEST):
+        (directory / MANIFEST).unlink(missing_ok=True)  # invalid until every file is in
+    except OSError as e:
+        error = f"cannot write the received code into {directory}: {e}"
+    manifest = None
+    for name, size in header["files"]:
+        buf = torch.empty(size, dtype=torch.uint8)
+        if size:
+            dist.recv(buf, src)  # always receive, even after a local error, to stay in step
+        if error is not None:
+            continue
+        if name == MANIFEST:
+            manifest = json.loads(buf.numpy().tobytes())
+            continue
+        try:
             tmp = directory / (name + ".tmp")
-            tmp.write_bytes(files[name])
+            buf.numpy().tofile(str(tmp))
             os.replace(tmp, directory / name)
+        except OSError as e:
+            error = f"cannot write the received file {directory / name}: {e}"
+        del buf
+    if error is not None:
+        return error
+    try:
+        for path in directory.iterdir():  # older files would not match what the manifest describes
+            if path.is_file() and path.name not in files:
+                path.unlink()
+        if manifest is not None:
+            omitted = sorted(set(manifest.get("files", {})) - set(files))
+            manifest["files"] = {n: m for n, m in manifest.get("files", {}).items() if n in files}
+            manifest["received"] = {"strategy": header["strategy"], "omitted": omitted}
+            tmp = directory / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            os.replace(tmp, directory / MANIFEST)  # the manifest goes last: it makes the directory valid
+    except OSError as e:
+        return f"cannot write the received code into {directory}: {e}"
+    return None
+
+
+def broadcast_files(directory: Path, strategy: str, rank: int) -> Optional[str]:
+    """Collective: send rank 0's files of `directory` to the first rank of every other node.
+
+    Returns this rank's error as text (None when fine) instead of raising, so the caller can
+    share it with every rank (runtime/load_check.py) rather than leave the others waiting.
+    """
+    if strategy == "none" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    world = dist.get_world_size()
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(flags, torch.tensor([int(node_leader(rank))], dtype=torch.int64))
+    leaders = [r for r in range(1, world) if flags[r].item()]
+    if not leaders:
+        return None  # one node: it already sees rank 0's files
+    error = _transfer(directory, strategy, rank, leaders)
+    dist.barrier()  # the node's other ranks read the files their leader wrote
+    return error
+
+
+def _transfer(directory: Path, strategy: str, rank: int, leaders: List[int]) -> Optional[str]:
+    if rank == 0:
+        try:
+            header = _header(directory, strategy)
+        except (OSError, ValueError) as e:
+            header = {"error": f"rank 0 cannot read its generated code in {directory}: {e}"}
+        data = json.dumps(header).encode()
+        for dst in leaders:
+            _send_bytes(data, dst)
+        if "error" in header:
+            return header["error"]
+        for name, size in header["files"]:
+            if not size:
+                continue
+            import numpy as np
+            tensor = torch.from_numpy(np.fromfile(str(directory / name), dtype=np.uint8))
+            for dst in leaders:
+                dist.send(tensor, dst)
+            del tensor
+        return None
+    if rank in leaders:
+        header = json.loads(_recv_bytes(0))
+        if "error" in header:
+            return header["error"]
+        return _receive(directory, header, 0)
+    return None

@@ -9,8 +9,14 @@
 - ``plan_report.json`` / ``plan_report.txt``: what the plan split (``nnscaler.ir.PlanReport``,
   written by codegen, printed by ``parallelize(..., verbose=True)``);
 - ``manifest.json``: written last, it makes the directory valid. It records the compute config,
-  the policy, the module class, the dummy input schema, the graph fingerprint and the SHA-256 and
-  size of every other file.
+  the policy, the module class, the dummy input schema, the graph fingerprint, the SHA-256 and
+  size of every other file, and the model's source files (``"sources"``: path + SHA-256, see
+  `nnscaler.runtime.model_sources`; a changed one warns under ``match`` and regenerates under
+  ``moo`` / ``graph``).
+
+Generation writes into a temporary sibling directory (``.<instance>.generating-*``) and swaps it in
+only when it is complete (`staging_dir`, `swap_in`), so a failed generation leaves the code that was
+there before intact and reusable.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import enum
 import hashlib
 import json
 import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -98,7 +106,8 @@ def read_manifest(directory: Path) -> Optional[dict]:
     return data
 
 
-def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_name: str) -> dict:
+def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_name: str,
+                   sources: Optional[list] = None) -> dict:
     files = {}
     for path in sorted(directory.iterdir()):
         if path.name == MANIFEST or path.suffix == ".tmp" or not path.is_file():
@@ -108,6 +117,8 @@ def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_
             "compute_config": identity.compute_config, "policy": identity.policy,
             "input_schema": identity.input_schema, "generator": identity.generator,
             "graph_fingerprint": fingerprint, "files": files}
+    if sources is not None:  # the model's source files (nnscaler.runtime.model_sources)
+        data["sources"] = sources
     tmp = directory / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
@@ -168,14 +179,16 @@ def generator_identity() -> Optional[str]:
     return h.hexdigest()[:16]
 
 
-def decide(directory: Path, reuse: ReuseType, identity: Identity) -> Action:
-    """The reuse decision for `directory` (run on rank 0 only)."""
+def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -> Action:
+    """The reuse decision for `directory` (run on rank 0 only). `module`: the instance being
+    parallelized (None for a class), whose class files are compared with the recorded sources."""
     if reuse is ReuseType.OVERRIDE:
         return Action.GENERATE
     manifest = read_manifest(directory)
     if manifest is None:
         return Action.GENERATE
     diffs = differences(manifest, identity)
+    from .model_sources import SourceChangedWarning, changed_sources, describe_changes
     if reuse is ReuseType.MATCH:
         if diffs:
             listing = "; ".join(f"{k}: existing {a!r}, now {b!r}" for k, a, b in
@@ -190,14 +203,78 @@ def decide(directory: Path, reuse: ReuseType, identity: Identity) -> Action:
                 f"reuse='match' refuses the code in {directory}: "
                 + "; ".join(f"{n}: {p}" for n, p in bad.items())
                 + ". Use reuse='override' to regenerate it.")
+        changed = changed_sources(manifest.get("sources"), module)
+        if changed:  # a match is the config (the seed): reuse, but say the model's code changed
+            from nnscaler.ir.user_code import warn_user
+            warn_user(f"reuse='match' reuses the code in {directory}, generated from an earlier version of "
+                      f"your model: {describe_changes(changed)}. It runs the model as it was when generated. "
+                      f"Use reuse='moo' or 'override' to regenerate it from the current code.",
+                      SourceChangedWarning)
         return Action.REUSE
     if reuse is ReuseType.MOO:
-        return Action.GENERATE if diffs or corrupt_files(directory, manifest) else Action.REUSE
+        if diffs or corrupt_files(directory, manifest) or changed_sources(manifest.get("sources"), module):
+            return Action.GENERATE
+        return Action.REUSE
+    if changed_sources(manifest.get("sources"), module):
+        return Action.GENERATE  # GRAPH: the traced graph itself came from the old code
     # GRAPH: keep the traced graph when everything that shapes the graph is unchanged.
     old_graph_part = {"module_class": manifest.get("module_class"), "input_schema": manifest.get("input_schema"),
                       "constant_folding": manifest["compute_config"].get("constant_folding"),
                       "user_config": manifest["compute_config"].get("user_config")}
     graph_files = [n for n in (GRAPH_FILE, CONSTANTS_FILE, WEIGHTS_FILE) if n in manifest["files"]]
-    if old_graph_part == identity.graph_part() and not corrupt_files(directory, manifest, graph_files):
+    held = {GRAPH_FILE, WEIGHTS_FILE} <= set(graph_files)  # a copy received without them (broadcast.py)
+    if held and old_graph_part == identity.graph_part() and not corrupt_files(directory, manifest, graph_files):
         return Action.REUSE_GRAPH
     return Action.GENERATE
+
+
+def staging_dir(directory: Path) -> Path:
+    """A new empty temporary sibling of `directory` to generate into (see `swap_in`)."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.parent / f".{directory.name}.generating-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    return staging
+
+
+def swap_in(staging: Path, directory: Path) -> None:
+    """Replace `directory` by the complete `staging` directory and delete the old one.
+
+    On Linux the two are exchanged atomically (renameat2 RENAME_EXCHANGE); elsewhere the old
+    directory is renamed aside first, and put back if the second rename fails."""
+    if not directory.exists() and not directory.is_symlink():
+        os.rename(staging, directory)
+        return
+    if not directory.is_dir():  # a file in the way: the clear gen_savedir error (runtime/savedir.py)
+        raise NotADirectoryError(20, "Not a directory", str(directory))
+    if _exchange(staging, directory):
+        shutil.rmtree(staging, ignore_errors=True)  # now holds the old code
+        return
+    aside = directory.parent / f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.rename(directory, aside)
+    try:
+        os.rename(staging, directory)
+    except BaseException:
+        os.rename(aside, directory)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two paths (Linux renameat2); False where unsupported."""
+    import ctypes
+    import sys
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL / ENOSYS / EOPNOTSUPP: the file system cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), str(b))

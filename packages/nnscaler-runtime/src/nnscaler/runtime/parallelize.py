@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -13,12 +14,14 @@ import torch
 import torch.distributed as dist
 
 from .broadcast import broadcast_files, check_strategy
+from .load_check import load_on_every_rank
 from .errors import ConfigError, GenerationError
 from .plan_report import report_plan
 from .error_display import is_deliberate
 from .savedir import savedir_error
 from .gen_dir import (CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, Action, Identity, ReuseType, decide,
-                      generator_identity, instance_dir, read_manifest, write_manifest)
+                      generator_identity, instance_dir, read_manifest, staging_dir, swap_in, write_manifest)
+from .model_sources import collect_sources
 
 
 def parallelize(
@@ -46,7 +49,10 @@ def parallelize(
     compute_config: a `ComputeConfig`.
     gen_savedir / instance_name: where the generated code goes
         (``<gen_savedir>/<module class>/<instance_name or _>/gencode{rank}.py``).
-    reuse: a `ReuseType` (or its value) deciding whether earlier generated code is reused.
+    reuse: a `ReuseType` (or its value) deciding whether earlier generated code is reused;
+        ``match`` warns (`SourceChangedWarning`, naming the file) when the model's source files
+        changed since generation, ``moo`` regenerates then (docs/tracing.md). A failed generation
+        leaves earlier code intact.
     load_module: False only generates (on rank 0) and returns None.
     module_fn: builds the instance to trace when a class is given (default: ``cls()``).
     init_module_params: for an instance, whether to copy its weights into the parallel module.
@@ -119,12 +125,12 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
     _share_outcome(error, rank)
     if rank == 0:  # print (verbose) and warn about what the plan split: nnscaler.runtime.plan_report
         report_plan(directory, verbose, reused=action is Action.REUSE)
-    if world > 1:
-        broadcast_files(directory, strategy, rank)
-        dist.barrier()
+    transfer_error = broadcast_files(directory, strategy, rank) if world > 1 else None
+    # Every rank loads its code and all agree it is rank 0's program before any group is built
+    # (one error on every rank, naming the node, instead of a hang): runtime/load_check.py
+    gen_cls = load_on_every_rank(directory, rank, strategy, transfer_error, load=load_module)
     if not load_module:
         return None
-    gen_cls = load_generated_class(directory, rank, strategy)
     if is_class:
         return gen_cls
     pm = gen_cls(init_params=False)
@@ -138,7 +144,7 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
 
 def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg, directory: Path,
                         reuse: ReuseType, identity: Identity) -> Action:
-    action = decide(directory, reuse, identity)
+    action = decide(directory, reuse, identity, module=None if isinstance(module_or_class, type) else module_or_class)
     if action is Action.REUSE:
         return action
     try:
@@ -152,25 +158,34 @@ def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg,
     from nnscaler.ir import IRGraph, trace
     import json
 
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / MANIFEST).unlink(missing_ok=True)  # invalid until regenerated completely
-    if action is Action.REUSE_GRAPH:
-        graph = IRGraph.from_json(json.loads((directory / GRAPH_FILE).read_text()))
-    else:
-        module = module_or_class
-        if isinstance(module_or_class, type):
-            module = module_fn() if module_fn is not None else module_or_class()
-        graph = trace(module, dummy_args, constant_folding=cfg.constant_folding, trace_strategy=cfg.trace_strategy)
-        _write_json(directory / GRAPH_FILE, graph.to_json())
-        _save_tensors(directory / CONSTANTS_FILE,
-                      {name: getattr(spec, "tensor", None) for name, spec in graph.constants.items()})
-        _save_tensors(directory / WEIGHTS_FILE, _module_tensors(module))
-    fingerprint = graph.fingerprint()
-    for old in directory.glob("gencode*.py"):
-        old.unlink()
-    graph = policies.apply_policy(graph, cfg, pas_policy)
-    codegen.generate(graph, cfg, directory, policy=identity.policy, fingerprint=fingerprint)
-    write_manifest(directory, identity, fingerprint, graph.module_class.rsplit(".", 1)[-1])
+    # Generate into a temporary sibling and swap it in when complete: a failure (trace, policy,
+    # codegen, disk) leaves the code that was there intact and reusable (runtime/gen_dir.py).
+    staging = staging_dir(directory)
+    try:
+        if action is Action.REUSE_GRAPH:
+            for name in (GRAPH_FILE, CONSTANTS_FILE, WEIGHTS_FILE):
+                if (directory / name).exists():
+                    shutil.copy2(directory / name, staging / name)
+            graph = IRGraph.from_json(json.loads((staging / GRAPH_FILE).read_text()))
+            sources = (read_manifest(directory) or {}).get("sources")  # unchanged, or it would not reuse
+        else:
+            module = module_or_class
+            if isinstance(module_or_class, type):
+                module = module_fn() if module_fn is not None else module_or_class()
+            graph = trace(module, dummy_args, constant_folding=cfg.constant_folding, trace_strategy=cfg.trace_strategy)
+            _write_json(staging / GRAPH_FILE, graph.to_json())
+            _save_tensors(staging / CONSTANTS_FILE,
+                          {name: getattr(spec, "tensor", None) for name, spec in graph.constants.items()})
+            _save_tensors(staging / WEIGHTS_FILE, _module_tensors(module))
+            sources = collect_sources(module, graph)
+        fingerprint = graph.fingerprint()
+        graph = policies.apply_policy(graph, cfg, pas_policy)
+        codegen.generate(graph, cfg, staging, policy=identity.policy, fingerprint=fingerprint)
+        write_manifest(staging, identity, fingerprint, graph.module_class.rsplit(".", 1)[-1], sources=sources)
+        swap_in(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return action
 
 

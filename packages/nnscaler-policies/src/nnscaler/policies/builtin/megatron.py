@@ -23,6 +23,7 @@ from nnscaler.ir.user_code import warn_user
 
 from ..plan import tensor_inputs, tensor_outputs
 from ..registry import register_policy
+from ._nothing_split import PolicyWarning
 from ._spread import dim_of_input_axis, replicate_over_unit, split_over_unit, splittable
 
 __all__ = ["COLUMN", "ROW", "HEADS", "MegatronPatternWarning", "megatron_policy"]
@@ -48,7 +49,7 @@ HEADS = ("*.attn",)
 _PROJECTIONS = ("linear", "addmm")
 
 
-class MegatronPatternWarning(UserWarning):
+class MegatronPatternWarning(PolicyWarning):
     """A `megatron` pattern (``pas_config['column' | 'row' | 'heads']``) that matches no module
     of the model, or a plan that splits no projection at all. The message names the patterns and
     the module paths the model has."""

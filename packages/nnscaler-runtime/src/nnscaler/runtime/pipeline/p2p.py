@@ -133,7 +133,9 @@ class Mailbox:
             pass
 
     def abandon(self) -> None:
-        """Forget the step's messages after a failure (nothing is waited for)."""
+        """Forget the step's messages after a failure (nothing is waited for). Sends still in flight
+        stay referenced (a peer may be about to receive one: dropping its buffer would lose it)."""
+        self._poison.extend((work, x) for work, x, *_ in self._pending)
         self._pending.clear()
         self._local.clear()
         self.held_bytes = 0
