@@ -14,19 +14,7 @@ from nnscaler.codegen.emit import emit_rank
 from nnscaler.ir import ComputeConfig, trace
 from nnscaler.policies import apply_policy
 
-
-class MaskIf(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x, mask):
-        h = self.fc(x)
-        if (mask == 1).all():  # decision line
-            h = h * 2
-        else:
-            h = h * mask
-        return h.sum()
+from guard_models import MaskBranch
 
 
 class MaskOrCausal(nn.Module):
@@ -54,27 +42,27 @@ def _code(model, args, policy="dp", plan=1, world=1, both_branches=True, rank=0,
 
 
 def _line_of(text):
-    lines, start = inspect.getsourcelines(MaskIf.forward)
+    lines, start = inspect.getsourcelines(MaskBranch.forward)
     return start + next(i for i, line in enumerate(lines) if text in line)
 
 
 def test_guard_is_a_check_call_with_the_users_line():
-    text = _code(MaskIf(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, world=2, both_branches=False)
+    text = _code(MaskBranch(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, world=2, both_branches=False)
     (call,) = [line.strip() for line in text.splitlines() if "nr.guards.check(" in line]
-    assert re.match(r"nr\.guards\.check\(all_\d+, 'bool', True, at='.*test_guard_code\.py:"
-                    f"{_line_of('decision line')} in MaskIf.forward: if \\(mask == 1\\).all\\(\\):", call), call
+    assert re.match(r"nr\.guards\.check\(all_\d+, 'bool', True, at='.*guard_models\.py:"
+                    f"{_line_of('guarded line')} in MaskBranch.forward: if \\(mask == 1\\).all\\(\\):", call), call
     # data-parallel only: ranks agree in a training forward; eval under no_grad may run on one rank alone
     assert "cause=\"forward's argument `mask`\"" in call and call.endswith("agree=torch.is_grad_enabled())")
     assert "import nnscaler.runtime.guards" not in text  # reached through `nr`
     compile(text, "gencode0.py", "exec")
-    tp = _code(MaskIf(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, policy="tp", plan=2, world=2,
+    tp = _code(MaskBranch(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, policy="tp", plan=2, world=2,
                both_branches=False)
     (call,) = [line.strip() for line in tp.splitlines() if "nr.guards.check(" in line]
     assert call.endswith("agree=True)")  # a tensor-parallel forward runs collectives anyway
 
 
 def test_both_branches_become_if_blocks_and_conditional_arguments():
-    text = _code(MaskIf(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
+    text = _code(MaskBranch(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
     assert "nr.guards.check(" not in text
     (decision,) = re.findall(r"(_branch_\d+) = bool\(all_\d+\)", text)
     body = [line.strip() for line in text.split("def _forward_impl")[1].splitlines()]

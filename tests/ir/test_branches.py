@@ -12,25 +12,13 @@ from nnscaler.ir.branches import MAX_FLIPS, keep_traced_branch
 from nnscaler.ir.graph import IRGraph
 from nnscaler.ir.guards import guards_of
 
+from guard_models import MaskBranch
+
 
 def _trace(model, args, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return trace(model, args, **kw)
-
-
-class TwoWays(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x, mask):
-        h = self.fc(x)
-        if (mask == 1).all():
-            h = h * 2
-        else:
-            h = h * mask
-        return h.sum()
 
 
 class MaskOrCausal(nn.Module):
@@ -45,7 +33,7 @@ class MaskOrCausal(nn.Module):
 
 
 def test_branch_only_ops_and_differing_arguments():
-    g = _trace(TwoWays(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
+    g = _trace(MaskBranch(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
     (guard,) = guards_of(g)
     assert guard.kwargs["branches"] is True
     by_target = [(n.target.rsplit(".", 1)[-1], n.branch) for n in g.nodes]
@@ -97,7 +85,7 @@ def test_not_representable_or_untraceable_stays_a_guard():
     g = _trace(OtherOutput(), {"x": torch.ones(3)})
     (guard,) = guards_of(g)
     assert "branches" not in guard.kwargs and all(n.branch is None and not n.branch_args for n in g.nodes)
-    g = _trace(TwoWays(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, both_branches=False)
+    g = _trace(MaskBranch(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, both_branches=False)
     assert "branches" not in guards_of(g)[0].kwargs and all(n.branch is None for n in g.nodes)
 
 
@@ -131,8 +119,8 @@ def test_at_most_max_flips_decisions_are_retraced():
 
 
 def test_keep_traced_branch_undoes_the_merge():
-    g = _trace(TwoWays(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
-    plain = _trace(TwoWays(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, both_branches=False)
+    g = _trace(MaskBranch(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
+    plain = _trace(MaskBranch(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, both_branches=False)
     keep_traced_branch(g)
     assert [n.target for n in g.nodes] == [n.target for n in plain.nodes]
     assert [(n.args, n.branch, n.branch_args) for n in g.nodes] == [(n.args, None, []) for n in plain.nodes]

@@ -13,24 +13,12 @@ from nnscaler.ir import TracingWarning, trace
 from nnscaler.ir.graph import IRGraph
 from nnscaler.ir.guards import GUARD_TARGET, WHOLE_LIMIT, digest, guards_of
 
+from guard_models import AssertMask
+
 
 def line_of(fn, text):
     lines, start = inspect.getsourcelines(fn)
     return start + next(i for i, line in enumerate(lines) if text in line)
-
-
-class MaskIf(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x, mask):
-        h = self.fc(x)
-        if (mask == 1).all():  # the decision
-            h = h * 2
-        else:
-            raise ValueError("masked batches are not supported")
-        return h.sum()
 
 
 class Reads(nn.Module):
@@ -54,7 +42,7 @@ def _guards(graph: IRGraph):
 def test_bool_decision_is_a_guard_node_kept_in_program_order():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        g = trace(MaskIf(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
+        g = trace(AssertMask(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
     targets = [n.target for n in g.nodes]
     # the comparison and all() feed nothing but the guard: dead-code elimination keeps them for it
     assert targets == ["torch.nn.functional.linear", "torch.Tensor.__eq__", "torch.Tensor.all", GUARD_TARGET,
@@ -64,8 +52,8 @@ def test_bool_decision_is_a_guard_node_kept_in_program_order():
     assert guard.kwargs["read"] == "bool" and guard.kwargs["traced"] is True
     assert guard.kwargs["cause"] == "forward's argument `mask`"
     assert "branches" not in guard.kwargs  # the other branch raises: it cannot be traced, so a guard
-    assert guard.source.line == line_of(MaskIf.forward, "# the decision")
-    assert os.path.basename(guard.source.file) == "test_guards.py"
+    assert guard.source.line == line_of(AssertMask.forward, "# assert line")
+    assert os.path.basename(guard.source.file) == "guard_models.py"
     back = IRGraph.from_json(g.to_json())  # serialises like any op
     assert back.nodes[3].kwargs == guard.kwargs
 
@@ -101,7 +89,7 @@ def test_shapes_and_constants_are_not_guards_with_or_without_constant_folding():
         assert guards_of(g) == []
     with warnings.catch_warnings():  # a value read is guarded whatever constant_folding says
         warnings.simplefilter("ignore")
-        g = trace(MaskIf(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, constant_folding=True)
+        g = trace(AssertMask(4), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)}, constant_folding=True)
     assert _guards(g) == [("bool", True)]
 
 

@@ -36,10 +36,14 @@ def _launch(scenario: str, node_dirs, out: Path):
                    str(ENTRY), scenario, str(out)]
             procs.append(subprocess.Popen(cmd, cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline, grace = time.monotonic() + TIMEOUT_S, None
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 break
+            if len(list(out.glob("rank*.json"))) == 4:  # every outcome is in: a short grace to exit
+                grace = grace if grace is not None else time.monotonic() + 15
+                if time.monotonic() > grace:
+                    break
             failed_early = [p for p in procs if p.poll() not in (None, 0)]
             if failed_early and not list(out.glob("rank*.json")):
                 break  # e.g. the port was taken by another process before torchrun bound it

@@ -84,7 +84,9 @@ def test_broadcast_strategies_between_nodes(tmp_path):
 @pytest.mark.multiprocess
 def test_rank0_failure_is_raised_on_every_rank(tmp_path):
     results = run_workers(rank0_failure, 2, str(tmp_path), timeout=120)
-    assert results[0][0] == "ValueError: this policy refuses the graph"
-    assert results[1][0].startswith("GenerationError: rank 0 failed to generate code: ValueError: "
-                                    "this policy refuses the graph")
+    # rank 0 raises the policy's error (as a PlanError naming the policy, or as is); the others
+    # a GenerationError carrying it
+    assert "ValueError: this policy refuses the graph" in results[0][0]
+    assert results[1][0].startswith("GenerationError: rank 0 failed to generate code: ")
+    assert "this policy refuses the graph" in results[1][0]
     assert results[0][1] == results[1][1] == "ok"

@@ -3,8 +3,9 @@
 A node is a group of LOCAL_WORLD_SIZE consecutive ranks (torchrun's layout). Rank 0 generates;
 the first rank of every other node (its *leader*) receives the files and writes them into its own
 gen_savedir; the node's other ranks read them from there. Files travel once per node, point to
-point from rank 0 as raw bytes (no pickle), one file at a time, so a rank holds at most the
-largest file in memory and the non-leader ranks hold none.
+point from rank 0 as raw bytes (no pickle) in messages of `CHUNK` (16 MiB), so rank 0 and the
+leaders hold about two chunks of a file in memory and the node's other ranks none
+(bench/broadcast_memory.py).
 
 - ``none``: nothing is sent: every node must already hold rank 0's code (shared storage, or the
   same code generated earlier). Whether it does is checked at load time (runtime/load_check.py);
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from .gen_dir import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE
 
 STRATEGIES = ("none", "all", "no_weights", "code")
+CHUNK = 16 << 20  # bytes per message: a rank holds at most this much of a file in memory
 
 
 def check_strategy(strategy) -> str:
@@ -126,21 +128,36 @@ def _receive(directory: Path, header: dict, src: int) -> Optional[str]:
         error = f"cannot write the received code into {directory}: {e}"
     manifest = None
     for name, size in header["files"]:
-        buf = torch.empty(size, dtype=torch.uint8)
-        if size:
+        tmp = directory / (name + ".tmp")
+        chunks = []
+        out = None
+        for start in range(0, size, CHUNK):
+            buf = torch.empty(min(CHUNK, size - start), dtype=torch.uint8)
             dist.recv(buf, src)  # always receive, even after a local error, to stay in step
+            if error is not None:
+                continue
+            if name == MANIFEST:
+                chunks.append(buf.numpy().tobytes())
+                continue
+            try:
+                out = out or open(tmp, "wb")
+                out.write(buf.numpy().data)
+            except OSError as e:
+                error = f"cannot write the received file {directory / name}: {e}"
         if error is not None:
+            if out is not None:
+                out.close()
             continue
         if name == MANIFEST:
-            manifest = json.loads(buf.numpy().tobytes())
+            manifest = json.loads(b"".join(chunks))
             continue
         try:
-            tmp = directory / (name + ".tmp")
-            buf.numpy().tofile(str(tmp))
+            if out is None:
+                out = open(tmp, "wb")  # an empty file
+            out.close()
             os.replace(tmp, directory / name)
         except OSError as e:
             error = f"cannot write the received file {directory / name}: {e}"
-        del buf
     if error is not None:
         return error
     try:
@@ -190,13 +207,13 @@ def _transfer(directory: Path, strategy: str, rank: int, leaders: List[int]) -> 
         if "error" in header:
             return header["error"]
         for name, size in header["files"]:
-            if not size:
-                continue
-            import numpy as np
-            tensor = torch.from_numpy(np.fromfile(str(directory / name), dtype=np.uint8))
-            for dst in leaders:
-                dist.send(tensor, dst)
-            del tensor
+            with open(directory / name, "rb") as f:
+                for start in range(0, size, CHUNK):
+                    chunk = bytearray(min(CHUNK, size - start))
+                    f.readinto(chunk)
+                    tensor = torch.frombuffer(chunk, dtype=torch.uint8)
+                    for dst in leaders:
+                        dist.send(tensor, dst)
         return None
     if rank in leaders:
         header = json.loads(_recv_bytes(0))

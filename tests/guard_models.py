@@ -1,4 +1,5 @@
-"""Models whose forward decides in Python on tensor values (guards; importable by spawned workers)."""
+"""Models whose forward decides in Python on tensor values (guards and both-branch decisions; shared by
+the IR, codegen and runtime tests, importable by spawned workers)."""
 from __future__ import annotations
 
 import torch
@@ -7,11 +8,11 @@ from torch import nn
 
 
 class MaskBranch(nn.Module):
-    """`if (mask == 1).all():` picks one of two computations."""
+    """`if (mask == 1).all():` picks one of two computations (both can be traced)."""
 
-    def __init__(self):
+    def __init__(self, dim=8):
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc = nn.Linear(dim, dim)
 
     def forward(self, x, mask):
         h = self.fc(x)
@@ -83,9 +84,9 @@ def mask_batch(step, n, padded, seq=6, vocab=16, dtype=torch.float64):
 class AssertMask(nn.Module):
     """The other branch cannot run (it raises), so the decision stays a guard."""
 
-    def __init__(self):
+    def __init__(self, dim=8):
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc = nn.Linear(dim, dim)
 
     def forward(self, x, mask):
         h = self.fc(x)
