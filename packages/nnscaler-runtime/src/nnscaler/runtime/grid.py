@@ -21,6 +21,8 @@ single rank are `None` (meaning "just this process"), or the default group when 
 """
 from __future__ import annotations
 
+import atexit
+import gc
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -33,6 +35,19 @@ __all__ = ["RankGrid"]
 _GRIDS: Dict[Tuple[int, int], "RankGrid"] = {}
 _GROUPS: Dict[Tuple[int, ...], object] = {}
 _OWNER: Optional[object] = None  # the default group the registry was built under (None: no dist)
+
+
+def _release_at_exit() -> None:
+    """Drop the registry's references before the interpreter finalizes: a process group object
+    (and the gloo threads it owns) must not be destroyed during finalization or after it."""
+    global _OWNER
+    _GRIDS.clear()
+    _GROUPS.clear()
+    _OWNER = None
+    gc.collect()
+
+
+atexit.register(_release_at_exit)
 
 
 def _world() -> Tuple[int, int]:
