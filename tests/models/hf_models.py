@@ -35,14 +35,8 @@ class CausalLM(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-class MaskedLM(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels, attention_mask=None):
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+class MaskedLM(CausalLM):
+    """BERT: the same token-level loss on the masked-LM head's logits."""
 
 
 class Classifier(torch.nn.Module):

@@ -1,4 +1,5 @@
 """Dimension annotations of the torch operators that transformers, MLPs and small CNNs use.
+(Long because it is one table, one short entry per operator.)
 
 Entries follow the registry's convention: one entry per *tensor* argument, in order of
 appearance in the flattened ``(args, kwargs)`` (python numbers, None, shapes are not entries);
