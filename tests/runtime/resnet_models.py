@@ -62,3 +62,28 @@ class ResNet(nn.Module):
 def resnet_batch(step: int, n: int, size: int = 16):
     g = torch.Generator().manual_seed(500 + step)
     return {"image": torch.randn(n, 3, size, size, generator=g), "label": torch.randint(0, 4, (n,), generator=g)}
+
+
+def resnet_batch64(step: int, n: int) -> dict:
+    """`resnet_batch` with its floating tensors in float64 (the parity tests' precision)."""
+    return {k: v.double() if v.is_floating_point() else v for k, v in resnet_batch(step, n).items()}
+
+
+def train_reference(steps: int, n: int, make_opt, training: bool = True, eval_after: bool = False):
+    """One process: `steps` SGD steps of the float64 ResNet seeded with 0 on `resnet_batch64`
+    batches of `n`; returns (losses, state_dict). `eval_after` appends one eval-mode loss."""
+    torch.manual_seed(0)
+    model = ResNet().double().train(training)
+    opt = make_opt(model.parameters())
+    losses = []
+    for step in range(steps):
+        loss = model(**resnet_batch64(step, n))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if eval_after:
+        model.eval()
+        with torch.no_grad():
+            losses.append(model(**resnet_batch64(steps, n)).item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

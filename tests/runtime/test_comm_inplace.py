@@ -18,7 +18,7 @@ import torch
 
 from launch import no_leaks, run_workers  # noqa: F401  (fixture)
 import nnscaler.runtime.comm as comm
-from resnet_models import ResNet, resnet_batch
+from resnet_models import ResNet, resnet_batch64, train_reference
 from test_comm import _expected, _full
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -101,21 +101,11 @@ MODES = [(False, False), (True, True), (False, True)]
 
 
 def _batch(step):
-    return {k: v.double() if v.is_floating_point() else v for k, v in resnet_batch(step, BATCH).items()}
+    return resnet_batch64(step, BATCH)
 
 
 def _resnet_reference(training):
-    torch.manual_seed(0)
-    model = ResNet().double().train(training)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        loss = model(**_batch(step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_reference(STEPS, BATCH, lambda ps: torch.optim.SGD(ps, lr=LR), training)
 
 
 def _resnet_job(rank, world, gen_dir):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from launch import no_leaks, run_workers  # noqa: F401  (fixture)
-from resnet_models import ResNet, resnet_batch
+from resnet_models import ResNet, resnet_batch64, train_reference
 from test_comm_inplace import merge_shards
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
@@ -102,24 +102,11 @@ LR = 1e-2
 
 
 def _batch(step, n=BATCH):
-    return {k: v.double() if v.is_floating_point() else v for k, v in resnet_batch(step, n).items()}
+    return resnet_batch64(step, n)
 
 
 def _reference():
-    torch.manual_seed(0)
-    model = ResNet().double()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        loss = model(**_batch(step))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    model.eval()
-    with torch.no_grad():
-        losses.append(model(**_batch(STEPS)).item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_reference(STEPS, BATCH, lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9), eval_after=True)
 
 
 def _dp_job(rank, world, plan, gen_dir, sync):
