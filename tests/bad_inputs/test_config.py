@@ -5,11 +5,12 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.ir import ConfigWarning
 from nnscaler.ir.config_checks import ineffective_settings
+
+from .models import Small
 
 
 @pytest.mark.parametrize("kwargs, key, fix", [
@@ -35,18 +36,6 @@ def test_setting_that_does_nothing_is_named(kwargs, key, fix):
 ])
 def test_effective_settings_are_quiet(kwargs):
     assert ineffective_settings(ComputeConfig(**kwargs)) == []
-
-
-class Small(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x).sum()
-
-
-Small.__module__ = __name__
 
 
 def test_parallelize_warns_at_the_users_call(tmp_path):

@@ -6,23 +6,12 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.runtime.errors import GenerationError
 from nnscaler.runtime.savedir import savedir_error
 
-
-class Small(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x).sum()
-
-
-Small.__module__ = __name__
+from .models import Small
 
 
 def _parallelize(gen_savedir):
