@@ -525,7 +525,6 @@ def _user_imports(nodes: List[Node]) -> set:
     for node in nodes:
         if node.target.startswith(("torch.", "operator.")) or node.target == "getattr" or is_guard(node):
             continue
-        from nnscaler.ir.op_names import resolve
-        obj = resolve(node.target)
-        mods.add(obj.__module__)
+        from nnscaler.ir.op_names import module_of
+        mods.add(module_of(node.target))  # not the object's __module__: Function.apply's is torch's
     return mods

@@ -61,6 +61,19 @@ def importable(path: str) -> bool:
         return False
 
 
+def module_of(path: str) -> str:
+    """The module part of a dotted path (``pkg.mod.Class.apply`` -> ``pkg.mod``): its longest
+    importable prefix."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        return ".".join(parts[:cut])
+    raise ImportError(f"cannot import {path}")
+
+
 def resolve(path: str):
     """Import the object named by a dotted path (module part found by trying prefixes)."""
     parts = path.split(".")

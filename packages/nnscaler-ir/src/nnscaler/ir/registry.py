@@ -179,6 +179,15 @@ def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] 
     if annotation is None:
         raise TypeError(f"{label} needs an annotation, e.g. register_op(fn, 'a b -> a b')")
     _validate(annotation, label)
+    function_class = _autograd_function_class(fn)
+    if function_class is not None:  # kept whole by the tracer (nnscaler.ir.kept_functions): no wrapper
+        old = REGISTRY._ops.get(function_class)
+        if old is not None and old.annotation != annotation and not override:
+            raise ValueError(f"{label}: {REGISTRY.name_of(function_class)} is already registered with the "
+                             f"annotation {_show(old.annotation)}; pass override=True to replace it")
+        REGISTRY.register(function_class, annotation, name)
+        REGISTRY._user.add(function_class)
+        return fn
     existing = _existing_wrapper(fn, annotation, name, override, label)
     if existing is not None:
         return existing
@@ -199,6 +208,14 @@ def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] 
     REGISTRY.register(wrapper, annotation, name or REGISTRY.name_of(fn))
     REGISTRY._user.update((fn, wrapper))
     return wrapper
+
+
+def _autograd_function_class(fn):
+    """The autograd Function class of ``fn`` (the class, or its ``apply``), else None."""
+    owner = getattr(fn, "__self__", None) if getattr(fn, "__name__", "") == "apply" else fn
+    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
+        return owner
+    return None
 
 
 def _existing_wrapper(fn, annotation, name, override, label):

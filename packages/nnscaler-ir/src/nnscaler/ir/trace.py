@@ -22,6 +22,7 @@ from . import tracing_context
 from .graph import (IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode,
                     iter_refs)
 from .branches import decisions_of, merge_branches
+from .kept_functions import keep_functions, settle_grad_modes
 from .guards import is_guard, record_value_read, warn_guards
 from .example_inputs import check_trace_inputs
 from .modes import annotate_modes, mode_name
@@ -67,7 +68,9 @@ class Tracer:
         self._tensor_values: Dict[int, tuple] = {}  # id(tensor) -> (tensor, Ref); keeps tensors alive
         self.constants: Dict[str, TensorSpec] = {}
         self._module_stack = [""]
-        self._function_grad: list = []  # grad mode at each enclosing autograd.Function.apply
+        self._function_grad: list = []  # (class, caller's grad mode) of each enclosing autograd.Function.apply
+        self._kept_classes: Dict[type, Any] = {}  # user autograd Functions recording themselves
+        self._kept_nodes: list = []  # (node, input tensors, output tensors) of each kept Function call
         self._module_names = {}
         # value reads become guards (nnscaler.ir.guards); decision k in `flips` returns the other branch
         self.input_names: Dict[int, str] = {}  # graph input value id -> "attention_mask", "batch['mask']"
@@ -161,7 +164,7 @@ class Tracer:
     def grad_enabled(self) -> bool:
         """The user's grad mode: inside an autograd.Function's forward (torch turns grad off there,
         e.g. a reentrant torch.utils.checkpoint), the mode the Function was called in."""
-        return self._function_grad[-1] if self._function_grad else torch.is_grad_enabled()
+        return self._function_grad[-1][1] if self._function_grad else torch.is_grad_enabled()
 
     def _wrap_outputs(self, result, hint: str, inplace_target=None):
         """Give every tensor (and traced int) in `result` a fresh value; return (refs, result)."""
@@ -440,9 +443,10 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
              torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
     try:
         # grad on, as in a training forward: the ops record the user's own torch.no_grad() regions
-        with torch.enable_grad(), tracing_context.activate(tracer), function_grad_mode(tracer), \
-                _RecordingMode(tracer):
+        with torch.enable_grad(), tracing_context.activate(tracer), keep_functions(tracer), \
+                function_grad_mode(tracer), _RecordingMode(tracer):
             out = module(**call_kwargs)
+        settle_grad_modes(tracer)
         rebound = saved.rebound()
         changed = saved.changed_attributes(tracer._module_names)
     finally:

@@ -26,11 +26,15 @@ class TracingWarning(UserWarning):
 @contextlib.contextmanager
 def function_grad_mode(tracer: "Tracer"):
     """While tracing, autograd.Function.apply remembers the grad mode it was called in (its
-    forward runs with grad off, which is not the user's torch.no_grad())."""
+    forward runs with grad off, which is not the user's torch.no_grad()), and a user's Function
+    is recorded as one node (nnscaler.ir.kept_functions)."""
+    from .kept_functions import is_user_function, keep_function
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        tracer._function_grad.append(tracer.grad_enabled())
+        if is_user_function(cls):  # a class defined after the trace began (its forward records too)
+            keep_function(tracer, cls)
+        tracer._function_grad.append((cls, tracer.grad_enabled()))
         try:
             return original.__func__(cls, *args, **kwargs)
         finally:
