@@ -35,6 +35,20 @@ class ItemScale(nn.Module):
         return (self.fc(x) * k).sum()
 
 
+class NumpyScale(nn.Module):
+    """A value taken through NumPy (`x.numpy()`, `np.asarray(t)`) and used as a Python number."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, n):
+        import numpy as np
+        k = n.numpy().max()  # numpy line
+        j = np.asarray(n).min()  # asarray line
+        return (self.fc(x) * float(k) + float(j)).sum()
+
+
 def fast_all(t):
     """Hugging Face's masking_utils.fast_all: `tensor.sum() == tensor.numel()`."""
     return t.sum() == t.numel()

@@ -176,3 +176,56 @@ def test_hooks_on_the_model_are_reported():
     with warnings.catch_warnings():
         warnings.simplefilter("error", TracingWarning)
         trace(nn.Sequential(nn.Linear(4, 4)), {"input": torch.randn(2, 4)})  # no hooks: silent
+
+
+class WritesWeights(nn.Module):
+    """Updates its parameters in place in forward, by every route the tracer sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.a.weight.mul_(0.5)
+            self.a.weight.data.add_(1.0)
+            self.b.weight[0] = 0.0
+            torch.mul(self.b.bias, 3.0, out=self.b.bias)
+        return self.b(self.a(x)).sum()
+
+
+def test_parameters_updated_in_place_by_forward_are_restored():
+    m = WritesWeights()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    g = trace(m, {"x": torch.randn(2, 4)})  # traced twice (train and eval): 0.25x without the restore
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    assert sum(n.inplace for n in g.nodes) >= 3  # the updates are in the program, not applied once
+
+
+def _scale_weight_(w):  # a custom op runs unrecorded inside: its write is invisible to the tracer
+    with torch.no_grad():
+        w.mul_(2.0)
+    return w * 1.0
+
+
+class Hidden(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.op = op
+
+    def forward(self, x):
+        return (x @ self.op(self.fc.weight)).sum()
+
+
+def test_parameter_changed_where_the_trace_cannot_see_is_refused_by_name():
+    from nnscaler.ir.registry import REGISTRY, register_op
+
+    op = register_op(_scale_weight_, "a b -> a b", name="tests.scale_weight_")
+    try:
+        with pytest.raises(TraceError, match=r"fc\.weight in place by a route the trace cannot follow"):
+            trace(Hidden(op), {"x": torch.randn(2, 4)}, both_modes=False)
+    finally:
+        REGISTRY._ops.pop(_scale_weight_, None)
+        REGISTRY._ops.pop(op, None)
+        REGISTRY._user.difference_update({_scale_weight_, op})

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from guard_models import AssertMask, HFMaskAttention, ItemScale, LoopDecisions, mask_batch
+from guard_models import AssertMask, HFMaskAttention, ItemScale, LoopDecisions, NumpyScale, mask_batch
 
 
 
@@ -91,6 +91,26 @@ def test_item_is_guarded_on_its_value(tmp_path):
     msg = str(e.value)
     assert "tensor.item()" in msg and "While tracing it was 3; it is 4 now" in msg
     assert f"guard_models.py:{_line_of(ItemScale, 'item line')}" in msg and "forward's argument `n`" in msg
+
+
+def test_numpy_round_trip_is_guarded_on_its_value(tmp_path):
+    """`.numpy()` / `np.asarray` used to freeze the example's values into the program silently."""
+    from nnscaler import ComputeConfig, parallelize
+    from nnscaler.runtime import GuardError
+
+    torch.manual_seed(0)
+    model = NumpyScale()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, {"x": _x(0), "n": torch.tensor([1, 3])}, "dp", ComputeConfig(1, 1, trace_strategy="cpu"),
+                     gen_savedir=tmp_path, instance_name="numpy")
+    x = _x(1)
+    same = torch.tensor([1, 3])
+    assert torch.allclose(pm(x, same), ref(x, same))
+    with pytest.raises(GuardError) as e:
+        pm(x, torch.tensor([1, 4]))  # max 4 instead of 3: the frozen program would scale by 3
+    msg = str(e.value)
+    assert "a tensor turned into a NumPy array" in msg and "forward's argument `n`" in msg
+    assert f"guard_models.py:{_line_of(NumpyScale, 'numpy line')}" in msg
 
 
 def test_hf_mask_pattern_traced_with_padding_runs_both_branches(tmp_path):

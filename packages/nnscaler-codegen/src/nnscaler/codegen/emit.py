@@ -26,6 +26,7 @@ from .layouts import UnitPlan, is_shape_query, local_slices, plan_unit
 from .stages import holding_groups, loss_value, shared_holders, stage_io
 from .render import ModeChoice, RawExpr, Renderer, python_name
 from .random_streams import RandomOps
+from .state_writes import StateWrites
 from .sync_batchnorm import SyncBatchNorm
 
 R = Replicate()
@@ -178,6 +179,7 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
     defined = {names[r.id] for i in graph.inputs for _, r in i.leaves} | {
         names[r.id] for r in iter_refs(head_values)}
     prev_src = [None]
+    writes = StateWrites(graph, unit, names)
     open_block: Dict[int, tuple] = {}  # id(out) -> (context line, len(out) where its block ends)
 
     def node_lines(idx: int, node: Node, out: List[str], with_dels: bool) -> None:
@@ -192,6 +194,7 @@ def _emit_ops(graph: IRGraph, nodes: List[Node], names: Dict[int, str], adapt: "
             own = rnd.wrap(node, own, adapt.renderer_for(node))
         if sbn is not None:  # batch norm statistics over the data-parallel replicas
             own = sbn.wrap(node, own)
+        own = own + writes.lines(node, adapt)  # an in-place update of a stored tensor (codegen/state_writes.py)
         if branch is not None:
             conversions, own = branch.wrap(conversions, own)
         if node.only_when is not None:  # an op of one mode only (nnscaler.ir.modes); nothing reads its outputs

@@ -36,7 +36,8 @@ GUARD_TARGET = "nnscaler.runtime.guards.check"
 WHOLE_LIMIT = 1024  # tolist()/__array__ of more elements are compared through a digest
 
 READ_KIND = {"__bool__": "bool", "item": "item", "__int__": "int", "__float__": "float",
-             "__index__": "index", "tolist": "tolist", "__array__": "array"}
+             "__index__": "index", "tolist": "tolist", "__array__": "array",
+             "numpy": "array"}
 READ_TEXT = {"bool": "bool(tensor) (an `if`, `while`, `and`/`or` or assert on a tensor)",
              "item": "tensor.item()", "int": "int(tensor)", "float": "float(tensor)",
              "index": "a tensor used as a Python index", "tolist": "tensor.tolist()",

@@ -38,14 +38,14 @@ _FOLDED_ATTRS = {"dtype", "device", "is_cuda", "is_meta", "requires_grad", "ndim
                  "grad_fn", "names", "is_sparse", "is_quantized", "data_ptr", "dim", "element_size",
                  "is_contiguous", "is_floating_point", "is_complex", "get_device", "__len__", "__format__",
                  "__repr__", "__bool__", "__int__", "__float__", "__index__", "__hash__", "item", "tolist",
-                 "stride", "storage_offset", "untyped_storage", "__array__"}
+                 "stride", "storage_offset", "untyped_storage", "__array__", "numpy"}
 _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
 
 
 
 # Reading a traced tensor's values in Python: the result is frozen into the program.
-_VALUE_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__array__"}
+_VALUE_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__array__", "numpy"}
 
 
 class _RecordingMode(TorchFunctionMode):
@@ -70,6 +70,7 @@ class Tracer:
         self._module_stack = [""]
         self._function_grad: list = []  # (class, caller's grad mode) of each enclosing autograd.Function.apply
         self._kept_classes: Dict[type, Any] = {}  # user autograd Functions recording themselves
+        self.saved: Optional[SavedState] = None  # set while the forward runs
         self._kept_nodes: list = []  # (node, input tensors, output tensors) of each kept Function call
         self._module_names = {}
         # value reads become guards (nnscaler.ir.guards); decision k in `flips` returns the other branch
@@ -217,13 +218,15 @@ class Tracer:
 
     def record_call(self, func, target: str, args, kwargs, name: str, annotation_fn=None):
         arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
+        inplace = ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+                   or kwargs.get("out") is not None or kwargs.get("inplace") is True)
+        if inplace and self.saved is not None:  # the trace must leave the user's weights as they were
+            self.saved.before_write(kwargs.get("out", args[0] if args else None))
         try:
             real = self.device.run(func, args, kwargs)
         except Exception as e:
             loc = self.source_location()
             raise TraceError(f"tracing failed in {target} called at {loc}: {type(e).__name__}: {e}") from e
-        inplace = ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
-                   or kwargs.get("out") is not None or kwargs.get("inplace") is True)
         if name == "__setitem__":
             real = args[0]
         if real is None or (not _has_tensor(real) and self.constant_folding):
@@ -438,7 +441,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
         for path, ref in spec.leaves:
             tracer.input_names[ref.id] = spec.name + "".join(f"[{p!r}]" for p in path)
     warn_module_hooks(module)
-    saved = SavedState(module)
+    saved = tracer.saved = SavedState(module)
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer._pre_hook),
              torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
     try:
@@ -449,10 +452,16 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
         settle_grad_modes(tracer)
         rebound = saved.rebound()
         changed = saved.changed_attributes(tracer._module_names)
+        unrestorable = saved.unrestorable_params()
     finally:
         for h in hooks:
             h.remove()
         saved.restore()
+    if unrestorable:
+        raise TraceError(f"forward changed the parameter(s) {', '.join(unrestorable)} in place by a route the "
+                         f"trace cannot follow (inside a custom op or autograd Function), so the model now "
+                         f"differs from before parallelize(); update parameters with torch ops in forward "
+                         f"(under torch.no_grad()), or outside forward")
     output = tracer._to_refs(out)
     graph = IRGraph(f"{type(module).__module__}.{type(module).__qualname__}", inputs, params, buffers,
                     tracer.constants, tracer.values, tracer.nodes, output, constant_folding,

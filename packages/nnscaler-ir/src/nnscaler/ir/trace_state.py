@@ -89,10 +89,18 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 class SavedState:
-    """Buffers and RNG state, restored after tracing (the trace must not change the model)."""
+    """Parameters, buffers and RNG state, restored after tracing (the trace must not change the model).
+
+    Buffers are copied up front (they are small); a parameter is copied just before the first
+    in-place op that writes its storage (``w.div_(...)``, ``w.data.mul_(...)``, ``w[i] = ...``,
+    ``out=w``), so tracing a large model does not hold a second copy of its weights."""
 
     def __init__(self, module):
         self.buffers = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+        self.param_storage = {p.untyped_storage().data_ptr(): (n, p) for n, p in module.named_parameters()
+                              if p.device.type != "meta" and p.numel() > 0}
+        self.param_versions = {n: (p, p._version) for n, p in module.named_parameters()}
+        self.params: Dict[str, tuple] = {}  # name -> (parameter, copy taken before the first write)
         # forward may also rebind a buffer (self.steps = self.steps + 1): put the original back
         self.slots = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()]
         # plain Python attributes (a step counter): forward may change them, generated code cannot
@@ -100,6 +108,18 @@ class SavedState:
                       if not k.startswith("_") and k != "training" and isinstance(v, _PLAIN)]
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def before_write(self, target) -> None:
+        """About to write `target` in place: copy the parameter whose storage it is (once)."""
+        if not isinstance(target, torch.Tensor) or target.device.type == "meta":
+            return
+        hit = self.param_storage.get(target.untyped_storage().data_ptr())
+        if hit is not None and hit[0] not in self.params:
+            self.params[hit[0]] = (hit[1], hit[1].detach().clone())
+
+    def unrestorable_params(self) -> list:
+        """Parameters forward changed in place by a route the tracer did not see (no copy taken)."""
+        return [n for n, (p, v) in self.param_versions.items() if p._version != v and n not in self.params]
 
     def changed_attributes(self, names) -> list:
         """'path.attr' of every plain attribute forward changed."""
@@ -119,6 +139,8 @@ class SavedState:
         with torch.no_grad():
             for b, v in self.buffers:
                 b.copy_(v)
+            for p, v in self.params.values():
+                p.copy_(v)
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)

@@ -1,5 +1,6 @@
-"""Models calling the user's own ``torch.autograd.Function`` s (importable by spawned workers and
-by the generated code, which calls the Functions by name)."""
+"""Models whose forward does what a trace could get silently wrong: calling the user's own
+``torch.autograd.Function`` s (called by name by the generated code) and updating parameters in
+place under no_grad. Importable by spawned workers."""
 from __future__ import annotations
 
 import torch
@@ -68,3 +69,29 @@ def quant_batch(step, n, dtype=torch.float64):
 def make_quant_mlp():
     torch.manual_seed(0)
     return QuantMLP().double()
+
+
+class MaxNormMLP(nn.Module):
+    """A forward that updates parameters in place under no_grad: a max-norm constraint on fc1's rows
+    and a decay of fc2's weight (both must run in the generated program, not once while tracing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        with torch.no_grad():
+            w = self.fc1.weight
+            w.div_(w.norm(dim=1, keepdim=True).clamp(min=0.5) * 2)
+            self.fc2.weight.mul_(0.9)
+        h = torch.relu(self.fc1(x))
+        return ((self.fc2(h) - y) ** 2).mean()
+
+
+def make_max_norm_mlp():
+    torch.manual_seed(0)
+    return MaxNormMLP().double()
+
+
+MODELS = {"quant": make_quant_mlp, "max_norm": make_max_norm_mlp}
