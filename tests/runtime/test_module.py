@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from launch import no_leaks, run_workers  # noqa: F401  (fixtures)
 from nnscaler.runtime.errors import GenerationError, NnScalerError, PlanMismatchError
-from nnscaler.runtime.module import FullMapEntry, ParallelModule, make_compute_config
+from nnscaler.ir.contracts import FullMapEntry
+from nnscaler.runtime.module import ParallelModule, make_compute_config
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.reducer import sync_grad_when
 

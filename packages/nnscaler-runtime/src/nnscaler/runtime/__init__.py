@@ -25,7 +25,7 @@ from .model_sources import SourceChangedWarning  # reuse='match' of code from an
 from .precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin, apply_precision,
                         parse_precision, with_master_weights)
 from .reducer import Reducer, sync_grad_when
-from .zero_layout import ZeroShardLayout
+from nnscaler.ir.contracts import ZeroShardLayout
 
 __all__ = [
     "AggregatedOutputs", "aggregate_outputs", "count_tokens", "grad_scale", "reduce_gradients", "reduce_loss",

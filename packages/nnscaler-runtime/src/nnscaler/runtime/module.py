@@ -35,11 +35,12 @@ import contextlib
 import os
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+
+from nnscaler.ir.contracts import FullMapEntry
 
 from .device import default_device
 from .errors import GenerationError, NnScalerError, PlanMismatchError
@@ -57,26 +58,6 @@ _CONFIG_DEFAULTS = dict(constant_folding=False, trace_strategy="cuda_run_cpu_off
                         zero_ngroups=1, zero_use_reduce_scatter=False, use_async_reducer=False,
                         reducer_bucket_cap_mb=None, inference_only=False, use_end2end=False, rng_mode="parallel", sync_batchnorm=False,
                         pas_config={}, user_config={})
-
-
-@dataclass(frozen=True)
-class FullMapEntry:
-    """Where a local tensor sits in its full (single-device) tensor."""
-
-    local_name: str
-    full_name: str
-    full_shape: Tuple[int, ...]
-    slices: Tuple[Tuple[int, int], ...]
-    value_split: Tuple[int, int] = (0, 1)
-    replicas: int = 1
-
-    @property
-    def local_shape(self) -> Tuple[int, ...]:
-        return tuple(stop - start for start, stop in self.slices)
-
-    @property
-    def is_whole(self) -> bool:
-        return self.local_shape == self.full_shape
 
 
 def make_compute_config(data: Any):

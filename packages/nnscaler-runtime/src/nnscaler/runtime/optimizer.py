@@ -33,7 +33,9 @@ import torch.distributed as dist
 from . import failures
 from .errors import ConfigError
 from .grid import RankGrid
-from .module import FullMapEntry, ParallelModule
+from nnscaler.ir.contracts import FullMapEntry
+
+from .module import ParallelModule
 from .reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
 

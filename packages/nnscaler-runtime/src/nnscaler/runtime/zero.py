@@ -100,8 +100,7 @@ from . import failures
 from .comm import fallbacks
 from .comm.stats import record
 from .errors import ConfigError
-from .module import FullMapEntry
-from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroPiece, ZeroShardLayout
+from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
 __all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
            "ZeroParam", "ZeroEngine", "ZeroStats"]

@@ -1,7 +1,7 @@
 """The public record of how ZeRO shards optimizer state (`opt.zero_layout`).
 
-Read by the checkpoint package to merge or reshard optimizer state without importing the
-runtime's internals: plain dataclasses, `to_dict()` gives JSON and `from_dict()` reads it back.
+Written by the runtime's ZeRO layer, read by the checkpoint package to merge or reshard optimizer
+state without importing the runtime: plain dataclasses, `to_dict()` gives JSON and `from_dict()` reads it back.
 Versioned by `LAYOUT_VERSION`. See `ZeroShardLayout` for how to put the state back together.
 """
 from __future__ import annotations
