@@ -18,6 +18,8 @@ _EXPORTS = {
     "OptionalComputeConfig": "nnscaler.ir",
     "register_op": "nnscaler.ir",
     "trace": "nnscaler.ir",
+    "NnScalerError": "nnscaler.ir",
+    "NnScalerWarning": "nnscaler.ir",
     "ReuseType": "nnscaler.runtime",
     "parallelize": "nnscaler.runtime",
     "build_optimizer": "nnscaler.runtime",

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import List
 
+from nnscaler.ir.atomic_write import atomic_write
+
 from .emit import emit_rank, param_local_names
 from .errors import GenerationError
 from .layouts import plan_unit
@@ -34,11 +36,7 @@ def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str 
     for rank in range(cfg["runtime_ngpus"]):
         text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint(), unit=unit)
         compile(text, gencode_name(rank), "exec")  # a bug here must not reach the ranks
-        path = outdir / gencode_name(rank)
-        tmp = path.with_suffix(".py.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-        paths.append(path)
+        paths.append(atomic_write(outdir / gencode_name(rank), text))
     # what the plan split, beside the code (plan_report.json / .txt; see nnscaler.ir.plan_report)
     write_report(build_report(graph, cfg, policy, unit=unit), outdir)
     return paths

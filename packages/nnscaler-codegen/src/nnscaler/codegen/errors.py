@@ -1,5 +1,4 @@
-"""Errors of code generation."""
+"""Errors of code generation: `GenerationError`, one class shared with the runtime (nnscaler.ir.errors)."""
+from nnscaler.ir.errors import GenerationError
 
-
-class GenerationError(RuntimeError):
-    """The planned graph cannot be turned into code; the message names the op and the reason."""
+__all__ = ["GenerationError"]

@@ -20,11 +20,8 @@ from nnscaler.ir.layout import Replicate, Shard
 from nnscaler.ir.plan_report import (REPORT_JSON, REPORT_TEXT, Collective, ModuleReport, OpSplit, PlanReport,
                                      UnannotatedOp)
 
-try:  # run-time checks of the trace's decisions: not ops of the model
-    from nnscaler.ir.guards import is_guard
-except ImportError:  # pragma: no cover - guards are optional here
-    def is_guard(node) -> bool:
-        return False
+from nnscaler.ir.atomic_write import atomic_write
+from nnscaler.ir.guards import is_guard  # run-time checks of the trace's decisions: not ops of the model
 
 from .adapters import STEP_COLLECTIVES, steps_cost, transition_steps
 from .layouts import UnitPlan, is_shape_query, local_slices, plan_unit
@@ -239,9 +236,5 @@ def write_report(report: PlanReport, outdir) -> List["os.PathLike"]:
     paths = []
     for name, text in ((REPORT_JSON, json.dumps(report.to_json(), indent=1, sort_keys=True)),
                        (REPORT_TEXT, report.render_text())):
-        path = outdir / name
-        tmp = path.with_name(name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-        paths.append(path)
+        paths.append(atomic_write(outdir / name, text))
     return paths

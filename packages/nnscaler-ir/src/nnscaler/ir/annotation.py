@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from nnscaler.ir.errors import NnScalerError
 from nnscaler.ir.layout import Partial, Placement, Replicate, Shard
 
 __all__ = ["AnnotationError", "DimSpec", "TensorSpec", "OpAnnotation", "BoundAnnotation",
@@ -47,7 +48,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ELLIPSIS = "..."
 
 
-class AnnotationError(ValueError):
+class AnnotationError(NnScalerError, ValueError):
     """A malformed annotation, or shapes / a partition that do not fit one.
 
     For syntax errors ``position`` is the offending character's offset in ``annotation`` and the

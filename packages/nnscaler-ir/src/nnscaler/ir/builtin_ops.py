@@ -18,14 +18,14 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from nnscaler.ir.tree import tensor_leaves
+
 __all__ = ["register_builtins", "localize_args"]
 
 _T = torch.Tensor
 
 
-def _tensors(obj) -> list:
-    from nnscaler.ir.registry import tensor_leaves  # lazy: registry imports this module
-    return tensor_leaves(obj)
+_tensors = tensor_leaves
 
 
 def _call(params: Sequence[str], args: tuple, kwargs: dict):

@@ -17,8 +17,7 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 RNG_MODES = ("parallel", "exact")
 
 
-class ConfigError(ValueError):
-    """A compute configuration value is invalid; the message names the field and the fix."""
+from .errors import ConfigError  # noqa: E402  (re-exported: nnscaler.ir.config.ConfigError)
 
 
 def _check_type(name: str, value: Any, types, allow_none: bool = False) -> None:

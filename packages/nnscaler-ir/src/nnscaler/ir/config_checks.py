@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import List
 
+from .errors import NnScalerWarning
 from .user_code import warn_user
 
 __all__ = ["ConfigWarning", "ineffective_settings", "warn_ineffective_settings"]
 
 
-class ConfigWarning(UserWarning):
+class ConfigWarning(NnScalerWarning):
     """A ComputeConfig key whose value has no effect with the rest of the config."""
 
 

@@ -29,6 +29,7 @@ import torch
 from .annotation import AnnotationError, BoundAnnotation, parse_annotation
 from .layout import Partial, Replicate, Shard, TensorLayout
 from .trace_state import TraceError
+from .tree import replace_tensors
 
 __all__ = ["check_custom_op", "clear_cache", "TOLERANCES"]
 
@@ -53,7 +54,7 @@ def check_custom_op(name: str, fn: Callable, annotation: Optional[str], args: tu
     registered name (used in messages)."""
     if annotation is None:
         return
-    from .registry import tensor_leaves
+    from .tree import tensor_leaves
     ins, outs = tensor_leaves((args, kwargs)), tensor_leaves(result)
     key = (fn, annotation, tuple((tuple(t.shape), t.dtype) for t in ins),
            tuple((tuple(t.shape), t.dtype) for t in outs))
@@ -98,8 +99,8 @@ def _check(name, fn, annotation, args, kwargs, ins, outs) -> Optional[str]:
 def _whole_call(fn, args, kwargs, ins, compare_to=None):
     """The op's tensor outputs on copies of the inputs; None when it fails, or when it differs from
     `compare_to` (a nondeterministic op)."""
-    from .registry import tensor_leaves
-    a, k = _replace_tensors((args, kwargs), [t.detach().clone() for t in ins])
+    from .tree import tensor_leaves
+    a, k = replace_tensors((args, kwargs), [t.detach().clone() for t in ins])
     try:
         out = tensor_leaves(_run(fn, a, k))
     except Exception:  # noqa: BLE001 - it ran in the trace: a failure here means it cannot be re-run
@@ -119,12 +120,12 @@ def _split_problem(fn, args, kwargs, ins, outs, bound: BoundAnnotation, dim: str
     results = []
     for i in range(n):
         local = [_piece(t, p, n, i) for t, p in zip(ins, in_places)]
-        a, k = _replace_tensors((args, kwargs), local)
+        a, k = replace_tensors((args, kwargs), local)
         try:
             got = _run(fn, a, k)
         except Exception as e:  # the op cannot even run on a piece
             return f"running it on piece {i} of {n} raised {type(e).__name__}: {e}"
-        from .registry import tensor_leaves
+        from .tree import tensor_leaves
         got = tensor_leaves(got)
         if len(got) != len(outs):
             return f"piece {i} returned {len(got)} tensor(s) instead of {len(outs)}"
@@ -173,21 +174,6 @@ def _piece(t: torch.Tensor, place, n: int, i: int) -> torch.Tensor:
     return t.clone()
 
 
-def _replace_tensors(obj, new):
-    it = iter(new)
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            return next(it)
-        if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
-            items = [walk(y) for y in x]
-            if hasattr(x, "_fields"):
-                return type(x)(*items)
-            return items if isinstance(x, list) else tuple(items)
-        if isinstance(x, dict):
-            return type(x)((k, walk(y)) for k, y in x.items())
-        return x
-    return walk(obj)
 
 
 def _difference(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:

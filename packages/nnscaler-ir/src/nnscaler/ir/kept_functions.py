@@ -30,6 +30,7 @@ import torch
 
 from . import tracing_context
 from .trace_state import TraceError
+from .tree import iter_tensors as _tensors
 
 if TYPE_CHECKING:
     from .trace import Tracer
@@ -164,13 +165,3 @@ def settle_grad_modes(tracer: "Tracer") -> None:
     for node, ins, outs in tracer._kept_nodes:
         node.grad_enabled = any(t.requires_grad for t in outs) or not any(t.requires_grad for t in ins)
 
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)

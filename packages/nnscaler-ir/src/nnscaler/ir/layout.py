@@ -21,10 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple, Union
 
+from .errors import NnScalerError
+
 __all__ = ["Replicate", "Partial", "Shard", "Placement", "TensorLayout", "LayoutError"]
 
 
-class LayoutError(ValueError):
+class LayoutError(NnScalerError, ValueError):
     """A layout that does not fit its full tensor (bad dim, uneven split, bad index)."""
 
 

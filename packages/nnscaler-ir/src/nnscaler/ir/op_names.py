@@ -61,6 +61,13 @@ def importable(path: str) -> bool:
         return False
 
 
+def policy_name(policy) -> str:
+    """A stable name for a policy, a name or a function (recorded in the gen_savedir manifest)."""
+    if isinstance(policy, str):
+        return policy
+    return f"{getattr(policy, '__module__', '?')}.{getattr(policy, '__qualname__', repr(policy))}"
+
+
 def module_of(path: str) -> str:
     """The module part of a dotted path (``pkg.mod.Class.apply`` -> ``pkg.mod``): its longest
     importable prefix."""

@@ -20,29 +20,15 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 
 from nnscaler.ir.annotation import AnnotationError, parse_annotation
+from nnscaler.ir.builtin_ops import register_builtins
 from nnscaler.ir.tracing_context import current_tracer
+from nnscaler.ir.tree import tensor_leaves  # noqa: F401  (registry.tensor_leaves: used by callers)
 
 __all__ = ["OpRegistry", "REGISTRY", "register_op", "tensor_leaves", "Annotation"]
 
 Annotation = Union[str, Callable[..., Optional[str]]]
 
 
-def tensor_leaves(obj: Any) -> List[torch.Tensor]:
-    """The tensors in ``obj`` (nested lists/tuples/dict values), in annotation-entry order."""
-    out: List[torch.Tensor] = []
-
-    def walk(x):
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-
-    walk(obj)
-    return out
 
 
 @dataclass(frozen=True)
@@ -254,7 +240,5 @@ def _validate(annotation: Annotation, label: str) -> None:
         raise TypeError(f"{label}: an annotation must be a string or a callable, "
                         f"got {annotation!r}")
 
-
-from nnscaler.ir.builtin_ops import register_builtins  # noqa: E402  (populates REGISTRY)
 
 register_builtins(REGISTRY)

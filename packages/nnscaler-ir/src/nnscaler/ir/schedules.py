@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .config import ConfigError
+from .errors import NnScalerError
 
 __all__ = [
     "Action", "Schedule", "ExplicitSchedule", "GPipe", "OneFOneB", "OneFOneBPlus", "Interleaved1F1B",
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(NnScalerError, ValueError):
     """A schedule's action lists are malformed (missing, duplicated or misplaced actions)."""
 
 

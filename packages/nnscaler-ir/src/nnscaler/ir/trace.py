@@ -243,14 +243,10 @@ class Tracer:
         return result
 
     def _annotation(self, func, args, kwargs, annotation_fn):
-        try:
-            from .registry import REGISTRY
-        except ImportError:  # registry not built yet
-            return None
-        try:
-            return REGISTRY.lookup(func, args, kwargs)
-        except Exception:
-            return None
+        # REGISTRY.lookup: None for an unannotated op; a user's broken annotation raises (never a
+        # silent replication)
+        from .registry import REGISTRY
+        return REGISTRY.lookup(func, args, kwargs)
 
     def _record_size(self, tensor, real, target, args, kwargs=None):
         arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs or {}))

@@ -16,6 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .tree import iter_tensors as _tensors
 from .user_code import warn_user
 
 _GPU_STRATEGIES = ("cuda", "cuda_run_cpu_offload", "reuse_cache")
@@ -118,17 +119,6 @@ def _signature(obj):
         return ("dict",) + tuple((k, _signature(v)) for k, v in sorted(obj.items()))
     hash(obj)
     return (type(obj), obj)  # 2 and 2.0 (and True) are equal but give different dtypes
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
 
 
 def _is_inplace(out, args, kwargs) -> bool:

@@ -15,12 +15,7 @@ if TYPE_CHECKING:
     from .trace import Tracer
 
 
-class TraceError(RuntimeError):
-    """Tracing the user's module failed; the message names the user's source line."""
-
-
-class TracingWarning(UserWarning):
-    """Something in the user's forward that the generated code cannot follow for other inputs."""
+from .errors import TraceError, TracingWarning  # noqa: E402  (re-exported)
 
 
 @contextlib.contextmanager

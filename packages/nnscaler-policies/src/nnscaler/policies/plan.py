@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from nnscaler.ir.errors import NnScalerError
 from nnscaler.ir.graph import IRGraph, Node
 from nnscaler.ir.layout import Replicate
 
 
-class PlanError(ValueError):
+class PlanError(NnScalerError, ValueError):
     """A policy produced an invalid plan, or a primitive was used wrongly; names the op."""
 
 

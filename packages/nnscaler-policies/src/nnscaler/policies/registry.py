@@ -3,14 +3,25 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Union
 
+from nnscaler.ir.op_names import policy_name  # noqa: F401  (re-exported: the manifest's policy name)
+
 Policy = Callable  # (graph, compute_config) -> graph
 
 _POLICIES: Dict[str, Policy] = {}
 
 
-def register_policy(name: str):
-    """Decorator registering a policy function under `name`."""
+def register_policy(name: str, *, override: bool = False):
+    """Decorator registering a policy function under `name`. A name registered before (a built-in
+    policy, or another function) is refused unless ``override=True``; registering the same
+    function again (a re-imported module) is allowed."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_policy needs a policy name (a non-empty string), got {name!r}")
+
     def deco(fn: Policy) -> Policy:
+        old = _POLICIES.get(name)
+        if old is not None and not override and policy_name(old) != policy_name(fn):
+            raise ValueError(f"register_policy({name!r}): the name is already registered for "
+                             f"{policy_name(old)}; pass override=True to replace it, or choose another name")
         _POLICIES[name] = fn
         return fn
     return deco
@@ -40,8 +51,3 @@ def get_policy(policy: Union[str, Policy]) -> Policy:
     return _POLICIES[policy]
 
 
-def policy_name(policy: Union[str, Policy]) -> str:
-    """A stable name for a policy (recorded in the gen_savedir manifest)."""
-    if isinstance(policy, str):
-        return policy
-    return f"{getattr(policy, '__module__', '?')}.{getattr(policy, '__qualname__', repr(policy))}"

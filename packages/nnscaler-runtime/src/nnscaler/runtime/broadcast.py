@@ -28,6 +28,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from nnscaler.ir.atomic_write import TMP_SUFFIX, AtomicFile, atomic_write
+
 from .gen_dir import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE
 
 STRATEGIES = ("none", "all", "no_weights", "code")
@@ -42,7 +44,7 @@ def check_strategy(strategy) -> str:
 
 
 def files_to_send(directory: Path, strategy: str) -> List[str]:
-    names = sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.endswith(".tmp"))
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.endswith(TMP_SUFFIX))
     if strategy == "all":
         return names
     if strategy == "no_weights":
@@ -128,7 +130,6 @@ def _receive(directory: Path, header: dict, src: int) -> Optional[str]:
         error = f"cannot write the received code into {directory}: {e}"
     manifest = None
     for name, size in header["files"]:
-        tmp = directory / (name + ".tmp")
         chunks = []
         out = None
         for start in range(0, size, CHUNK):
@@ -140,22 +141,19 @@ def _receive(directory: Path, header: dict, src: int) -> Optional[str]:
                 chunks.append(buf.numpy().tobytes())
                 continue
             try:
-                out = out or open(tmp, "wb")
+                out = out or AtomicFile(directory / name)
                 out.write(buf.numpy().data)
             except OSError as e:
                 error = f"cannot write the received file {directory / name}: {e}"
         if error is not None:
             if out is not None:
-                out.close()
+                out.discard()
             continue
         if name == MANIFEST:
             manifest = json.loads(b"".join(chunks))
             continue
         try:
-            if out is None:
-                out = open(tmp, "wb")  # an empty file
-            out.close()
-            os.replace(tmp, directory / name)
+            (out or AtomicFile(directory / name)).commit()  # an empty file when nothing came
         except OSError as e:
             error = f"cannot write the received file {directory / name}: {e}"
     if error is not None:
@@ -168,9 +166,8 @@ def _receive(directory: Path, header: dict, src: int) -> Optional[str]:
             omitted = sorted(set(manifest.get("files", {})) - set(files))
             manifest["files"] = {n: m for n, m in manifest.get("files", {}).items() if n in files}
             manifest["received"] = {"strategy": header["strategy"], "omitted": omitted}
-            tmp = directory / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-            os.replace(tmp, directory / MANIFEST)  # the manifest goes last: it makes the directory valid
+            # the manifest goes last: it makes the directory valid
+            atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     except OSError as e:
         return f"cannot write the received code into {directory}: {e}"
     return None

@@ -21,7 +21,8 @@ __all__ = ["is_deliberate"]
 
 def is_deliberate(exc: BaseException) -> bool:
     """Whether `exc` is an error nnscaler raised on purpose (shown as one message)."""
-    if type(exc).__module__.startswith("nnscaler."):
+    from nnscaler.ir.errors import NnScalerError
+    if isinstance(exc, NnScalerError) or type(exc).__module__.startswith("nnscaler."):
         return True
     if type(exc) not in (TypeError, ValueError):
         return False

@@ -56,6 +56,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from nnscaler.ir.tree import iter_tensors as _tensors
+
 from .device import is_distributed
 from .errors import NnScalerError
 
@@ -284,17 +286,6 @@ def watch_backward(outputs: Any) -> None:
     for t in _tensors(outputs):
         if t.grad_fn is not None:
             t.register_hook(_on_backward_start)
-
-
-def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
 
 
 # -- peers ------------------------------------------------------------------------------------------

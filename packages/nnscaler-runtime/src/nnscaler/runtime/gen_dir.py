@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
+from nnscaler.ir.atomic_write import TMP_SUFFIX, atomic_write
+
 from .errors import ReuseError
 
 MANIFEST = "manifest.json"
@@ -110,7 +112,7 @@ def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_
                    sources: Optional[list] = None) -> dict:
     files = {}
     for path in sorted(directory.iterdir()):
-        if path.name == MANIFEST or path.suffix == ".tmp" or not path.is_file():
+        if path.name == MANIFEST or path.suffix == TMP_SUFFIX or not path.is_file():
             continue
         files[path.name] = {"sha256": sha256_file(path), "size": path.stat().st_size}
     data = {"format": FORMAT_VERSION, "module_class": identity.module_class, "class_name": class_name,
@@ -119,12 +121,7 @@ def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_
             "graph_fingerprint": fingerprint, "files": files}
     if sources is not None:  # the model's source files (nnscaler.runtime.model_sources)
         data["sources"] = sources
-    tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
+    atomic_write(directory / MANIFEST, json.dumps(data, indent=1, sort_keys=True))
     return data
 
 

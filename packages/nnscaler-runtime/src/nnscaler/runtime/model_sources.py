@@ -29,6 +29,8 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
+from nnscaler.ir.errors import NnScalerWarning
+
 from .gen_dir import sha256_file
 
 __all__ = ["SourceChangedWarning", "collect_sources", "changed_sources", "describe_changes"]
@@ -36,7 +38,7 @@ __all__ = ["SourceChangedWarning", "collect_sources", "changed_sources", "descri
 log = logging.getLogger("nnscaler")
 
 
-class SourceChangedWarning(UserWarning):
+class SourceChangedWarning(NnScalerWarning):
     """``reuse='match'`` reuses generated code although a source file of the model (a module
     class, a custom op, a traced line) changed since the code was generated: the code runs the
     model as it was then. The message names the file(s); ``reuse='moo'`` or ``'override'``

@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from nnscaler.ir.contracts import FullMapEntry
+from nnscaler.ir.tree import map_tensors
 
 from .device import default_device
 from .errors import GenerationError, NnScalerError, PlanMismatchError
@@ -238,11 +239,7 @@ class ParallelModule(RandomStreamsMixin, torch.nn.Module):
             raise FileNotFoundError(
                 f"{type(self).__name__}: initial weights {path} not found: regenerate the code, or build "
                 f"the module with init_params=False and call load_full_state(state_dict)")
-        try:
-            from safetensors import safe_open
-        except ImportError as e:
-            raise ImportError(f"reading the initial weights {path} needs the `safetensors` package: "
-                              f"pip install safetensors") from e
+        from safetensors import safe_open
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
 
@@ -301,7 +298,7 @@ class ParallelModule(RandomStreamsMixin, torch.nn.Module):
 
     # -- running --------------------------------------------------------------------------------
     def _to_device(self, obj: Any) -> Any:
-        return _map_tensors(obj, lambda t: t if t.device == self.device else t.to(self.device))
+        return map_tensors(obj, lambda t: t if t.device == self.device else t.to(self.device))
 
     def forward(self, *args, **kwargs):
         if self.PIPELINE is not None:
@@ -416,7 +413,7 @@ class ParallelModule(RandomStreamsMixin, torch.nn.Module):
                     raise NnScalerError(f"{type(self).__name__}.train_step: the first output of forward must be "
                                         f"the scalar loss, got {type(loss).__name__}")
                 scaled_loss(loss, scale_fn, type(self).__name__).backward()
-            outputs.append(_map_tensors(out, torch.Tensor.detach))
+            outputs.append(map_tensors(out, torch.Tensor.detach))
         return outputs
 
     def infer_step(self, samples: Sequence[Any]) -> List[Any]:
@@ -444,17 +441,3 @@ class ParallelModule(RandomStreamsMixin, torch.nn.Module):
 def _generated_file(cls: type) -> Optional[str]:
     path = getattr(sys.modules.get(cls.__module__), "__file__", None)
     return os.path.abspath(path) if path else None
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`fn` applied to every tensor in nested tuples (named too), lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        items = [_map_tensors(o, fn) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_map_tensors(o, fn) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    return obj

@@ -35,13 +35,13 @@ from .errors import ConfigError
 from .grid import RankGrid
 from nnscaler.ir.contracts import FullMapEntry
 
+from .class_mixin import mix_into
 from .module import ParallelModule
 from .reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
 
 __all__ = ["build_optimizer", "NnScalerOptimizerMixin"]
 
-_CLASSES: Dict[type, type] = {}
 
 
 class NnScalerOptimizerMixin:
@@ -151,13 +151,6 @@ def _by_device(tensors: List[torch.Tensor]) -> Dict[Any, List[torch.Tensor]]:
     return groups
 
 
-def _optimizer_class(base: type) -> type:
-    if base not in _CLASSES:
-        _CLASSES[base] = type(f"NnScaler{base.__name__}", (NnScalerOptimizerMixin, base),
-                              {"__module__": base.__module__})
-    return _CLASSES[base]
-
-
 def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.optim.Optimizer],
                     **kwargs) -> torch.optim.Optimizer:
     """`optimizer_fn(params, **kwargs)` over the trainable parameters of `module`, extended
@@ -203,7 +196,7 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
                         f"not a torch.optim.Optimizer")
     if zero is not None:
         zero.bind(optimizer)
-    optimizer.__class__ = _optimizer_class(type(optimizer))
+    mix_into(optimizer, NnScalerOptimizerMixin, "NnScaler")
     optimizer._nnscaler_module = module
     optimizer._nnscaler_grid = grid
     optimizer._nnscaler_replicas = replicas

@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, Optional, Type, Union
 import torch
 import torch.distributed as dist
 
+from nnscaler.ir.op_names import policy_name
+
 from .broadcast import broadcast_files, check_strategy
 from .load_check import load_on_every_rank
 from .errors import ConfigError, GenerationError
@@ -113,7 +115,7 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
             f"process(es); launch {compute_config.runtime_ngpus} processes (torchrun --nproc_per_node ...) "
             f"and call torch.distributed.init_process_group() first, or pass load_module=False to only generate")
 
-    identity = Identity(class_path, compute_config.to_dict(), _policy_name(pas_policy),
+    identity = Identity(class_path, compute_config.to_dict(), policy_name(pas_policy),
                         _input_schema(dummy_forward_args), generator_identity() if rank == 0 else None)
     error = action = None
     if rank == 0:
@@ -226,12 +228,14 @@ def _share_outcome(error: Optional[BaseException], rank: int) -> None:
     """Raise rank 0's generation error on every rank (with its cause), instead of hanging."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [None]
-        if rank == 0 and error is not None:
-            box = [(type(error).__name__, str(error), "".join(traceback.format_exception(error)))]
+        if rank == 0 and error is not None:  # an internal error travels with rank 0's traceback
+            tb = None if is_deliberate(error) else "".join(traceback.format_exception(error))
+            box = [(type(error).__name__, str(error), tb)]
         dist.broadcast_object_list(box, src=0)
         if rank != 0 and box[0] is not None:
             name, message, tb = box[0]
-            raise GenerationError(f"rank 0 failed to generate code: {name}: {message}")
+            raise GenerationError(f"rank 0 failed to generate code: {name}: {message}"
+                                  + (f"\n\nrank 0's traceback:\n{tb}" if tb else ""))
     if error is not None:
         raise error
 
@@ -275,12 +279,6 @@ def _rank_world():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _policy_name(policy) -> str:
-    if isinstance(policy, str):
-        return policy
-    return f"{getattr(policy, '__module__', '?')}.{getattr(policy, '__qualname__', repr(policy))}"
 
 
 def _check_policy_argument(policy) -> None:

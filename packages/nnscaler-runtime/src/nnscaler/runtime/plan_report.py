@@ -11,13 +11,14 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from nnscaler.ir.errors import NnScalerWarning
 from nnscaler.ir.plan_report import REPORT_JSON, REPORT_TEXT, PlanReport
 from nnscaler.ir.user_code import warn_user
 
 __all__ = ["PlanWarning", "REPORT_JSON", "REPORT_TEXT", "load_plan_report", "report_plan"]
 
 
-class PlanWarning(UserWarning):
+class PlanWarning(NnScalerWarning):
     """A plan over several devices that leaves most parameter bytes replicated (more than
     `nnscaler.ir.plan_report.REPLICATED_WARN_FRACTION`), or that shards no parameter but sends
     collectives. The message carries the plan's summary and how to split more."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import List
 
+from nnscaler.ir.errors import NnScalerWarning
 from nnscaler.ir.user_code import warn_user
 
 from ..plan import tensor_inputs
@@ -16,7 +17,7 @@ from ..plan import tensor_inputs
 __all__ = ["PolicyWarning", "warn_if_nothing_split"]
 
 
-class PolicyWarning(UserWarning):
+class PolicyWarning(NnScalerWarning):
     """A built-in policy that could not partition anything of the model it was given."""
 
 

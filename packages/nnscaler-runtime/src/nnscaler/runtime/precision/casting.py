@@ -7,6 +7,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
+from nnscaler.ir.tree import map_tensors
+
 from ..device import default_device
 from ..errors import ConfigError
 
@@ -16,21 +18,8 @@ from .settings import PrecisionConfig, _LOW, parse_precision
 # -- module and inputs --------------------------------------------------------------------------------
 
 def _map_floating(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`fn` applied to every floating tensor in nested tuples (named too), lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj) if obj.is_floating_point() else obj
-    if isinstance(obj, tuple):
-        items = [_map_floating(o, fn) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_map_floating(o, fn) for o in obj]
-    if isinstance(obj, dict):
-        items = [(k, _map_floating(v, fn)) for k, v in obj.items()]
-        try:
-            return type(obj)(items)
-        except TypeError:  # e.g. defaultdict
-            return dict(items)
-    return obj
+    """`fn` applied to every floating tensor in nested containers (nnscaler.ir.tree.map_tensors)."""
+    return map_tensors(obj, lambda t: fn(t) if t.is_floating_point() else t)
 
 
 def _caster(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

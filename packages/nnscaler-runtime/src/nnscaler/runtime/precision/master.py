@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..class_mixin import mix_into
 from ..errors import ConfigError
 
 from .settings import _LOW
@@ -168,16 +169,6 @@ class MixedPrecisionOptimizer:
 
 MixedPrecisionOptimizer.step.hooked = True  # step pre/post hooks run around the inner step (masters)
 
-_MP_CLASSES: Dict[type, type] = {}
-
-
-def _mp_class(base: type) -> type:
-    if base not in _MP_CLASSES:
-        _MP_CLASSES[base] = type(f"MasterWeights{base.__name__}", (MixedPrecisionOptimizer, base),
-                                 {"__module__": base.__module__})
-    return _MP_CLASSES[base]
-
-
 def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make `optimizer` keep fp32 master weights for its fp16/bf16 parameters; returns the same
     object, now also an instance of `MixedPrecisionOptimizer` (and still of its own class, e.g.
@@ -191,7 +182,7 @@ def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
     if patched is not None and not getattr(patched, "_wrapped_by_lr_sched", False):
         raise ConfigError(f"with_master_weights: {type(optimizer).__name__}.step was replaced on the instance; "
                           f"call with_master_weights before wrapping step")
-    optimizer.__class__ = _mp_class(type(optimizer))
+    mix_into(optimizer, MixedPrecisionOptimizer, "MasterWeights")
     optimizer.__dict__.pop("_step_supports_amp_scaling", None)  # fused optimizers set it: unscale_ path
     optimizer._mp_pairs = []
     optimizer._mp_grads_ready = False

@@ -1,0 +1,51 @@
+"""Walking the tensors of nested Python containers (tuples, named tuples, lists, dicts): forward
+arguments and outputs, op arguments. One implementation for every package."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, List
+
+import torch
+
+__all__ = ["iter_tensors", "tensor_leaves", "map_tensors", "replace_tensors"]
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj`` in order (depth first; dict values in insertion order)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from iter_tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from iter_tensors(x)
+
+
+def tensor_leaves(obj: Any) -> List[torch.Tensor]:
+    """`iter_tensors` as a list (the order of a registry annotation's entries)."""
+    return list(iter_tensors(obj))
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of ``obj`` with ``fn(t)`` in place of every tensor ``t``; containers keep their type
+    (named tuples, dict subclasses where they can be rebuilt from items), ``torch.Size`` stays."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        items = [map_tensors(x, fn) for x in obj]
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, dict):
+        items = [(k, map_tensors(v, fn)) for k, v in obj.items()]
+        try:
+            return type(obj)(items)
+        except TypeError:  # a dict subclass that cannot be built from items (defaultdict)
+            return dict(items)
+    return obj
+
+
+def replace_tensors(obj: Any, new: Iterable[torch.Tensor]) -> Any:
+    """``obj`` with its tensors replaced, in `iter_tensors` order, by those of ``new``."""
+    it = iter(new)
+    return map_tensors(obj, lambda _: next(it))
