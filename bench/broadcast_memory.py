@@ -11,7 +11,7 @@ storage). Rank 0's directory holds a generated module per rank, a manifest and a
 - ``before``: the previous transfer (kept here verbatim): one ``broadcast_object_list`` of a dict of
   every file's bytes from rank 0 to every rank (pickled, so rank 0 holds the files twice and every
   other rank receives and unpickles the whole payload);
-- ``after``: `nnscaler.runtime.broadcast.broadcast_files`: rank 0 sends raw bytes, one file at a
+- ``after``: `nnscaler.runtime.driver.broadcast.broadcast_files`: rank 0 sends raw bytes, one file at a
   time, point to point to each node's first rank only; the node's other ranks read the files.
 
 Ratio = after / before of the largest extra peak over the ranks (and per kind of rank).
@@ -38,7 +38,7 @@ def _status(key: str) -> int:
 
 
 def _legacy_broadcast(directory: Path, rank: int, local_world: int) -> None:
-    """The transfer before this change (runtime/broadcast.py at the issue's time), strategy 'all'."""
+    """The transfer before this change (runtime/driver/broadcast.py at the issue's time), strategy 'all'."""
     import torch.distributed as dist
     payload = [None]
     if rank == 0:
@@ -52,7 +52,7 @@ def _legacy_broadcast(directory: Path, rank: int, local_world: int) -> None:
 
 def measure(rank: int, variant: str, base: str, per_node: int) -> dict:
     import torch.distributed as dist
-    from nnscaler.runtime.broadcast import broadcast_files
+    from nnscaler.runtime.driver.broadcast import broadcast_files
     directory = Path(base) / f"node{rank // per_node}" / "inst"
     dist.barrier()
     before = _status("VmRSS")

@@ -4,7 +4,7 @@
 
 Single process, no torch.distributed. For each depth, `--repeats` times (a fresh trace each time):
 
-* trace   : nnscaler.ir.trace(model, dummy_args, constant_folding=False, trace_strategy='cpu')
+* trace   : nnscaler.ir.tracer.trace(model, dummy_args, constant_folding=False, trace_strategy='cpu')
             (the forward in training and in eval mode); also timed alone, not in the total: the
             same with both_modes=False (one mode), the reference for the cost of the second mode
 * policy  : nnscaler.policies.apply_policy(graph, ComputeConfig(1, 2, trace_strategy='cpu'), 'dp')

@@ -17,7 +17,7 @@ a receive (the bench wraps the rank's `Mailbox.recv_*`; a timeline span includes
     bubble     = 1 - sum over ranks of busy / (R * (max end - min start))
 
 median over steps, against `analytic_bubble()` ((p-1)/(m+p-1) for 1f1b and gpipe, (p-1)/(vm+p-1)
-interleaved, None for chimera) and `bubble_fraction()` (unit-cost simulation, B = 2F). Also: the
+interleaved, None for chimera) and `bubble_fraction(schedule)` (unit-cost simulation, B = 2F). Also: the
 bubble from the spans alone (no wait removed), the bubble of the action lists replayed with each
 action's measured thread CPU time and free communication ("replay cpu": what the measured costs
 allow without contention or latency), on-CPU share of busy time, speed-up over the unpipelined
@@ -27,7 +27,7 @@ Activation memory: `track_activations` counts the bytes autograd saves per stage
 storages, parameters excluded) until its backward; `peak_activation_bytes` per rank over the step,
 against the theory: the rank's action list replayed with 36 mb d bytes per block per micro-batch
 (fc input d, gelu and proj inputs 4d each, fp32) + 8 mb d for the loss (input and target), i.e.
-`peak_inflight(d)` x stage bytes with one stage per device; and the ratio to gpipe. Not counted
+`peak_inflight(schedule, d)` x stage bytes with one stage per device; and the ratio to gpipe. Not counted
 there: the tensors this rank sent and still holds (until the schedule proves them delivered);
 their peak ("sends held") is reported next to all the bytes sent in the step ("sent").
 
@@ -45,6 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+from schedule_report import bubble_fraction, peak_inflight  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -221,11 +222,11 @@ def summarize(args, ranks: list, ref_s: float) -> dict:
             meas = per[d]["peak_activation_bytes"]
             th, pred = _replay_bytes(sc, d, theory), _replay_bytes(sc, d, unit)
             act.append({"rank": d, "stages": sorted({a.stage for a in sc.actions(d)}),
-                        "peak_inflight": sc.peak_inflight(d), "measured_bytes": meas, "theory_bytes": th,
+                        "peak_inflight": peak_inflight(sc, d), "measured_bytes": meas, "theory_bytes": th,
                         "measured_over_theory": meas / th, "from_measured_stage_bytes": pred,
                         "sent_bytes_per_step": per[d]["sent_bytes_per_step"],
                         "peak_sent_bytes_held": per[d]["peak_sent_bytes_held"]})
-        med, ana, sim = _common.median(m["bubble"]), sc.analytic_bubble(), sc.bubble_fraction()
+        med, ana, sim = _common.median(m["bubble"]), sc.analytic_bubble(), bubble_fraction(sc)
         res[sched] = {
             "nstages": nstages, "pp_size": R, "nmicros": args.nmicros,
             "bubble_measured_median": med, "bubble_measured_steps": m["bubble"],

@@ -5,7 +5,7 @@
 
 `--plan` devices hold one copy of the model (cut into stages at the GPT's `Block` modules);
 `--nproc // --plan` copies train data-parallel. Every step hands `train_step` the step's
-micro-batches; rank 0 prints the mean loss and, once, the schedule's timeline per device.
+micro-batches; rank 0 prints the mean loss and, once, the schedule's order of steps per device.
 """
 from __future__ import annotations
 
@@ -52,7 +52,10 @@ def worker(rank: int, args) -> None:
         optimizer = build_optimizer(pm, torch.optim.Adam, lr=1e-2)
         if rank == 0:
             print(f"generated code: {os.path.dirname(sys.modules[type(pm).__module__].__file__)}")
-            print(pm._executor().schedule.render(), flush=True)
+            schedule = pm.PIPELINE.schedule()  # each pipeline device's forward (F) / backward (B) order
+            for device in range(schedule.ndevices):
+                steps = " ".join(f"{a.kind}{a.micro}" for a in schedule.actions(device))
+                print(f"dev{device}: {steps}", flush=True)
         replica = rank // args.plan
         for step in range(args.steps):
             batch = random_batch(step, GLOBAL_BATCH, cfg)

@@ -43,6 +43,10 @@ ALLOWED: dict[str, set[str]] = {
 # Parts that may be imported only when needed (inside functions): runtime's `compile` extra.
 LAZY_ALLOWED: dict[str, set[str]] = {"runtime": {"policies", "codegen"}}
 UMBRELLA = "nnscaler (the umbrella package's re-exports)"
+# What another part may import of a part: its package (``__init__`` exports what others use) and
+# these public sub-packages; its other modules are private to it.
+PUBLIC_MODULES: dict[str, set[str]] = {part: {f"nnscaler.{part}"} for part in PARTS}
+PUBLIC_MODULES["ir"] |= {"nnscaler.ir.contracts", "nnscaler.ir.schedules"}
 
 
 def part_dir(part: str) -> Path:
@@ -57,6 +61,7 @@ class Import:
     target: str  # a part name, or UMBRELLA for `from nnscaler import <not a part>`
     line: int
     lazy: bool  # inside a function body or an `if TYPE_CHECKING:` block
+    module: str = ""  # the module imported (``nnscaler.ir.graph``)
 
 
 def _target(module: str, names: list[str]) -> list[str]:
@@ -110,7 +115,12 @@ def nnscaler_imports(source: str, package: str, filename: str = "<string>") -> l
             module = _dynamic_import(node)
             if module:
                 targets += _target(module, [])
-        found.extend(Import(t, node.lineno, lazy) for t in targets)
+        imported = ""
+        if isinstance(node, ast.ImportFrom):
+            imported = module
+        elif isinstance(node, ast.Import) and node.names:
+            imported = node.names[0].name
+        found.extend(Import(t, node.lineno, lazy, imported) for t in targets)
 
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             for child in ast.iter_child_nodes(node):
@@ -135,6 +145,12 @@ def violations(part: str, source: str, package: str, filename: str = "<string>")
     """Messages for each import in ``source`` that breaks the rules for ``part``."""
     out = []
     for imp in nnscaler_imports(source, package, filename):
+        if imp.target in PARTS and imp.target != part and imp.module.startswith(f"nnscaler.{imp.target}.") \
+                and imp.module not in PUBLIC_MODULES[imp.target]:
+            out.append(f"{filename}:{imp.line}: nnscaler.{part} imports {imp.module}, a private module of "
+                       f"nnscaler.{imp.target}; import from "
+                       f"{' or '.join(sorted(PUBLIC_MODULES[imp.target]))} (export the name there if needed)")
+            continue
         if imp.target == part or imp.target in ALLOWED[part]:
             continue
         if imp.lazy and imp.target in LAZY_ALLOWED.get(part, set()):
@@ -190,6 +206,9 @@ def _check(part: str, source: str, package: str | None = None) -> list[str]:
     ("trainer", "from nnscaler.lightning import NnScalerStrategy", None),
     ("cli", "import nnscaler.ir", None),
     ("cli", "def f():\n    import nnscaler.trainer", None),
+    ("policies", "from nnscaler.ir.graph import IRGraph", None),
+    ("runtime", "def f():\n    from nnscaler.codegen.emit import emit_rank", None),
+    ("ckpt", "import nnscaler.ir.layout", None),
 ])
 def test_checker_reports_violations(part, source, package):
     assert _check(part, source, package), f"not caught in {part}: {source!r}"
@@ -201,7 +220,8 @@ def test_checker_reports_violations(part, source, package):
     ("ir", "from .. import layout", "nnscaler.ir.sub"),
     ("ir", "import nnscaler.ir.graph\nimport nnscaler\nimport torch", None),
     ("ir", "def f():\n    import nnscaler\n    return nnscaler.__path__", None),
-    ("policies", "from nnscaler.ir.graph import IRGraph", None),
+    ("policies", "from nnscaler.ir import IRGraph\nfrom nnscaler.ir.contracts import Piece", None),
+    ("runtime", "from nnscaler.ir.schedules import Action", None),
     ("runtime", "def compile():\n    import nnscaler.codegen\n"
                 "    from nnscaler.policies import get_policy", None),
     ("runtime", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
@@ -310,6 +330,7 @@ def test_every_package_directory_is_a_known_part():
 
 
 @pytest.mark.parametrize("part", PARTS)
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_part_imports_in_fresh_interpreter(part):
     code = (f"import sys, nnscaler.{part}\n"
             "print(' '.join(sorted({m.split('.')[1] for m in sys.modules\n"

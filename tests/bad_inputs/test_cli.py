@@ -15,6 +15,7 @@ def _info(pythonpath):
                           text=True, timeout=120)
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 @pytest.mark.parametrize("init, why", [
     ('raise OSError("libtorch_cpu.so: cannot open shared object file")',
      "OSError: libtorch_cpu.so: cannot open shared object file"),

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 from nnscaler.ir import TraceError, trace
-from nnscaler.ir.custom_op_check import clear_cache
-from nnscaler.ir.registry import REGISTRY, register_op
+from nnscaler.ir.ops.custom_op_check import clear_cache
+from nnscaler.ir.ops.registry import REGISTRY, register_op
 
 CALLS = {"n": 0}
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from nnscaler import ComputeConfig, parallelize
-from nnscaler.runtime.error_display import is_deliberate
+from nnscaler.runtime.driver.error_display import is_deliberate
 
-parallelize_module = importlib.import_module("nnscaler.runtime.parallelize")
+parallelize_module = importlib.import_module("nnscaler.runtime.driver.parallelize")
 
 
 class RaisesInForward(nn.Module):

@@ -9,7 +9,7 @@ import torch
 
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.runtime.errors import GenerationError
-from nnscaler.runtime.savedir import savedir_error
+from nnscaler.runtime.driver.savedir import savedir_error
 
 from .models import Small
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nnscaler import ComputeConfig, parallelize
-from nnscaler.runtime.gen_dir import instance_dir
+from nnscaler.runtime.driver.gen_dir import instance_dir
 from nnscaler.runtime import SourceChangedWarning
 
 MODEL = '''

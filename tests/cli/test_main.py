@@ -5,6 +5,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from nnscaler.cli.main import app
@@ -46,6 +47,7 @@ def test_unknown_command_fails():
     assert "No such command" in result.output
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_help_does_not_import_torch():
     code = (
         "import sys\n"
@@ -63,6 +65,7 @@ def test_help_does_not_import_torch():
     assert "IMPORTED []" in out.stdout
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_help_does_not_import_plugins(plugin_path):
     # The heavy plug-in imports torch at module level; listing it must not load it.
     code = (
@@ -82,6 +85,7 @@ def test_help_does_not_import_plugins(plugin_path):
     assert "LOADED []" in out.stdout
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_console_script_is_installed():
     script = Path(sys.executable).with_name("nnscaler")
     assert script.exists(), f"{script} missing: run bash tools/install.sh"
@@ -90,6 +94,7 @@ def test_console_script_is_installed():
     assert out.stdout.startswith("nnscaler-cli ")
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_python_dash_m():
     out = run_cli("--help")
     assert out.returncode == 0, out.stderr

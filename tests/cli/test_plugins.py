@@ -10,6 +10,7 @@ from nnscaler.cli.plugins import PANEL, discover, load_error
 from .conftest import GREET_MODULE, run_cli, write_dist
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_help_lists_plugins_without_loading_them(plugin_path):
     out = run_cli("--help", pythonpath=plugin_path)
     assert out.returncode == 0, out.stderr
@@ -21,6 +22,7 @@ def test_help_lists_plugins_without_loading_them(plugin_path):
     assert "could not be loaded" not in out.stdout + out.stderr
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_typer_plugin_becomes_a_group(plugin_path):
     out = run_cli("greet", "--help", pythonpath=plugin_path)
     assert out.returncode == 0, out.stderr
@@ -32,18 +34,21 @@ def test_typer_plugin_becomes_a_group(plugin_path):
     assert "hello" in out.stdout and "Greetings from a test plug-in." in out.stdout
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_function_plugin_becomes_a_command(plugin_path):
     out = run_cli("shout", "hi", pythonpath=plugin_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "HI"
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_plugin_that_imports_torch_runs(plugin_path):
     out = run_cli("heavy", pythonpath=plugin_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("torch ")
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 @pytest.mark.parametrize("args", [["broken"], ["broken", "--help"], ["broken", "x", "--y"]])
 def test_broken_plugin_is_reported_when_run(plugin_path, args):
     out = run_cli(*args, pythonpath=plugin_path)
@@ -55,12 +60,14 @@ def test_broken_plugin_is_reported_when_run(plugin_path, args):
     assert "ModuleNotFoundError" in out.stderr
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_plugin_of_wrong_type_is_reported(plugin_path):
     out = run_cli("notacommand", pythonpath=plugin_path)
     assert out.returncode == 1
     assert "expected a typer.Typer or a function" in out.stderr
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_builtin_command_wins_over_plugin(plugin_path):
     out = run_cli("info", pythonpath=plugin_path)
     assert out.returncode == 0, out.stderr

@@ -17,8 +17,18 @@ from nnscaler.ir import ComputeConfig, trace
 from nnscaler.ir.graph import Ref
 from nnscaler.policies import apply_policy, partition, replicate, select, assign
 
+from gen_ast import assigned, calls, class_constant, dotted, method, names_in, producer
 from gpt import GPT, GPTConfig, random_batch
 from mode_models import TeacherStudent
+
+
+def load(text: str, cls: str, model: nn.Module):
+    """The generated class of a one-rank module, built and loaded with `model`'s weights."""
+    namespace = {}
+    exec(compile(text, "gencode0.py", "exec"), namespace)
+    pm = namespace[cls](init_params=False)
+    pm.load_full_state({**dict(model.named_parameters()), **dict(model.named_buffers())})
+    return pm
 
 
 class WithOptional(nn.Module):
@@ -70,21 +80,43 @@ def test_source_map_points_at_statements_of_the_users_lines(tmp_path):
 
 
 def test_untraced_optional_argument_is_refused_at_run_time(tmp_path):
-    graph, config = planned(WithOptional(), {"x": torch.ones(2, 4)}, world=1)
+    model = WithOptional()
+    graph, config = planned(model, {"x": torch.ones(2, 4)}, world=1)
     text = emit_rank(graph, config.to_dict(), 0, "dp", graph.fingerprint())
-    assert "if mask is not None:" in text and "was not in dummy_forward_args" in text
-    assert "def _forward_impl(self, x, mask=None):" in text
+    args = method(text, "_forward_impl").args
+    assert [a.arg for a in args.args] == ["self", "x", "mask"] and ast.literal_eval(args.defaults[-1]) is None
+    pm = load(text, "WithOptional", model)
+    x = torch.randn(2, 4)
+    assert torch.allclose(pm(x), model(x))  # the traced path (mask=None) runs
+    with pytest.raises(TypeError, match="argument mask was not in dummy_forward_args"):
+        pm(x, mask=torch.ones(2, 4))  # the untraced one is refused, not silently ignored
 
 
 def test_dead_values_are_freed_and_shapes_recomputed_without_folding():
     cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
-    graph, config = planned(GPT(cfg), random_batch(0, 2, cfg), world=1)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    graph, config = planned(model, random_batch(0, 2, cfg), world=1)
     text = emit_rank(graph, config.to_dict(), 0, "dp", graph.fingerprint())
-    assert "del " in text
-    assert ".size()" in text  # constant_folding=False: shapes come from the runtime tensors
+    forward = method(text, "_forward_impl")
+    # every `del` frees a value that no later statement reads
+    body = [s for s in ast.walk(forward) if isinstance(s, ast.stmt)]
+    dels = [(i, t.id) for i, s in enumerate(body) if isinstance(s, ast.Delete) for t in s.targets]
+    assert dels, "no value is freed"
+    for i, name in dels:
+        later = [n for s in body[i + 1:] if not isinstance(s, ast.Delete) for n in names_in(s)]
+        assert name not in later, f"{name} is read after `del {name}`"
+    # constant_folding=False: shapes come from the runtime tensors, so another batch size runs
+    assert calls(forward, ".size"), "no shape is read at run time"
+    pm = load(text, "GPT", model)
+    other = random_batch(1, 3, cfg)  # traced with a batch of 2
+    assert torch.allclose(pm(**other), model(**other), atol=1e-6)
     graph, config = planned(GPT(cfg), random_batch(0, 2, cfg), world=1, constant_folding=True)
-    folded = emit_rank(graph, config.to_dict(), 0, "dp", graph.fingerprint())
-    assert ".size()" not in folded and ".view(2, 8, 2, 8)" in folded
+    folded = method(emit_rank(graph, config.to_dict(), 0, "dp", graph.fingerprint()), "_forward_impl")
+    assert not calls(folded, ".size")
+    views = [[ast.literal_eval(a) for a in c.args] for c in calls(folded, ".view")
+             if all(isinstance(a, ast.Constant) for a in c.args)]
+    assert [2, 8, 2, 8] in views, views  # the traced shape, folded into the code
 
 
 def test_partitioned_op_gets_sharded_weights_and_adapters():
@@ -97,11 +129,32 @@ def test_partitioned_op_gets_sharded_weights_and_adapters():
         assign(piece, i)
     text = emit_rank(graph, ComputeConfig(2, 4).to_dict(), 3, "x", "f")
     # rank 3 is plan device 1 of the second unit (ranks 2, 3); the weight rows 2..4 live here
-    assert "torch.empty((2, 4), dtype=torch.float32)" in text
-    assert "slices=((2, 4), (0, 4)), value_split=(0, 1), replicas=1" in text
-    assert "nr.comm.grad_all_reduce(x, ranks=(2, 3))" in text  # Megatron's f: partial input grads
-    assert text.count("nr.comm.all_gather(") == 1  # the split output is gathered for the replicated sum
-    assert "for _ranks in ((0, 1), (2, 3)):" in text  # every unit's group, created on every rank
+    init = method(text, "__init__")
+    (weight,) = [c for c in calls(init, "self.register_parameter") if ast.literal_eval(c.args[0]) == "fc_weight"]
+    (empty,) = calls(weight, "torch.empty")
+    assert ast.literal_eval(empty.args[0]) == (2, 4)
+    (full_map,) = [c for c in calls(init, "self.add_full_map") if ast.literal_eval(c.args[0]) == "fc_weight"]
+    keywords = {k.arg: ast.literal_eval(k.value) for k in full_map.keywords}
+    assert ast.literal_eval(full_map.args[1]) == "fc.weight"
+    assert keywords == {"full_shape": (4, 4), "slices": ((2, 4), (0, 4)), "value_split": (0, 1), "replicas": 1}
+    # every unit's group, created on every rank (new_group is collective)
+    (loop,) = [s for s in ast.walk(init) if isinstance(s, ast.For)]
+    assert ast.literal_eval(loop.iter) == ((0, 1), (2, 3)) and calls(loop, "self.grid.group")
+    # the data flow x -> grad_all_reduce (Megatron's f: partial input grads) -> linear -> all_gather
+    # (the split output made whole for the replicated sum) -> the returned sum
+    forward = method(text, "_forward_impl")
+    (linear,) = calls(forward, "torch.nn.functional.linear")
+    fed = producer(forward, dotted(linear.args[0]))
+    assert isinstance(fed, ast.Call) and dotted(fed.func) == "nr.comm.grad_all_reduce"
+    assert dotted(fed.args[0]) == "x" and ast.literal_eval(fed.keywords[0].value) == (2, 3)
+    assert dotted(linear.args[1]) == "self.fc_weight"
+    (gather,) = calls(forward, "nr.comm.all_gather")
+    linear_out = next(n for n, v in assigned(forward).items() if v is linear)
+    assert dotted(gather.args[0]) == linear_out
+    assert {k.arg: ast.literal_eval(k.value) for k in gather.keywords} == {"dim": 1, "ranks": (2, 3)}
+    gathered = next(n for n, v in assigned(forward).items() if v is gather)
+    (ret,) = [s for s in ast.walk(forward) if isinstance(s, ast.Return)]
+    assert dotted(producer(forward, dotted(ret.value)).func) == f"{gathered}.sum"
 
 
 def test_ops_not_covering_the_unit_are_refused():
@@ -166,10 +219,22 @@ class ModeDependent(nn.Module):
 def test_mode_dependent_ops_read_self_training(tmp_path):
     graph, config = planned(ModeDependent(), {"x": torch.randn(8, 4)}, world=1)
     text = generate(graph, config, tmp_path, policy="dp")[0].read_text()
-    assert "TRACED_TRAINING = True" in text and "MODE_DIVERGENCE" not in text
-    assert "training=self.training" in text  # batch_norm's keyword
-    assert "torch.nn.functional.dropout(" in text and ", 0.1, self.training)" in text
-    assert "(3.0 if self.training else 1.0)" in text
+    assert class_constant(text, "TRACED_TRAINING") is True and "MODE_DIVERGENCE" not in text
+    forward = method(text, "_forward_impl")
+    (bn,) = calls(forward, "torch.nn.functional.batch_norm")
+    assert [dotted(k.value) for k in bn.keywords if k.arg == "training"] == ["self.training"]
+    (dropout,) = calls(forward, "torch.nn.functional.dropout")  # (a substring test matched the comment)
+    keywords = {k.arg: k.value for k in dropout.keywords}
+    assert ast.literal_eval(keywords["p"]) == 0.1 and dotted(keywords["training"]) == "self.training"
+    (choice,) = [n for n in ast.walk(forward) if isinstance(n, ast.IfExp) and dotted(n.test) == "self.training"]
+    assert (ast.literal_eval(choice.body), ast.literal_eval(choice.orelse)) == (3.0, 1.0)
+    # and it behaves so: in eval mode the module computes what the model computes
+    model = ModeDependent()
+    model.bn.running_mean.uniform_(-1, 1)
+    model.bn.running_var.uniform_(0.5, 2)
+    pm = load(text, "ModeDependent", model)
+    x = torch.randn(8, 4)
+    assert torch.allclose(pm.eval()(x), model.eval()(x), atol=1e-6)
     guarded = text.index("        if self.training:\n            ")
     assert text[guarded:].split("\n")[1].strip().endswith("self.bn_num_batches_tracked.add_(1)")
     ast.parse(text)

@@ -2,6 +2,7 @@
 stream, which are drawn at their full shape (exact mode), and what the exact mode refuses."""
 from __future__ import annotations
 
+import ast
 import os
 import sys
 
@@ -16,6 +17,15 @@ from nnscaler.policies import apply_policy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime"))
 import random_models  # noqa: E402
+from gen_ast import calls, class_constant, dotted, method, producer  # noqa: E402
+
+def _made_by(forward, arg) -> str:
+    """The callee that produced the value `arg` names ('' when not a call, e.g. an addition)."""
+    made = producer(forward, dotted(arg))
+    return dotted(made.func) if isinstance(made, ast.Call) else ""
+
+
+SPLIT_PRODUCERS = {"torch.softmax", "torch.nn.functional.softmax", "torch.nn.functional.gelu"}
 
 
 def _code(policy, plan, world, rank=0, model=None, args=None, **cfg):
@@ -35,13 +45,22 @@ def _line_after(code, needle):
 
 def test_parallel_mode_splits_the_stream_only_for_split_outputs():
     code = _code("megatron", 2, 2)
-    assert "    RANDOM = {'mode': 'parallel', 'ops': 9}" in code  # 2 blocks x 4 + the embedding dropout
-    # attention probabilities: split by heads -> a stream per piece
-    assert _line_after(code, "(h.0.attn.attn_drop)") == "with nr.random.shard_stream(self, 2):"
-    # the residual dropout runs on a replicated value: the unit's stream as is
-    resid = _line_after(code, "(h.0.attn.resid_drop)")
-    assert resid.startswith("dropout_") and "torch.nn.functional.dropout(" in resid and "nr.random" not in resid
-    assert code.count("nr.random.shard_stream(self, 2)") == 4  # attn + MLP hidden, per block
+    assert class_constant(code, "RANDOM") == {"mode": "parallel", "ops": 9}  # 2 blocks x 4 + the embedding dropout
+    forward = method(code, "_forward_impl")
+    dropouts = calls(forward, "torch.nn.functional.dropout")
+    assert len(dropouts) == 9
+    streams = [w for w in ast.walk(forward) if isinstance(w, ast.With)
+               and [ast.unparse(i.context_expr) for i in w.items] == ["nr.random.shard_stream(self, 2)"]]
+    assert len(streams) == 4  # attention probabilities and MLP hidden, per block
+    in_stream = set()
+    for w in streams:  # each stream wraps exactly one dropout, of a value split across the unit
+        (drop,) = calls(w, "torch.nn.functional.dropout")
+        in_stream.add(id(drop))
+        assert _made_by(forward, drop.args[0]) in SPLIT_PRODUCERS
+    for drop in dropouts:  # every other dropout draws from the unit's stream as is: a replicated input
+        if id(drop) not in in_stream:
+            assert _made_by(forward, drop.args[0]) not in SPLIT_PRODUCERS
+    assert len(calls(forward, "nr.random.shard_stream")) == 4  # and no stream is entered elsewhere
 
 
 def test_data_parallel_only_needs_no_rewrite():

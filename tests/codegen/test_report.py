@@ -146,7 +146,7 @@ CASES = [("megatron", 2, {}), ("tp", 2, {}), ("dp", 1, {}), ("megatron", 2, {"re
 def _measure(rank, world, gen_dir):
     from nnscaler import parallelize
     from nnscaler.runtime.comm import count_collectives, enable_stats
-    from nnscaler.runtime.plan_report import load_plan_report
+    from nnscaler.runtime.driver.plan_report import load_plan_report
     out = []
     enable_stats()
     for i, (policy, plan, pas) in enumerate(CASES):

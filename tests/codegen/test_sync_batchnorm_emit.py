@@ -2,6 +2,8 @@
 generated code (only those, only when asked and the data-parallel degree is above 1)."""
 from __future__ import annotations
 
+import ast
+
 import torch
 import torch.nn as nn
 
@@ -9,7 +11,7 @@ from nnscaler.codegen.emit import emit_rank
 from nnscaler.ir import ComputeConfig, trace
 from nnscaler.policies import apply_policy
 
-RUNTIME = "nr.sync_batchnorm.batch_norm(self, "
+from gen_ast import calls, dotted, method
 
 
 class Norms(nn.Module):
@@ -33,15 +35,20 @@ def _code(world, plan=1, **cfg):
 
 
 def test_batch_norm_calls_use_the_runtime_when_asked():
-    text = _code(2, sync_batchnorm=True)
-    assert text.count(RUNTIME) == 2 and "torch.nn.functional.batch_norm(" not in text
+    forward = method(_code(2, sync_batchnorm=True), "_forward_impl")
+    synced = calls(forward, "nr.sync_batchnorm.batch_norm")
+    assert len(synced) == 2 and not calls(forward, "torch.nn.functional.batch_norm")
+    assert all(dotted(c.args[0]) == "self" for c in synced)  # the module (its unit's group) comes first
     # the training flag stays the module's mode: eval runs plain batch norm with running statistics
-    line = next(ln for ln in text.splitlines() if RUNTIME in ln and "self.bn_running_mean" in ln)
-    assert "training=self.training" in line or ", self.training," in line, line
+    (tracked,) = [c for c in synced if "self.bn_running_mean" in map(dotted, c.args)]
+    training = [k.value for k in tracked.keywords if k.arg == "training"] or tracked.args[6:7]
+    assert [dotted(t) for t in training] == ["self.training"], ast.unparse(tracked)
     # per-sample norms are never rewritten
-    assert "instance_norm(" in text and "group_norm(" in text
+    assert calls(forward, "torch.nn.functional.instance_norm") and calls(forward, "torch.nn.functional.group_norm")
 
 
 def test_default_and_single_replica_keep_plain_batch_norm():
     for text in (_code(2), _code(1, sync_batchnorm=True)):
-        assert RUNTIME not in text and text.count("torch.nn.functional.batch_norm(") == 2
+        forward = method(text, "_forward_impl")
+        assert not calls(forward, "nr.sync_batchnorm.batch_norm")
+        assert len(calls(forward, "torch.nn.functional.batch_norm")) == 2

@@ -1,6 +1,6 @@
 import pytest
 
-from nnscaler.ir.annotation import AnnotationError, parse_annotation
+from nnscaler.ir.ops.annotation import AnnotationError, parse_annotation
 from nnscaler.ir.layout import Partial, Replicate, Shard
 
 R, V = Replicate(), Partial()

@@ -1,4 +1,4 @@
-"""Both branches of a boolean decision on a tensor value in one graph (nnscaler.ir.branches)."""
+"""Both branches of a boolean decision on a tensor value in one graph (nnscaler.ir.tracer.branches)."""
 from __future__ import annotations
 
 import warnings
@@ -8,9 +8,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nnscaler.ir import trace
-from nnscaler.ir.branches import MAX_FLIPS, keep_traced_branch
+from nnscaler.ir.tracer.branches import MAX_FLIPS, keep_traced_branch
 from nnscaler.ir.graph import IRGraph
-from nnscaler.ir.guards import guards_of
+from nnscaler.ir.tracer.guards import guards_of
 
 from guard_models import MaskBranch
 

@@ -1,4 +1,4 @@
-"""Value reads in the user's forward become guard nodes (nnscaler.ir.guards)."""
+"""Value reads in the user's forward become guard nodes (nnscaler.ir.tracer.guards)."""
 from __future__ import annotations
 
 import inspect
@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from nnscaler.ir import TracingWarning, trace
 from nnscaler.ir.graph import IRGraph
-from nnscaler.ir.guards import GUARD_TARGET, WHOLE_LIMIT, digest, guards_of
+from nnscaler.ir.tracer.guards import GUARD_TARGET, WHOLE_LIMIT, digest, guards_of
 
 from guard_models import AssertMask
 

@@ -1,5 +1,5 @@
 """trace() in both modes: what differs between training and eval is recorded on the graph
-(nnscaler.ir.modes), and the module is left as it was."""
+(nnscaler.ir.tracer.modes), and the module is left as it was."""
 from __future__ import annotations
 
 import torch

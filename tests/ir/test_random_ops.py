@@ -1,13 +1,13 @@
-"""The list of random ops (ir/random_ops.py) and ComputeConfig.rng_mode."""
+"""The list of random ops (ir/ops/random_ops.py) and ComputeConfig.rng_mode."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from nnscaler.ir.config import ComputeConfig, ConfigError
-from nnscaler.ir.op_names import resolve
-from nnscaler.ir.random_ops import LIKE, MASK, OTHER, RANDOM_OPS, random_kind
-from nnscaler.ir.trace import trace
+from nnscaler.ir.ops.op_names import resolve
+from nnscaler.ir.ops.random_ops import LIKE, MASK, OTHER, RANDOM_OPS, random_kind
+from nnscaler.ir.tracer.trace import trace
 
 
 def test_every_listed_op_exists_in_torch():
@@ -49,7 +49,7 @@ def test_rng_mode_is_checked():
 
 def test_attention_with_dropout_is_random_only_when_dropout_p_is_not_zero():
     import torch.nn.functional as F
-    from nnscaler.ir.random_ops import node_random_kind
+    from nnscaler.ir.ops.random_ops import node_random_kind
 
     class Attn(torch.nn.Module):
         def __init__(self):

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nnscaler.ir import builtin_ops, tracing_context
-from nnscaler.ir.annotation import AnnotationError, parse_annotation
+from nnscaler.ir.ops import builtin_ops
+from nnscaler.ir.tracer import tracing_context
+from nnscaler.ir.ops.annotation import AnnotationError, parse_annotation
 from nnscaler.ir.layout import Partial, Shard, TensorLayout
-from nnscaler.ir.registry import REGISTRY, OpRegistry, register_op, tensor_leaves
+from nnscaler.ir.ops.registry import REGISTRY, OpRegistry, register_op, tensor_leaves
 
 T = torch.Tensor
 torch.manual_seed(0)

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import os
+import sys
+
 import pytest
 
 from nnscaler.ir.config import ConfigError
 from nnscaler.ir.schedules import (SCHEDULES, Action, ChimeraDirect, ExplicitSchedule, GPipe, InferPipe,
                                        Interleaved1F1B, OneFOneB, OneFOneBPlus, ScheduleDeadlockError,
                                        ScheduleError, get_schedule)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+from schedule_report import bubble_fraction, makespan, peak_inflight, render  # noqa: E402  (bench-side measures)
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 
@@ -95,17 +101,17 @@ dev3: .  .  .  F0 F1 F2 F3"""
 
 def test_1f1b_timeline():
     s = get_schedule("1f1b", 4, 8)
-    print(s.render())
-    assert s.render() == ONE_F_ONE_B_4x8
-    assert get_schedule("1f1b", 4, 4, backward_cost=1).render() == ONE_F_ONE_B_4x4_UNIT
+    print(render(s))
+    assert render(s) == ONE_F_ONE_B_4x8
+    assert render(get_schedule("1f1b", 4, 4, backward_cost=1)) == ONE_F_ONE_B_4x4_UNIT
 
 
 def test_gpipe_timeline():
-    assert get_schedule("gpipe", 4, 8).render() == GPIPE_4x8
+    assert render(get_schedule("gpipe", 4, 8)) == GPIPE_4x8
 
 
 def test_infer_pipe_timeline():
-    assert get_schedule("infer_pipe", 4, 4).render() == INFER_4x4
+    assert render(get_schedule("infer_pipe", 4, 4)) == INFER_4x4
 
 
 def test_1f1b_action_order():
@@ -117,7 +123,7 @@ def test_1f1b_action_order():
 
 def test_interleaved_timeline_shows_stages():
     s = get_schedule("1f1b_interleaved", 8, 8, ndevices=4)
-    out = s.render()
+    out = render(s)
     print(out)
     first = out.splitlines()[0].split()
     assert first[:9] == ["dev0:", "F0s0", "F1s0", "F2s0", "F3s0", "F0s4", "F1s4", "F2s4", "F3s4"]
@@ -130,33 +136,33 @@ def test_interleaved_timeline_shows_stages():
 @pytest.mark.parametrize("b", [1, 2, 3])
 def test_bubble_matches_analytic(cls, p, m, b):
     s = cls(p, m, backward_cost=b)
-    assert _exact(s.bubble_fraction()) == Fraction(p - 1, m + p - 1)
+    assert _exact(bubble_fraction(s)) == Fraction(p - 1, m + p - 1)
     assert _exact(s.analytic_bubble()) == Fraction(p - 1, m + p - 1)
-    assert s.makespan() == (m + p - 1) * (1 + b)
+    assert makespan(s) == (m + p - 1) * (1 + b)
 
 
 @pytest.mark.parametrize("p,m", GRID)
 def test_infer_bubble(p, m):
     s = InferPipe(p, m)
-    assert _exact(s.bubble_fraction()) == _exact(s.analytic_bubble()) == Fraction(p - 1, m + p - 1)
+    assert _exact(bubble_fraction(s)) == _exact(s.analytic_bubble()) == Fraction(p - 1, m + p - 1)
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 2), (4, 16, 2), (2, 4, 2), (4, 8, 4), (3, 6, 3)])
 def test_interleaved_bubble_smaller_than_1f1b(p, m, v):
     inter = Interleaved1F1B(v * p, m, p)
     plain = OneFOneB(p, m)
-    assert inter.bubble_fraction() < plain.bubble_fraction()
+    assert bubble_fraction(inter) < bubble_fraction(plain)
     assert _exact(inter.analytic_bubble()) == Fraction(p - 1, v * m + p - 1)
 
 
 def test_interleaved_bubble_4x8_v2_matches_megatron():
     s = Interleaved1F1B(8, 8, 4)
-    assert _exact(s.bubble_fraction()) == Fraction(3, 19) == _exact(s.analytic_bubble())
+    assert _exact(bubble_fraction(s)) == Fraction(3, 19) == _exact(s.analytic_bubble())
 
 
 def test_chimera_bubble_smaller_than_1f1b():
     for m in (2, 4, 8, 16):
-        assert ChimeraDirect(4, m).bubble_fraction() < OneFOneB(4, m).bubble_fraction()
+        assert bubble_fraction(ChimeraDirect(4, m)) < bubble_fraction(OneFOneB(4, m))
     assert ChimeraDirect(4, 8).analytic_bubble() is None
 
 
@@ -166,16 +172,16 @@ def test_chimera_bubble_smaller_than_1f1b():
 def test_peak_inflight(p, m):
     g, o, plus = GPipe(p, m), OneFOneB(p, m), OneFOneBPlus(p, m)
     for s in range(p):
-        assert g.peak_inflight(s) == m
-        assert o.peak_inflight(s) == min(p - s, m)
+        assert peak_inflight(g, s) == m
+        assert peak_inflight(o, s) == min(p - s, m)
         want_plus = min(p - s + 1, m) if s < p - 1 else 1
-        assert plus.peak_inflight(s) == want_plus
-    assert all(InferPipe(p, m).peak_inflight(d) == 1 for d in range(p))
+        assert peak_inflight(plus, s) == want_plus
+    assert all(peak_inflight(InferPipe(p, m), d) == 1 for d in range(p))
 
 
 def test_chimera_memory_balanced():
     s = ChimeraDirect(4, 8)
-    assert [s.peak_inflight(d) for d in range(4)] == [4, 5, 5, 4]
+    assert [peak_inflight(s, d) for d in range(4)] == [4, 5, 5, 4]
 
 
 # -- refusals ------------------------------------------------------------------------------
@@ -224,7 +230,7 @@ def test_deadlock_detected():
     assert "deadlocks" in msg and "dev0: waits at B0@s0" in msg and "dev1: waits at F1@s1" in msg
     assert "dev1: F0@s1 F1@s1 B0@s1 B1@s1" in msg  # the action lists are shown
     with pytest.raises(ScheduleDeadlockError):
-        s.render()
+        render(s)
 
 
 def test_backward_before_forward_deadlocks():
@@ -253,4 +259,4 @@ def test_missing_duplicate_and_misplaced_actions():
 def test_explicit_schedule_equal_to_builtin_runs_the_same():
     ref = OneFOneB(4, 8)
     again = ExplicitSchedule("copy", 4, 8, [ref.actions(d) for d in range(4)]).validate()
-    assert again.render() == ref.render()
+    assert render(again) == render(ref)

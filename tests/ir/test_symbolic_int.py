@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from nnscaler.ir import Ref, trace
-from nnscaler.ir.symbolic_int import TracedInt
+from nnscaler.ir.tracer.symbolic_int import TracedInt
 
 
 class Probe(nn.Module):

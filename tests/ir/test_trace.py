@@ -432,7 +432,7 @@ def test_reading_a_traced_tensors_value_warns_at_the_users_line():
     assert [(os.path.basename(w.filename), w.lineno) for w in ours] == [
         ("test_trace.py", line_of(DataDependent.forward, "if h.sum() > 0")),
         ("test_trace.py", line_of(DataDependent.forward, "h.mean().item()"))]
-    # what was read, what it derives from, and what the program does now (nnscaler.ir.guards / branches)
+    # what was read, what it derives from, and what the program does now (nnscaler.ir.tracer.guards / branches)
     first, second = str(ours[0].message), str(ours[1].message)
     assert "bool(tensor)" in first and "forward's argument `x`" in first
     assert "both branches are generated" in first or "GuardError" in first

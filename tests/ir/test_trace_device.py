@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nnscaler.ir import trace
-from nnscaler.ir import trace_device
-from nnscaler.ir.trace_device import ExecutionDevice
+from nnscaler.ir.tracer import trace_device
+from nnscaler.ir.tracer.trace_device import ExecutionDevice
 
 torch.manual_seed(0)
 HAS_CUDA = torch.cuda.is_available()

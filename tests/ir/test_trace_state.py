@@ -1,4 +1,4 @@
-"""What surrounds the traced ops (nnscaler.ir.trace_state): the model is left as it was (buffers,
+"""What surrounds the traced ops (nnscaler.ir.tracer.trace_state): the model is left as it was (buffers,
 attributes, RNG), buffers rebound in forward are recorded, each op keeps its grad mode and
 autocast region, and what runs only while tracing (hooks, attribute updates) is reported."""
 import os
@@ -219,7 +219,7 @@ class Hidden(nn.Module):
 
 
 def test_parameter_changed_where_the_trace_cannot_see_is_refused_by_name():
-    from nnscaler.ir.registry import REGISTRY, register_op
+    from nnscaler.ir.ops.registry import REGISTRY, register_op
 
     op = register_op(_scale_weight_, "a b -> a b", name="tests.scale_weight_")
     try:

@@ -1,10 +1,10 @@
-"""What rank 0 sends (runtime/broadcast.py) and reuse of a received copy, without processes."""
+"""What rank 0 sends (runtime/driver/broadcast.py) and reuse of a received copy, without processes."""
 from __future__ import annotations
 
 import json
 
-from nnscaler.runtime.broadcast import _header, files_to_send
-from nnscaler.runtime.gen_dir import Action, Identity, ReuseType, decide, write_manifest
+from nnscaler.runtime.driver.broadcast import _header, files_to_send
+from nnscaler.runtime.driver.gen_dir import ReuseDecision, Identity, ReuseType, decide, write_manifest
 
 
 def _generated(directory, received=None):
@@ -43,5 +43,5 @@ def test_a_received_copy_cannot_send_what_it_never_got(tmp_path):
 def test_a_received_copy_is_reused_and_regenerated_for_graph(tmp_path):
     directory = tmp_path / "g"
     identity = _generated(directory, {"strategy": "code", "omitted": ["fullmodel.safetensors", "graph.json"]})
-    assert decide(directory, ReuseType.MATCH, identity) is Action.REUSE  # its manifest lists what it holds
-    assert decide(directory, ReuseType.GRAPH, identity) is Action.GENERATE  # no graph.json to reuse
+    assert decide(directory, ReuseType.MATCH, identity) is ReuseDecision.REUSE  # its manifest lists what it holds
+    assert decide(directory, ReuseType.GRAPH, identity) is ReuseDecision.GENERATE  # no graph.json to reuse

@@ -12,13 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import no_leaks, run_workers, world1  # noqa: F401  (fixtures)
+from launch import run_workers, world1  # noqa: F401  (fixtures)
 import nnscaler.runtime.comm as comm
 from nnscaler.ir.layout import LayoutError
 from nnscaler.runtime.comm import fallbacks
 from nnscaler.runtime.errors import NnScalerError
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 ONE_ARG = ["all_reduce", "to_partial", "grad_all_reduce", "all_reduce_ar"]
 DIM_ARG = ["split", "all_gather", "reduce_scatter", "shard_to_partial", "all_gather_rs"]

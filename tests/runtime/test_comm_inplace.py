@@ -16,12 +16,11 @@ import contextlib
 import pytest
 import torch
 
-from launch import no_leaks, run_workers  # noqa: F401  (fixture)
+from launch import run_workers
 import nnscaler.runtime.comm as comm
 from resnet_models import ResNet, resnet_batch64, train_reference
 from test_comm import _expected, _full
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 OFFSET = 1000.0  # y * 2 + OFFSET > 0: the relu_ after it passes every gradient
 

@@ -1,11 +1,8 @@
 import torch
 import torch.distributed as dist
-import pytest
 
-from launch import no_leaks, world1  # noqa: F401  (fixtures)
+from launch import world1  # noqa: F401  (fixture)
 from nnscaler.runtime.device import default_backend, default_device, is_distributed
-
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
 def test_cpu_without_cuda(monkeypatch):

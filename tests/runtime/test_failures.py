@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from nnscaler.runtime import failures
@@ -58,6 +59,7 @@ def _sleep():
     time.sleep(60)
 
 
+@pytest.mark.multiprocess  # forks a process and kills it
 def test_a_killed_process_counts_as_dead_even_before_it_is_reaped():
     assert failures._alive(os.getpid())
     proc = mp.get_context("fork").Process(target=_sleep)

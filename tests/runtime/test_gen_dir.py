@@ -9,10 +9,10 @@ import torch.nn as nn
 
 from nnscaler import ComputeConfig, ReuseType, parallelize
 from nnscaler.runtime import ReuseError
-from nnscaler.runtime.gen_dir import Action, Identity, decide, instance_dir
+from nnscaler.runtime.driver.gen_dir import ReuseDecision, Identity, decide, instance_dir
 
 
-TRACE_RUNS = 2  # a trace runs the forward once per mode (training and eval: nnscaler.ir.modes)
+TRACE_RUNS = 2  # a trace runs the forward once per mode (training and eval: nnscaler.ir.tracer.modes)
 
 
 class Counting(nn.Module):
@@ -123,7 +123,7 @@ def test_corrupt_manifest_is_reported(tmp_path):
 def test_decide_without_existing_code_generates(tmp_path):
     ident = Identity("m.C", cfg().to_dict(), "dp", {})
     for reuse in ReuseType:
-        assert decide(tmp_path / "nothing", reuse, ident) is Action.GENERATE
+        assert decide(tmp_path / "nothing", reuse, ident) is ReuseDecision.GENERATE
 
 
 def test_code_from_another_nnscaler_version_is_not_a_match(tmp_path):

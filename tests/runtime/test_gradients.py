@@ -82,7 +82,7 @@ def accumulate(rank, world, gen_dir):
                 losses.append(agg.loss_sum / agg.num_tokens)
             else:
                 losses.append(reduce_loss(agg, "mean"))
-            reduce_gradients(opt, reduction, agg, pm.grid.dp_degree)
+            reduce_gradients(opt, reduction, agg, pm.grid.dp_size)
             opt.step()
         out[reduction] = (losses, {rec.full_name: getattr(pm, local).detach().clone()
                                    for local, rec in pm.fullmap.items()})

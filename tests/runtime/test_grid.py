@@ -2,17 +2,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import no_leaks, run_workers, world1  # noqa: F401  (fixtures)
+from launch import run_workers, world1  # noqa: F401  (fixtures)
 from nnscaler.runtime.errors import ConfigError, NnScalerError
 from nnscaler.runtime.grid import RankGrid
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
 def test_single_process_without_group():
     grid = RankGrid.get(1, 1)
     assert RankGrid.get(1, 1) is grid
-    assert (grid.rank, grid.plan_device, grid.dp_rank, grid.dp_degree) == (0, 0, 0, 1)
+    assert (grid.rank, grid.plan_device, grid.dp_rank, grid.dp_size) == (0, 0, 0, 1)
     assert grid.sync_ranks == grid.unit_ranks == (0,)
     assert grid.sync_group is None and grid.unit_group is None
     assert grid.group([0]) is None
@@ -52,7 +51,7 @@ def _grid_job(rank, world):
     out = {}
     grid = RankGrid.get(2, 4)
     assert RankGrid.get(2, 4) is grid
-    out["layout"] = (grid.plan_device, grid.dp_rank, grid.sync_ranks, grid.unit_ranks, grid.dp_degree)
+    out["layout"] = (grid.plan_device, grid.dp_rank, grid.sync_ranks, grid.unit_ranks, grid.dp_size)
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=grid.sync_group)
     out["sync_sum"] = t.item()

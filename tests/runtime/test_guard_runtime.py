@@ -1,4 +1,4 @@
-"""Guards and both-branch decisions at run time (nnscaler.runtime.guards, nnscaler.ir.branches).
+"""Guards and both-branch decisions at run time (nnscaler.runtime.guards, nnscaler.ir.tracer.branches).
 
 Single process: `check` itself; data that takes another branch than the trace raises GuardError
 naming the user's line; `.item()` is guarded on its value; the toy of Hugging Face's mask pattern
@@ -37,7 +37,7 @@ def test_check_compares_what_was_read():
     check(torch.tensor(1.0, dtype=torch.float32) + 1e-7, "float", 1.0)  # another summation order
     check(torch.tensor([[1, 2], [3, 4]]), "tolist", [[1, 2], [3, 4]])
     big = torch.arange(2000.0)
-    from nnscaler.ir.guards import digest
+    from nnscaler.ir.tracer.guards import digest
     check(big, "array", {"digest": digest(big)})
     for value, read, traced in [(torch.tensor(False), "bool", True), (torch.tensor(4), "item", 3),
                                 (torch.tensor(1.01), "float", 1.0), (torch.tensor([1, 2]), "tolist", [1, 3]),
@@ -185,7 +185,7 @@ def _llama_batch(seed, padded):
 def test_hf_llama_padding(tmp_path, traced_padded):
     """Traced with or without padding, padded and unpadded batches both match the model: both
     branches of masking_utils' decisions are in the program (the padded branch's own decision is
-    flipped with the first, see nnscaler.ir.branches)."""
+    flipped with the first, see nnscaler.ir.tracer.branches)."""
     from nnscaler import ComputeConfig, parallelize
 
     torch.manual_seed(0)

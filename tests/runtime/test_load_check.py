@@ -1,9 +1,9 @@
-"""Program identity of generated code on different nodes (runtime/load_check.py), without processes."""
+"""Program identity of generated code on different nodes (runtime/driver/load_check.py), without processes."""
 from __future__ import annotations
 
 import copy
 
-from nnscaler.runtime.load_check import identity_differences, program_identity
+from nnscaler.runtime.driver.load_check import identity_differences, program_identity
 
 
 def _manifest():
@@ -37,3 +37,26 @@ def test_stale_code_names_the_differing_fields():
     assert "gencode1.py: content differs (SHA-256)" in diffs
     assert "fullmodel.safetensors: content differs (SHA-256)" in diffs
     assert "constants.safetensors: missing here" in diffs
+
+
+def test_code_whose_graph_is_not_its_manifests_is_refused(tmp_path):
+    """GRAPH_FINGERPRINT (written into every generated class) must be the manifest's graph_fingerprint."""
+    import json
+
+    import pytest
+    import toy_models
+    from nnscaler import ComputeConfig, parallelize
+    from nnscaler.ir import GenerationError
+    from nnscaler.ir.contracts import MANIFEST
+    from nnscaler.runtime.driver.load_check import load_on_every_rank
+
+    parallelize(toy_models.MLP(), toy_models.mlp_batch(0, 4), "dp", ComputeConfig(1, 1, trace_strategy="cpu"),
+                gen_savedir=tmp_path, load_module=False)
+    [manifest] = tmp_path.rglob(MANIFEST)
+    assert load_on_every_rank(manifest.parent, 0, "none").GRAPH_FINGERPRINT == json.loads(
+        manifest.read_text())["graph_fingerprint"]
+    data = json.loads(manifest.read_text())
+    data["graph_fingerprint"] = "0" * 16
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(GenerationError, match="was generated from graph"):
+        load_on_every_rank(manifest.parent, 0, "none")

@@ -7,14 +7,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from launch import no_leaks, run_workers  # noqa: F401  (fixtures)
+from launch import run_workers
 from nnscaler.runtime.errors import GenerationError, NnScalerError, PlanMismatchError
 from nnscaler.ir.contracts import FullMapEntry
 from nnscaler.runtime.module import ParallelModule, make_compute_config
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.reducer import sync_grad_when
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 DIM, NLAYERS, GLOBAL_BATCH, LR, STEPS = 8, 3, 8, 1e-2, 5
 
@@ -106,7 +105,7 @@ def test_basics_without_process_group():
     pm = GenMLP()
     cfg = pm.compute_config
     assert type(cfg).__name__ == "ComputeConfig" and cfg.plan_ngpus == 1 and not cfg.use_end2end
-    assert (pm.rank, pm.device, pm.reducer, pm.grid.dp_degree) == (0, torch.device("cpu"), None, 1)
+    assert (pm.rank, pm.device, pm.reducer, pm.grid.dp_size) == (0, torch.device("cpu"), None, 1)
     assert pm.fullmap["layers_0_weight"] == FullMapEntry("layers_0_weight", "layers.0.weight", (DIM, DIM),
                                                          ((0, DIM), (0, DIM)), (0, 1), 1)
     assert len(pm.parameters_for_optimizer()) == 2 * NLAYERS
@@ -114,12 +113,13 @@ def test_basics_without_process_group():
         pm.fullmap["x"] = None  # read-only view
 
 
-def test_compute_config_without_ir(monkeypatch):
-    monkeypatch.setitem(sys.modules, "nnscaler.ir.config", None)  # import fails
+def test_compute_config_is_the_typed_config():
+    from nnscaler.ir import ComputeConfig, ConfigError
     cfg = make_compute_config({"plan_ngpus": 2, "runtime_ngpus": 4, "use_end2end": True})
-    assert (cfg.plan_ngpus, cfg.use_end2end, cfg.use_async_reducer, cfg.reducer_bucket_cap_mb) == (2, True, False, None)
-    obj = types.SimpleNamespace(plan_ngpus=1)
-    assert make_compute_config(obj) is obj
+    assert isinstance(cfg, ComputeConfig) and cfg.dp_size == 2 and cfg.use_async_reducer is False
+    assert make_compute_config(cfg) is cfg
+    with pytest.raises(ConfigError, match="unknown ComputeConfig field"):  # validated, not a loose namespace
+        make_compute_config({"plan_ngpus": 1, "runtime_ngpus": 1, "use_zerro": True})
 
 
 def test_load_full_state_and_forward():

@@ -3,12 +3,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from launch import no_leaks, run_workers  # noqa: F401  (fixtures)
+from launch import run_workers
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
 from test_module import DIM, LR, MLP, GenMLP, assert_parity, batch, initial_state, local_name, reference
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
 class GenBody(ParallelModule):
@@ -167,7 +166,7 @@ def _optimizer_job(rank, world, steps):
     pm = cls()
     pm.load_full_state(initial_state())
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
-    out["replicated"] = _loop(pm, opt, pm.grid.dp_rank, pm.grid.dp_degree, steps)
+    out["replicated"] = _loop(pm, opt, pm.grid.dp_rank, pm.grid.dp_size, steps)
     return out
 
 

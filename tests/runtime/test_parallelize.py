@@ -153,6 +153,7 @@ def test_generation_failure_names_the_users_line(tmp_path):
     assert f"{__file__}:" in str(info.value) and "shapes do not fit" in str(info.value)
 
 
+@pytest.mark.multiprocess  # a fresh interpreter
 def test_pregenerated_code_runs_with_runtime_alone(tmp_path):
     """A machine with only nnscaler-runtime (and nnscaler-ir) runs pre-generated code."""
     parallelize(toy_models.MLP(), ARGS, "dp", cfg(), gen_savedir=tmp_path)
@@ -161,7 +162,7 @@ def test_pregenerated_code_runs_with_runtime_alone(tmp_path):
         class Block(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path, target=None):
                 if name.split('.')[:2] in (['nnscaler', 'policies'], ['nnscaler', 'codegen']):
-                    raise ImportError('blocked: ' + name)
+                    raise ModuleNotFoundError('No module named ' + repr(name), name=name)  # as when not installed
         sys.meta_path.insert(0, Block())
         sys.path.insert(0, {os.path.dirname(toy_models.__file__)!r})
         import torch, toy_models

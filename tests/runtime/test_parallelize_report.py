@@ -19,8 +19,8 @@ from launch import run_workers
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.ir import PlanReport
 from nnscaler.runtime import PlanWarning
-from nnscaler.runtime.gen_dir import read_manifest, sha256_file
-from nnscaler.runtime.plan_report import load_plan_report, report_plan
+from nnscaler.runtime.driver.gen_dir import read_manifest, sha256_file
+from nnscaler.runtime.driver.plan_report import load_plan_report, report_plan
 
 ARGS = toy_models.mlp_batch(0, 4)
 GPT_CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)

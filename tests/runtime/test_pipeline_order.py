@@ -8,15 +8,18 @@ import torch
 
 from gpt import GPT, GPTConfig, random_batch
 from launch import run_workers
+from nnscaler.ir.contracts import PipelineMeta
 from nnscaler.ir.schedules import get_schedule
 from nnscaler.runtime.pipeline.inbox import OrderedInbox, acks_between, sends_between
 
 CFG = dict(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 
 # stage s sends value 10+s to stage s+1; value 99 (an int made in stage 0) goes to stage 3
-META = {"outputs": {0: [10, 99], 1: [11], 2: [12], 3: []}, "inputs": {0: [], 1: [10], 2: [11], 3: [12, 99]},
-        "consumers": {10: [1], 11: [2], 12: [3], 99: [3]},
-        "producer": {10: 0, 11: 1, 12: 2, 99: 0}, "kinds": {10: "tensor", 11: "tensor", 12: "tensor", 99: "int"}}
+META = PipelineMeta.from_dict({
+    "nstages": 4, "nmicros": 2, "scheduler": "1f1b_interleaved", "pp_size": 2, "tp_size": 1,
+    "outputs": {0: [10, 99], 1: [11], 2: [12], 3: []}, "inputs": {0: [], 1: [10], 2: [11], 3: [12, 99]},
+    "consumers": {10: [1], 11: [2], 12: [3], 99: [3]},
+    "producer": {10: 0, 11: 1, 12: 2, 99: 0}, "kinds": {10: "tensor", 11: "tensor", 12: "tensor", 99: "int"}})
 
 
 def test_sends_between_follows_the_senders_action_order():
@@ -32,8 +35,8 @@ def test_sends_between_follows_the_senders_action_order():
 
 
 # two stages: stage 0 sends value 10 to stage 1
-META2 = {"outputs": {0: [10], 1: []}, "inputs": {0: [], 1: [10]}, "consumers": {10: [1]},
-         "producer": {10: 0}, "kinds": {10: "tensor"}}
+META2 = PipelineMeta(2, 4, "1f1b", 2, 1, outputs={0: (10,), 1: ()}, inputs={0: (), 1: (10,)},
+                     consumers={10: (1,)}, producer={10: 0}, kinds={10: "tensor"})
 
 
 def test_acks_between_1f1b_two_stages():

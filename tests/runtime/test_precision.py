@@ -24,14 +24,12 @@ import torch
 import torch.nn.functional as F
 
 import toy_models
-from launch import no_leaks  # noqa: F401  (fixture)
 from nnscaler.runtime.errors import ConfigError
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.precision import (MixedPrecisionOptimizer, PrecisionConfig, apply_precision, cast_inputs,
                                         get_precision, parse_precision, remove_precision, with_master_weights)
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 LR, STEPS, N = 1e-3, 3, 8

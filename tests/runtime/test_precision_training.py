@@ -34,13 +34,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launch import no_leaks, run_workers  # noqa: F401  (fixtures)
+from launch import run_workers
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin,
                                         apply_precision, with_master_weights)
 from test_precision import BF16, F16, F32, LR, N, STEP0_LOSS_RTOL, STEPS, batch, make_mlp, train
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 BF16_LOSS_ULP = 2.0 ** -7  # 2u: bf16-true losses are bf16 numbers
 GRAD_RTOL = 1e-2

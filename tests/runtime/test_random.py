@@ -43,8 +43,8 @@ def test_mix_seed_is_a_63_bit_function_of_all_values():
     assert nrr.mix_seed(1, 2) == nrr.mix_seed(1, 2) != nrr.mix_seed(2, 1)
 
 
-def _fake(dp_degree, dp_rank, plan_device):
-    grid = types.SimpleNamespace(dp_degree=dp_degree, dp_rank=dp_rank, plan_device=plan_device)
+def _fake(dp_size, dp_rank, plan_device):
+    grid = types.SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank, plan_device=plan_device)
     return types.SimpleNamespace(grid=grid)
 
 

@@ -2,10 +2,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch import no_leaks, run_workers  # noqa: F401  (fixtures)
+from launch import run_workers
 from nnscaler.runtime.reducer import Reducer, sync_grad_when
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 MB = 1024 * 1024
 

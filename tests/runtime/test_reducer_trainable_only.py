@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from launch import no_leaks, run_workers  # noqa: F401  (fixture)
+from launch import run_workers
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 DIM = 8
 

@@ -19,7 +19,7 @@ import torch
 
 from launch import world1  # noqa: F401  (fixture)
 from nnscaler import ComputeConfig, parallelize
-from nnscaler.runtime.gen_dir import instance_dir, read_manifest, swap_in
+from nnscaler.runtime.driver.gen_dir import instance_dir, read_manifest, swap_in
 from nnscaler.runtime import SourceChangedWarning
 
 MODEL = '''
@@ -333,7 +333,7 @@ def test_swap_in_replaces_a_directory_whole(tmp_path):
 
 
 def test_swap_in_without_an_atomic_exchange_renames_aside(tmp_path, monkeypatch):
-    import nnscaler.runtime.gen_dir as gen_dir
+    import nnscaler.runtime.driver.gen_dir as gen_dir
     monkeypatch.setattr(gen_dir, "_exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
     old, new = tmp_path / "inst", tmp_path / ".inst.generating-2"
     old.mkdir(), new.mkdir()

@@ -15,11 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launch import no_leaks, run_workers  # noqa: F401  (fixture)
+from launch import run_workers
 from resnet_models import ResNet, resnet_batch64, train_reference
 from test_comm_inplace import merge_shards
 
-pytestmark = pytest.mark.usefixtures("no_leaks")
 
 TOL = 1e-10  # float64
 C = 3

@@ -1,26 +1,23 @@
 """nnscaler.codegen: turn a planned IRGraph into one Python module per runtime rank.
 
-`generate(graph, compute_config, outdir, policy=...)` writes ``gencode{rank}.py`` for every
-runtime rank and the plan report (``plan_report.json`` and ``.txt``, `build_report`) and returns
-the paths of the rank modules. Reuse decisions and the manifest are the runtime's
-(`nnscaler.runtime.parallelize`), which calls this only when code must be (re)generated.
+`generate(graph, compute_config, outdir, policy=...)` writes ``gencode{rank}.py``
+(``nnscaler.ir.contracts.gencode_file``) for every runtime rank and the plan report
+(``plan_report.json`` and ``.txt``, `build_report`) and returns the paths of the rank modules.
+Reuse decisions and the manifest are the runtime's (`nnscaler.runtime.driver.parallelize`), which calls
+this only when code must be (re)generated.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import List
 
-from nnscaler.ir.atomic_write import atomic_write
+from nnscaler.ir import atomic_write
+from nnscaler.ir.contracts import gencode_file
 
 from .emit import emit_rank, param_local_names
 from .errors import GenerationError
 from .layouts import plan_unit
 from .report import REPORT_JSON, REPORT_TEXT, build_report, write_report
-
-
-def gencode_name(rank: int) -> str:
-    return f"gencode{rank}.py"
 
 
 def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str = "") -> List[Path]:
@@ -30,17 +27,17 @@ def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str 
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
     if graph.pipeline is not None:  # stages cannot share a decision: the traced branch, guarded
-        from nnscaler.ir.branches import keep_traced_branch
+        from nnscaler.ir import keep_traced_branch
         keep_traced_branch(graph)
     unit = plan_unit(graph, cfg["plan_ngpus"])
     for rank in range(cfg["runtime_ngpus"]):
         text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint(), unit=unit)
-        compile(text, gencode_name(rank), "exec")  # a bug here must not reach the ranks
-        paths.append(atomic_write(outdir / gencode_name(rank), text))
+        compile(text, gencode_file(rank), "exec")  # a bug here must not reach the ranks
+        paths.append(atomic_write(outdir / gencode_file(rank), text))
     # what the plan split, beside the code (plan_report.json / .txt; see nnscaler.ir.plan_report)
     write_report(build_report(graph, cfg, policy, unit=unit), outdir)
     return paths
 
 
-__all__ = ["GenerationError", "generate", "gencode_name", "param_local_names", "build_report", "write_report",
+__all__ = ["GenerationError", "generate", "param_local_names", "build_report", "write_report",
            "REPORT_JSON", "REPORT_TEXT"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from nnscaler.ir.layout import Partial, Replicate, Shard, TensorLayout
+from nnscaler.ir import Partial, Replicate, Shard, TensorLayout
 
 __all__ = ["transition_steps", "steps_cost", "step_collectives", "STEP_COLLECTIVES", "CommCost",
            "COST_MODELS"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import List
 
-from nnscaler.ir.graph import IRGraph, decode
+from nnscaler.ir import IRGraph, decode
 
 from .input_checks import input_checks
 from .render import Renderer

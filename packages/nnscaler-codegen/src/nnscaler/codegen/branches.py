@@ -1,4 +1,4 @@
-"""Both branches of a Python decision on a tensor value in generated code (nnscaler.ir.branches).
+"""Both branches of a Python decision on a tensor value in generated code (nnscaler.ir.tracer.branches).
 
 The decision's guard becomes ``_branch_<id> = bool(<tensor>)``; an op of one branch only runs
 under ``if _branch_<id>:`` (or ``if not ...``), together with the layout conversions it needs;
@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from nnscaler.ir.graph import IRGraph, Node, Ref
-from nnscaler.ir.branches import branch_refs
+from nnscaler.ir import IRGraph, Node, Ref, branch_refs
 
-from .errors import GenerationError
 from .layouts import Need, is_shape_query
 from .render import RawExpr
 
@@ -96,12 +94,8 @@ class BranchEmit:
         return common
 
     def _convert(self, need: Need, lines: List[str]) -> None:
-        var = self.adapt._convert(need.ref_id, need.placement, need.grad_partial, lines)
-        if var is None:
-            return
-        if self.adapt.overrides.get(need.ref_id, var) != var:
-            raise GenerationError(f"op {self.node.describe()} reads one tensor in two different layouts")
-        self.adapt.overrides[need.ref_id] = var
+        self.adapt.override(self.node, need.ref_id,
+                            self.adapt.convert(need.ref_id, need.placement, need.grad_partial, lines))
 
     def _sides(self) -> Dict[int, list]:
         """value id -> [(gid, side, base id)...]: values read on one side of a branch argument only.

@@ -1,4 +1,4 @@
 """Errors of code generation: `GenerationError`, one class shared with the runtime (nnscaler.ir.errors)."""
-from nnscaler.ir.errors import GenerationError
+from nnscaler.ir import GenerationError
 
 __all__ = ["GenerationError"]

@@ -1,6 +1,6 @@
 """Guards in generated code: the Python decisions the trace took on tensor values.
 
-A guard node (nnscaler.ir.guards) becomes one call of ``nr.guards.check`` on the tensor the
+A guard node (nnscaler.ir.tracer.guards) becomes one call of ``nr.guards.check`` on the tensor the
 user's forward read (made whole first by the adapters: a guard is replicated, so it needs its
 input replicated), with the kind of read, the value seen while tracing, the user's line and the
 graph inputs the value derives from. ``agree`` makes every rank raise together (world size > 1):
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import List
 
-from nnscaler.ir.graph import Node
+from nnscaler.ir import Node
 
 from .render import Renderer
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import List
 
-from nnscaler.ir.graph import IRGraph
+from nnscaler.ir import IRGraph
 
 _FLOATS = {"float16", "bfloat16", "float32", "float64"}
 _DTYPES = {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",

@@ -7,15 +7,16 @@ on the stage's i-th device), and `UnitPlan.plan_ngpus` is ``tp_size``. A value's
 placement its producer's pieces give it (graph inputs are replicated). A consumer piece names
 the placement it needs for each tensor input; a partitioned consumer reading a replicated input
 produces only partial gradients for it, recorded as ``grad_partial``. Parameters, buffers and
-constants are stored sharded when every consumer wants the same shard, else whole.
+constants are stored sharded when every consumer wants the same shard, else whole. The policy's
+decisions arrive as ``Node.pieces``, a list of `nnscaler.ir.contracts.Piece`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from nnscaler.ir.graph import IRGraph, Node
-from nnscaler.ir.layout import Partial, Replicate, Shard
+from nnscaler.ir import IRGraph, Node, Partial, Replicate, Shard
+from nnscaler.ir.contracts import Piece
 
 from .errors import GenerationError
 
@@ -39,7 +40,7 @@ class UnitPlan:
     needs: Dict[int, List[Need]] = field(default_factory=dict)  # node id -> tensor input needs
     stored: Dict[str, object] = field(default_factory=dict)  # param/buffer/constant name -> placement
 
-    def piece_of(self, node: Node, device: int):
+    def piece_of(self, node: Node, device: int) -> Piece:
         return next(p for p in node.pieces if p.device == device)
 
 
@@ -57,7 +58,7 @@ def plan_unit(graph: IRGraph, plan_ngpus: int) -> UnitPlan:
             plan.produced[ref.id] = R
     for node in graph.nodes:
         _check_pieces(node, plan_ngpus, pipe.home_devices(node.stage) if pipe is not None else None)
-        piece = node.pieces[0]
+        piece: Piece = node.pieces[0]
         partitioned = not piece.is_replicated() and plan_ngpus > 1
         plan.partitioned[node.id] = partitioned
         ins = [r for r in node.input_refs() if graph.value(r).is_tensor]
@@ -99,7 +100,7 @@ def _check_pieces(node: Node, plan_ngpus: int, home=None) -> None:
         raise GenerationError(
             f"op {node.describe()} runs on plan devices {devices}; every op must run on all "
             f"{plan_ngpus} devices {home} of {where} (replicated, or split into {plan_ngpus} pieces)")
-    piece = node.pieces[0]
+    piece: Piece = node.pieces[0]
     if not piece.is_replicated():
         if any(p.device != home[p.index] for p in node.pieces) or piece.num != plan_ngpus:
             raise GenerationError(f"op {node.describe()}: piece i of a partitioned op must run on "

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from nnscaler.ir.graph import IRGraph, Node
-from nnscaler.ir.layout import Shard
-from nnscaler.ir.random_ops import LIKE, MASK, node_random_kind
+from nnscaler.ir import IRGraph, LIKE, MASK, Node, Shard, node_random_kind
 
 from .errors import GenerationError
 from .render import ModeChoice, RawExpr, Renderer

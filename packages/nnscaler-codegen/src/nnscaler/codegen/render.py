@@ -6,7 +6,8 @@ from typing import Dict
 
 import torch
 
-from nnscaler.ir.graph import Ref, dtype_name
+from nnscaler.ir import Ref, dtype_name
+from nnscaler.ir.contracts import GENERATED_ATTR_NAMES
 
 # Dunder and operator-module calls rendered as infix/prefix Python operators.
 BINARY = {"__add__": "+", "__sub__": "-", "__mul__": "*", "__truediv__": "/", "__floordiv__": "//",
@@ -125,11 +126,11 @@ def python_name(text: str, taken: set) -> str:
     return name
 
 
-# Attributes of ParallelModule (besides nn.Module's) that a parameter name must not shadow.
+# Attributes of ParallelModule (besides nn.Module's) that a parameter name must not shadow; the
+# generated class attributes come from the contract (nnscaler.ir.contracts.GENERATED_ATTRS).
 _MODULE_ATTRS = {"device", "rank", "grid", "reducer", "fullmap", "full_aliases", "compute_config", "train_step",
                  "infer_step", "sync_grad_when", "load_full_state", "add_full_map", "add_full_alias",
-                 "parameters_for_optimizer", "COMPUTE_CONFIG", "RANK", "SOURCE_MAP", "GRAPH_FINGERPRINT",
-                 "FULL_NAMES"}
+                 "parameters_for_optimizer"} | GENERATED_ATTR_NAMES
 
 
 def _is_reserved(name: str) -> bool:

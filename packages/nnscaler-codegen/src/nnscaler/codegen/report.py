@@ -2,7 +2,7 @@
 and the collectives the generated code runs (`nnscaler.ir.plan_report.PlanReport`).
 
 Built from the same unit plan the emitter uses (`plan_unit`), with the same conversions
-(`transition_steps`, once per value, layout and gradient need, as `emit._Adapter` shares them;
+(`transition_steps`, once per value, layout and gradient need, as `conversions.Adapter` shares them;
 again inside a recomputed segment, whose collectives may rerun in backward), so the collectives
 it counts are the ones the generated forward and backward run. Bytes follow
 ``steps_cost(..., model='payload')``: what ``nnscaler.runtime.comm.count_collectives`` measures.
@@ -15,13 +15,9 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from nnscaler.ir.graph import IRGraph, Node, iter_refs
-from nnscaler.ir.layout import Replicate, Shard
-from nnscaler.ir.plan_report import (REPORT_JSON, REPORT_TEXT, Collective, ModuleReport, OpSplit, PlanReport,
-                                     UnannotatedOp)
+from nnscaler.ir import (Collective, IRGraph, ModuleReport, Node, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
+                         Replicate, Shard, UnannotatedOp, atomic_write, is_guard, iter_refs)
 
-from nnscaler.ir.atomic_write import atomic_write
-from nnscaler.ir.guards import is_guard  # run-time checks of the trace's decisions: not ops of the model
 
 from .adapters import STEP_COLLECTIVES, steps_cost, transition_steps
 from .layouts import UnitPlan, is_shape_query, local_slices, plan_unit
@@ -171,7 +167,7 @@ class _Counter:
             before = set(self.converted)
             for node in nodes[idx:end]:
                 self._node(node, recomputed=group is not None)
-            if group is not None:  # conversions inside a segment are local to it (emit._emit_recompute)
+            if group is not None:  # conversions inside a segment are local to it (recompute.py)
                 self.converted = before
             idx = end
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from nnscaler.ir.graph import IRGraph, iter_refs
+from nnscaler.ir import IRGraph, iter_refs
 
 from .errors import GenerationError
 

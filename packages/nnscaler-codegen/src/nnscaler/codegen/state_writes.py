@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, List
 
-from nnscaler.ir.graph import IRGraph, Node, Ref
+from nnscaler.ir import IRGraph, Node, Ref
 
 if TYPE_CHECKING:
-    from .emit import _Adapter
+    from .conversions import Adapter
     from .layouts import UnitPlan
 
 __all__ = ["StateWrites"]
@@ -29,7 +29,7 @@ class StateWrites:
         self.unit, self.names = unit, names
         self.stored_name = {s.value.id: s.name for s in graph.tensor_specs()}
 
-    def lines(self, node: Node, adapt: "_Adapter") -> List[str]:
+    def lines(self, node: Node, adapt: "Adapter") -> List[str]:
         """Lines after `node`'s statement: none unless it wrote a converted copy of a stored tensor."""
         if not node.inplace or not node.args or not isinstance(node.args[0], Ref):
             return []
@@ -38,5 +38,5 @@ class StateWrites:
         if name is None or target not in adapt.overrides or not isinstance(node.outputs, Ref):
             return []  # not a parameter/buffer, or the op wrote the stored tensor itself
         lines: List[str] = []
-        var = adapt._convert(node.outputs.id, self.unit.stored[name], False, lines) or self.names[node.outputs.id]
+        var = adapt.convert(node.outputs.id, self.unit.stored[name], False, lines) or self.names[node.outputs.id]
         return lines + [f"{self.names[target]}.copy_({var})  # the op wrote a converted copy of {name}"]

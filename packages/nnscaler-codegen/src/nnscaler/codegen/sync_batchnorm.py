@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import List
 
-from nnscaler.ir.graph import Node
+from nnscaler.ir import Node
 
 from .errors import GenerationError
 

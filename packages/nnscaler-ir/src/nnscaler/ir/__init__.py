@@ -1,22 +1,51 @@
-"""nnscaler.ir: the intermediate representation.
+"""nnscaler.ir: the intermediate representation, and the one package every other depends on.
 
-`ComputeConfig`, `trace()` into an `IRGraph`, and the op registry with dimension annotations
-(`register_op` for custom ops).
+What other packages use is exported here (and from the public sub-packages
+`nnscaler.ir.contracts` and `nnscaler.ir.schedules`); they import nothing else of ir
+(tests/test_package_dependencies.py checks it). By concern:
+
+- configuration: `ComputeConfig`, `OptionalComputeConfig`, `ConfigWarning`, `warn_ineffective_settings`;
+- errors: `NnScalerError` (the base every package derives from), `NnScalerWarning`, `ConfigError`,
+  `GenerationError`, `TraceError`, `TracingWarning`, `AnnotationError`, `LayoutError`;
+- tracing: `trace()` into an `IRGraph` of `Node` s over `Ref` s; guards, branches and random ops
+  of the traced program (`is_guard`, `keep_traced_branch`, `branch_refs`, `node_random_kind`);
+- ops: `register_op`, `REGISTRY`, `parse_annotation`;
+- layouts: `Replicate`, `Shard`, `Partial`, `TensorLayout`;
+- plans: `PipelinePlan`, the plan report (`PlanReport` and its records);
+- helpers shared by every package: `warn_user` / `is_internal` (errors point at the user's code),
+  `iter_tensors` / `map_tensors` (nested containers), `atomic_write` / `AtomicFile`, `policy_name`,
+  `module_of`.
 """
 from .config import ComputeConfig, OptionalComputeConfig
 from .errors import ConfigError, GenerationError, NnScalerError, NnScalerWarning, TraceError, TracingWarning
-from .config_checks import ConfigWarning
-from .graph import IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value
-from .plan_report import PlanReport
-from .trace import trace
+from .config_checks import ConfigWarning, warn_ineffective_settings
+from .graph import IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, decode, dtype_name, iter_refs
+from .layout import LayoutError, Partial, Replicate, Shard, TensorLayout
+from .plan_report import (REPORT_JSON, REPORT_TEXT, Collective, ModuleReport, OpSplit, PlanReport,
+                          UnannotatedOp)
+from .pipeline_plan import PipelinePlan
+from .tracer.trace import trace
+from .tracer.guards import READ_TEXT, close as guard_values_close, digest as guard_digest, is_guard
+from .tracer.branches import branch_refs, keep_traced_branch
+from .ops.random_ops import LIKE, MASK, node_random_kind
+from .user_code import is_internal, warn_user
+from .tree import iter_tensors, map_tensors, replace_tensors, tensor_leaves
+from .atomic_write import TMP_SUFFIX, AtomicFile, atomic_write, fsync_dir
+from .ops.op_names import module_of, policy_name
+from .ops.annotation import AnnotationError, parse_annotation
+from .ops.registry import REGISTRY, register_op  # (importing it registers the built-in annotations)
 
 __all__ = [
-    "ComputeConfig", "ConfigError", "ConfigWarning", "OptionalComputeConfig",
-    "IRGraph", "InputSpec", "Node", "Ref", "SourceLoc", "TensorSpec", "Value", "PlanReport",
-    "TraceError", "TracingWarning", "trace", "NnScalerError", "NnScalerWarning", "GenerationError",
+    "ComputeConfig", "OptionalComputeConfig", "ConfigWarning", "warn_ineffective_settings",
+    "NnScalerError", "NnScalerWarning", "ConfigError", "GenerationError", "TraceError", "TracingWarning",
+    "AnnotationError", "LayoutError",
+    "IRGraph", "InputSpec", "Node", "Ref", "SourceLoc", "TensorSpec", "Value", "decode", "dtype_name", "iter_refs",
+    "trace", "READ_TEXT", "guard_values_close", "guard_digest", "is_guard", "branch_refs", "keep_traced_branch",
+    "LIKE", "MASK", "node_random_kind",
+    "REGISTRY", "register_op", "parse_annotation",
+    "Replicate", "Shard", "Partial", "TensorLayout",
+    "PipelinePlan", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit", "PlanReport",
+    "UnannotatedOp",
+    "warn_user", "is_internal", "iter_tensors", "map_tensors", "replace_tensors", "tensor_leaves",
+    "TMP_SUFFIX", "AtomicFile", "atomic_write", "fsync_dir", "module_of", "policy_name",
 ]
-
-from .annotation import AnnotationError, parse_annotation  # noqa: E402
-from .registry import REGISTRY, register_op  # noqa: E402  (registers the built-in annotations)
-
-__all__ += ["AnnotationError", "parse_annotation", "REGISTRY", "register_op"]

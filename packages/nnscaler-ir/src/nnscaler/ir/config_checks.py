@@ -21,7 +21,7 @@ class ConfigWarning(NnScalerWarning):
 def ineffective_settings(cfg) -> List[str]:
     """One message per setting of ``cfg`` (a ComputeConfig) that has no effect, with the fix."""
     out = []
-    dp = cfg.runtime_ngpus // cfg.plan_ngpus
+    dp = cfg.dp_size
     if not cfg.use_zero:
         if cfg.zero_ngroups > 1:
             out.append(f"ComputeConfig.zero_ngroups={cfg.zero_ngroups} has no effect without use_zero=True (it "

@@ -74,7 +74,7 @@ class Node:
     pieces: list = field(default_factory=list)
     recompute: Optional[str] = None
     stage: Optional[int] = None  # pipeline stage (set by the policy's staging; None: no pipeline)
-    # Filled by trace in both modes (nnscaler.ir.modes): constant arguments that differ between
+    # Filled by trace in both modes (nnscaler.ir.tracer.modes): constant arguments that differ between
     # training and eval ([where, key, training value, eval value]), and the one mode an op runs
     # in when the other mode's trace does not have it (None: both).
     mode_args: list = field(default_factory=list)
@@ -84,7 +84,7 @@ class Node:
     grad_enabled: bool = True
     autocast: Optional[list] = None
     # Filled by trace when both branches of a Python decision on a tensor value are traced
-    # (nnscaler.ir.branches): [id of the decision's guard node, the decision's value] when the op runs
+    # (nnscaler.ir.tracer.branches): [id of the decision's guard node, the decision's value] when the op runs
     # in that branch only; arguments that differ between the branches ([where, key, decision guard id,
     # value when True, value when False]); `args`/`kwargs` hold one of the two.
     branch: Optional[list] = None
@@ -146,7 +146,7 @@ class IRGraph:
     pipeline: Any = None  # a nnscaler.ir.pipeline_plan.PipelinePlan once a policy staged the graph
     traced_training: bool = True  # the module's mode when traced
     buffer_updates: Dict[str, Any] = field(default_factory=dict)  # buffer forward rebinds -> new value
-    mode_divergence: Optional[str] = None  # where the other mode runs other ops (nnscaler.ir.modes)
+    mode_divergence: Optional[str] = None  # where the other mode runs other ops (nnscaler.ir.tracer.modes)
 
     # -- queries -----------------------------------------------------------------------------
     def value(self, ref: Ref) -> Value:
@@ -228,7 +228,7 @@ class IRGraph:
         data = self.to_json()
         for n in data["nodes"]:
             n.pop("source")
-            if n["target"] == "nnscaler.runtime.guards.check":  # a guard's library-caller line (ir/guards.py)
+            if n["target"] == "nnscaler.runtime.guards.check":  # a guard's library-caller line (ir/tracer/guards.py)
                 n["kwargs"] = {"$dict": [kv for kv in n["kwargs"]["$dict"] if kv[0] != "via"]}
         data["mode_divergence"] = data["mode_divergence"] is not None  # names a source line
         blob = json.dumps(data, sort_keys=True, separators=(",", ":"))

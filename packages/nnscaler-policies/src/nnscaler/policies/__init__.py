@@ -22,8 +22,8 @@ def apply_policy(graph, compute_config, policy):
     if modules:  # the config key works with every policy
         recompute_modules(result, modules)
     validate_plan(result, compute_config.plan_ngpus, policy_name(policy))
-    if result.pipeline is not None and not getattr(compute_config, "use_end2end", False):
-        from nnscaler.ir.config import ConfigError
+    if result.pipeline is not None and not compute_config.use_end2end:
+        from nnscaler.ir import ConfigError
         raise ConfigError(f"policy {policy_name(policy)!r} made a pipeline, which runs only end to end: set "
                           f"ComputeConfig(use_end2end=True) and call train_step / infer_step (parallel_modules "
                           f"and plain forward calls cannot be pipelined)")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import fnmatch
 from typing import List, Optional, Sequence, Union
 
-from nnscaler.ir.config import ConfigError
-from nnscaler.ir.graph import IRGraph, Node
-from nnscaler.ir.pipeline_plan import PipelinePlan
+from nnscaler.ir import ConfigError
+from nnscaler.ir import IRGraph, Node
+from nnscaler.ir import PipelinePlan
 
 from .plan import PlanError
 

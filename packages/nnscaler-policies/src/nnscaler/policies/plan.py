@@ -1,39 +1,22 @@
 """How a policy's decisions are stored on the graph: every op gets one or more pieces.
 
-A `Piece` is one sub-op: the placements (R / V / D(dim), see `nnscaler.ir.layout`) of the op's
-tensor inputs and outputs for that piece, and the plan device that runs it. An op replicated on
-two devices has two pieces with all-R placements; an op partitioned along a dimension into n has
-n pieces with the placements its annotation gives.
+A `Piece` (``nnscaler.ir.contracts.Piece``, the contract codegen reads) is one sub-op: the
+placements (R / V / D(dim), see `nnscaler.ir.layout`) of the op's tensor inputs and outputs for
+that piece, and the plan device that runs it. An op replicated on two devices has two pieces with
+all-R placements; an op partitioned along a dimension into n has n pieces with the placements its
+annotation gives.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from nnscaler.ir.contracts import Piece
+from nnscaler.ir import NnScalerError
+from nnscaler.ir import IRGraph, Node
 
-from nnscaler.ir.errors import NnScalerError
-from nnscaler.ir.graph import IRGraph, Node
-from nnscaler.ir.layout import Replicate
+__all__ = ["Piece", "PlanError", "tensor_inputs", "tensor_outputs", "validate_plan"]
 
 
 class PlanError(NnScalerError, ValueError):
     """A policy produced an invalid plan, or a primitive was used wrongly; names the op."""
-
-
-@dataclass
-class Piece:
-    index: int
-    num: int
-    inputs: list  # placements of the op's tensor inputs
-    outputs: list  # placements of the op's tensor outputs
-    dim: Optional[str] = None  # the annotated dimension split, None when replicated
-    device: Optional[int] = None
-
-    def is_replicated(self) -> bool:
-        return all(isinstance(p, Replicate) for p in list(self.inputs) + list(self.outputs))
-
-    def describe(self) -> str:
-        how = f"split {self.dim} {self.index}/{self.num}" if self.dim else f"replica {self.index}/{self.num}"
-        return f"{how} on device {self.device}: in {self.inputs} out {self.outputs}"
 
 
 def tensor_inputs(graph: IRGraph, node: Node) -> list:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import fnmatch
 from typing import Callable, List, Optional
 
-from nnscaler.ir.graph import IRGraph, Node
-from nnscaler.ir.layout import Replicate
+from nnscaler.ir import IRGraph, Node
+from nnscaler.ir import Replicate
 
 from .plan import Piece, PlanError, tensor_inputs, tensor_outputs
 
@@ -84,7 +84,7 @@ def bind_annotation(graph: IRGraph, node: Node):
     node has no annotation or it does not fit."""
     if node.annotation is None:
         return None
-    from nnscaler.ir.annotation import parse_annotation
+    from nnscaler.ir import parse_annotation
     ins = [graph.value(r).shape for r in tensor_inputs(graph, node)]
     outs = [graph.value(r).shape for r in tensor_outputs(graph, node)]
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, List, Optional, Union
 
-from nnscaler.ir.graph import IRGraph, Node
+from nnscaler.ir import IRGraph, Node
 
 from .plan import PlanError
 

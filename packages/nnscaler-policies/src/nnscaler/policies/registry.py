@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Union
 
-from nnscaler.ir.op_names import policy_name  # noqa: F401  (re-exported: the manifest's policy name)
+from nnscaler.ir import policy_name  # noqa: F401  (re-exported: the manifest's policy name)
 
 Policy = Callable  # (graph, compute_config) -> graph
 

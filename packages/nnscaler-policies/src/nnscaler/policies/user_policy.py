@@ -13,8 +13,8 @@ from __future__ import annotations
 import traceback
 from typing import Callable
 
-from nnscaler.ir.graph import IRGraph
-from nnscaler.ir.user_code import is_internal
+from nnscaler.ir import IRGraph
+from nnscaler.ir import is_internal
 
 from .plan import PlanError
 

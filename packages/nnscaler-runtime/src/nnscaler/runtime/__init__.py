@@ -13,15 +13,15 @@ from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchErr
 from .failures import PeerFailedError, StepRefusedError  # a failed step reaches every rank (failures.py)
 from . import guards  # run-time checks of the trace's decisions on tensor values (nr.guards.check)
 from .guards import GuardError
-from .gen_dir import ReuseType
+from .driver.gen_dir import ReuseType
 from .gradients import (AggregatedOutputs, aggregate_outputs, count_tokens, grad_scale, reduce_gradients,
                         reduce_loss)
 from .grid import RankGrid
 from .module import ParallelModule
 from .optimizer import build_optimizer
-from .parallelize import load_generated_class, parallelize
-from .plan_report import PlanWarning
-from .model_sources import SourceChangedWarning  # reuse='match' of code from an edited model
+from .driver.parallelize import load_generated_class, parallelize
+from .driver.plan_report import PlanWarning
+from .driver.model_sources import SourceChangedWarning  # reuse='match' of code from an edited model
 from .precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin, apply_precision,
                         parse_precision, with_master_weights)
 from .reducer import Reducer, sync_grad_when

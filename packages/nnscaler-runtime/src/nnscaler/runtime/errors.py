@@ -5,7 +5,7 @@ All derive from `nnscaler.ir.errors.NnScalerError` (catch it to catch every erro
 """
 from __future__ import annotations
 
-from nnscaler.ir.errors import ConfigError, GenerationError, NnScalerError
+from nnscaler.ir import ConfigError, GenerationError, NnScalerError
 
 __all__ = ["NnScalerError", "ConfigError", "ReuseError", "GenerationError", "PlanMismatchError"]
 

@@ -56,7 +56,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from nnscaler.ir.tree import iter_tensors as _tensors
+from nnscaler.ir import iter_tensors as _tensors
 
 from .device import is_distributed
 from .errors import NnScalerError

@@ -28,9 +28,11 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from .device import is_distributed
+from nnscaler.ir import ComputeConfig
+
 from .errors import ConfigError
 
-__all__ = ["RankGrid"]
+__all__ = ["RankGrid", "process_group", "is_current"]
 
 _GRIDS: Dict[Tuple[int, int], "RankGrid"] = {}
 _GROUPS: Dict[Tuple[int, ...], object] = {}
@@ -69,14 +71,28 @@ def _check_owner() -> None:
         _OWNER = current
 
 
-def _get_group(ranks: Tuple[int, ...]):
+def process_group(ranks: Iterable[int], create: bool = True):
+    """The process group of `ranks` (any order): the default group for the whole world, `None`
+    without a process group. A missing group is created when `create` (COLLECTIVE over the
+    default group: every rank, member or not, asks for the same sets in the same order); with
+    ``create=False`` a missing group raises LookupError."""
     _check_owner()
+    key = tuple(sorted({int(r) for r in ranks}))
     _, world = _world()
-    if ranks == tuple(range(world)):
+    if key == tuple(range(world)):
         return dist.group.WORLD if is_distributed() else None
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks))
-    return _GROUPS[ranks]
+    if key not in _GROUPS:
+        if not create:
+            raise LookupError(f"no process group exists yet for ranks {key}")
+        _GROUPS[key] = dist.new_group(list(key))
+    return _GROUPS[key]
+
+
+def is_current(ranks: Tuple[int, ...], group) -> bool:
+    """Whether `group` is still the registry's group of the sorted rank tuple `ranks` (a group
+    destroyed by `RankGrid.destroy_all()` or a replaced default group make it stale)."""
+    _check_owner()
+    return _GROUPS.get(ranks) is group
 
 
 class RankGrid:
@@ -87,13 +103,7 @@ class RankGrid:
     """
 
     def __init__(self, plan_ngpus: int, runtime_ngpus: int):
-        for name, value in (("plan_ngpus", plan_ngpus), ("runtime_ngpus", runtime_ngpus)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"ComputeConfig.{name} must be a positive integer, got {value!r}")
-        if runtime_ngpus % plan_ngpus:
-            raise ConfigError(
-                f"ComputeConfig.runtime_ngpus ({runtime_ngpus}) must be a multiple of plan_ngpus "
-                f"({plan_ngpus}): every plan_ngpus ranks hold one copy of the model.")
+        ComputeConfig(plan_ngpus, runtime_ngpus)  # the values themselves are validated there, once
         rank, world = _world()
         if not is_distributed() and runtime_ngpus > 1:
             raise ConfigError(
@@ -109,7 +119,7 @@ class RankGrid:
         self.plan_ngpus = plan_ngpus
         self.runtime_ngpus = runtime_ngpus
         self.rank = rank
-        self.dp_degree = runtime_ngpus // plan_ngpus
+        self.dp_size = runtime_ngpus // plan_ngpus
         self.dp_rank = rank // plan_ngpus
         self.plan_device = rank % plan_ngpus
         self.sync_ranks: Tuple[int, ...] = self.sync_ranks_of(self.plan_device)
@@ -117,7 +127,7 @@ class RankGrid:
         # new_group is collective: every rank creates every set, in this order.
         groups = [self.group(self.sync_ranks_of(d)) for d in range(plan_ngpus)]
         self.sync_group = groups[self.plan_device]
-        groups = [self.group(self.unit_ranks_of(u)) for u in range(self.dp_degree)]
+        groups = [self.group(self.unit_ranks_of(u)) for u in range(self.dp_size)]
         self.unit_group = groups[self.dp_rank]
 
     # -- registry -------------------------------------------------------------------------------
@@ -170,7 +180,7 @@ class RankGrid:
         key = tuple(sorted({int(r) for r in ranks}))
         if not key or key[0] < 0 or key[-1] >= self.runtime_ngpus:
             raise ValueError(f"ranks {list(key)} must be a non-empty subset of 0..{self.runtime_ngpus - 1}")
-        return _get_group(key)
+        return process_group(key)
 
     def group_of(self, rank_sets: Sequence[Iterable[int]]):
         """Create the groups of all `rank_sets` in order (collective) and return

@@ -1,7 +1,7 @@
 """Run-time checks of the Python decisions the trace took on tensor values (guards).
 
 Generated code calls `check` where the user's forward read a tensor's value in Python
-(``if (mask == 1).all():``, ``t.item()``, ``t.tolist()`` ...; see nnscaler.ir.guards). The value
+(``if (mask == 1).all():``, ``t.item()``, ``t.tolist()`` ...; see nnscaler.ir.tracer.guards). The value
 is recomputed from what the program computes anyway (the generated code makes the tensor whole
 first) and compared with the value seen while tracing. A mismatch raises `GuardError`, naming
 the user's line, what the value derives from, the traced and the current value, and the fix.
@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from nnscaler.ir.guards import READ_TEXT, close, digest
+from nnscaler.ir import READ_TEXT, guard_values_close as close, guard_digest as digest
 
 from .errors import NnScalerError
 

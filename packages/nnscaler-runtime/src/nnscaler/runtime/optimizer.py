@@ -183,8 +183,8 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
         replicas[id(p)] = grid.plan_ngpus
     if ordinary and grid.world_size > 1 and getattr(module, "_nnscaler_reducer", None) is None:
         reducer = Reducer(ordinary, group=grid.group(range(grid.world_size)),
-                          bucket_cap_mb=getattr(pms[0].compute_config, "reducer_bucket_cap_mb", None),
-                          async_op=getattr(pms[0].compute_config, "use_async_reducer", False))
+                          bucket_cap_mb=pms[0].compute_config.reducer_bucket_cap_mb,
+                          async_op=pms[0].compute_config.use_async_reducer)
         object.__setattr__(module, "_nnscaler_reducer", reducer)
     zero = _zero_engine(module, pms, params, replicas, grid)
     opt_params = zero.optimizer_params() if zero is not None else params
@@ -208,7 +208,7 @@ def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: Lis
                  replicas: Dict[int, int], grid: RankGrid) -> Optional[ZeroEngine]:
     """The ZeRO engine when the ParallelModules ask for it (None otherwise)."""
     keys = ("use_zero", "zero_ngroups", "zero_use_reduce_scatter")
-    settings = {tuple(getattr(pm.compute_config, k, d) for k, d in zip(keys, (False, 1, False))) for pm in pms}
+    settings = {tuple(getattr(pm.compute_config, k) for k in keys) for pm in pms}
     if len(settings) > 1:
         raise ConfigError("build_optimizer: all parallelized modules must use the same use_zero, zero_ngroups and "
                           f"zero_use_reduce_scatter, got {sorted(settings)}: regenerate them with one ComputeConfig")
@@ -225,7 +225,7 @@ def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: Lis
             pm.reducer = None
         # tensors held by several pipeline devices keep their own reducer (it sums over the holders
         # too): their gradients arrive averaged, ZeRO only copies the owned ranges
-        shared = {id(p) for r in pm.shared_reducers for bucket in r.buckets for p in bucket}
+        shared = pm.pipeline_grads.shared_parameters() if pm.pipeline_grads is not None else set()
         for name, p in pm.named_parameters():
             if not p.requires_grad or id(p) in seen:
                 continue
@@ -241,7 +241,7 @@ def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: Lis
             seen.add(id(p))
             name = names[id(p)]
             entries.append(ZeroParam(p, "", False, _whole(name, p, replicas[id(p)])))
-    cap = getattr(pms[0].compute_config, "reducer_bucket_cap_mb", None)
+    cap = pms[0].compute_config.reducer_bucket_cap_mb
     engine = ZeroEngine(entries, groups, bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if cap is None else cap)
     for piece in engine.pieces:  # gradient-norm weights of the tensors the optimizer holds
         replicas[id(piece.tensor)] = piece.param.entry.replicas

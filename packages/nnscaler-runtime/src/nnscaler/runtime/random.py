@@ -187,8 +187,8 @@ def _splits(module, ndim: int, shard, batch: bool):
     op's own split over the unit."""
     out = []
     grid = module.grid
-    if batch and grid.dp_degree > 1 and ndim > 0:
-        out.append((0, grid.dp_degree, grid.dp_rank))
+    if batch and grid.dp_size > 1 and ndim > 0:
+        out.append((0, grid.dp_size, grid.dp_rank))
     if shard is not None:
         dim, n = shard
         out.append((dim % ndim, n, _piece_index(module, n)))
@@ -227,7 +227,7 @@ class RandomStreamsMixin:
         streams = self.__dict__.get("_nnscaler_random")
         if streams is None:  # built in _post_init (collective: rank 0's seed is broadcast)
             meta = type(self).RANDOM or {}
-            mode = meta.get("mode", getattr(self.compute_config, "rng_mode", "parallel"))
+            mode = meta.get("mode", self.compute_config.rng_mode)
             streams = RandomStreams(self, mode, int(meta.get("ops", 0)))
             self.__dict__["_nnscaler_random"] = streams
         return streams

@@ -72,6 +72,13 @@ def sync_grad_when(cond: bool) -> Iterator[None]:
         _NOSYNC_DEPTH -= 1
 
 
+def sync_requested() -> bool:
+    """False inside a ``sync_grad_when(False)`` block (gradient accumulation): process-wide, as
+    the seed's ``nnscaler.sync_grad_when`` takes no module; every Reducer and the pipeline
+    executor ask here."""
+    return _NOSYNC_DEPTH == 0
+
+
 def _graph_task_id() -> int:
     get = getattr(torch._C, "_current_graph_task_id", None)
     return get() if get is not None else 0
@@ -219,7 +226,7 @@ class Reducer:
     @property
     def sync_enabled(self) -> bool:
         """Whether a backward pass starting now would synchronise."""
-        return _NOSYNC_DEPTH == 0 and self._local_nosync == 0
+        return sync_requested() and self._local_nosync == 0
 
     def sync_grads(self) -> None:
         """All-reduce the current gradients now (outside backward), e.g. after accumulating

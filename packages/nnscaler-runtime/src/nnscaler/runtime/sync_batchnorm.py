@@ -45,7 +45,7 @@ def batch_norm(module, input: torch.Tensor, running_mean: Optional[torch.Tensor]
     replicas of `module` (a ParallelModule: its `grid` names the group). Same arguments as
     ``F.batch_norm``; eval mode and a data-parallel degree of 1 call ``F.batch_norm`` itself."""
     grid = module.grid
-    if not training or grid.dp_degree == 1:
+    if not training or grid.dp_size == 1:
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if input.dim() < 2:
         raise ValueError(f"batch_norm expects an input of 2 or more dimensions (N, C, ...), got shape "

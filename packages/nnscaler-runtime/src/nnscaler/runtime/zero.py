@@ -97,7 +97,7 @@ import torch
 import torch.distributed as dist
 
 from . import failures
-from .comm import fallbacks
+from .comm.flat import all_gather_flat, reduce_scatter_rows
 from .comm.stats import record
 from .errors import ConfigError
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
@@ -105,8 +105,6 @@ from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, Zero
 __all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
            "ZeroParam", "ZeroEngine", "ZeroStats"]
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # -- groups -------------------------------------------------------------------------------------------
@@ -135,14 +133,12 @@ class ZeroGroups:
 
 
 def make_zero_groups(grid, ngroups: int) -> ZeroGroups:
-    """The zero groups of `grid` (a RankGrid) split `zero_ngroups` ways. COLLECTIVE the first time:
+    """The zero groups of `grid` (a RankGrid) split `zero_ngroups` ways (a validated
+    ComputeConfig's, dividing the data-parallel size). COLLECTIVE the first time:
     every rank creates every group, in the same order (all plan devices' zero groups, then their
     cross groups, then the norm groups)."""
-    plan, dp = grid.plan_ngpus, grid.dp_degree
-    if isinstance(ngroups, bool) or not isinstance(ngroups, int) or ngroups < 1 or dp % ngroups:
-        raise ConfigError(f"ComputeConfig.zero_ngroups ({ngroups!r}) must be a positive integer dividing the "
-                          f"data-parallel degree runtime_ngpus // plan_ngpus = {dp}")
-    z = dp // ngroups
+    plan, dp = grid.plan_ngpus, grid.dp_size
+    z = dp // ngroups  # ngroups divides dp: checked once, by ComputeConfig
 
     def make(sets: Sequence[Tuple[int, ...]]) -> Dict[Tuple[int, ...], Any]:
         return {s: (grid.group(s) if len(s) > 1 else None) for s in sets}
@@ -388,14 +384,8 @@ class ZeroEngine:
                 piece.tensor.grad = out[piece.shard_offset:piece.shard_offset + piece.numel]
 
     def _reduce_scatter(self, send: torch.Tensor, group) -> torch.Tensor:
-        if fallbacks.uses_fallback("reduce_scatter", str(dist.get_backend(group)), send.device.type):
-            record("zero_reduce_scatter(fallback)", send.nbytes)
-            failures.run(dist.all_reduce, send, group=group, what="ZeRO's gradient reduce-scatter")
-            return send[self.groups.group_index].clone()
-        out = send.new_empty(send.shape[1:])
-        record("zero_reduce_scatter", send.nbytes)
-        failures.run(_reduce_scatter_single, out, send.view(-1), group=group, what="ZeRO's gradient reduce-scatter")
-        return out
+        return reduce_scatter_rows(send, group, self.groups.group_index, label="zero_reduce_scatter",
+                                   what="ZeRO's gradient reduce-scatter", may_overwrite=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' and the pieces' gradients (the optimizer clears those of the
@@ -440,16 +430,8 @@ class ZeroEngine:
         self._synced = False  # the next step's gradients are synced afresh
 
     def _all_gather(self, shard: torch.Tensor, group) -> torch.Tensor:
-        n = self.groups.size
-        if fallbacks.uses_fallback("all_gather", str(dist.get_backend(group)), shard.device.type):
-            record("zero_all_gather(fallback)", shard.nbytes)
-            out = [torch.empty_like(shard) for _ in range(n)]
-            failures.run(dist.all_gather, out, shard, group=group, what="ZeRO's parameter all-gather")
-            return torch.cat(out)
-        record("zero_all_gather", shard.nbytes)
-        full = shard.new_empty(n * shard.numel())
-        failures.run(_all_gather_single, full, shard, group=group, what="ZeRO's parameter all-gather")
-        return full
+        return all_gather_flat(shard, group, self.groups.size, label="zero_all_gather",
+                               what="ZeRO's parameter all-gather")
 
     def __repr__(self) -> str:
         g = self.groups

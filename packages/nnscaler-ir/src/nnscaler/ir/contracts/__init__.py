@@ -1,7 +1,22 @@
 """The typed contracts between nnscaler's packages: what the generated code promises the
 runtime, and what the runtime tells the checkpoint package (plain dataclasses, JSON round trips,
-no runtime import needed)."""
+no runtime import needed).
+
+- `files`: the file names of a generated directory (``gencode{rank}.py``, the weights, the manifest);
+- `GENERATED_ATTRS`: the class attributes of a generated module, with `GeneratedAttrs` declaring them;
+- `PipelineMeta`: a pipelined module's stages and crossing values (its ``PIPELINE``);
+- `Piece`: one piece of an op as a policy plans it (``Node.pieces``), read by codegen;
+- `FullMapEntry`: where a rank's local tensor sits in its full tensor;
+- `ZeroShardLayout` (`ZeroBucket`, `ZeroPiece`): how ZeRO shards the optimizer state.
+"""
+from . import files
+from .files import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, gencode_file, is_gencode_file
 from .full_map import FullMapEntry
+from .generated_module import GENERATED_ATTR_NAMES, GENERATED_ATTRS, GeneratedAttr, GeneratedAttrs
+from .piece import Piece
+from .pipeline_meta import PipelineMeta
 from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroPiece, ZeroShardLayout
 
-__all__ = ["FullMapEntry", "LAYOUT_VERSION", "ZeroBucket", "ZeroPiece", "ZeroShardLayout"]
+__all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", "gencode_file", "is_gencode_file",
+           "FullMapEntry", "GENERATED_ATTR_NAMES", "GENERATED_ATTRS", "GeneratedAttr", "GeneratedAttrs", "Piece",
+           "PipelineMeta", "LAYOUT_VERSION", "ZeroBucket", "ZeroPiece", "ZeroShardLayout"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import List
 
-from nnscaler.ir.errors import NnScalerWarning
-from nnscaler.ir.user_code import warn_user
+from nnscaler.ir import NnScalerWarning
+from nnscaler.ir import warn_user
 
 from ..plan import tensor_inputs
 

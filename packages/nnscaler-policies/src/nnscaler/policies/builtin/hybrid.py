@@ -26,7 +26,7 @@ count). Both need ``use_end2end=True``.
 """
 from __future__ import annotations
 
-from nnscaler.ir.config import ConfigError
+from nnscaler.ir import ConfigError
 from nnscaler.ir.schedules import INFERENCE_SCHEDULES, SCHEDULES, TRAINING_SCHEDULES
 
 from ..pipeline import cut_stages, pivot_leads, schedule
@@ -51,7 +51,7 @@ def _check_keys(policy: str, pas: dict) -> None:
 
 
 def _scheduler(policy: str, cfg, pas: dict) -> str:
-    inference = getattr(cfg, "inference_only", False)
+    inference = cfg.inference_only
     name = pas.get("pipeline_scheduler", "infer_pipe" if inference else "1f1b")
     if not isinstance(name, str) or name not in SCHEDULES:
         raise ConfigError(f"pas_config['pipeline_scheduler'] = {name!r} is not a schedule; training: "
@@ -64,7 +64,7 @@ def _scheduler(policy: str, cfg, pas: dict) -> str:
 
 
 def _common(policy: str, cfg):
-    if not getattr(cfg, "use_end2end", False):
+    if not cfg.use_end2end:
         raise ConfigError(f"pas_policy {policy!r} pipelines the whole model and needs ComputeConfig(use_end2end=True) "
                           f"(train_step / infer_step run the micro-batches); with parallel_modules or a plain "
                           f"forward use 'tp', 'data' or 'dp'")

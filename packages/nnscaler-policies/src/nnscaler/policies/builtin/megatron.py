@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from nnscaler.ir.user_code import warn_user
+from nnscaler.ir import warn_user
 
 from ..plan import tensor_inputs, tensor_outputs
 from ..registry import register_policy

@@ -17,21 +17,20 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from nnscaler.ir.layout import LayoutError
+from nnscaler.ir import LayoutError
 
 from ..device import is_distributed
 from ..errors import NnScalerError
 from .. import failures
-from .. import grid as _grid
+from ..grid import is_current, process_group
 from . import fallbacks
+from .flat import all_gather_flat, reduce_scatter_rows
 from .stats import record
 
 __all__ = ["CommError", "UnevenSplitError", "RankSet", "group_for", "resolve", "as_ranks",
            "normalize_dim", "check_divisible", "local_slice", "own", "all_reduce_", "all_gather_",
            "reduce_scatter_", "all_to_all_"]
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CommError(NnScalerError, ValueError):
@@ -53,15 +52,14 @@ def group_for(ranks: Iterable[int], create: bool = True):
     member ranks only (which would hang): create sub-unit groups up front with this function or
     `RankGrid.group_of`.
     """
-    key = tuple(sorted({int(r) for r in ranks}))
-    if not create and is_distributed() and key != tuple(range(dist.get_world_size())):
-        _grid._check_owner()
-        if key not in _grid._GROUPS:
-            raise CommError(
-                f"no process group exists yet for ranks {key}: create it on every rank, in the same "
-                f"order, before the first collective over it (nnscaler.runtime.comm.group_for({key}) "
-                f"or RankGrid.group_of); creating it lazily on its members only would hang")
-    return _grid._get_group(key)
+    try:
+        return process_group(ranks, create=create)
+    except LookupError:
+        key = tuple(sorted({int(r) for r in ranks}))
+        raise CommError(
+            f"no process group exists yet for ranks {key}: create it on every rank, in the same "
+            f"order, before the first collective over it (nnscaler.runtime.comm.group_for({key}) "
+            f"or RankGrid.group_of); creating it lazily on its members only would hang") from None
 
 
 class RankSet:
@@ -102,7 +100,7 @@ def resolve(ranks: Tuple[int, ...], op: str) -> RankSet:
         _RESOLVED.clear()
         _RESOLVED_OWNER = owner
     found = _RESOLVED.get(ranks)
-    if found is not None and (found.is_world or _grid._GROUPS.get(found.key) is found.group):
+    if found is not None and (found.is_world or is_current(found.key, found.group)):
         return found  # (a sub-group destroyed by RankGrid.destroy_all() is looked up afresh)
     if owner is None:
         raise CommError(
@@ -182,18 +180,10 @@ def _split_first(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return x.reshape(parts).movedim(dim, 0).contiguous()
 
 
-def _gather_stacked(x: torch.Tensor, rs: RankSet, fallback: bool) -> torch.Tensor:
+def _gather_stacked(x: torch.Tensor, rs: RankSet, label: Optional[str]) -> torch.Tensor:
     """All ranks' `x` stacked as (n, *x.shape) in piece order."""
-    x = x.contiguous()
-    if fallback:
-        out = [torch.empty_like(x) for _ in range(rs.n)]
-        failures.run(dist.all_gather, out, x, group=rs.group, what=_what("all_gather", rs))
-        stacked = torch.stack(out)
-    else:
-        stacked = x.new_empty((rs.n,) + tuple(x.shape))
-        failures.run(_all_gather_single, stacked.view(-1), x.view(-1), group=rs.group,
-                     what=_what("all_gather", rs))
-    return _group_to_pieces(stacked, rs)
+    flat = all_gather_flat(x, rs.group, rs.n, label=label, what=_what("all_gather", rs))
+    return _group_to_pieces(flat.view((rs.n,) + tuple(x.shape)), rs)
 
 
 def all_reduce_(x: torch.Tensor, rs: RankSet) -> torch.Tensor:
@@ -206,26 +196,14 @@ def all_reduce_(x: torch.Tensor, rs: RankSet) -> torch.Tensor:
 
 def all_gather_(x: torch.Tensor, dim: int, rs: RankSet) -> torch.Tensor:
     """The pieces of every rank concatenated along `dim`, in piece order."""
-    fb = fallbacks.uses_fallback("all_gather", rs.backend, x.device.type)
-    record("all_gather(fallback)" if fb else "all_gather", x.nbytes)
-    return _merge_first(_gather_stacked(x, rs, fb), dim)
+    return _merge_first(_gather_stacked(x, rs, "all_gather"), dim)
 
 
 def reduce_scatter_(x: torch.Tensor, dim: int, rs: RankSet) -> torch.Tensor:
     """Slice `rs.index` along `dim` of the sum of every rank's `x` (full shape, dim divisible)."""
-    n = rs.n
-    if fallbacks.uses_fallback("reduce_scatter", rs.backend, x.device.type):
-        total = x.clone(memory_format=torch.contiguous_format)
-        record("reduce_scatter(fallback)", total.nbytes)
-        failures.run(dist.all_reduce, total, group=rs.group, what=_what("reduce_scatter", rs))
-        c = x.shape[dim] // n
-        return total.narrow(dim, rs.index * c, c).clone(memory_format=torch.contiguous_format)
-    stacked = _pieces_to_group(_split_first(x, dim, n), rs).contiguous()
-    out = stacked.new_empty(stacked.shape[1:])
-    record("reduce_scatter", stacked.nbytes)
-    failures.run(_reduce_scatter_single, out.view(-1), stacked.view(-1), group=rs.group,
-                 what=_what("reduce_scatter", rs))
-    return out
+    stacked = _pieces_to_group(_split_first(x, dim, rs.n), rs).contiguous()  # row g: group rank g's piece
+    return reduce_scatter_rows(stacked, rs.group, rs.key.index(dist.get_rank()), label="reduce_scatter",
+                               what=_what("reduce_scatter", rs), may_overwrite=True)
 
 
 def all_to_all_(x: torch.Tensor, src_dim: int, dst_dim: int, rs: RankSet) -> torch.Tensor:
@@ -233,8 +211,7 @@ def all_to_all_(x: torch.Tensor, src_dim: int, dst_dim: int, rs: RankSet) -> tor
     n = rs.n
     if fallbacks.uses_fallback("all_to_all", rs.backend, x.device.type):
         record("all_to_all(fallback)", x.nbytes)
-        ag_fb = fallbacks.uses_fallback("all_gather", rs.backend, x.device.type)
-        full = _merge_first(_gather_stacked(x, rs, ag_fb), src_dim)
+        full = _merge_first(_gather_stacked(x, rs, None), src_dim)
         c = full.shape[dst_dim] // n
         return full.narrow(dst_dim, rs.index * c, c).clone(memory_format=torch.contiguous_format)
     send = _pieces_to_group(_split_first(x, dst_dim, n), rs).contiguous()

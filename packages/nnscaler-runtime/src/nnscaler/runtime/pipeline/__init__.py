@@ -1,10 +1,9 @@
 """nnscaler.runtime.pipeline: pipeline-parallel schedules (pure Python, no torch.distributed).
 
 A schedule lists, per pipeline device, the forward / backward steps (:class:`Action`) it runs in
-order; it can simulate itself in a unit-cost model (:meth:`Schedule.timeline`,
-:meth:`Schedule.render`, :meth:`Schedule.bubble_fraction`), report its activation-memory proxy
-(:meth:`Schedule.peak_inflight`) and check itself (:meth:`Schedule.validate`, which detects
-deadlocks). Build one by its ``pipeline_scheduler`` name with :func:`get_schedule`. The schedules live in
+order; it simulates itself in a unit-cost model (:meth:`Schedule.timeline`) to check itself
+(:meth:`Schedule.validate`, which detects deadlocks); measuring and drawing timelines is
+bench/schedule_report.py. Build one by its ``pipeline_scheduler`` name with :func:`get_schedule`. The schedules live in
 ``nnscaler.ir.schedules`` (policies validate them at plan time); the executor that runs one on
 real stages is :mod:`nnscaler.runtime.pipeline.executor`.
 """

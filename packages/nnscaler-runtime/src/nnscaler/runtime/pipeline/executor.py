@@ -1,8 +1,9 @@
 """Run a pipelined ParallelModule's micro-batches on its schedule.
 
 The generated module of a pipelined plan has one method per stage it holds,
-``_stage_{s}(acts, *forward args)``, returning the stage's outputs, and a ``PIPELINE`` dict
-(identical on every rank) naming, per stage, the values it receives and sends. The executor
+``_stage_{s}(acts, *forward args)``, returning the stage's outputs, and a ``PIPELINE``
+(`nnscaler.ir.contracts.PipelineMeta`, identical on every rank) naming, per stage, the values it
+receives and sends. The executor
 walks this rank's action list of the schedule:
 
 * ``F(s, m)``: receive the stage's inputs for micro-batch ``m`` (as leaves that require a
@@ -37,7 +38,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from nnscaler.ir.schedules import Action, get_schedule
+from nnscaler.ir.contracts import PipelineMeta
+from nnscaler.ir.schedules import Action
 
 from .. import failures
 from ..errors import NnScalerError
@@ -55,17 +57,17 @@ class PipelineExecutor:
 
     def __init__(self, module):
         self.module = module
-        meta = module.PIPELINE
+        meta: PipelineMeta = module.PIPELINE
         self.meta = meta
-        self.nstages, self.nmicros = meta["nstages"], meta["nmicros"]
-        self.tp = meta["tp_size"]
-        self.schedule = get_schedule(meta["scheduler"], self.nstages, self.nmicros, meta["pp_size"])
+        self.nstages, self.nmicros = meta.nstages, meta.nmicros
+        self.tp = meta.tp_size
+        self.schedule = meta.schedule()
         grid = module.grid
         self.plan_device = grid.plan_device
         self.unit_start = grid.rank - grid.plan_device
         self.group_index, self.local = divmod(self.plan_device, self.tp)
         self.mailbox = Mailbox(grid.rank, module.device)
-        self.final = sorted(self._output_ids() & set(meta["producer"]))
+        self.final = sorted(self._output_ids() & set(meta.producer))
         self.last_timeline: List[Tuple[str, float, float]] = []
         self._inboxes: Dict[bool, OrderedInbox] = {}
         # Activation accounting (off by default; costs a hook per saved tensor): the bytes autograd
@@ -103,14 +105,14 @@ class PipelineExecutor:
             self._inboxes[training] = OrderedInbox(
                 self.mailbox, {r: sends_between(sc, meta, g, me, training) for g, r in rank.items()},
                 lambda msg: self._tag(msg[1], msg[2], msg[3], msg[0] == "B"),
-                lambda vid: meta["kinds"][vid] == "int",
+                meta.is_int,
                 acks={r: acks_between(sc, meta, me, g, training) for g, r in rank.items()})
         return self._inboxes[training]
 
     def _recv(self, src: int, msg) -> Any:
         if src == self.mailbox.rank:  # a stage on this rank: in memory
             tag = self._tag(msg[1], msg[2], msg[3], msg[0] == "B")
-            return self.mailbox.recv_int(src, tag) if self.meta["kinds"][msg[1]] == "int" else \
+            return self.mailbox.recv_int(src, tag) if self.meta.is_int(msg[1]) else \
                 self.mailbox.recv_tensor(src, tag)
         return self.inbox.recv(src, msg)
 
@@ -128,16 +130,16 @@ class PipelineExecutor:
             actions = [a for a in actions if a.kind == "F"]
         elif not self.schedule.training:
             raise NnScalerError(f"{type(self.module).__name__}.train_step: pipeline_scheduler "
-                                f"{self.meta['scheduler']!r} runs forwards only; regenerate with a training schedule")
+                                f"{self.meta.scheduler!r} runs forwards only; regenerate with a training schedule")
         if self._broken is not None:
             raise NnScalerError(f"{type(self.module).__name__}.{name}: an earlier step failed ({self._broken}); "
                                 f"the pipeline's messages are out of step since, so it cannot run again: restart "
                                 f"the job (every rank raised in that step)")
         self._check_step(samples, name)
         self.precision = get_precision(self.module)  # apply_precision may come after parallelize
-        sync = training and _sync_requested() and self.module._pipeline_nosync_depth == 0
+        sync = training and _sync_requested() and not self.module.pipeline_grads.paused
         if training:
-            self.module._unshare_synced_grads()
+            self.module.pipeline_grads.unshare()
         self.inbox = self._inbox(training)
         self.inbox.reset()
         self.live_activation_bytes = self.peak_activation_bytes = 0  # per step
@@ -171,7 +173,7 @@ class PipelineExecutor:
             self._ins, self._outs = {}, {}
         self.last_timeline = timeline
         if sync:  # inside the user's sync_grad_when(False) the gradients stay local
-            self.module._sync_pipeline_grads()
+            self.module.pipeline_grads.sync()
         outputs = []
         for m in range(self.nmicros):
             vals = self._broadcast_final(m)
@@ -199,7 +201,7 @@ class PipelineExecutor:
                 needed = None if kind == "F" else self._grad_needed(vid, t, m)
                 if needed is False:  # a gradient the peer does not wait for
                     continue
-                self.mailbox.send_poison(peer, self._tag(vid, t, m, kind == "B"), self.meta["kinds"][vid] == "int",
+                self.mailbox.send_poison(peer, self._tag(vid, t, m, kind == "B"), self.meta.is_int(vid),
                                          stage, micro)
                 if kind == "F" or needed:  # certainly the message the peer waits for next
                     break
@@ -225,7 +227,7 @@ class PipelineExecutor:
                                 f"forward hooks registered on it ({names}) would not run; remove them: put that "
                                 f"logic in the model's forward or read the outputs {name} returns (precision: "
                                 f"apply_precision, which the pipeline honours)")
-        module._check_mode()
+        module.check_mode()
         check = getattr(module, "_check_sample", None)
         for i, sample in enumerate(samples if check is not None else ()):
             args, kwargs = _as_call(sample)
@@ -238,10 +240,10 @@ class PipelineExecutor:
     def _forward(self, a: Action, sample: Any, training: bool) -> None:
         meta, s, m = self.meta, a.stage, a.micro
         ins = {}
-        for vid in meta["inputs"][s]:
-            ins[vid] = self._recv(self.rank_of(meta["producer"][vid], m), ("F", vid, s, m))
+        for vid in meta.inputs[s]:
+            ins[vid] = self._recv(self.rank_of(meta.producer[vid], m), ("F", vid, s, m))
         args, kwargs = _as_call(sample)
-        args, kwargs = self.module._to_device((args, kwargs))
+        args, kwargs = self.module.to_device((args, kwargs))
         if self.precision is not None:
             args, kwargs = cast_inputs((args, kwargs), self.precision)
         stage_fn = getattr(self.module, f"_stage_{s}")
@@ -249,21 +251,21 @@ class PipelineExecutor:
             with autocast(self.precision, self.module.device.type), self.module.rng_scope():
                 if self.track_activations and training:
                     with _SavedBytes(self.module) as saved:
-                        outs = stage_fn(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
+                        outs = stage_fn(tuple(ins[v] for v in meta.inputs[s]), *args, **kwargs)
                     self._saved_bytes[(s, m)] = saved.nbytes
                     self.live_activation_bytes += saved.nbytes
                     self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
                 else:
-                    outs = stage_fn(tuple(ins[v] for v in meta["inputs"][s]), *args, **kwargs)
+                    outs = stage_fn(tuple(ins[v] for v in meta.inputs[s]), *args, **kwargs)
         except Exception as exc:
-            self.module._note_source(exc)
+            self.module.note_source(exc)
             raise
-        outs = dict(zip(meta["outputs"][s], outs))
+        outs = dict(zip(meta.outputs[s], outs))
         for vid, value in outs.items():
-            for t in meta["consumers"][vid]:
+            for t in meta.consumers[vid]:
                 dst, tag = self.rank_of(t, m), self._tag(vid, t, m, False)
                 key = ("F", vid, t, m)
-                if meta["kinds"][vid] == "int":
+                if meta.is_int(vid):
                     self.mailbox.send_int(value, dst, tag, key)
                 else:
                     self.mailbox.send_tensor(value, dst, tag, key)
@@ -283,10 +285,10 @@ class PipelineExecutor:
             if not isinstance(out, torch.Tensor) or not out.requires_grad:
                 continue
             grad = None
-            for t in meta["consumers"][vid]:
+            for t in meta.consumers[vid]:
                 g = self._recv(self.rank_of(t, m), ("B", vid, t, m))
                 grad = g if grad is None else grad + g
-            if vid == meta["loss"]:
+            if vid == meta.loss:
                 if scale_fn is None:
                     one = torch.ones_like(out)
                     grad = one if grad is None else grad + one
@@ -303,7 +305,7 @@ class PipelineExecutor:
         for vid, leaf in ins.items():
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                self.mailbox.send_tensor(grad, self.rank_of(meta["producer"][vid], m), self._tag(vid, s, m, True),
+                self.mailbox.send_tensor(grad, self.rank_of(meta.producer[vid], m), self._tag(vid, s, m, True),
                                          ("B", vid, s, m))
 
     # -- outputs ------------------------------------------------------------------------------
@@ -312,13 +314,13 @@ class PipelineExecutor:
         grid = self.module.grid
         vals = {}
         for vid in self.final:
-            stage = self.meta["producer"][vid]
+            stage = self.meta.producer[vid]
             src = self.unit_start + self.schedule.device_of(stage, m) * self.tp  # local index 0
             mine = self._final[m].get(vid)
             if grid.plan_ngpus == 1 or not dist.is_initialized():
                 vals[vid] = mine
                 continue
-            if self.meta["kinds"][vid] == "int":
+            if self.meta.is_int(vid):
                 buf = torch.tensor([mine if mine is not None else 0], dtype=torch.int64, device=self.module.device)
                 dist.broadcast(buf, src=src, group=grid.unit_group)
                 vals[vid] = int(buf.item())
@@ -376,8 +378,8 @@ class _Recorder(dict):
 
 def _sync_requested() -> bool:
     """False inside a module-level ``sync_grad_when(False)`` block (gradient accumulation)."""
-    from .. import reducer
-    return reducer._NOSYNC_DEPTH == 0
+    from ..reducer import sync_requested
+    return sync_requested()
 
 
 def _as_call(sample: Any) -> Tuple[tuple, dict]:

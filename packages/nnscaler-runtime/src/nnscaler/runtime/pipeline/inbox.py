@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from nnscaler.ir.contracts import PipelineMeta
 from nnscaler.ir.schedules import Schedule
 
 __all__ = ["Message", "sends_between", "acks_between", "OrderedInbox"]
@@ -34,28 +35,28 @@ def _actions(schedule: Schedule, device: int, training: bool) -> list:
     return [a for a in schedule.actions(device) if training or a.kind == "F"]
 
 
-def _sends(schedule: Schedule, meta: dict, src: int, dst: int, training: bool) -> List[Tuple[Message, int]]:
+def _sends(schedule: Schedule, meta: PipelineMeta, src: int, dst: int, training: bool) -> List[Tuple[Message, int]]:
     """(message, index of the sending action in `src`'s list) of what `src` sends to `dst`."""
     out: List[Tuple[Message, int]] = []
     for i, a in enumerate(_actions(schedule, src, training)):
         if a.kind == "F":
-            for vid in meta["outputs"][a.stage]:
-                for t in meta["consumers"][vid]:
+            for vid in meta.outputs[a.stage]:
+                for t in meta.consumers[vid]:
                     if schedule.device_of(t, a.micro) == dst:
                         out.append((("F", vid, t, a.micro), i))
         else:
-            for vid in meta["inputs"][a.stage]:
-                if meta["kinds"][vid] == "tensor" and schedule.device_of(meta["producer"][vid], a.micro) == dst:
+            for vid in meta.inputs[a.stage]:
+                if not meta.is_int(vid) and schedule.device_of(meta.producer[vid], a.micro) == dst:
                     out.append((("B", vid, a.stage, a.micro), i))
     return out
 
 
-def sends_between(schedule: Schedule, meta: dict, src: int, dst: int, training: bool) -> List[Message]:
+def sends_between(schedule: Schedule, meta: PipelineMeta, src: int, dst: int, training: bool) -> List[Message]:
     """The messages pipeline device `src` sends to pipeline device `dst`, in send order."""
     return [msg for msg, _ in _sends(schedule, meta, src, dst, training)]
 
 
-def acks_between(schedule: Schedule, meta: dict, me: int, peer: int, training: bool) -> Dict[Message, int]:
+def acks_between(schedule: Schedule, meta: PipelineMeta, me: int, peer: int, training: bool) -> Dict[Message, int]:
     """For each message `me` sends to `peer`: the position, in what `peer` sends to `me`, of the
     first message `peer` sends in or after the action that receives it (an action receives before
     it sends). Receiving that message (or a later one) proves delivery. Messages after which
@@ -65,7 +66,7 @@ def acks_between(schedule: Schedule, meta: dict, me: int, peer: int, training: b
     acks: Dict[Message, int] = {}
     for msg in sends_between(schedule, meta, me, peer, training):
         kind, vid, t, m = msg
-        receiver = ("F", t, m) if kind == "F" else ("B", meta["producer"][vid], m)
+        receiver = ("F", t, m) if kind == "F" else ("B", meta.producer[vid], m)
         k = next((k for k, i in enumerate(back) if i >= actions[receiver]), None)
         if k is not None:
             acks[msg] = k

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from nnscaler.ir.tree import map_tensors
+from nnscaler.ir import map_tensors
 
 from ..device import default_device
 from ..errors import ConfigError

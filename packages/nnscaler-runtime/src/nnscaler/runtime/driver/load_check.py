@@ -21,8 +21,10 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from .broadcast import all_gather_json, local_world_size, node_of
-from .errors import GenerationError, NnScalerError, PlanMismatchError
-from .gen_dir import CONSTANTS_FILE, read_manifest, sha256_file
+from ..errors import GenerationError, NnScalerError, PlanMismatchError
+from nnscaler.ir.contracts import CONSTANTS_FILE, gencode_file, is_gencode_file
+
+from .gen_dir import read_manifest, sha256_file
 
 IDENTITY_FIELDS = ("module_class", "class_name", "graph_fingerprint", "policy", "compute_config", "input_schema")
 _INFORMATIONAL = ("plan_report",)  # files that describe the plan but are not part of the program
@@ -47,7 +49,7 @@ def identity_differences(ours: dict, theirs: dict) -> List[str]:
             diffs.append(f"{key}: rank 0 {a!r}, here {b!r}")
     fa, fb = ours["files"], theirs["files"]
     for name in sorted(set(fa) | set(fb)):
-        required = name.startswith("gencode") or name == CONSTANTS_FILE
+        required = is_gencode_file(name) or name == CONSTANTS_FILE
         if name in fa and name in fb:
             if fa[name] != fb[name]:
                 diffs.append(f"{name}: content differs (SHA-256)")
@@ -58,7 +60,7 @@ def identity_differences(ours: dict, theirs: dict) -> List[str]:
 
 def _load_local(directory: Path, rank: int, strategy: str):
     manifest = read_manifest(directory)
-    path = directory / f"gencode{rank}.py"
+    path = directory / gencode_file(rank)
     if manifest is None or not path.exists():
         hint = ("every node must see rank 0's gen_savedir (a shared file system), or pass "
                 "broadcast_strategy='all' (or 'code') to send it") if strategy == "none" \
@@ -73,7 +75,12 @@ def _load_local(directory: Path, rank: int, strategy: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
-    return manifest, getattr(module, manifest["class_name"])
+    gen_cls = getattr(module, manifest["class_name"])
+    if gen_cls.GRAPH_FINGERPRINT != manifest.get("graph_fingerprint"):  # the program identity the code carries
+        raise GenerationError(f"{path} was generated from graph {gen_cls.GRAPH_FINGERPRINT}, but its manifest "
+                              f"records graph {manifest.get('graph_fingerprint')}; regenerate with reuse='override' "
+                              f"or delete {directory}")
+    return manifest, gen_cls
 
 
 def _where(statuses: List[dict], node: int) -> str:

@@ -21,7 +21,7 @@ __all__ = ["is_deliberate"]
 
 def is_deliberate(exc: BaseException) -> bool:
     """Whether `exc` is an error nnscaler raised on purpose (shown as one message)."""
-    from nnscaler.ir.errors import NnScalerError
+    from nnscaler.ir import NnScalerError
     if isinstance(exc, NnScalerError) or type(exc).__module__.startswith("nnscaler."):
         return True
     if type(exc) not in (TypeError, ValueError):
@@ -32,7 +32,7 @@ def is_deliberate(exc: BaseException) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     code = tb.tb_frame.f_code
-    from nnscaler.ir.user_code import is_internal
+    from nnscaler.ir import is_internal
     if not is_internal(code.co_filename) or _is_library(code.co_filename):
         return False
     line = linecache.getline(code.co_filename, tb.tb_lineno).strip()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-from .graph import IRGraph, Node, Ref, SourceLoc
+from ..graph import IRGraph, Node, Ref, SourceLoc
 
 if TYPE_CHECKING:
     from .trace import Tracer
@@ -93,7 +93,7 @@ def model_frame(tracer: "Tracer", start_depth: int = 2):
 def _ours(filename: str) -> bool:
     """nnscaler, torch or the standard library. Installed libraries (transformers) are not: the
     value is read there on behalf of the model, and the user needs that line too."""
-    from .user_code import _nnscaler_dirs, is_internal
+    from ..user_code import _nnscaler_dirs, is_internal
     if filename.startswith("<") or filename.startswith(_nnscaler_dirs() + (_TORCH_DIR,)):
         return True
     if "site-packages" in filename or "dist-packages" in filename:
@@ -205,7 +205,7 @@ def warn_guards(graph: IRGraph) -> None:
             continue
         seen.add(key)
         handled = BOTH if node.kwargs.get("branches") else GUARDED
-        if node.kwargs.get("skipped"):  # nnscaler.ir.branches.MAX_FLIPS
+        if node.kwargs.get("skipped"):  # nnscaler.ir.tracer.branches.MAX_FLIPS
             handled += f" (its other branch was not traced: {node.kwargs['skipped']})"
         message = trace_warning(node, handled)
         if node.source is None:

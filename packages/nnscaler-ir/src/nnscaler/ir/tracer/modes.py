@@ -22,7 +22,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional
 
-from .graph import IRGraph, Node, Ref, iter_refs, map_refs
+from ..graph import IRGraph, Node, Ref, iter_refs, map_refs
 
 __all__ = ["annotate_modes", "mode_name"]
 
@@ -153,7 +153,7 @@ class _Alignment:
 
     def _may_differ(self, x, y) -> bool:
         """Whether arguments `x` (this graph) and `y` (the other) may differ in a matched op: here
-        constants only (nnscaler.ir.branches also allows values)."""
+        constants only (nnscaler.ir.tracer.branches also allows values)."""
         return _is_constant(x) and _is_constant(y)
 
     def _same(self, x, y) -> bool:

@@ -19,19 +19,19 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import tracing_context
-from .graph import (IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode,
+from ..graph import (IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode,
                     iter_refs)
 from .branches import decisions_of, merge_branches
 from .kept_functions import keep_functions, settle_grad_modes
 from .guards import is_guard, record_value_read, warn_guards
 from .example_inputs import check_trace_inputs
 from .modes import annotate_modes, mode_name
-from .op_names import op_name
+from ..ops.op_names import op_name
 from .symbolic_int import TracedInt
 from .trace_device import ExecutionDevice
 from .trace_state import (TraceError, TracingWarning, SavedState, autocast_region, buffer_updates_of,
                           function_grad_mode, warn_module_hooks)
-from .user_code import is_internal, warn_user
+from ..user_code import is_internal, warn_user
 
 _SIZE_FUNCS = {"size", "numel"}
 _FOLDED_ATTRS = {"dtype", "device", "is_cuda", "is_meta", "requires_grad", "ndim", "layout", "is_leaf",
@@ -73,7 +73,7 @@ class Tracer:
         self.saved: Optional[SavedState] = None  # set while the forward runs
         self._kept_nodes: list = []  # (node, input tensors, output tensors) of each kept Function call
         self._module_names = {}
-        # value reads become guards (nnscaler.ir.guards); decision k in `flips` returns the other branch
+        # value reads become guards (nnscaler.ir.tracer.guards); decision k in `flips` returns the other branch
         self.input_names: Dict[int, str] = {}  # graph input value id -> "attention_mask", "batch['mask']"
         self.param_names: Dict[int, str] = {}  # parameter/buffer value id -> full name
         self.decisions = 0  # bool() reads so far
@@ -202,10 +202,10 @@ class Tracer:
         if name in _FOLDED_ATTRS:
             real = self.device.run(func, args, kwargs)
             if name in _VALUE_READS and args and self._in_graph(args[0]):
-                node = record_value_read(self, name, args[0], real)  # a guard (nnscaler.ir.guards)
+                node = record_value_read(self, name, args[0], real)  # a guard (nnscaler.ir.tracer.guards)
                 if name == "__bool__" and node.kwargs["decision"] in self.flips:
                     node.kwargs["traced"] = not real  # the branch this trace follows: its guard checks it
-                    return not real  # tracing the other branch (nnscaler.ir.branches)
+                    return not real  # tracing the other branch (nnscaler.ir.tracer.branches)
             return real
         if name in _SIZE_FUNCS:
             real = self.device.run(func, args, kwargs)
@@ -237,7 +237,7 @@ class Tracer:
         refs, result = self._wrap_outputs(real, hint)
         annotation = self._annotation(func, args, kwargs, annotation_fn)
         if annotation is not None:  # a register_op annotation of a torch function is checked like a custom op's
-            from .registry import REGISTRY
+            from ..ops.registry import REGISTRY
             REGISTRY.check_call(func, func, annotation, args, kwargs, real)
         self._add_node(target, arg_refs, kwarg_refs, refs, annotation, inplace)
         return result
@@ -245,7 +245,7 @@ class Tracer:
     def _annotation(self, func, args, kwargs, annotation_fn):
         # REGISTRY.lookup: None for an unannotated op; a user's broken annotation raises (never a
         # silent replication)
-        from .registry import REGISTRY
+        from ..ops.registry import REGISTRY
         return REGISTRY.lookup(func, args, kwargs)
 
     def _record_size(self, tensor, real, target, args, kwargs=None):
@@ -273,7 +273,7 @@ class Tracer:
             raise TraceError(
                 f"custom op {qualname or fn!r} must be a module-level function in an importable module "
                 f"(generated code imports it by name); it is defined in {module}.{qualname}")
-        from .registry import REGISTRY
+        from ..ops.registry import REGISTRY
         wrapper = getattr(fn, "__nnscaler_wrapper__", fn)
         annotation = REGISTRY.lookup(wrapper, args, kwargs) or REGISTRY.lookup(fn, args, kwargs)
         arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
@@ -340,11 +340,11 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
 
     The graph is the forward in the module's current mode (``module.training``). With
     `both_modes` the forward also runs in the other mode, and the graph records what differs
-    (see nnscaler.ir.modes), so the generated code follows ``.train()`` / ``.eval()``.
+    (see nnscaler.ir.tracer.modes), so the generated code follows ``.train()`` / ``.eval()``.
 
-    A Python decision on a tensor's value (``if mask.all():``) becomes a guard (nnscaler.ir.guards);
+    A Python decision on a tensor's value (``if mask.all():``) becomes a guard (nnscaler.ir.tracer.guards);
     with `both_branches` the forward also runs with such a boolean decision flipped, and where the
-    two traces line up both branches are kept, chosen at run time (nnscaler.ir.branches).
+    two traces line up both branches are kept, chosen at run time (nnscaler.ir.tracer.branches).
     """
     check_trace_inputs(module, dummy_forward_args)  # NumPy inputs, quantized/sparse tensors: named refusals
     graph = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy)

@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from nnscaler.ir.errors import NnScalerWarning
+from nnscaler.ir import NnScalerWarning
 
 from .gen_dir import sha256_file
 

@@ -4,7 +4,7 @@ A forward that decides in Python on a tensor's value (``if mask.all():``; Huggin
 ``padding_mask is None or fast_all(padding_mask)``) is traced one way. For a boolean decision the
 tracer can take the other way too: `trace` re-runs the forward with that one decision flipped
 (the tracer controls what ``Tensor.__bool__`` returns) and `merge_branches` lines the two op
-lists up (the aligner of nnscaler.ir.modes, generalised):
+lists up (the aligner of nnscaler.ir.tracer.modes, generalised):
 
 * the ops before the decision are the same;
 * after it, ops present in one trace only run under ``if <decision>:`` / ``if not <decision>:``
@@ -16,7 +16,7 @@ lists up (the aligner of nnscaler.ir.modes, generalised):
 
 When the traces cannot be lined up that way (the other branch fails to run on the example,
 returns other values, reads a value the graph does not have, differs inside a nested argument,
-or overlaps a branch merged before) the decision stays a guard (nnscaler.ir.guards). At most
+or overlaps a branch merged before) the decision stays a guard (nnscaler.ir.tracer.guards). At most
 `MAX_FLIPS` decisions per forward are re-traced (each costs one more forward at trace time);
 later decisions, and decisions inside a merged branch, are guarded only.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, List, Optional
 
-from .graph import IRGraph, Node, Ref, iter_refs, map_refs
+from ..graph import IRGraph, Node, Ref, iter_refs, map_refs
 from .guards import is_guard
 from .modes import _Alignment, _is_constant
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from .errors import GenerationError
+from ..errors import GenerationError
 
 __all__ = ["savedir_error"]
 

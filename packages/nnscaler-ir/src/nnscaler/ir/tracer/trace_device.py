@@ -16,8 +16,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .tree import iter_tensors as _tensors
-from .user_code import warn_user
+from ..tree import iter_tensors as _tensors
+from ..user_code import warn_user
 
 _GPU_STRATEGIES = ("cuda", "cuda_run_cpu_offload", "reuse_cache")
 

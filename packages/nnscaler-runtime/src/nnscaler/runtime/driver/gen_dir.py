@@ -11,7 +11,7 @@
 - ``manifest.json``: written last, it makes the directory valid. It records the compute config,
   the policy, the module class, the dummy input schema, the graph fingerprint, the SHA-256 and
   size of every other file, and the model's source files (``"sources"``: path + SHA-256, see
-  `nnscaler.runtime.model_sources`; a changed one warns under ``match`` and regenerates under
+  `nnscaler.runtime.driver.model_sources`; a changed one warns under ``match`` and regenerates under
   ``moo`` / ``graph``).
 
 Generation writes into a temporary sibling directory (``.<instance>.generating-*``) and swaps it in
@@ -30,14 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from nnscaler.ir.atomic_write import TMP_SUFFIX, atomic_write
+from nnscaler.ir import TMP_SUFFIX, atomic_write
+from nnscaler.ir.contracts import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE
 
-from .errors import ReuseError
+from ..errors import ReuseError
 
-MANIFEST = "manifest.json"
-GRAPH_FILE = "graph.json"
-CONSTANTS_FILE = "constants.safetensors"
-WEIGHTS_FILE = "fullmodel.safetensors"
 FORMAT_VERSION = 1
 
 
@@ -60,7 +57,8 @@ class ReuseType(enum.Enum):
                              f"got {value!r}") from None
 
 
-class Action(enum.Enum):
+class ReuseDecision(enum.Enum):
+    """What `parallelize` does with a gen_savedir (the outcome of `decide`): not a pipeline `Action`."""
     REUSE = "reuse"  # load the existing code
     REUSE_GRAPH = "reuse_graph"  # keep graph.json, rerun the policy and codegen
     GENERATE = "generate"  # trace, plan and generate
@@ -119,7 +117,7 @@ def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_
             "compute_config": identity.compute_config, "policy": identity.policy,
             "input_schema": identity.input_schema, "generator": identity.generator,
             "graph_fingerprint": fingerprint, "files": files}
-    if sources is not None:  # the model's source files (nnscaler.runtime.model_sources)
+    if sources is not None:  # the model's source files (nnscaler.runtime.driver.model_sources)
         data["sources"] = sources
     atomic_write(directory / MANIFEST, json.dumps(data, indent=1, sort_keys=True))
     return data
@@ -176,14 +174,14 @@ def generator_identity() -> Optional[str]:
     return h.hexdigest()[:16]
 
 
-def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -> Action:
+def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -> ReuseDecision:
     """The reuse decision for `directory` (run on rank 0 only). `module`: the instance being
     parallelized (None for a class), whose class files are compared with the recorded sources."""
     if reuse is ReuseType.OVERRIDE:
-        return Action.GENERATE
+        return ReuseDecision.GENERATE
     manifest = read_manifest(directory)
     if manifest is None:
-        return Action.GENERATE
+        return ReuseDecision.GENERATE
     diffs = differences(manifest, identity)
     from .model_sources import SourceChangedWarning, changed_sources, describe_changes
     if reuse is ReuseType.MATCH:
@@ -202,18 +200,18 @@ def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -
                 + ". Use reuse='override' to regenerate it.")
         changed = changed_sources(manifest.get("sources"), module)
         if changed:  # a match is the config (the seed): reuse, but say the model's code changed
-            from nnscaler.ir.user_code import warn_user
+            from nnscaler.ir import warn_user
             warn_user(f"reuse='match' reuses the code in {directory}, generated from an earlier version of "
                       f"your model: {describe_changes(changed)}. It runs the model as it was when generated. "
                       f"Use reuse='moo' or 'override' to regenerate it from the current code.",
                       SourceChangedWarning)
-        return Action.REUSE
+        return ReuseDecision.REUSE
     if reuse is ReuseType.MOO:
         if diffs or corrupt_files(directory, manifest) or changed_sources(manifest.get("sources"), module):
-            return Action.GENERATE
-        return Action.REUSE
+            return ReuseDecision.GENERATE
+        return ReuseDecision.REUSE
     if changed_sources(manifest.get("sources"), module):
-        return Action.GENERATE  # GRAPH: the traced graph itself came from the old code
+        return ReuseDecision.GENERATE  # GRAPH: the traced graph itself came from the old code
     # GRAPH: keep the traced graph when everything that shapes the graph is unchanged.
     old_graph_part = {"module_class": manifest.get("module_class"), "input_schema": manifest.get("input_schema"),
                       "constant_folding": manifest["compute_config"].get("constant_folding"),
@@ -221,8 +219,8 @@ def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -
     graph_files = [n for n in (GRAPH_FILE, CONSTANTS_FILE, WEIGHTS_FILE) if n in manifest["files"]]
     held = {GRAPH_FILE, WEIGHTS_FILE} <= set(graph_files)  # a copy received without them (broadcast.py)
     if held and old_graph_part == identity.graph_part() and not corrupt_files(directory, manifest, graph_files):
-        return Action.REUSE_GRAPH
-    return Action.GENERATE
+        return ReuseDecision.REUSE_GRAPH
+    return ReuseDecision.GENERATE
 
 
 def staging_dir(directory: Path) -> Path:
@@ -241,7 +239,7 @@ def swap_in(staging: Path, directory: Path) -> None:
     if not directory.exists() and not directory.is_symlink():
         os.rename(staging, directory)
         return
-    if not directory.is_dir():  # a file in the way: the clear gen_savedir error (runtime/savedir.py)
+    if not directory.is_dir():  # a file in the way: the clear gen_savedir error (runtime/driver/savedir.py)
         raise NotADirectoryError(20, "Not a directory", str(directory))
     if _exchange(staging, directory):
         shutil.rmtree(staging, ignore_errors=True)  # now holds the old code

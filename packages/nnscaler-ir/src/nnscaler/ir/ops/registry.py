@@ -2,7 +2,7 @@
 
 Keys are function objects as a ``__torch_function__`` handler receives them
 (``torch.nn.functional.linear``, ``torch.matmul``, ``torch.Tensor.view``, ...). A value is an
-annotation string (see `nnscaler.ir.annotation`) or a callable ``(*args, **kwargs) -> str | None``
+annotation string (see `nnscaler.ir.ops.annotation`) or a callable ``(*args, **kwargs) -> str | None``
 that computes the annotation of one call.
 
 Convention: the tensor entries of an annotation correspond *only* to the tensor arguments of the
@@ -19,9 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-from nnscaler.ir.annotation import AnnotationError, parse_annotation
-from nnscaler.ir.builtin_ops import register_builtins
-from nnscaler.ir.tracing_context import current_tracer
+from nnscaler.ir.ops.annotation import AnnotationError, parse_annotation
+from nnscaler.ir.ops.builtin_ops import register_builtins
+from nnscaler.ir.tracer.tracing_context import current_tracer
 from nnscaler.ir.tree import tensor_leaves  # noqa: F401  (registry.tensor_leaves: used by callers)
 
 __all__ = ["OpRegistry", "REGISTRY", "register_op", "tensor_leaves", "Annotation"]
@@ -81,7 +81,7 @@ class OpRegistry:
             text = anno(*args, **(kwargs or {}))
         except Exception as e:
             if fn in self._user:  # a user's annotation function that fails is not a silent replication
-                from nnscaler.ir.trace_state import TraceError
+                from nnscaler.ir.tracer.trace_state import TraceError
                 raise TraceError(f"the annotation function {getattr(anno, '__qualname__', anno)!r} of custom op "
                                  f"{entry.name} raised {type(e).__name__}: {e}; it must return the annotation "
                                  f"string of the call (or None to run the op replicated)") from e
@@ -97,14 +97,14 @@ class OpRegistry:
 
     def check_call(self, wrapper: Any, fn: Any, annotation: Optional[str], args: tuple, kwargs: dict,
                    result: Any) -> None:
-        """Check a custom op's annotation on a traced call (`nnscaler.ir.custom_op_check`): raises
+        """Check a custom op's annotation on a traced call (`nnscaler.ir.ops.custom_op_check`): raises
         TraceError when it does not fit the shapes or a split it allows changes the numbers."""
         try:
             if fn not in self._user and wrapper not in self._user:
                 return  # a built-in annotation: checked by the tests (tests/ir/test_registry.py)
         except TypeError:  # unhashable
             return
-        from nnscaler.ir.custom_op_check import check_custom_op
+        from nnscaler.ir.ops.custom_op_check import check_custom_op
         check_custom_op(self.name_of(wrapper), fn, annotation, args, kwargs, result)
 
     def name_of(self, fn: Any) -> str:
@@ -147,7 +147,7 @@ def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] 
     A function or a name that is already registered (a built-in op, or an earlier register_op) is
     refused with a ValueError unless ``override=True``; registering the same function again with
     the same annotation is allowed and returns the existing wrapper. The annotation is checked on
-    the first traced call with given shapes (see `nnscaler.ir.custom_op_check`).
+    the first traced call with given shapes (see `nnscaler.ir.ops.custom_op_check`).
     """
     if fn is None or isinstance(fn, str):
         if isinstance(fn, str):
@@ -166,7 +166,7 @@ def register_op(fn: Optional[Callable] = None, annotation: Optional[Annotation] 
         raise TypeError(f"{label} needs an annotation, e.g. register_op(fn, 'a b -> a b')")
     _validate(annotation, label)
     function_class = _autograd_function_class(fn)
-    if function_class is not None:  # kept whole by the tracer (nnscaler.ir.kept_functions): no wrapper
+    if function_class is not None:  # kept whole by the tracer (nnscaler.ir.tracer.kept_functions): no wrapper
         old = REGISTRY._ops.get(function_class)
         if old is not None and old.annotation != annotation and not override:
             raise ValueError(f"{label}: {REGISTRY.name_of(function_class)} is already registered with the "

@@ -13,16 +13,17 @@ from typing import Any, Callable, Dict, Optional, Type, Union
 import torch
 import torch.distributed as dist
 
-from nnscaler.ir.op_names import policy_name
+from nnscaler.ir.contracts import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, gencode_file
+from nnscaler.ir import policy_name
 
 from .broadcast import broadcast_files, check_strategy
 from .load_check import load_on_every_rank
-from .errors import ConfigError, GenerationError
+from ..errors import ConfigError, GenerationError
 from .plan_report import report_plan
 from .error_display import is_deliberate
 from .savedir import savedir_error
-from .gen_dir import (CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, Action, Identity, ReuseType, decide,
-                      generator_identity, instance_dir, read_manifest, staging_dir, swap_in, write_manifest)
+from .gen_dir import (ReuseDecision, Identity, ReuseType, decide, generator_identity, instance_dir, read_manifest, staging_dir,
+                      swap_in, write_manifest)
 from .model_sources import collect_sources
 
 
@@ -58,7 +59,7 @@ def parallelize(
     load_module: False only generates (on rank 0) and returns None.
     module_fn: builds the instance to trace when a class is given (default: ``cls()``).
     init_module_params: for an instance, whether to copy its weights into the parallel module.
-    broadcast_strategy: ``none``, ``all``, ``no_weights`` or ``code`` (see nnscaler.runtime.broadcast).
+    broadcast_strategy: ``none``, ``all``, ``no_weights`` or ``code`` (see nnscaler.runtime.driver.broadcast).
     verbose: rank 0 prints the plan report (what each module's ops split, parameters sharded vs
         replicated, collectives per step, ops without an annotation), also when the code is
         reused. The report is always kept in the gen_savedir (``plan_report.json`` / ``.txt``);
@@ -74,7 +75,7 @@ def parallelize(
                             init_module_params=init_module_params, broadcast_strategy=broadcast_strategy,
                             verbose=verbose)
     except Exception as e:
-        if is_deliberate(e):  # one message; an internal error keeps its traceback (runtime/error_display.py)
+        if is_deliberate(e):  # one message; an internal error keeps its traceback (runtime/driver/error_display.py)
             raise e.with_traceback(None) from None
         raise
 
@@ -107,7 +108,7 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
     directory = instance_dir(gen_savedir, class_path, instance_name).resolve()
     rank, world = _rank_world()
     if rank == 0:  # settings that do nothing (zero_ngroups without use_zero, ...): one warning each
-        from nnscaler.ir.config_checks import warn_ineffective_settings
+        from nnscaler.ir import warn_ineffective_settings
         warn_ineffective_settings(compute_config)
     if load_module and world != compute_config.runtime_ngpus:
         raise ConfigError(
@@ -125,11 +126,11 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
         except Exception as e:  # shared with every rank below, so none of them hangs
             error = savedir_error(e, gen_savedir, directory) or e  # an unusable gen_savedir: one clear line
     _share_outcome(error, rank)
-    if rank == 0:  # print (verbose) and warn about what the plan split: nnscaler.runtime.plan_report
-        report_plan(directory, verbose, reused=action is Action.REUSE)
+    if rank == 0:  # print (verbose) and warn about what the plan split: nnscaler.runtime.driver.plan_report
+        report_plan(directory, verbose, reused=action is ReuseDecision.REUSE)
     transfer_error = broadcast_files(directory, strategy, rank) if world > 1 else None
     # Every rank loads its code and all agree it is rank 0's program before any group is built
-    # (one error on every rank, naming the node, instead of a hang): runtime/load_check.py
+    # (one error on every rank, naming the node, instead of a hang): runtime/driver/load_check.py
     gen_cls = load_on_every_rank(directory, rank, strategy, transfer_error, load=load_module)
     if not load_module:
         return None
@@ -145,14 +146,16 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
 # -- rank 0: generation -----------------------------------------------------------------------------
 
 def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg, directory: Path,
-                        reuse: ReuseType, identity: Identity) -> Action:
+                        reuse: ReuseType, identity: Identity) -> ReuseDecision:
     action = decide(directory, reuse, identity, module=None if isinstance(module_or_class, type) else module_or_class)
-    if action is Action.REUSE:
+    if action is ReuseDecision.REUSE:
         return action
     try:
         import nnscaler.codegen as codegen
         import nnscaler.policies as policies
-    except ImportError as e:
+    except ModuleNotFoundError as e:
+        if e.name not in ("nnscaler.codegen", "nnscaler.policies"):
+            raise  # a broken install or a bug, not the missing compile extra: keep the traceback
         raise GenerationError(
             f"code for {identity.module_class} must be generated ({action.value}) but the compile-time "
             f"packages are not installed ({e}); pip install 'nnscaler-runtime[compile]' or provide "
@@ -161,10 +164,10 @@ def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg,
     import json
 
     # Generate into a temporary sibling and swap it in when complete: a failure (trace, policy,
-    # codegen, disk) leaves the code that was there intact and reusable (runtime/gen_dir.py).
+    # codegen, disk) leaves the code that was there intact and reusable (runtime/driver/gen_dir.py).
     staging = staging_dir(directory)
     try:
-        if action is Action.REUSE_GRAPH:
+        if action is ReuseDecision.REUSE_GRAPH:
             for name in (GRAPH_FILE, CONSTANTS_FILE, WEIGHTS_FILE):
                 if (directory / name).exists():
                     shutil.copy2(directory / name, staging / name)
@@ -243,7 +246,7 @@ def _share_outcome(error: Optional[BaseException], rank: int) -> None:
 def load_generated_class(directory: Path, rank: int, strategy: str = "none"):
     """Import ``gencode{rank}.py`` from `directory` and return its ParallelModule class."""
     manifest = read_manifest(directory)
-    path = directory / f"gencode{rank}.py"
+    path = directory / gencode_file(rank)
     if manifest is None or not path.exists():
         hint = ("every node must see rank 0's gen_savedir (a shared file system), or use "
                 "broadcast_strategy='all'") if strategy == "none" else "it should have come from rank 0"

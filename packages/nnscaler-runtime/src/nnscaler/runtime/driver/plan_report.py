@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from nnscaler.ir.errors import NnScalerWarning
-from nnscaler.ir.plan_report import REPORT_JSON, REPORT_TEXT, PlanReport
-from nnscaler.ir.user_code import warn_user
+from nnscaler.ir import NnScalerWarning
+from nnscaler.ir import REPORT_JSON, REPORT_TEXT, PlanReport
+from nnscaler.ir import warn_user
 
 __all__ = ["PlanWarning", "REPORT_JSON", "REPORT_TEXT", "load_plan_report", "report_plan"]
 

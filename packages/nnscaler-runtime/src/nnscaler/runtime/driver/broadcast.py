@@ -8,7 +8,7 @@ leaders hold about two chunks of a file in memory and the node's other ranks non
 (bench/broadcast_memory.py).
 
 - ``none``: nothing is sent: every node must already hold rank 0's code (shared storage, or the
-  same code generated earlier). Whether it does is checked at load time (runtime/load_check.py);
+  same code generated earlier). Whether it does is checked at load time (runtime/driver/load_check.py);
 - ``all``: every file, initial weights included;
 - ``no_weights``: every file but ``fullmodel.safetensors`` (build with ``init_params=False`` and
   load a checkpoint);
@@ -28,9 +28,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from nnscaler.ir.atomic_write import TMP_SUFFIX, AtomicFile, atomic_write
+from nnscaler.ir import TMP_SUFFIX, AtomicFile, atomic_write
 
-from .gen_dir import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE
+from nnscaler.ir.contracts import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, is_gencode_file
 
 STRATEGIES = ("none", "all", "no_weights", "code")
 CHUNK = 16 << 20  # bytes per message: a rank holds at most this much of a file in memory
@@ -50,7 +50,7 @@ def files_to_send(directory: Path, strategy: str) -> List[str]:
     if strategy == "no_weights":
         return [n for n in names if n != WEIGHTS_FILE]
     if strategy == "code":
-        return [n for n in names if n.startswith("gencode") or n in (CONSTANTS_FILE, MANIFEST)]
+        return [n for n in names if is_gencode_file(n) or n in (CONSTANTS_FILE, MANIFEST)]
     return []
 
 
@@ -177,7 +177,7 @@ def broadcast_files(directory: Path, strategy: str, rank: int) -> Optional[str]:
     """Collective: send rank 0's files of `directory` to the first rank of every other node.
 
     Returns this rank's error as text (None when fine) instead of raising, so the caller can
-    share it with every rank (runtime/load_check.py) rather than leave the others waiting.
+    share it with every rank (runtime/driver/load_check.py) rather than leave the others waiting.
     """
     if strategy == "none" or not dist.is_initialized() or dist.get_world_size() == 1:
         return None

@@ -8,21 +8,21 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
-from .graph import dtype_name
-from .user_code import warn_user
+from ..graph import dtype_name
+from ..user_code import warn_user
 
 if TYPE_CHECKING:
     from .trace import Tracer
 
 
-from .errors import TraceError, TracingWarning  # noqa: E402  (re-exported)
+from ..errors import TraceError, TracingWarning  # noqa: E402  (re-exported)
 
 
 @contextlib.contextmanager
 def function_grad_mode(tracer: "Tracer"):
     """While tracing, autograd.Function.apply remembers the grad mode it was called in (its
     forward runs with grad off, which is not the user's torch.no_grad()), and a user's Function
-    is recorded as one node (nnscaler.ir.kept_functions)."""
+    is recorded as one node (nnscaler.ir.tracer.kept_functions)."""
     from .kept_functions import is_user_function, keep_function
     original = torch.autograd.Function.__dict__["apply"]
 

@@ -1,0 +1,61 @@
+"""A recompute group in generated code: its ops as a nested function run under
+``torch.utils.checkpoint`` (non-reentrant), so backward recomputes them instead of keeping their
+activations.
+
+The function's parameters are its free variables, taken from the graph: the variables through
+which its ops read values made before it (each input's own variable, or the variable of a layout
+conversion made before the segment and reused inside it). Its results are the values it makes
+that later ops (or the body's outputs) read. Conversions made inside the segment stay local to
+it: later consumers convert again.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List
+
+from nnscaler.ir import Node, iter_refs
+
+from .lines import Lines
+from .render import python_name
+
+if TYPE_CHECKING:
+    from .body import BodyEmitter
+
+__all__ = ["emit_recompute", "read_refs"]
+
+
+def read_refs(node: Node) -> list:
+    """The values an op's generated statement may read: its inputs and its branch arguments."""
+    return node.input_refs() + list(iter_refs([(t, f) for _, _, _, t, f in node.branch_args]))
+
+
+def emit_recompute(ctx: "BodyEmitter", nodes: List[Node], start: int, end: int, body: Lines) -> None:
+    """Append ops ``nodes[start:end]`` (one recompute group) to `body` as a checkpointed function."""
+    names, adapt = ctx.names, ctx.adapter
+    group = nodes[start].recompute
+    converted_before = dict(adapt.converted)
+    outer = set(ctx.defined) | set(converted_before.values())  # what the enclosing body defined
+    inner = Lines()
+    reads: set = set()
+    for i in range(start, end):
+        adapt.reads = set()
+        ctx.node_lines(i, nodes[i], inner, False)
+        reads |= adapt.reads | {adapt.read_name(r.id) for r in read_refs(nodes[i])}
+    seg_ids = {r.id for n in nodes[start:end] for r in n.output_refs()}
+    later = {r.id for n in nodes[end:] for r in n.input_refs()} | ctx.keep
+    outputs = [names[v] for v in sorted(seg_ids & later)]
+    args = sorted(reads & outer)
+    adapt.converted = converted_before  # conversions made inside the segment are local to it
+    fn = python_name(f"_recompute_{group}", ctx.naming.taken)
+    body.append(f"# recomputed in backward: {group}")
+    body.append(f"def {fn}({', '.join(args)}):")
+    body.nest(inner)
+    ret = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
+    body.append(f"    return ({ret})")
+    lhs = f"({ret})" if outputs else "_"
+    body.append(f"{lhs} = torch.utils.checkpoint.checkpoint({fn}, {', '.join(args)}{', ' if args else ''}"
+                f"use_reentrant=False)")
+    ctx.defined.update(outputs)
+    dead = sorted({names[r] for i in range(start, end) for r in ctx.last_use.get(i, [])
+                   if names[r] in outer and not names[r].startswith("self.") and names[r] not in ctx.naming.arg_names})
+    if dead:
+        body.append("del " + ", ".join(dead))

@@ -1,0 +1,97 @@
+"""Gradient synchronisation of a pipelined ParallelModule.
+
+A pipeline step accumulates gradients over its micro-batches and synchronises them once, at the
+end: the data-parallel reducer, plus one reducer per group of pipeline devices that hold the same
+tensor (a tied weight used by two stages, a Chimera stage's weights), which sums their gradients.
+`sync_grad_when(False)` on the module pauses that sync (gradient accumulation over steps).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List
+
+import torch
+
+from .reducer import Reducer
+
+__all__ = ["PipelineGradSync"]
+
+
+class PipelineGradSync:
+    """The end-of-step gradient sync of one pipelined module."""
+
+    def __init__(self, module, training: bool, bucket_cap_mb):
+        self.module = module
+        self.reducers: List[Reducer] = []  # pipeline devices holding one tensor: sum their grads
+        self._synced = False
+        self._paused = 0
+        for group, params in self._shared_param_groups().items():
+            if params and training:
+                self.reducers.append(Reducer(params, group=group, bucket_cap_mb=bucket_cap_mb,
+                                             divisor=module.grid.dp_size))
+
+    def shared_parameters(self) -> set:
+        """ids of the parameters the shared reducers sync (the data-parallel reducer skips them)."""
+        return {id(p) for r in self.reducers for bucket in r.buckets for p in bucket}
+
+    def _shared_param_groups(self) -> Dict[Any, List[torch.nn.Parameter]]:
+        """Process group -> this rank's parameters that several pipeline devices hold. Creates
+        every such group on every rank, in the same order (collective)."""
+        module = self.module
+        meta, grid = module.PIPELINE, module.grid
+        n, units = grid.plan_ngpus, range(grid.dp_size)
+        groups = {}
+        for holders in meta.shared_groups:
+            ranks = tuple(sorted(u * n + d for u in units for d in holders))
+            group = grid.group(ranks)
+            if grid.plan_device in holders:
+                groups[tuple(holders)] = group
+        by_group: Dict[Any, List[torch.nn.Parameter]] = {g: [] for g in groups.values()}
+        index = grid.plan_device % meta.tp_size
+        for local, entry in module.fullmap.items():
+            holders = meta.shared.get(entry.full_name)
+            tensor, _ = module.local_tensor(local)
+            if holders and isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                by_group[groups[tuple(holders[index])]].append(tensor)
+        return by_group
+
+    # -- per step ---------------------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        """Inside the module's ``sync_grad_when(False)``."""
+        return self._paused > 0
+
+    @contextlib.contextmanager
+    def pause(self, cond: bool):
+        """``sync_grad_when(cond)`` of a pipelined module."""
+        if cond:
+            yield
+            return
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def sync(self) -> None:
+        """End of a pipeline step: every reducer synchronises the accumulated gradients once."""
+        reducer = self.module.reducer
+        for r in ([reducer] if reducer is not None else []) + self.reducers:
+            r.sync_grads()
+        self._synced = bool(self.reducers)
+
+    def unshare(self) -> None:
+        """Before accumulating on top of synced gradients: a tensor held by several pipeline
+        devices has the same (summed) gradient on each; keep it on the first holder only, so the
+        next sum counts it once (the data-parallel mean is unaffected: every unit keeps one)."""
+        if not self._synced:
+            return
+        self._synced = False
+        module = self.module
+        meta, device = module.PIPELINE, module.grid.plan_device
+        first = {name for name, per_index in meta.shared.items()
+                 if per_index[device % meta.tp_size][0] != device}
+        for local, entry in module.fullmap.items():
+            tensor, _ = module.local_tensor(local)
+            if entry.full_name in first and tensor.grad is not None:
+                tensor.grad.zero_()

@@ -1,0 +1,82 @@
+"""The codegen <-> runtime contracts in nnscaler.ir.contracts: round trips and declarations."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nnscaler.ir.contracts import (CONSTANTS_FILE, GENERATED_ATTR_NAMES, GENERATED_ATTRS, MANIFEST, WEIGHTS_FILE,
+                                   GeneratedAttrs, Piece, PipelineMeta, gencode_file, is_gencode_file)
+from nnscaler.ir.errors import GenerationError
+from nnscaler.ir.layout import Partial, Replicate, Shard
+
+META = PipelineMeta(4, 8, "1f1b_interleaved", 2, 1, inputs={0: (), 1: (10,), 2: (11,), 3: (12, 99)},
+                    outputs={0: (10, 99), 1: (11,), 2: (12,), 3: (13,)},
+                    producer={10: 0, 11: 1, 12: 2, 13: 3, 99: 0},
+                    consumers={10: (1,), 11: (2,), 12: (3,), 13: (), 99: (3,)},
+                    kinds={10: "tensor", 11: "tensor", 12: "tensor", 13: "tensor", 99: "int"}, loss=13,
+                    shared_groups=((0, 1),), shared={"wte.weight": ((0, 1),)})
+
+
+def test_pipeline_meta_round_trips_as_literal_and_json():
+    literal = META.to_dict()
+    assert PipelineMeta.from_dict(literal) == META
+    assert PipelineMeta.from_dict(eval(repr(literal))) == META  # what generated code carries
+    assert PipelineMeta.from_dict(json.loads(json.dumps(literal))) == META  # JSON: keys become strings
+    assert list(literal)[:5] == ["nstages", "nmicros", "scheduler", "pp_size", "tp_size"]
+
+
+def test_pipeline_meta_reads_typed():
+    assert META.is_int(99) and not META.is_int(10)
+    assert META.plan.plan_ngpus == 2
+    assert META.schedule().ndevices == 2
+    assert META.inputs[3] == (12, 99) and META.loss == 13
+
+
+def test_malformed_pipeline_meta_is_a_generation_error():
+    with pytest.raises(GenerationError, match="malformed pipeline metadata"):
+        PipelineMeta.from_dict({"nstages": 2})
+
+
+def test_piece_round_trip_and_description():
+    piece = Piece(1, 2, [Shard(0), Replicate()], [Partial()], dim="m", device=1)
+    assert Piece.from_dict(json.loads(json.dumps(piece.to_dict()))) == piece
+    assert not piece.is_replicated() and Piece(0, 2, [Replicate()], [Replicate()]).is_replicated()
+    assert piece.describe() == "split m 1/2 on device 1: in [D(0), R] out [V]"
+
+
+def test_piece_is_the_one_policies_create():
+    from nnscaler.policies import Piece as PolicyPiece
+    assert PolicyPiece is Piece
+
+
+def test_generated_file_names():
+    assert gencode_file(3) == "gencode3.py" and is_gencode_file(gencode_file(3))
+    assert not any(is_gencode_file(n) for n in (MANIFEST, WEIGHTS_FILE, CONSTANTS_FILE))
+    assert WEIGHTS_FILE == "fullmodel.safetensors"
+
+
+def test_generated_attrs_are_declared_with_defaults_and_meaning():
+    names = [a.name for a in GENERATED_ATTRS]
+    assert names[0] == "COMPUTE_CONFIG" and names[-1] == "SOURCE_MAP" and len(set(names)) == len(names)
+    assert set(names) == GENERATED_ATTR_NAMES and "FULL_NAMES" not in GENERATED_ATTR_NAMES
+    for attr in GENERATED_ATTRS:
+        assert attr.meaning and getattr(GeneratedAttrs, attr.name) == attr.default
+
+
+def test_a_generated_class_gets_its_pipeline_typed():
+    class Gen(GeneratedAttrs):
+        PIPELINE = META.to_dict()
+        RANK = 1
+
+    class Plain(GeneratedAttrs):
+        pass
+
+    assert Gen.PIPELINE == META and Gen.RANK == 1
+    assert Plain.PIPELINE is None and Plain.TRACED_TRAINING is True
+
+
+def test_runtime_module_declares_from_the_contract():
+    from nnscaler.runtime import ParallelModule
+    assert issubclass(ParallelModule, GeneratedAttrs)
+    assert all(hasattr(ParallelModule, name) for name in GENERATED_ATTR_NAMES)
