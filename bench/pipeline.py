@@ -173,7 +173,7 @@ def _replay(sc, cost) -> float:
         for d in range(sc.ndevices):
             while ptr[d] < len(lists[d]):
                 a = lists[d][ptr[d]]
-                deps = sc._deps(a)
+                deps = sc.deps(a)
                 if not all(x in done for x in deps):
                     break
                 start = max([free[d]] + [done[x] for x in deps])

@@ -32,3 +32,16 @@ def test_pieces_then_commit(tmp_path):
     assert not (tmp_path / "g.bin").exists()  # nothing visible before commit
     f.commit()
     assert (tmp_path / "g.bin").read_bytes() == b"abcd"
+
+
+def test_exchange_swaps_two_directories_or_says_it_cannot(tmp_path):
+    from nnscaler.ir import exchange_paths
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "f").write_text("from a")
+    (b / "f").write_text("from b")
+    if exchange_paths(a, b):  # Linux with renameat2
+        assert (a / "f").read_text() == "from b" and (b / "f").read_text() == "from a"
+    else:
+        assert (a / "f").read_text() == "from a"  # untouched where unsupported

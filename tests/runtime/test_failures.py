@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from nnscaler.runtime import failures
+from nnscaler.runtime import backward_watch, failures
 
 
 def _queue_pass_end(record):
     def hook(grad):
-        torch.autograd.Variable._execution_engine.queue_callback(failures._PassEnd(record.append))
+        torch.autograd.Variable._execution_engine.queue_callback(backward_watch._PassEnd(record.append))
     return hook
 
 

@@ -334,7 +334,7 @@ def test_swap_in_replaces_a_directory_whole(tmp_path):
 
 def test_swap_in_without_an_atomic_exchange_renames_aside(tmp_path, monkeypatch):
     import nnscaler.runtime.driver.gen_dir as gen_dir
-    monkeypatch.setattr(gen_dir, "_exchange", lambda a, b: False)  # a file system without RENAME_EXCHANGE
+    monkeypatch.setattr(gen_dir, "exchange_paths", lambda a, b: False)  # a file system without RENAME_EXCHANGE
     old, new = tmp_path / "inst", tmp_path / ".inst.generating-2"
     old.mkdir(), new.mkdir()
     (old / "gencode0.py").write_text("old")

@@ -30,7 +30,7 @@ from .tracer.branches import branch_refs, keep_traced_branch
 from .ops.random_ops import LIKE, MASK, node_random_kind
 from .user_code import is_internal, warn_user
 from .tree import iter_tensors, map_tensors, replace_tensors, tensor_leaves
-from .atomic_write import TMP_SUFFIX, AtomicFile, atomic_write, fsync_dir
+from .atomic_write import TMP_SUFFIX, AtomicFile, atomic_write, exchange_paths, fsync_dir
 from .ops.op_names import module_of, policy_name
 from .ops.annotation import AnnotationError, parse_annotation
 from .ops.registry import REGISTRY, register_op  # (importing it registers the built-in annotations)
@@ -47,5 +47,5 @@ __all__ = [
     "PipelinePlan", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit", "PlanReport",
     "UnannotatedOp",
     "warn_user", "is_internal", "iter_tensors", "map_tensors", "replace_tensors", "tensor_leaves",
-    "TMP_SUFFIX", "AtomicFile", "atomic_write", "fsync_dir", "module_of", "policy_name",
+    "TMP_SUFFIX", "AtomicFile", "atomic_write", "exchange_paths", "fsync_dir", "module_of", "policy_name",
 ]

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["TMP_SUFFIX", "AtomicFile", "atomic_write", "fsync_dir"]
+__all__ = ["TMP_SUFFIX", "AtomicFile", "atomic_write", "exchange_paths", "fsync_dir"]
 
 TMP_SUFFIX = ".tmp"
 
@@ -82,3 +82,25 @@ def atomic_write(path: Union[str, os.PathLike], data: Union[bytes, str], *, fsyn
     with AtomicFile(path, fsync=fsync) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
     return f.path
+
+
+def exchange_paths(a: Union[str, os.PathLike], b: Union[str, os.PathLike]) -> bool:
+    """Atomically exchange two existing paths (files or directories) with Linux's renameat2
+    RENAME_EXCHANGE: readers see one or the other, never neither. False where the OS or the
+    file system cannot (the caller falls back to two renames)."""
+    import ctypes
+    import sys
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL / ENOSYS / EOPNOTSUPP: the file system cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), str(b))

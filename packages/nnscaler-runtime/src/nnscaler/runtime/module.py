@@ -42,6 +42,7 @@ from nnscaler.ir.contracts import WEIGHTS_FILE
 from nnscaler.ir import map_tensors
 
 from . import failures
+from .backward_watch import watch_backward
 from .device import default_device
 from .errors import GenerationError, NnScalerError, PlanMismatchError
 from .full_map import FullMapMixin
@@ -133,7 +134,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
             note_source(self, exc)
             failures.report(exc, "forward")  # peers waiting in a collective raise with it
             raise
-        failures.watch_backward(out)  # a backward pass through `out` that raises is reported too
+        watch_backward(out)  # a backward pass through `out` that raises is reported too (backward_watch.py)
         return out
 
     def check_mode(self) -> None:

@@ -100,60 +100,12 @@ from . import failures
 from .comm.flat import all_gather_flat, reduce_scatter_rows
 from .comm.stats import record
 from .errors import ConfigError
+from .zero_groups import ZeroGroups, make_zero_groups
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
 __all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
            "ZeroParam", "ZeroEngine", "ZeroStats"]
 
-
-
-# -- groups -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ZeroGroups:
-    """This rank's zero group, cross group and norm group (ranks and process groups; a group of
-    one rank is None and never communicated over)."""
-
-    rank: int
-    world_size: int
-    plan_ngpus: int
-    dp_size: int
-    ngroups: int
-    group_ranks: Tuple[int, ...]
-    group_index: int
-    group_id: int
-    cross_ranks: Tuple[int, ...]
-    norm_ranks: Tuple[int, ...]  # the units of this zero group: where the gradient norm is summed
-    group: Any = None
-    cross_group: Any = None
-    norm_group: Any = None
-
-    @property
-    def size(self) -> int:
-        return len(self.group_ranks)
-
-
-def make_zero_groups(grid, ngroups: int) -> ZeroGroups:
-    """The zero groups of `grid` (a RankGrid) split `zero_ngroups` ways (a validated
-    ComputeConfig's, dividing the data-parallel size). COLLECTIVE the first time:
-    every rank creates every group, in the same order (all plan devices' zero groups, then their
-    cross groups, then the norm groups)."""
-    plan, dp = grid.plan_ngpus, grid.dp_size
-    z = dp // ngroups  # ngroups divides dp: checked once, by ComputeConfig
-
-    def make(sets: Sequence[Tuple[int, ...]]) -> Dict[Tuple[int, ...], Any]:
-        return {s: (grid.group(s) if len(s) > 1 else None) for s in sets}
-
-    zero_sets = [grid.sync_ranks_of(d)[g * z:(g + 1) * z] for d in range(plan) for g in range(ngroups)]
-    cross_sets = [grid.sync_ranks_of(d)[i::z] for d in range(plan) for i in range(z)]
-    norm_sets = [tuple(range(g * z * plan, (g + 1) * z * plan)) for g in range(ngroups)]
-    zero_groups, cross_groups, norm_groups = make(zero_sets), make(cross_sets), make(norm_sets)
-    sync = grid.sync_ranks
-    index, group_id = grid.dp_rank % z, grid.dp_rank // z
-    mine = sync[group_id * z:(group_id + 1) * z]
-    cross = sync[index::z]
-    norm = tuple(range(group_id * z * plan, (group_id + 1) * z * plan))
-    return ZeroGroups(grid.rank, grid.runtime_ngpus, plan, dp, ngroups, mine, index, group_id, cross, norm,
-                      zero_groups[mine], cross_groups[cross], norm_groups[norm])
 
 
 # -- the engine ---------------------------------------------------------------------------------------

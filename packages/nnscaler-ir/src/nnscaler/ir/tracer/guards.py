@@ -30,7 +30,7 @@ import torch
 from ..graph import IRGraph, Node, Ref, SourceLoc
 
 if TYPE_CHECKING:
-    from .trace import Tracer
+    from .recorder import Tracer
 
 GUARD_TARGET = "nnscaler.runtime.guards.check"
 WHOLE_LIMIT = 1024  # tolist()/__array__ of more elements are compared through a digest

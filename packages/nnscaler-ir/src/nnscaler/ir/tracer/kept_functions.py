@@ -33,7 +33,7 @@ from .trace_state import TraceError
 from ..tree import iter_tensors as _tensors
 
 if TYPE_CHECKING:
-    from .trace import Tracer
+    from .recorder import Tracer
 
 __all__ = ["is_user_function", "keep_functions", "settle_grad_modes"]
 

@@ -12,7 +12,7 @@ from ..graph import dtype_name
 from ..user_code import warn_user
 
 if TYPE_CHECKING:
-    from .trace import Tracer
+    from .recorder import Tracer
 
 
 from ..errors import TraceError, TracingWarning  # noqa: E402  (re-exported)

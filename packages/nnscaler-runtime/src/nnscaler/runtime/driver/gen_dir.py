@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from nnscaler.ir import TMP_SUFFIX, atomic_write
+from nnscaler.ir import TMP_SUFFIX, atomic_write, exchange_paths
 from nnscaler.ir.contracts import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE
 
 from ..errors import ReuseError
@@ -241,7 +241,7 @@ def swap_in(staging: Path, directory: Path) -> None:
         return
     if not directory.is_dir():  # a file in the way: the clear gen_savedir error (runtime/driver/savedir.py)
         raise NotADirectoryError(20, "Not a directory", str(directory))
-    if _exchange(staging, directory):
+    if exchange_paths(staging, directory):
         shutil.rmtree(staging, ignore_errors=True)  # now holds the old code
         return
     aside = directory.parent / f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -252,24 +252,3 @@ def swap_in(staging: Path, directory: Path) -> None:
         os.rename(aside, directory)
         raise
     shutil.rmtree(aside, ignore_errors=True)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically exchange two paths (Linux renameat2); False where unsupported."""
-    import ctypes
-    import sys
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL / ENOSYS / EOPNOTSUPP: the file system cannot exchange
-        return False
-    raise OSError(err, os.strerror(err), str(b))

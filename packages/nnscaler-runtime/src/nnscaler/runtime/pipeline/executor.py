@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from nnscaler.ir.contracts import PipelineMeta
+from nnscaler.ir import map_tensors
 from nnscaler.ir.schedules import Action
 
 from .. import failures
@@ -180,7 +181,7 @@ class PipelineExecutor:
             out = self.module._pipeline_output(vals)
             if self.precision is not None:
                 out = cast_outputs(out, self.precision)
-            outputs.append(_detach(out) if training else out)
+            outputs.append(map_tensors(out, torch.Tensor.detach) if training else out)
         return outputs
 
     def _fail(self, training: bool, action, reason: str, skip: int = -1) -> None:
@@ -389,13 +390,3 @@ def _as_call(sample: Any) -> Tuple[tuple, dict]:
         return sample, {}
     return (sample,), {}
 
-
-def _detach(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, (list, tuple)):
-        items = [_detach(o) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return {k: _detach(v) for k, v in obj.items()}
-    return obj

@@ -1,0 +1,297 @@
+"""The recorder: a TorchFunctionMode that sees every torch-level call of the user's forward and
+a `Tracer` that runs it (on the trace device) and records it as a node with its inputs, outputs,
+module path, source line, grad mode and annotation. `trace.py` drives it over a module."""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Dict, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..graph import Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode
+from ..ops.op_names import op_name
+from .guards import record_value_read
+from .symbolic_int import TracedInt
+from .trace_device import ExecutionDevice
+from .trace_state import SavedState, TraceError, autocast_region
+from ..user_code import is_internal
+
+_SIZE_FUNCS = {"size", "numel"}
+_FOLDED_ATTRS = {"dtype", "device", "is_cuda", "is_meta", "requires_grad", "ndim", "layout", "is_leaf",
+                 "grad_fn", "names", "is_sparse", "is_quantized", "data_ptr", "dim", "element_size",
+                 "is_contiguous", "is_floating_point", "is_complex", "get_device", "__len__", "__format__",
+                 "__repr__", "__bool__", "__int__", "__float__", "__index__", "__hash__", "item", "tolist",
+                 "stride", "storage_offset", "untyped_storage", "__array__", "numpy"}
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
+
+
+
+# Reading a traced tensor's values in Python: the result is frozen into the program.
+_VALUE_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__array__", "numpy"}
+
+
+class _RecordingMode(TorchFunctionMode):
+    def __init__(self, tracer: "Tracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.tracer.on_call(func, args, kwargs or {})
+
+
+class Tracer:
+    def __init__(self, module: torch.nn.Module, constant_folding: bool, device: ExecutionDevice):
+        self.module = module
+        self.constant_folding = constant_folding
+        self.device = device
+        self.values: Dict[int, Value] = {}
+        self.nodes: list = []
+        self._ids = itertools.count()
+        self._tensor_values: Dict[int, tuple] = {}  # id(tensor) -> (tensor, Ref); keeps tensors alive
+        self.constants: Dict[str, TensorSpec] = {}
+        self._module_stack = [""]
+        self._function_grad: list = []  # (class, caller's grad mode) of each enclosing autograd.Function.apply
+        self._kept_classes: Dict[type, Any] = {}  # user autograd Functions recording themselves
+        self.saved: Optional[SavedState] = None  # set while the forward runs
+        self._kept_nodes: list = []  # (node, input tensors, output tensors) of each kept Function call
+        self._module_names = {}
+        # value reads become guards (nnscaler.ir.tracer.guards); decision k in `flips` returns the other branch
+        self.input_names: Dict[int, str] = {}  # graph input value id -> "attention_mask", "batch['mask']"
+        self.param_names: Dict[int, str] = {}  # parameter/buffer value id -> full name
+        self.decisions = 0  # bool() reads so far
+        self.flips: set = set()
+        self._producers: Dict[int, Node] = {}
+        self._indexed = 0
+        self.module_types: Dict[str, str] = {}  # module path -> "package.module.Class"
+        for name, mod in module.named_modules(remove_duplicate=False):
+            self._module_names.setdefault(id(mod), name)
+
+    # -- values ----------------------------------------------------------------------------------
+    def new_value(self, obj, hint: str) -> Ref:
+        vid = next(self._ids)
+        if isinstance(obj, torch.Tensor):
+            v = Value(vid, "tensor", hint, tuple(obj.shape), dtype_name(obj.dtype), obj.requires_grad)
+        elif isinstance(obj, int):
+            v = Value(vid, "int", hint)
+        else:
+            v = Value(vid, "object", hint)
+        self.values[vid] = v
+        return Ref(vid)
+
+    def bind_tensor(self, tensor: torch.Tensor, ref: Ref) -> None:
+        self._tensor_values[id(tensor)] = (tensor, ref)
+
+    def ref_of_tensor(self, tensor: torch.Tensor) -> Ref:
+        hit = self._tensor_values.get(id(tensor))
+        if hit is not None and hit[0] is tensor:
+            return hit[1]
+        # A tensor that is neither an input, a parameter/buffer nor an op's output: a tensor
+        # constant captured by the user's code (a plain attribute, a global). Saved with the weights.
+        name = f"_constant_{len(self.constants)}"
+        ref = self.new_value(tensor, name)
+        self.constants[name] = TensorSpec(name, ref, tuple(tensor.shape), dtype_name(tensor.dtype),
+                                          False, [], True)
+        self.constants[name].tensor = tensor.detach().to("cpu") if tensor.device.type != "meta" else None
+        self.bind_tensor(tensor, ref)
+        return ref
+
+    def _to_refs(self, obj):
+        if isinstance(obj, TracedInt) and obj._tracer is self:
+            return obj._ref
+        if isinstance(obj, torch.Tensor):
+            return self.ref_of_tensor(obj)
+        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+            items = [self._to_refs(x) for x in obj]
+            return items if isinstance(obj, list) else tuple(items)
+        if isinstance(obj, dict):
+            return {k: self._to_refs(v) for k, v in obj.items()}
+        if isinstance(obj, slice):
+            return slice(self._to_refs(obj.start), self._to_refs(obj.stop), self._to_refs(obj.step))
+        if type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0:
+            return obj.item()  # a numpy scalar (np.prod(shape)): record the Python number
+        encode(obj)  # raises TypeError for objects generated code could not rebuild
+        return obj
+
+    # -- recording -----------------------------------------------------------------------------
+    def source_location(self) -> Optional[SourceLoc]:
+        frame = sys._getframe(2)
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if not is_internal(filename):
+                import linecache
+                code = linecache.getline(filename, frame.f_lineno).strip()
+                return SourceLoc(filename, frame.f_lineno, code, frame.f_code.co_qualname)
+            frame = frame.f_back
+        return None
+
+    def _add_node(self, target: str, args, kwargs, outputs, annotation=None, inplace=False) -> Node:
+        node = Node(len(self.nodes), target, list(args), dict(kwargs), outputs, self._module_stack[-1],
+                    self.source_location(), annotation, inplace,
+                    grad_enabled=self.grad_enabled(), autocast=autocast_region())
+        self.nodes.append(node)
+        return node
+
+    def producer_index(self) -> Dict[int, Node]:
+        """value id -> the node that produced it (so far)."""
+        for node in self.nodes[self._indexed:]:
+            for r in node.output_refs():
+                self._producers[r.id] = node
+        self._indexed = len(self.nodes)
+        return self._producers
+
+    def _in_graph(self, obj) -> bool:
+        """An input, parameter, buffer or op output (not a captured constant)."""
+        hit = self._tensor_values.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+        return hit is not None and hit[0] is obj and not self.values[hit[1].id].name.startswith("_constant_")
+
+    def grad_enabled(self) -> bool:
+        """The user's grad mode: inside an autograd.Function's forward (torch turns grad off there,
+        e.g. a reentrant torch.utils.checkpoint), the mode the Function was called in."""
+        return self._function_grad[-1][1] if self._function_grad else torch.is_grad_enabled()
+
+    def _wrap_outputs(self, result, hint: str, inplace_target=None):
+        """Give every tensor (and traced int) in `result` a fresh value; return (refs, result)."""
+        if isinstance(result, torch.Tensor):
+            ref = self.new_value(result, hint)
+            self.bind_tensor(result, ref)
+            return ref, result
+        if isinstance(result, (tuple, list)) and not isinstance(result, torch.Size):
+            pairs = [self._wrap_outputs(r, hint) for r in result]
+            refs = [p[0] for p in pairs]
+            objs = [p[1] for p in pairs]
+            if isinstance(result, list):
+                return refs, objs
+            if hasattr(result, "_fields"):  # namedtuple (torch.return_types.max ...)
+                return tuple(refs), type(result)(*objs)
+            return tuple(refs), tuple(objs)
+        if isinstance(result, int) and not isinstance(result, bool) and not self.constant_folding:
+            ref = self.new_value(result, hint)
+            return ref, TracedInt(result, self, ref)
+        return result, result
+
+    def on_call(self, func, args, kwargs):
+        name = getattr(func, "__name__", "")
+        owner = getattr(func, "__self__", None)
+        if name == "__get__" and owner is not None:  # a Tensor property such as x.shape or x.T
+            attr = owner.__name__
+            real = self.device.run(func, args, kwargs)
+            if attr == "shape" and not self.constant_folding:
+                return self._record_size(args[0], real, "getattr", (args[0], "shape"))
+            if isinstance(real, torch.Tensor):
+                refs, real = self._wrap_outputs(real, attr.strip("_"))
+                self._add_node("getattr", (self._to_refs(args[0]), attr), {}, refs)
+            return real
+        if name in _FOLDED_ATTRS:
+            real = self.device.run(func, args, kwargs)
+            if name in _VALUE_READS and args and self._in_graph(args[0]):
+                node = record_value_read(self, name, args[0], real)  # a guard (nnscaler.ir.tracer.guards)
+                if name == "__bool__" and node.kwargs["decision"] in self.flips:
+                    node.kwargs["traced"] = not real  # the branch this trace follows: its guard checks it
+                    return not real  # tracing the other branch (nnscaler.ir.tracer.branches)
+            return real
+        if name in _SIZE_FUNCS:
+            real = self.device.run(func, args, kwargs)
+            if self.constant_folding:
+                return real
+            return self._record_size(args[0], real, op_name(func), args, kwargs)
+        if name == "__iter__":  # iterate a tensor -> unbind(0)
+            return iter(self.on_call(torch.Tensor.unbind, (args[0],), {}))
+        return self.record_call(func, op_name(func), args, kwargs, name)
+
+    def record_call(self, func, target: str, args, kwargs, name: str, annotation_fn=None):
+        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
+        inplace = ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+                   or kwargs.get("out") is not None or kwargs.get("inplace") is True)
+        if inplace and self.saved is not None:  # the trace must leave the user's weights as they were
+            self.saved.before_write(kwargs.get("out", args[0] if args else None))
+        try:
+            real = self.device.run(func, args, kwargs)
+        except Exception as e:
+            loc = self.source_location()
+            raise TraceError(f"tracing failed in {target} called at {loc}: {type(e).__name__}: {e}") from e
+        if name == "__setitem__":
+            real = args[0]
+        if real is None or (not _has_tensor(real) and self.constant_folding):
+            if inplace:  # mutation with no tensor result: record it for its effect
+                self._add_node(target, arg_refs, kwarg_refs, None, inplace=True)
+            return real
+        hint = name.strip("_") or "out"
+        refs, result = self._wrap_outputs(real, hint)
+        annotation = self._annotation(func, args, kwargs, annotation_fn)
+        if annotation is not None:  # a register_op annotation of a torch function is checked like a custom op's
+            from ..ops.registry import REGISTRY
+            REGISTRY.check_call(func, func, annotation, args, kwargs, real)
+        self._add_node(target, arg_refs, kwarg_refs, refs, annotation, inplace)
+        return result
+
+    def _annotation(self, func, args, kwargs, annotation_fn):
+        # REGISTRY.lookup: None for an unannotated op; a user's broken annotation raises (never a
+        # silent replication)
+        from ..ops.registry import REGISTRY
+        return REGISTRY.lookup(func, args, kwargs)
+
+    def _record_size(self, tensor, real, target, args, kwargs=None):
+        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs or {}))
+        if isinstance(real, int):
+            ref = self.new_value(real, "size")
+            self._add_node(target, arg_refs, kwarg_refs, ref)
+            return TracedInt(real, self, ref)
+        refs = tuple(self.new_value(int(d), "size") for d in real)
+        self._add_node(target, arg_refs, kwarg_refs, refs)
+        return TracedSize(TracedInt(int(d), self, r) for d, r in zip(real, refs))
+
+    def record_int_op(self, op, args):
+        plain = [int(a) for a in args]
+        result = op(*plain)
+        ref = self.new_value(result, op.__name__)
+        self._add_node(f"operator.{op.__name__}", self._to_refs(tuple(args)), {}, ref)
+        return TracedInt(result, self, ref)
+
+    def record_custom_op(self, fn, args, kwargs):
+        """Record a call of a `register_op` function as one node (called by its wrapper)."""
+        module = getattr(fn, "__module__", None)
+        qualname = getattr(fn, "__qualname__", "")
+        if not module or "<locals>" in qualname or module == "__main__":
+            raise TraceError(
+                f"custom op {qualname or fn!r} must be a module-level function in an importable module "
+                f"(generated code imports it by name); it is defined in {module}.{qualname}")
+        from ..ops.registry import REGISTRY
+        wrapper = getattr(fn, "__nnscaler_wrapper__", fn)
+        annotation = REGISTRY.lookup(wrapper, args, kwargs) or REGISTRY.lookup(fn, args, kwargs)
+        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
+        real = self.device.run(fn, args, kwargs, mode_off=True)
+        REGISTRY.check_call(wrapper, fn, annotation, args, kwargs, real)  # the annotation fits and splits right
+        refs, result = self._wrap_outputs(real, qualname.rsplit(".", 1)[-1])
+        self._add_node(f"{module}.{qualname}", arg_refs, kwarg_refs, refs, annotation)
+        return result
+
+    # -- module path bookkeeping ------------------------------------------------------------------
+    def _pre_hook(self, mod, args):
+        path = self._module_names.get(id(mod), self._module_stack[-1])
+        self._module_stack.append(path)
+        self.module_types.setdefault(path, f"{type(mod).__module__}.{type(mod).__qualname__}")
+
+    def _post_hook(self, mod, args, out):
+        if len(self._module_stack) > 1:
+            self._module_stack.pop()
+
+
+class TracedSize(tuple):
+    """The shape of a tensor whose entries are TracedInts (constant folding off)."""
+
+    def numel(self):
+        n = 1
+        for d in self:
+            n = n * d
+        return n
+
+
+def _has_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_has_tensor(x) for x in obj)
+    return isinstance(obj, TracedInt)
