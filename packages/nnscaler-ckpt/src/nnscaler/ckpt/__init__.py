@@ -1,7 +1,22 @@
-"""nnscaler.ckpt: checkpoint formats (sharded, deduped, merged), merge, reshard.
+"""nnscaler.ckpt: checkpoints of parallelized training (docs/checkpoints.md).
 
-Skeleton: this package has no code yet and exports nothing. It will hold the on-disk formats
-(atomic directories with a ``manifest.json``, tensors in safetensors files), saving and loading
-of model, optimizer, scheduler, RNG and data-position state, streaming merge, resharding on
-load, verification, and the ``nnscaler ckpt`` command. See the package README.
+- `save(path, module, optimizer=None, *, kind="sharded"|"deduped", extra=None)`: collective;
+- `load(path, module, optimizer=None) -> extra`: collective, into any plan and world size;
+- `merge(src, dst, *, max_shard_size="5GB", model_only=False)`: offline, streaming, the Hugging
+  Face layout;
+- `verify(path)`, `inspect(path)`: offline checks and summaries;
+- `convert(src, dst)`: a torch ``state_dict`` file or a Hugging Face directory -> merged.
+
+A checkpoint is a directory committed atomically, with a ``manifest.json`` written last; tensors
+live in safetensors files, everything else in JSON. Nothing is ever unpickled on load.
 """
+from .errors import CheckpointError
+from .names import FORMAT_VERSION, KINDS
+from .save import save
+from .load import load
+from .verify import verify
+from .summary import inspect
+from .merge import merge
+from .convert import convert
+
+__all__ = ["save", "load", "merge", "verify", "inspect", "convert", "CheckpointError", "FORMAT_VERSION", "KINDS"]

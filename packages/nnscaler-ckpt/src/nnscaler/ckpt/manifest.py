@@ -1,0 +1,71 @@
+"""``manifest.json``: what makes a checkpoint directory valid, and reading it back.
+
+Fields: ``format`` ("nnscaler-checkpoint"), ``format_version``, ``kind`` (sharded, deduped,
+merged), ``world_size``, ``plan`` (per parallelized module: path, graph fingerprint, compute
+config), ``files`` (name -> size and SHA-256 of every other file), ``model`` and
+``optimizer_state`` (one record per stored piece: its file and key and its place in the full
+tensor), ``tensors`` (full name -> shape and dtype), ``optimizer`` (class, hyper-parameters),
+``ranks`` (per saving rank: RNG states and the caller's ``extra``). No pickle anywhere.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+from .commit import abandoned_siblings
+from .errors import CheckpointError
+from .names import FORMAT, FORMAT_VERSION, KINDS, MANIFEST, is_staging
+
+__all__ = ["read_manifest", "sha256_file", "REQUIRED"]
+
+REQUIRED = ("format", "format_version", "kind", "world_size", "files")
+_CHUNK = 8 * 2**20
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_CHUNK)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def read_manifest(path) -> Dict[str, Any]:
+    """The manifest of checkpoint directory `path`, checked for shape and version (not the files:
+    see `verify`). Every refusal names the path and what to do."""
+    path = Path(path)
+    if is_staging(path.name):
+        raise CheckpointError(f"{path} is a checkpoint still being written (or abandoned by a crashed save): wait "
+                              f"for the save to finish, or delete it and use the previous checkpoint")
+    if not path.exists():
+        left = abandoned_siblings(path)
+        hint = (f"; a save into it did not finish ({left[0].name} is its partial copy, delete it)" if left else "")
+        raise CheckpointError(f"{path} does not exist{hint}: pass the directory of a saved checkpoint")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory: pass the directory save() wrote "
+                              f"(to import a torch or safetensors file, use `nnscaler ckpt convert`)")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{mpath} is missing: {path} is not a complete checkpoint (a save did not finish, "
+                              f"or it is not a checkpoint); use an earlier checkpoint")
+    try:
+        manifest = json.loads(mpath.read_text("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath} is corrupt ({e}): restore it from a copy, or use an earlier checkpoint") \
+            from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath} is not an nnscaler checkpoint manifest (no \"format\": \"{FORMAT}\"): "
+                              f"pass a directory written by nnscaler.ckpt.save or merge")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{mpath} has format version {version!r}; this nnscaler-ckpt reads version "
+                              f"{FORMAT_VERSION}: install the nnscaler-ckpt that wrote it (or a newer one)")
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing or manifest["kind"] not in KINDS or not isinstance(manifest["files"], dict):
+        what = f"lacks {', '.join(missing)}" if missing else f"has kind {manifest['kind']!r} or bad 'files'"
+        raise CheckpointError(f"{mpath} is corrupt ({what}): restore it from a copy, or use an earlier checkpoint")
+    return manifest

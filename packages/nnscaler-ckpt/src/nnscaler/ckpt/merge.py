@@ -1,0 +1,212 @@
+"""`merge`: a sharded or deduped checkpoint -> the merged (Hugging Face) layout, offline.
+
+Streams one full tensor at a time (assembled from its pieces by `reshard`, written by
+`SafetensorsWriter`), so peak memory is about the largest tensor, not the model. Output:
+``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``
+with the single-device ``state_dict()`` names (persistent entries; a tied weight once, under the
+name ``safetensors.torch.save_model`` keeps: the first in sorted order), ``optimizer.safetensors``
+(``<parameter>.<state>``), ``rng.safetensors`` (each source rank's RNG states and extra tensors,
+``rank-0000r/...``) and the manifest. No process group, no GPU.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .commit import StagingDir, new_token
+from .manifest import read_manifest
+from .names import (FORMAT, FORMAT_VERSION, MERGED_INDEX, MERGED_MODEL, MERGED_OPTIMIZER, MERGED_RNG,
+                    merged_shard)
+from .reshard import model_region, model_segments, optimizer_region
+from .safetensors_file import SafetensorsWriter, dtype_name
+from .sizes import parse_size
+from .sources import Sources
+from .verify import verify as verify_files
+
+__all__ = ["merge", "Progress", "write_model", "merged_manifest"]
+
+Progress = Callable[[int, int, str], None]  # (bytes done, bytes in all, tensor name)
+_META = {"format": "pt"}
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _model_plan(manifest: Dict[str, Any]) -> List[Tuple[str, List[str], Tuple[int, ...], str, int]]:
+    """(stored name, all names, shape, dtype, bytes) of every full tensor, in the order first saved."""
+    order: Dict[str, None] = {}
+    for rec in manifest.get("model", []):
+        order.setdefault(rec["full_name"], None)
+    table = manifest.get("tensors", {})
+    out = []
+    for name in order:
+        info = table[name]
+        names = sorted({name, *info.get("aliases", [])})
+        shape = tuple(info["shape"])
+        out.append((names[0], [name, *info.get("aliases", [])], shape, info["dtype"],
+                    math.prod(shape) * _itemsize(info["dtype"])))
+    return out
+
+
+def _split(plan, max_bytes: int) -> List[list]:
+    files: List[list] = [[]]
+    size = 0
+    for item in plan:
+        if files[-1] and size + item[4] > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += item[4]
+    return files
+
+
+def write_model(stage: StagingDir, plan, max_bytes: int, fetch: Callable[[list, tuple, str], torch.Tensor],
+                done: List[int], total: int, progress: Optional[Progress], segments: Optional[Callable] = None):
+    """The model files (and index) of a merged checkpoint, one tensor in memory at a time;
+    `plan`: see `_model_plan`; `fetch(names, shape, dtype)` gives a full tensor, or
+    `segments(names, shape, dtype)` the byte ranges to copy as they are (None: use fetch).
+    Returns (file records, model piece records)."""
+    files = _split(plan, max_bytes)
+    records, model, weight_map = {}, [], {}
+    for k, items in enumerate(files, 1):
+        fname = MERGED_MODEL if len(files) == 1 else merged_shard(k, len(files))
+        specs = [(name, dtype_name(getattr(torch, dtype)), shape) for name, _, shape, dtype, _ in items]
+        writer = SafetensorsWriter(stage.file(fname), specs, _META)
+        try:
+            for name, names, shape, dtype, nbytes in items:
+                ranges = segments(names, shape, dtype) if segments is not None else None
+                if ranges is not None:
+                    writer.copy(name, ranges)
+                else:
+                    value = fetch(names, shape, dtype)
+                    writer.write(name, value.reshape(shape))
+                    del value
+                done[0] += nbytes
+                if progress:
+                    progress(done[0], total, name)
+                weight_map[name] = fname
+                model.append({"file": fname, "key": name, "full_name": name, "full_shape": list(shape),
+                              "slices": [[0, d] for d in shape], "value_split": [0, 1], "dtype": dtype,
+                              "aliases": [n for n in names if n != name]})
+        except BaseException:
+            writer.abort()
+            raise
+        size, digest = writer.close()
+        records[fname] = {"size": size, "sha256": digest}
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(p[4] for p in plan)}, "weight_map": dict(sorted(weight_map.items()))}
+        data = (json.dumps(index, indent=2) + "\n").encode("utf-8")
+        stage.file(MERGED_INDEX).write_bytes(data)
+        import hashlib
+        records[MERGED_INDEX] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return records, model
+
+
+def _write_optimizer(src: Sources, stage: StagingDir, stored: Dict[str, str], done, total, progress):
+    """optimizer.safetensors: every state of every parameter, full shape, keyed ``<name>.<state>``."""
+    specs, jobs, records = [], [], []
+    table = src.manifest["tensors"]
+    for (name, state), recs in sorted(src.optim.items()):
+        key = f"{stored.get(name, name)}.{state}"
+        base = {"full_name": stored.get(name, name), "state": state, "full_shape": table[name]["shape"] if name in
+                table else recs[0]["full_shape"]}
+        shape = tuple(base["full_shape"])
+        base.update(slices=[[0, d] for d in shape], start=0, stop=math.prod(shape))
+        if recs[0]["kind"] == "json":
+            records.append({**base, "kind": "json", "value": recs[0]["value"], "key": None, "dtype": None})
+            continue
+        if recs[0]["kind"] == "scalar":
+            value = optimizer_region(src, name, state, ())
+            specs.append((key, dtype_name(value.dtype), tuple(value.shape)))
+            jobs.append((key, lambda v=value: v, 0))
+            records.append({**base, "kind": "scalar", "key": key, "dtype": recs[0]["dtype"]})
+            continue
+        dtype = getattr(torch, recs[0]["dtype"])
+        specs.append((key, dtype_name(dtype), shape))
+        region = tuple((0, d) for d in shape)
+        jobs.append((key, lambda n=name, s=state, r=region: optimizer_region(src, n, s, r),
+                     math.prod(shape) * _itemsize(recs[0]["dtype"])))
+        records.append({**base, "kind": "local", "key": key, "dtype": recs[0]["dtype"]})
+    writer = SafetensorsWriter(stage.file(MERGED_OPTIMIZER), specs, _META)
+    try:
+        for key, make, nbytes in jobs:
+            writer.write(key, make())
+            done[0] += nbytes
+            if progress:
+                progress(done[0], total, key)
+    except BaseException:
+        writer.abort()
+        raise
+    size, digest = writer.close()
+    for rec in records:
+        rec["file"] = MERGED_OPTIMIZER
+    return {MERGED_OPTIMIZER: {"size": size, "sha256": digest}}, records
+
+
+def _write_rng(src: Sources, stage: StagingDir, manifest) -> Tuple[dict, list]:
+    """Each source rank's RNG states and extra tensors, under ``rank-0000r/``."""
+    items, ranks = [], []
+    for r, info in enumerate(manifest.get("ranks", [])):
+        prefix = f"rank-{r:05d}/"
+        for key in src.keys(info["file"]):
+            if key.startswith(("rng/", "extra/")):
+                items.append((prefix + key, src.read({"file": info["file"], "key": key})))
+        ranks.append({"file": MERGED_RNG, "prefix": prefix, "rng": info.get("rng"), "extra": info.get("extra")})
+    writer = SafetensorsWriter(stage.file(MERGED_RNG), [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in items],
+                               _META)
+    for k, t in items:
+        writer.write(k, t)
+    size, digest = writer.close()
+    return {MERGED_RNG: {"size": size, "sha256": digest}}, ranks
+
+
+def merged_manifest(plan, files, model, *, world_size: int, plan_identity, source, optimizer=None,
+                    optimizer_state=(), ranks=()) -> Dict[str, Any]:
+    table = {name: {"shape": list(shape), "dtype": dtype, "aliases": [n for n in names if n != name]}
+             for name, names, shape, dtype, _ in plan}
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "merged", "world_size": world_size,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "plan": plan_identity, "merged_from": source, "files": files, "tensors": table, "optimizer": optimizer,
+            "model": model, "optimizer_state": list(optimizer_state), "ranks": list(ranks)}
+
+
+def merge(src, dst, *, max_shard_size="5GB", model_only: bool = False, overwrite: bool = False,
+          verify: bool = True, progress: Optional[Progress] = None) -> Path:
+    """Merge checkpoint `src` into a new merged checkpoint `dst` (see the module docstring).
+    `verify` checks every source file's SHA-256 first. Returns `dst`."""
+    src_root, dst = Path(src).absolute(), Path(dst).absolute()
+    manifest = verify_files(src_root) if verify else read_manifest(src_root)
+    max_bytes = parse_size(max_shard_size)
+    stage = StagingDir(dst, new_token(), overwrite).create()
+    try:
+        with Sources(src_root, manifest, verify=False) as source:
+            plan = _model_plan(manifest)
+            total = sum(p[4] for p in plan)
+            if not model_only:
+                total += sum(math.prod(r[0]["full_shape"]) * _itemsize(r[0]["dtype"])
+                             for r in source.optim.values() if r[0]["kind"] in ("flat", "local"))
+            done = [0]
+            files, model = write_model(stage, plan, max_bytes, lambda names, shape, dtype: model_region(
+                source, names, shape, tuple((0, d) for d in shape), getattr(torch, dtype)), done, total, progress,
+                segments=lambda names, shape, dtype: model_segments(source, names, shape, dtype))
+            stored = {names[0]: name for name, names, *_ in plan}  # saved full name -> stored name
+            optimizer_state, ranks = [], []
+            if not model_only and source.optim:
+                more, optimizer_state = _write_optimizer(source, stage, stored, done, total, progress)
+                files.update(more)
+            if not model_only and manifest.get("ranks"):
+                more, ranks = _write_rng(source, stage, manifest)
+                files.update(more)
+        stage.commit(merged_manifest(plan, files, model, world_size=manifest["world_size"], plan_identity=manifest.get(
+            "plan"), source={"kind": manifest["kind"], "path": str(src_root)},
+            optimizer=None if model_only else manifest.get("optimizer"), optimizer_state=optimizer_state, ranks=ranks))
+    except BaseException:
+        stage.discard()
+        raise
+    return dst

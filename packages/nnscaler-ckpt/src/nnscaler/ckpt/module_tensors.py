@@ -1,0 +1,100 @@
+"""What a rank holds of the model: its local tensors and where each sits in its full tensor.
+
+A parallelized module is recognised by its ``fullmap`` (local name -> ``FullMapEntry``, the IR's
+contract); the checkpoint package never imports the runtime. A container holding parallelized
+modules contributes its own plain parameters and buffers too, whole (replicated on every rank).
+Full names are prefixed with the parallelized module's path in the container.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["LocalTensor", "parallel_modules", "local_tensors", "plan_identity", "piece_key"]
+
+
+@dataclass
+class LocalTensor:
+    """One local tensor. slices / value_split / replicas as in ``FullMapEntry``; `aliases`: other
+    full names of the same (tied) tensor."""
+
+    full_name: str
+    full_shape: Tuple[int, ...]
+    slices: Tuple[Tuple[int, int], ...]
+    value_split: Tuple[int, int]
+    replicas: int
+    tensor: torch.Tensor
+    persistent: bool
+    trainable: bool
+    aliases: Tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return piece_key(self.full_name, self.slices, self.value_split)
+
+
+def piece_key(full_name: str, slices, value_split) -> str:
+    """A name for a piece of a full tensor, equal on every rank holding the same values."""
+    return f"{full_name}|{[list(s) for s in slices]}|{list(value_split)}"
+
+
+def parallel_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(path, module) of every parallelized module in `module` (itself included)."""
+    found = [(path, m) for path, m in module.named_modules() if hasattr(m, "fullmap")]
+    if not found:
+        raise CheckpointError(f"{type(module).__name__} is not a parallelized module and holds none: pass the "
+                              f"module nnscaler.parallelize returned")
+    return found
+
+
+def _prefix(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def local_tensors(module: torch.nn.Module) -> List[LocalTensor]:
+    """Every persistent or non-persistent local tensor of this rank, parallelized ones first."""
+    out: List[LocalTensor] = []
+    seen = set()
+    pms = parallel_modules(module)
+    for path, pm in pms:
+        persistent = set(pm.state_dict(keep_vars=True))
+        aliases: Dict[str, List[str]] = {}
+        for full, local in getattr(pm, "full_aliases", {}).items():
+            aliases.setdefault(local, []).append(_prefix(path, full))
+        for local, e in pm.fullmap.items():
+            t = getattr(pm, local)
+            seen.add(id(t))
+            out.append(LocalTensor(_prefix(path, e.full_name), tuple(e.full_shape), tuple(map(tuple, e.slices)),
+                                   tuple(e.value_split), int(e.replicas), t, local in persistent,
+                                   isinstance(t, torch.nn.Parameter) and t.requires_grad,
+                                   tuple(sorted(aliases.get(local, ())))))
+    inside = [p for p, _ in pms]
+    plain: Dict[int, LocalTensor] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in seen or any(p == "" or name.startswith(p + ".") for p in inside):
+            continue
+        if id(t) in plain:
+            lt = plain[id(t)]
+            lt.aliases = tuple(sorted((*lt.aliases, name)))
+            continue
+        plain[id(t)] = LocalTensor(name, tuple(t.shape), tuple((0, d) for d in t.shape), (0, 1),
+                                   1, t, True, isinstance(t, torch.nn.Parameter) and t.requires_grad)
+    out.extend(plain.values())
+    return out
+
+
+def plan_identity(module: torch.nn.Module) -> List[Dict[str, Any]]:
+    """Per parallelized module: its path, class, graph fingerprint and compute config."""
+    ident = []
+    for path, pm in parallel_modules(module):
+        cfg = getattr(pm, "COMPUTE_CONFIG", None)
+        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
+        ident.append({"path": path, "class": type(pm).__name__,
+                      "graph_fingerprint": getattr(pm, "GRAPH_FINGERPRINT", None),
+                      "compute_config": json.loads(json.dumps(dict(cfg) if cfg else {}, default=str))})
+    return ident

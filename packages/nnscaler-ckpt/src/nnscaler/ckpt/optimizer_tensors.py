@@ -1,0 +1,128 @@
+"""What a rank's optimizer holds, described by full parameter name, and putting a state back.
+
+Without ZeRO, optimizer parameter ``i`` is the ``i``-th trainable parameter of the module
+(``build_optimizer``'s contract) and its state tensors have the local tensor's shape. Under ZeRO
+(``opt.zero_layout``, the IR's ``ZeroShardLayout``) parameter ``piece.state_index`` is elements
+``[start, stop)`` of the flattened local tensor and its state tensors are 1-D. State tensors of
+another shape (Adam's ``step``) are per-parameter values, the same on every piece. fp32 masters
+(``state_dict()["master_weights"]``) are kept as the state ``master_weights``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import CheckpointError
+from .module_tensors import LocalTensor
+
+__all__ = ["OptimizerSlot", "optimizer_slots", "optimizer_class", "hyper_parameters", "apply_hyper_parameters",
+           "MASTER"]
+
+MASTER = "master_weights"
+
+
+@dataclass
+class OptimizerSlot:
+    """Optimizer parameter `index`: elements [start, stop) of local tensor `local` (flat: the
+    state tensors are 1-D, else they have the local tensor's shape)."""
+
+    index: int
+    local: LocalTensor
+    start: int
+    stop: int
+    flat: bool
+
+
+def _is_mixin_class(c: type) -> bool:
+    b = c.__bases__
+    return (len(b) == 2 and not issubclass(b[0], torch.optim.Optimizer)
+            and issubclass(b[1], torch.optim.Optimizer))
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The user's optimizer class (``torch.optim.adam.Adam``), not nnscaler's wrappers around it."""
+    for c in type(optimizer).__mro__:
+        if issubclass(c, torch.optim.Optimizer) and not _is_mixin_class(c):
+            return f"{c.__module__}.{c.__qualname__}"
+    return type(optimizer).__qualname__
+
+
+def optimizer_slots(module: torch.nn.Module, optimizer, tensors: List[LocalTensor]) -> List[OptimizerSlot]:
+    """Every optimizer parameter of this rank, by index."""
+    layout = getattr(optimizer, "zero_layout", None)
+    if layout is not None:
+        by_place = {(lt.full_name, lt.slices): lt for lt in tensors}
+        slots = []
+        for p in layout.pieces:
+            name = f"{p.module_path}.{p.full_name}" if p.parallel and p.module_path else p.full_name
+            lt = by_place.get((name, tuple(map(tuple, p.slices))))
+            if lt is None:
+                raise CheckpointError(f"ZeRO piece {p.state_index} ({name}{list(p.slices)}) is not a tensor of the "
+                                      f"module: pass the module the optimizer was built over")
+            slots.append(OptimizerSlot(p.state_index, lt, p.start, p.stop, True))
+        return slots
+    by_id = {id(lt.tensor): lt for lt in tensors}
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    held = sum(len(g["params"]) for g in optimizer.param_groups)
+    if held != len(trainable):
+        raise CheckpointError(f"the optimizer holds {held} parameters, the module {len(trainable)} trainable ones: "
+                              f"build the optimizer with nnscaler.build_optimizer(module, ...)")
+    return [OptimizerSlot(i, by_id[id(p)], 0, by_id[id(p)].tensor.numel(), False) for i, p in enumerate(trainable)]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    return repr(value)
+
+
+def hyper_parameters(optimizer) -> List[Dict[str, Any]]:
+    """Each param group's settings (lr, betas, ...) as JSON."""
+    return [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+
+
+def apply_hyper_parameters(current: List[Dict[str, Any]], saved: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """`current` param groups (from ``state_dict()``) with the saved settings, typed as now."""
+    if len(saved) != len(current):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {len(current)}: "
+                              f"build the optimizer as it was built when saving")
+    out = []
+    for now, old in zip(current, saved):
+        group = dict(now)
+        for k, v in old.items():
+            if k not in now:
+                group[k] = v
+                continue
+            cur = now[k]
+            if isinstance(cur, tuple):
+                v = tuple(v)
+            elif isinstance(cur, torch.Tensor):
+                v = torch.tensor(v, dtype=cur.dtype, device=cur.device)
+            elif isinstance(cur, float) and isinstance(v, str):
+                v = float(v)
+            group[k] = v
+        out.append(group)
+    return out
+
+
+def element_wise(value: torch.Tensor, slot: OptimizerSlot) -> bool:
+    """Whether a state tensor holds one value per element of the slot (else: per parameter)."""
+    if slot.flat:
+        return value.dim() == 1 and value.numel() == slot.stop - slot.start
+    return tuple(value.shape) == tuple(slot.local.tensor.shape) and value.dim() > 0
+
+
+def state_of(optimizer) -> Tuple[Dict[int, Dict[str, Any]], Optional[Dict[int, torch.Tensor]]]:
+    sd = optimizer.state_dict()
+    return sd["state"], sd.get(MASTER)

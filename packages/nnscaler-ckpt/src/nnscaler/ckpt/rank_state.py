@@ -1,0 +1,92 @@
+"""One rank's share of a checkpoint: the tensors it writes and the manifest records describing
+them (model pieces, optimizer-state pieces, RNG states, the caller's extra)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .extra import split_extra
+from .module_tensors import LocalTensor, local_tensors, parallel_modules
+from .optimizer_tensors import MASTER, element_wise, optimizer_slots, state_of
+from .rng import capture_rng
+
+__all__ = ["RankState", "collect", "optimizer_piece_id"]
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+@dataclass
+class RankState:
+    tensors: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    model: List[Dict[str, Any]] = field(default_factory=list)
+    optimizer_state: List[Dict[str, Any]] = field(default_factory=list)
+    rng: Dict[str, Any] = field(default_factory=dict)
+    extra: Any = None
+    locals: List[LocalTensor] = field(default_factory=list)
+
+
+def optimizer_piece_id(rec: Dict[str, Any]) -> str:
+    return f"{rec['full_name']}|{rec['state']}|{rec['slices']}|{rec['start']}:{rec['stop']}|{rec['kind']}"
+
+
+def _unique(key: str, used: set) -> str:
+    out, i = key, 1
+    while out in used:
+        out, i = f"{key}#{i}", i + 1
+    used.add(out)
+    return out
+
+
+def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int) -> RankState:
+    """Describe (and reference, without copying) everything this rank saves."""
+    st = RankState()
+    used: set = set()
+    st.locals = local_tensors(module)
+    for lt in st.locals:
+        if not lt.persistent:
+            continue
+        key = _unique(f"model/{lt.full_name}", used)
+        st.tensors.append((key, lt.tensor))
+        st.model.append({"key": key, "rank": rank, "full_name": lt.full_name, "full_shape": list(lt.full_shape),
+                         "slices": [list(s) for s in lt.slices], "value_split": list(lt.value_split),
+                         "replicas": lt.replicas, "aliases": list(lt.aliases), "dtype": _dtype(lt.tensor),
+                         "shape": list(lt.tensor.shape),
+                         "piece": lt.key})
+    if optimizer is not None:
+        states, masters = state_of(optimizer)
+        for slot in optimizer_slots(module, optimizer, st.locals):
+            values = dict(states.get(slot.index, {}))
+            if masters is not None and slot.index in masters:
+                values[MASTER] = masters[slot.index]
+            lt = slot.local
+            for name, value in values.items():
+                base = {"rank": rank, "full_name": lt.full_name, "state": name, "full_shape": list(lt.full_shape),
+                        "slices": [list(s) for s in lt.slices], "start": slot.start, "stop": slot.stop}
+                if not isinstance(value, torch.Tensor):
+                    st.optimizer_state.append({**base, "kind": "json", "value": value, "key": None, "dtype": None})
+                    continue
+                kind = ("flat" if slot.flat else "local") if element_wise(value, slot) else "scalar"
+                key = _unique(f"optim/{lt.full_name}/{name}", used)
+                st.tensors.append((key, value))
+                st.optimizer_state.append({**base, "kind": kind, "key": key, "dtype": _dtype(value),
+                                           "shape": list(value.shape)})
+    streams = {path: pm for path, pm in parallel_modules(module) if hasattr(pm, "rng_state")}
+    rng_tensors, st.rng = capture_rng(streams)
+    st.tensors.extend(rng_tensors.items())
+    st.extra, extra_tensors = split_extra(extra)
+    st.tensors.extend(extra_tensors.items())
+    return st
+
+
+def keep_only(st: RankState, model_ids: Optional[set], optim_ids: Optional[set]) -> None:
+    """Drop the pieces another rank stores (deduped)."""
+    if model_ids is not None:
+        st.model = [r for r in st.model if r["piece"] in model_ids]
+    if optim_ids is not None:
+        st.optimizer_state = [r for r in st.optimizer_state if optimizer_piece_id(r) in optim_ids]
+    keys = {r["key"] for r in st.model} | {r["key"] for r in st.optimizer_state}
+    st.tensors = [(k, t) for k, t in st.tensors if k in keys or not k.startswith(("model/", "optim/"))]

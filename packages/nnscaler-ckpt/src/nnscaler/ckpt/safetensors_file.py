@@ -1,0 +1,199 @@
+"""Writing safetensors files one tensor at a time, hashing the bytes as they are written.
+
+The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length,
+a JSON header ``{name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}`` padded with
+spaces to a multiple of 8, then the tensors' bytes back to back. Writing it here instead of
+``safetensors.torch.save_file`` lets a merge stream (one tensor in memory at a time) and gives the
+SHA-256 without reading the file again. Files are read with ``safetensors.safe_open``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["DTYPES", "dtype_name", "dtype_of", "TensorSpec", "SafetensorsWriter", "write_tensors",
+           "read_header", "tensor_bytes"]
+
+DTYPES: Dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+                     ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        DTYPES[getattr(torch, _name)] = _code
+_BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
+
+TensorSpec = Tuple[str, str, Tuple[int, ...]]  # (name, dtype code, shape)
+_CHUNK = 64 * 2**20  # bytes written (and hashed, overlapped) at a time
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors code of a torch dtype (``F32``)."""
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def dtype_of(code: str) -> torch.dtype:
+    return _BY_CODE[code]
+
+
+def _itemsize(code: str) -> int:
+    return torch.empty((), dtype=_BY_CODE[code]).element_size()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of `t` (CPU, row-major), without a copy when it is contiguous."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+class SafetensorsWriter:
+    """``w = SafetensorsWriter(path, specs, metadata)``, then ``w.write(name, tensor)`` for every
+    spec in order, then ``size, sha256 = w.close()`` (flushed and fsynced)."""
+
+    def __init__(self, path, specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, str]] = None):
+        self.path = Path(path)
+        self._specs = list(specs)
+        self._next = 0
+        header: Dict[str, object] = {"__metadata__": dict(metadata or {})}
+        offset = 0
+        for name, code, shape in self._specs:
+            n = _itemsize(code)
+            for d in shape:
+                n *= int(d)
+            header[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self._hash = hashlib.sha256()
+        self._hashing: Optional[threading.Thread] = None
+        self._file = open(self.path, "wb", buffering=0)  # large writes: no Python buffer in between
+        self._size = 0
+        self._emit(struct.pack("<Q", len(raw)) + raw)
+        self._offsets = header
+
+    def _emit(self, data) -> None:
+        """Write `data` while a helper thread hashes it (both release the GIL), chunk by chunk."""
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _CHUNK):
+            chunk = view[start:start + _CHUNK]
+            self._wait_hash()
+            self._hashing = threading.Thread(target=self._hash.update, args=(chunk,), daemon=True)
+            self._hashing.start()
+            while chunk:  # a raw write may take part of the chunk
+                chunk = chunk[self._file.write(chunk):]
+            self._size += len(view[start:start + _CHUNK])
+
+    def _wait_hash(self) -> None:
+        if self._hashing is not None:
+            self._hashing.join()
+            self._hashing = None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected, code, shape = self._specs[self._next]
+        if name != expected or tuple(tensor.shape) != tuple(shape) or dtype_name(tensor.dtype) != code:
+            raise ValueError(f"{self.path.name}: expected {expected} {code}{list(shape)}, got {name} "
+                             f"{dtype_name(tensor.dtype)}{list(tensor.shape)}")
+        self._emit(tensor_bytes(tensor))
+        self._next += 1
+
+    def copy(self, name: str, segments: Sequence[Tuple[str, int, int]]) -> None:
+        """Write tensor `name` as the concatenation of byte ranges ``(file, offset, length)`` of
+        other files, copied by the kernel (``os.copy_file_range``) while a helper thread hashes them."""
+        expected, code, shape = self._specs[self._next]
+        n = _itemsize(code)
+        for d in shape:
+            n *= int(d)
+        if name != expected or sum(s[2] for s in segments) != n:
+            raise ValueError(f"{self.path.name}: expected {expected} of {n} bytes, got {name} of "
+                             f"{sum(s[2] for s in segments)}")
+        out = self._file.fileno()
+        for path, offset, length in segments:
+            with open(path, "rb", buffering=0) as src:
+                self._wait_hash()
+                self._hashing = threading.Thread(target=_hash_range, args=(self._hash, src.fileno(), offset, length),
+                                                 daemon=True)
+                self._hashing.start()
+                done = 0
+                while done < length:
+                    try:
+                        moved = os.copy_file_range(src.fileno(), out, length - done, offset + done)
+                    except (AttributeError, OSError):  # no kernel copy here: read and write
+                        moved = self._file.write(os.pread(src.fileno(), min(_CHUNK, length - done), offset + done))
+                    if moved == 0:
+                        raise OSError(f"{path}: unexpected end of file at {offset + done}")
+                    done += moved
+                self._wait_hash()
+            self._size += length
+        self._next += 1
+
+    def close(self) -> Tuple[int, str]:
+        """Flush, fsync and close; returns (size in bytes, SHA-256 hex)."""
+        if self._next != len(self._specs):
+            self.abort()
+            raise ValueError(f"{self.path.name}: {len(self._specs) - self._next} tensors were not written")
+        self._wait_hash()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self._size, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        self._wait_hash()
+        if not self._file.closed:
+            self._file.close()
+
+
+def _hash_range(h, fd: int, offset: int, length: int) -> None:
+    done = 0
+    while done < length:
+        block = os.pread(fd, min(_CHUNK, length - done), offset + done)
+        if not block:
+            raise OSError(f"unexpected end of file at {offset + done}")
+        h.update(block)
+        done += len(block)
+
+
+def write_tensors(path, tensors: Iterable[Tuple[str, torch.Tensor]],
+                  metadata: Optional[Mapping[str, str]] = None) -> Tuple[int, str]:
+    """Write (name, tensor) pairs to a safetensors file; returns (size, SHA-256)."""
+    items = list(tensors)
+    writer = SafetensorsWriter(path, [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in items], metadata)
+    try:
+        for name, t in items:
+            writer.write(name, t)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def read_header(path) -> Dict[str, dict]:
+    """The JSON header of a safetensors file (raises ValueError when it is not one)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 * 2**20:
+            raise ValueError(f"header length {n} is implausible")
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("the header is cut off")
+    return json.loads(raw)

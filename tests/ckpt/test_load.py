@@ -1,0 +1,97 @@
+"""Resharding on load, through the public API on real gloo processes: train `SAVE_AT` steps
+under plan A, save (sharded, deduped; rank 0 merges the sharded one), load into plan B with other
+initial weights and train on: every loss and every parameter equal an uninterrupted single-process
+run within 1e-5 (per tensor: norm of the difference over max(1, norm of the reference)), for A -> B
+in {tp2 x dp2 + ZeRO -> dp4, tp4, tp2 x dp2 + ZeRO (resume), one process; pp2 x dp2 -> tp2 x dp2;
+dp2 -> pp2}, from the sharded, the deduped and the merged checkpoint. The merged checkpoint holds
+exactly the saved parameters and loads with plain safetensors. One launch per world size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launch import run_workers
+from parity import assemble_full
+from parity_workers import run_parity
+from safetensors.torch import load_file, load_model
+
+from training import SAVE_AT, STEPS, build, make_model, reference, rel_diff, train
+
+TOL = 1e-5
+KINDS = ("sharded", "deduped", "merged")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+def _check(ref, label, per_rank, case):
+    ref_losses, _, (ref_state, _) = ref
+    for kind in KINDS:
+        got = per_rank[0][case][kind]
+        assert got["extra"]["step"] == SAVE_AT, f"{label} {kind}: extra {got['extra']}"
+        for step, (a, b) in enumerate(zip(got["losses"], ref_losses[SAVE_AT:]), SAVE_AT):
+            assert abs(a - b) <= TOL * max(1.0, abs(b)), f"{label} {kind} step {step}: loss {a} vs {b}"
+        params = assemble_full(((r, res[case][kind]["shards"]) for r, res in enumerate(per_rank)), label)
+        assert params, label
+        for name, value in params.items():
+            assert not torch.isnan(value).any(), f"{label} {kind}: parts of {name} held by no rank"
+            assert rel_diff(value, ref_state[name]) <= TOL, f"{label} {kind}: {name} differs"
+
+
+def _check_merged(merged, ref, saved):
+    """The merged checkpoint holds exactly the saving run's parameters, equals the single-process
+    model's state_dict() and Adam state after the same steps, and loads with plain safetensors
+    into the single-device model."""
+    ref_state, ref_adam = ref[1]
+    model = make_model(seed=3)
+    missing, unexpected = load_model(model, merged / "model.safetensors")
+    assert not missing and not unexpected
+    for name, value in model.state_dict().items():
+        assert name not in saved or torch.equal(value, saved[name]), f"merged: {name} is not what was saved"
+        assert rel_diff(value, ref_state[name]) <= TOL, f"merged: {name}"
+    weights = load_file(merged / "model.safetensors")
+    assert set(weights) < set(ref_state) and len(weights) == len(ref_state) - 1  # the tied weight once
+    optim = load_file(merged / "optimizer.safetensors")
+    tied = {"wte.weight": "lm_head.weight", "lm_head.weight": "wte.weight"}
+    for name, state in ref_adam.items():
+        stored = name if f"{name}.exp_avg" in optim else tied[name]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert rel_diff(optim[f"{stored}.{key}"], state[key]) <= TOL, f"merged Adam {key} of {name}"
+
+
+@pytest.mark.multiprocess
+def test_reshard_world4(tmp_path, ref):
+    sources = [("tp-zero", 2), ("pp", 2)]
+    targets = [("tp-zero2", "dp", 1), ("tp-zero2", "tp", 4), ("pp2", "tp", 2), ("tp-zero2", "tp-zero", 2)]
+    results = run_workers(run_parity, 4, str(tmp_path), sources, targets, timeout=400)
+    for label in ("tp-zero2", "pp2"):  # the saving runs themselves
+        assert all(abs(a - b) <= TOL * max(1.0, abs(b)) for a, b in zip(results[0][label]["losses"], ref[0])), label
+    for case in targets:
+        _check(ref, f"{case[0]} -> {case[1]}{case[2]} x dp{4 // case[2]}", results, case)
+    # resuming a deduped checkpoint on the plan that wrote it: each rank reads its own file only,
+    # the pieces other ranks stored arrive from them
+    for rank, per_rank in enumerate(results):
+        assert per_rank[targets[-1]]["deduped"]["opened"] == [f"rank-{rank:05d}-of-00004.safetensors"], rank
+    assert len(results[0][("tp-zero2", "dp", 1)]["sharded"]["opened"]) == 4  # another plan: reads what it needs
+    saved = assemble_full(((r, res["tp-zero2"]["shards"]) for r, res in enumerate(results)), "saved")
+    _check_merged(tmp_path / "ckpt" / "tp-zero2-merged", ref, saved)
+    # one process: the tp2 x dp2 + ZeRO checkpoints into a plain module of a single process
+    import nnscaler.ckpt as ckpt
+    for kind in KINDS:
+        pm, opt = build("one", 1, 1, str(tmp_path / "gen1"), seed=1)
+        extra = ckpt.load(tmp_path / "ckpt" / f"tp-zero2-{kind}", pm, opt)
+        assert extra["losses"] == results[0]["tp-zero2"]["losses"], kind
+        losses = train(pm, opt, SAVE_AT, STEPS)
+        for step, (a, b) in enumerate(zip(losses, ref[0][SAVE_AT:]), SAVE_AT):
+            assert abs(a - b) <= TOL * max(1.0, abs(b)), f"one process {kind} step {step}: {a} vs {b}"
+        for name, value in pm.state_dict().items():
+            full = pm.fullmap[name].full_name
+            assert rel_diff(value, ref[2][0][full]) <= TOL, f"one process {kind}: {full}"
+
+
+@pytest.mark.multiprocess
+def test_reshard_world2_dp_to_pp(tmp_path, ref):
+    results = run_workers(run_parity, 2, str(tmp_path), [("dp", 1)], [("dp1", "pp", 2)], timeout=400)
+    _check(ref, "dp2 -> pp2", results, ("dp1", "pp", 2))

@@ -1,0 +1,47 @@
+"""Optimizer state by parameter name: the user's class behind nnscaler's wrappers, hyper-parameters
+typed as the optimizer has them, fp32 master weights kept as a state."""
+import json
+
+import torch
+
+from fake_modules import FakeParallel
+from nnscaler.ckpt import load, save
+from nnscaler.ckpt.optimizer_tensors import apply_hyper_parameters, hyper_parameters, optimizer_class
+
+
+def _bf16(seed):
+    from nnscaler.runtime.precision import with_master_weights
+    pm = FakeParallel(seed=seed)
+    for p in pm.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return pm, with_master_weights(torch.optim.Adam(pm.parameters(), lr=0.1))
+
+
+def test_class_behind_wrappers():
+    _, opt = _bf16(0)
+    assert type(opt).__name__ != "Adam" and optimizer_class(opt) == "torch.optim.adam.Adam"
+
+
+def test_hyper_parameters_keep_their_types():
+    opt = torch.optim.Adam(FakeParallel().parameters(), lr=torch.tensor(0.01), betas=(0.8, 0.9))
+    saved = json.loads(json.dumps(hyper_parameters(opt)))
+    assert saved[0]["betas"] == [0.8, 0.9] and abs(saved[0]["lr"] - 0.01) < 1e-9
+    groups = apply_hyper_parameters(opt.state_dict()["param_groups"], saved)
+    assert groups[0]["betas"] == (0.8, 0.9) and isinstance(groups[0]["lr"], torch.Tensor)
+    assert groups[0]["params"] == [0, 1, 2]
+
+
+def test_master_weights_round_trip(tmp_path):
+    pm, opt = _bf16(0)
+    for step in range(2):
+        opt.zero_grad()
+        pm(torch.randint(0, 6, (5,), generator=torch.Generator().manual_seed(step))).float().backward()
+        opt.step()
+    save(tmp_path / "ck", pm, opt)
+    states = {r["state"] for r in json.loads((tmp_path / "ck" / "manifest.json").read_text())["optimizer_state"]}
+    assert states == {"exp_avg", "exp_avg_sq", "master_weights", "step"}
+    pm2, opt2 = _bf16(5)
+    load(tmp_path / "ck", pm2, opt2)
+    a, b = opt.state_dict()["master_weights"], opt2.state_dict()["master_weights"]
+    assert a.keys() == b.keys() and all(torch.equal(a[i], b[i]) and a[i].dtype == torch.float32 for i in a)
+    assert all(torch.equal(x, y) for x, y in zip(pm.state_dict().values(), pm2.state_dict().values()))
