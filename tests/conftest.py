@@ -10,8 +10,10 @@
   default group is initialised in the pytest process, nnscaler's group registry
   (`nnscaler.runtime.grid`) holds no process group, and no file appeared in the repository tree
   (or in the working directory when it is outside the repository). Files that people add while
-  tests run are not counted: anything in a package's `src/`, and `.py`/`.md`/`.rst`/`.toml`/
-  `.txt` files under tests/, docs/, examples/, bench/, tools/ and src/ (but never `gencode*.py`). Whatever leaked is cleaned
+  tests run are not counted: anything in a package's `src/` or in bench/results/ (benchmark
+  figures; the bench tests write theirs under tmp_path), and `.py`/`.md`/`.rst`/`.toml`/`.txt`/
+  `.yaml`/`.yml`/`.cfg`/`.ini` files under tests/, docs/, examples/, bench/, tools/ and src/
+  (but never `gencode*.py`). Whatever leaked is cleaned
   up (processes killed, groups destroyed, registry emptied; files are left for inspection) so
   that the next test starts clean, and the test fails with what was found.
   `@pytest.mark.allow_leaks` exempts a test (none uses it; it is there for a test that
@@ -44,7 +46,7 @@ PROCESS_GRACE_S = 10.0  # how long a test's processes get to exit once the test 
 # whole session by design (not a test's leftovers).
 _MP_HELPERS = ("from multiprocessing.resource_tracker import main", "from multiprocessing.forkserver import main")
 _SOURCE_TREES = {"tests", "docs", "examples", "bench", "tools", "src"}
-_SOURCE_SUFFIXES = (".py", ".md", ".rst", ".toml", ".txt")
+_SOURCE_SUFFIXES = (".py", ".md", ".rst", ".toml", ".txt", ".yaml", ".yml", ".cfg", ".ini")
 _SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 
 # -- which tests start processes -----------------------------------------------------------------
@@ -82,7 +84,8 @@ def _install_spawn_recorders() -> None:
 
     def init(self, args, *rest, **kwargs):
         argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-        if kwargs.get("shell") or _runs_python(argv[0] if argv else "", kwargs.get("executable")):
+        if (any(w in os.fsdecode(argv[0]) for w in ("python", "torchrun")) if kwargs.get("shell") and argv
+                else _runs_python(argv[0] if argv else "", kwargs.get("executable"))):
             shown = " ".join(map(str, argv))
             _STARTED.append(("subprocess", shown[:200]))
         return popen_init(self, args, *rest, **kwargs)
@@ -221,8 +224,8 @@ def _hand_written(path: str) -> bool:
     (gencode*.py) is never taken for one."""
     rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
     name = rel.rsplit("/", 1)[-1]
-    if rel.startswith("packages/") and "/src/" in rel:
-        return True
+    if (rel.startswith("packages/") and "/src/" in rel) or rel.startswith("bench/results/"):
+        return True  # sources; benchmark figures, recorded by people running the benchmarks
     return (rel.split("/", 1)[0] in _SOURCE_TREES and name.endswith(_SOURCE_SUFFIXES)
             and not name.startswith("gencode"))
 

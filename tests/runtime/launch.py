@@ -6,14 +6,15 @@
 `fn` must be a module-level function (it is pickled by reference into spawned interpreters) and
 its arguments and return value must be picklable with torch.save. Every worker sets
 MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, runs with one thread, joins a gloo
-group, and always destroys it (and nnscaler's cached groups) on the way out.
+group, and always destroys it (and nnscaler's cached groups) on the way out. A worker's exception
+fails the call with its traceback text; a worker that dies, or a run that exceeds `timeout`,
+fails it too. No process is left behind.
 
 The rendezvous store is hosted by the calling process, as torchrun's agent hosts it: a TCPStore
 server bound to a port the OS picks (port 0) *before* any worker starts, kept bound until every
-worker is gone; the workers connect to it as clients. So no port is chosen, released and bound
-again later (the old `free_port()` race: another process could take the port in between). A worker's exception
-fails the call with its traceback text; a worker that dies, or a run that exceeds `timeout`,
-fails it too. No process is left behind.
+worker is gone; the workers connect to it as clients (MASTER_PORT names it). So no port is
+chosen, released and bound again later (the old `free_port()` race: another process could take
+the port in between).
 """
 from __future__ import annotations
 
