@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List
 
-from nnscaler.ir import atomic_write
+from nnscaler.ir import as_compute_config, atomic_write
 from nnscaler.ir.contracts import gencode_file
 
 from .emit import emit_rank, param_local_names
@@ -22,15 +22,15 @@ from .report import REPORT_JSON, REPORT_TEXT, build_report, write_report
 
 def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str = "") -> List[Path]:
     """Write one module per runtime rank and the plan report into `outdir`; returns the modules' paths."""
-    cfg = compute_config.to_dict() if hasattr(compute_config, "to_dict") else dict(compute_config)
+    cfg = as_compute_config(compute_config)
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
     if graph.pipeline is not None:  # stages cannot share a decision: the traced branch, guarded
         from nnscaler.ir import keep_traced_branch
         keep_traced_branch(graph)
-    unit = plan_unit(graph, cfg["plan_ngpus"])
-    for rank in range(cfg["runtime_ngpus"]):
+    unit = plan_unit(graph, cfg.plan_ngpus)
+    for rank in range(cfg.runtime_ngpus):
         text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint(), unit=unit)
         compile(text, gencode_file(rank), "exec")  # a bug here must not reach the ranks
         paths.append(atomic_write(outdir / gencode_file(rank), text))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from nnscaler.ir import IRGraph, Replicate, Shard, iter_refs
+from nnscaler.ir import IRGraph, Replicate, Shard, as_compute_config, iter_refs
 
 from .arguments import forward_signature, untraced_checks
 from .body import BodyEmitter
@@ -34,10 +34,11 @@ __all__ = ["emit_rank", "param_local_names"]
 R = Replicate()
 
 
-def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fingerprint: str,
+def emit_rank(graph: IRGraph, compute_config, rank: int, policy: str, fingerprint: str,
               class_name: Optional[str] = None, unit: Optional[UnitPlan] = None) -> str:
     """The source of runtime rank `rank`'s module (`unit`: the layouts, computed when not given)."""
-    n = compute_config["plan_ngpus"]
+    compute_config = as_compute_config(compute_config)
+    n = compute_config.plan_ngpus
     device = rank % n
     unit = unit or plan_unit(graph, n)
     rewrites = dict(rnd=RandomOps(graph, compute_config, unit),  # random ops draw from the runtime's stream
@@ -48,11 +49,11 @@ def emit_rank(graph: IRGraph, compute_config: dict, rank: int, policy: str, fing
         methods = [_forward_method(graph, naming, unit, tuple(range(rank - device, rank - device + n)), rewrites)]
     else:
         methods, meta = pipeline_methods(graph, naming, unit, rank, device, **rewrites)
-    attrs = {"COMPUTE_CONFIG": compute_config, "RANK": rank, "GRAPH_FINGERPRINT": fingerprint,
+    attrs = {"COMPUTE_CONFIG": compute_config.to_dict(), "RANK": rank, "GRAPH_FINGERPRINT": fingerprint,
              "TRACED_TRAINING": bool(graph.traced_training),
              "RANDOM": rewrites["rnd"].class_attr() if rewrites["rnd"].nops else None,
              "MODE_DIVERGENCE": graph.mode_divergence, "PIPELINE": meta.to_dict() if meta is not None else None}
-    header = dict(rank=rank, world=compute_config["runtime_ngpus"], device=device, plan=n,
+    header = dict(rank=rank, world=compute_config.runtime_ngpus, device=device, plan=n,
                   module_class=graph.module_class, policy=policy, fingerprint=fingerprint)
     return module_text(graph, class_name or graph.module_class.rsplit(".", 1)[-1], attrs,
                        init_lines(graph, naming.local, unit, device, compute_config), methods, header)

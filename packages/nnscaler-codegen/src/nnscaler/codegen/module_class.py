@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping
 
-from nnscaler.ir import IRGraph, Node, Shard, is_guard, module_of
+from nnscaler.ir import ComputeConfig, IRGraph, Node, Shard, is_guard, module_of
 from nnscaler.ir.contracts import GENERATED_ATTR_NAMES, GENERATED_ATTRS
 
 from .lines import Lines
@@ -75,17 +75,17 @@ def module_text(graph: IRGraph, class_name: str, attrs: Mapping[str, Any], init:
     return "\n".join(out)
 
 
-def init_lines(graph: IRGraph, local: Dict[str, str], unit: UnitPlan, device: int, cfg: dict) -> List[str]:
+def init_lines(graph: IRGraph, local: Dict[str, str], unit: UnitPlan, device: int, cfg: ComputeConfig) -> List[str]:
     """The body of ``__init__``: the process groups, then this rank's tensors and their full maps."""
     n = unit.plan_ngpus  # pieces per op: the unit's devices, or a stage's (tp_size)
-    plan_n = cfg["plan_ngpus"]
+    plan_n = cfg.plan_ngpus
     pipe = graph.pipeline
     groups = []  # every rank creates every group, in the same order (collective)
     if pipe is not None and n > 1:
         groups += [tuple(u * plan_n + d for d in pipe.group_devices(g))
-                   for u in range(cfg["runtime_ngpus"] // plan_n) for g in range(pipe.pp_size)]
+                   for u in range(cfg.dp_size) for g in range(pipe.pp_size)]
     if plan_n > 1:
-        groups += [tuple(range(u * plan_n, (u + 1) * plan_n)) for u in range(cfg["runtime_ngpus"] // plan_n)]
+        groups += [tuple(range(u * plan_n, (u + 1) * plan_n)) for u in range(cfg.dp_size)]
     lines = []
     if groups:
         lines.append(f"for _ranks in {tuple(groups)!r}:")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from nnscaler.ir import IRGraph, LIKE, MASK, Node, Shard, node_random_kind
+from nnscaler.ir import ComputeConfig, IRGraph, LIKE, MASK, Node, Shard, node_random_kind
 
 from .errors import GenerationError
 from .render import ModeChoice, RawExpr, Renderer
@@ -46,10 +46,10 @@ def _where(node: Node) -> str:
 
 
 class RandomOps:
-    def __init__(self, graph: IRGraph, cfg: dict, unit):
+    def __init__(self, graph: IRGraph, cfg: ComputeConfig, unit):
         self.graph, self.unit = graph, unit
-        self.mode = cfg.get("rng_mode", "parallel")
-        self.dp = cfg["runtime_ngpus"] // cfg["plan_ngpus"]
+        self.mode = cfg.rng_mode
+        self.dp = cfg.dp_size
         self.nops = count_random_ops(graph)
         self._batch: Optional[set] = None
         if self.mode == "exact" and self.nops and graph.pipeline is not None:

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from nnscaler.ir import (Collective, IRGraph, ModuleReport, Node, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
+from nnscaler.ir import (as_compute_config, Collective, IRGraph, ModuleReport, Node, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
                          Replicate, Shard, UnannotatedOp, atomic_write, is_guard, iter_refs)
 
 
@@ -30,8 +30,8 @@ R = Replicate()
 
 def build_report(graph: IRGraph, compute_config, policy: str = "?", unit: Optional[UnitPlan] = None) -> PlanReport:
     """The `PlanReport` of a planned graph (`compute_config`: a ComputeConfig or its dict)."""
-    cfg = compute_config.to_dict() if hasattr(compute_config, "to_dict") else dict(compute_config)
-    plan_ngpus, runtime_ngpus = cfg["plan_ngpus"], cfg["runtime_ngpus"]
+    cfg = as_compute_config(compute_config)
+    plan_ngpus, runtime_ngpus = cfg.plan_ngpus, cfg.runtime_ngpus
     unit = unit or plan_unit(graph, plan_ngpus)
     report = PlanReport(graph.module_class, policy, plan_ngpus, runtime_ngpus)
     modules: Dict[str, ModuleReport] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import List
 
-from nnscaler.ir import Node
+from nnscaler.ir import ComputeConfig, Node
 
 from .errors import GenerationError
 
@@ -23,9 +23,8 @@ RUNTIME_CALL = "nr.sync_batchnorm.batch_norm"
 
 
 class SyncBatchNorm:
-    def __init__(self, cfg: dict):
-        dp = cfg["runtime_ngpus"] // cfg["plan_ngpus"]
-        self.enabled = bool(cfg.get("sync_batchnorm", False)) and dp > 1
+    def __init__(self, cfg: ComputeConfig):
+        self.enabled = cfg.sync_batchnorm and cfg.dp_size > 1
 
     def wrap(self, node: Node, lines: List[str]) -> List[str]:
         if not self.enabled or node.target != BATCH_NORM:

@@ -16,7 +16,7 @@ What other packages use is exported here (and from the public sub-packages
   `iter_tensors` / `map_tensors` (nested containers), `atomic_write` / `AtomicFile`, `policy_name`,
   `module_of`.
 """
-from .config import ComputeConfig, OptionalComputeConfig
+from .config import ComputeConfig, OptionalComputeConfig, as_compute_config
 from .errors import ConfigError, GenerationError, NnScalerError, NnScalerWarning, TraceError, TracingWarning
 from .config_checks import ConfigWarning, warn_ineffective_settings
 from .graph import IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, decode, dtype_name, iter_refs
@@ -36,7 +36,7 @@ from .ops.annotation import AnnotationError, parse_annotation
 from .ops.registry import REGISTRY, register_op  # (importing it registers the built-in annotations)
 
 __all__ = [
-    "ComputeConfig", "OptionalComputeConfig", "ConfigWarning", "warn_ineffective_settings",
+    "ComputeConfig", "OptionalComputeConfig", "as_compute_config", "ConfigWarning", "warn_ineffective_settings",
     "NnScalerError", "NnScalerWarning", "ConfigError", "GenerationError", "TraceError", "TracingWarning",
     "AnnotationError", "LayoutError",
     "IRGraph", "InputSpec", "Node", "Ref", "SourceLoc", "TensorSpec", "Value", "decode", "dtype_name", "iter_refs",

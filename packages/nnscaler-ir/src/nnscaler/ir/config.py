@@ -160,6 +160,16 @@ class ComputeConfig:
         return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
 
 
+def as_compute_config(value: Any) -> ComputeConfig:
+    """`value` as a ComputeConfig: one as it is, its dict (``to_dict()``, the generated code's
+    ``COMPUTE_CONFIG``) through `ComputeConfig.from_dict` (validated; unknown fields refused)."""
+    if isinstance(value, ComputeConfig):
+        return value
+    if isinstance(value, dict):
+        return ComputeConfig.from_dict(dict(value))
+    raise TypeError(f"expected a ComputeConfig (or its dict), got {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class OptionalComputeConfig:
     """A partial ComputeConfig: None means "take the value from the base config"."""

@@ -4,7 +4,7 @@ Contract for generated code (one module file per runtime rank, `gencode{rank}.py
 attributes are listed, with their meaning and defaults, in nnscaler.ir.contracts.GENERATED_ATTRS)::
 
     class GenModel(nnscaler.runtime.ParallelModule):
-        COMPUTE_CONFIG = {...}   # ComputeConfig fields (dataclasses.asdict)
+        COMPUTE_CONFIG = {...}   # ComputeConfig.to_dict(); a ComputeConfig once the class exists
         RANK = 0                 # plan device this file was generated for (checked modulo plan_ngpus)
         SOURCE_MAP = {57: "model.py:42 in MLP.forward (layers.0): x = F.gelu(layer(x))"}
         RANDOM = {"mode": "parallel", "ops": 9}  # optional: the program's random ops (runtime/random.py)
@@ -36,7 +36,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import torch
 
-from nnscaler.ir import ComputeConfig
+from nnscaler.ir import as_compute_config
 from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file
 from nnscaler.ir.contracts import WEIGHTS_FILE
 from nnscaler.ir import map_tensors
@@ -59,9 +59,7 @@ __all__ = ["ParallelModule", "FullMapEntry", "INIT_WEIGHTS_FILE", "make_compute_
 INIT_WEIGHTS_FILE = WEIGHTS_FILE
 
 
-def make_compute_config(data: Any) -> ComputeConfig:
-    """The generated code's ``COMPUTE_CONFIG`` (a dict) as the typed, validated ComputeConfig."""
-    return data if isinstance(data, ComputeConfig) else ComputeConfig.from_dict(dict(data))
+make_compute_config = as_compute_config  # the generated COMPUTE_CONFIG -> ComputeConfig (kept for callers)
 
 
 class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStreamsMixin, torch.nn.Module):

@@ -5,13 +5,15 @@ Every generated ``gencode{rank}.py`` defines one class deriving from the runtime
 writes them, with their meaning and the default a class that does not set one gets. Codegen
 writes from this list (``nnscaler.codegen.module_class``); ``ParallelModule`` derives from
 `GeneratedAttrs`, which declares every one with its default and, when a generated class is
-created, decodes the literals that have a typed form (``PIPELINE`` -> `PipelineMeta`).
+created, decodes the literals that have a typed form (``COMPUTE_CONFIG`` -> `ComputeConfig`,
+``PIPELINE`` -> `PipelineMeta`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
+from ..config import ComputeConfig, as_compute_config
 from .pipeline_meta import PipelineMeta
 
 __all__ = ["GeneratedAttr", "GENERATED_ATTRS", "GENERATED_ATTR_NAMES", "GeneratedAttrs", "decode_pipeline"]
@@ -36,8 +38,9 @@ class GeneratedAttr:
 
 
 GENERATED_ATTRS: Tuple[GeneratedAttr, ...] = (
-    GeneratedAttr("COMPUTE_CONFIG", "the ComputeConfig the code was generated for, as its dict "
-                  "(ComputeConfig.to_dict()); always written", {"plan_ngpus": 1, "runtime_ngpus": 1}),
+    GeneratedAttr("COMPUTE_CONFIG", "the ComputeConfig the code was generated for, written as its dict "
+                  "(ComputeConfig.to_dict()) and validated into a ComputeConfig when the class is created; "
+                  "always written", ComputeConfig(1, 1), as_compute_config),
     GeneratedAttr("RANK", "the runtime rank the file was generated for; building the module on a rank of "
                   "another plan device (rank % plan_ngpus) raises; always written"),
     GeneratedAttr("GRAPH_FINGERPRINT", "the traced graph's fingerprint (program identity); loading the code "
