@@ -119,6 +119,19 @@ class NnScalerOptimizerMixin:
         for grads in _by_device(self._nnscaler_grads()).values():
             torch._foreach_mul_(grads, factor)
 
+    def sync_grads(self) -> None:
+        """Synchronise the gradients accumulated locally under ``sync_grad_when(False)`` now: the
+        data-parallel reducer of every ParallelModule this optimizer was built over and the one of
+        their plain neighbours' parameters (COLLECTIVE over their groups). For a hook that must see
+        the local gradients before they are synced (the Trainer's ``before_sync_grad``)."""
+        module = self._nnscaler_module
+        for pm in [m for m in module.modules() if isinstance(m, ParallelModule)]:
+            if pm.reducer is not None:
+                pm.reducer.sync_grads()
+        plain = getattr(module, "_nnscaler_reducer", None)
+        if plain is not None:
+            plain.sync_grads()
+
     def sync_shard_grad(self) -> None:
         """Under ZeRO: set the shard gradients the optimizer steps on, once per step (with
         zero_use_reduce_scatter this is the reduce-scatter: COLLECTIVE). Called by `clip_gnorm`,

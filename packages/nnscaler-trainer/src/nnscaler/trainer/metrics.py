@@ -1,0 +1,47 @@
+"""What a step reports: the metrics handed to loggers and to the before_log_* hooks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+__all__ = ["TrainStepMetrics", "ValMetrics"]
+
+
+@dataclass
+class TrainStepMetrics:
+    """One optimizer step. Hooks may edit it (``before_log_train_metrics``) before it is logged."""
+
+    epoch: int
+    step: int  # global optimizer steps done, this one included
+    train_loss: float
+    lr: float
+    gnorm: Optional[float] = None
+    samples_per_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    step_time_s: Optional[float] = None
+    memory_mb: Optional[float] = None
+    extra: Dict[str, Any] = field(default_factory=dict)  # anything a hook adds; logged too
+
+    def scalars(self) -> Dict[str, float]:
+        """The numeric values to log, by name (None left out)."""
+        out = {"loss": self.train_loss, "lr": self.lr, "gnorm": self.gnorm, "samples_per_s": self.samples_per_s,
+               "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s, "memory_mb": self.memory_mb,
+               "epoch": self.epoch}
+        out.update(self.extra)
+        return {k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+@dataclass
+class ValMetrics:
+    """One validation run."""
+
+    epoch: int
+    step: int
+    val_loss: float
+    num_batches: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def scalars(self) -> Dict[str, float]:
+        out = {"loss": self.val_loss}
+        out.update(self.extra)
+        return {k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -1,0 +1,39 @@
+"""Resuming a run from ``checkpoint.resume_from``: weights and optimizer through nnscaler.ckpt,
+then the Trainer's own state (counters, data position, LR scheduler, grad scaler, RNG)."""
+from __future__ import annotations
+
+import warnings
+
+from .checkpointing import TRAINER_KEY
+from .errors import TrainerConfigWarning
+from .state import TrainState, from_jsonable
+
+__all__ = ["resume"]
+
+
+def resume(trainer) -> bool:
+    """Load the checkpoint ``resume_from`` names, if any; True when something was loaded."""
+    path = trainer.checkpoints.resolve(trainer.train_args.checkpoint.resume_from)
+    if path is None:
+        return False
+    extra = trainer.checkpoints.load(trainer, path)
+    ours = extra.get(TRAINER_KEY)
+    if isinstance(ours, list):  # a merged checkpoint keeps every rank's extra
+        ours = ours[0] if ours else None
+    if ours:
+        trainer.state = TrainState.from_dict(ours["state"])
+        if trainer.lr_scheduler is not None and ours.get("lr_scheduler") is not None:
+            trainer.lr_scheduler.load_state_dict(from_jsonable(ours["lr_scheduler"]))
+        if ours.get("precision"):
+            trainer.precision.load_state_dict(from_jsonable(ours["precision"]))
+        rng = (ours.get("rng") or {}).get(str(trainer.rank))
+        if rng is not None and ours.get("world_size") == trainer.world_size:
+            trainer._pending_rng = rng
+        else:
+            warnings.warn(f"checkpoint.resume_from: {path} was saved by {ours.get('world_size')} processes, this run "
+                          f"has {trainer.world_size}: random states start afresh (the run is not bitwise the "
+                          f"continuation)", TrainerConfigWarning)
+    trainer.hooks.on_load_checkpoint(trainer, extra)
+    if trainer.rank == 0:
+        trainer.console.line(f"resumed from {path} at epoch {trainer.state.epoch}, step {trainer.state.step}")
+    return True

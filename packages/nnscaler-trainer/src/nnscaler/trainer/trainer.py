@@ -1,0 +1,318 @@
+"""Trainer: sets a run up from TrainerArgs and runs training, validation and checkpoints.
+
+    trainer = Trainer(train_args=TrainerArgs.from_yaml("cfg.yaml"))   # or Trainer(argv=[...])
+    trainer.run()
+
+Data order: each rank reads ``DistributedSampler(dataset, num_replicas=dp, rank=rank //
+plan_ngpus, **train_args)`` with ``set_epoch(epoch)``; a step takes ``grad_accumulation_steps``
+consecutive micro-batches (an incomplete group at the end of an epoch is dropped).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import setup as build
+from .checkpointing import CheckpointManager, ckpt_backend
+from .config.trainer_args import TrainerArgs
+from .config.values import build_args, instantiate, resolve_object
+from .errors import TrainerError
+from .hooks import HookChain, TrainHook
+from .loggers.console import ConsoleReporter
+from .metrics import TrainStepMetrics, ValMetrics
+from .state import TrainState, restore_rng
+from .step import aggregate, train_step, val_step
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Train the model TrainerArgs describes (see the module docstring and docs/trainer.md)."""
+
+    def __init__(self, argv: Optional[List[str]] = None, *, train_args: Optional[TrainerArgs] = None):
+        if train_args is None:
+            from .cli.arguments import parse_argv
+            train_args = parse_argv(argv or []).train_args
+        self.train_args = train_args.validate()
+        self.state = TrainState()
+        self.model = self.optimizer = self.lr_scheduler = None
+        self.train_loader = self.val_loader = None
+        self.loggers: list = []
+        self.hooks = HookChain([])
+        self.rank, self.world_size = 0, 1
+        self._owns_group = False
+        self._pending_rng: Optional[Dict[str, Any]] = None
+        self.aggregate_outputs_fn = None
+        self._val_step: Optional[int] = None
+
+    # -- entry points ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Compile (``run_mode: compile``) or set up and train; always tears down what it built."""
+        ok = False
+        try:
+            if self.train_args.run_mode == "compile":
+                self._compile()
+            else:
+                self._setup()
+                self.hooks.after_setup(self)
+                self._train()
+                self.hooks.on_finalize(self)
+            ok = True
+        finally:
+            self._teardown(ok)
+
+    @classmethod
+    def merge_checkpoint(cls, checkpoint_files: List[str], output_file: str) -> None:
+        """Merge a sharded / deduped checkpoint (its directory, or its rank files) into a merged
+        one at `output_file` (a directory), offline, through nnscaler.ckpt.merge."""
+        paths = [checkpoint_files] if isinstance(checkpoint_files, (str, os.PathLike)) else list(checkpoint_files)
+        dirs = {str(p) if os.path.isdir(p) else os.path.dirname(os.path.abspath(p)) for p in paths}
+        if len(dirs) != 1:
+            raise TrainerError(f"merge_checkpoint: the files come from {len(dirs)} directories; give the files of "
+                               f"one checkpoint (or its directory)")
+        ckpt_backend().merge(dirs.pop(), output_file)
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _init_env(self) -> None:
+        args = self.train_args
+        self._owns_group = build.init_distributed(args.compute_config.runtime_ngpus)
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if self.world_size != args.compute_config.runtime_ngpus:
+            raise TrainerError(f"compute_config.runtime_ngpus is {args.compute_config.runtime_ngpus} but "
+                               f"{self.world_size} processes run; set it to {self.world_size} or start "
+                               f"{args.compute_config.runtime_ngpus}")
+        if args.seed is not None:
+            build.seed_everything(args.seed)
+        if args.init_env_fn is not None:
+            resolve_object(args.init_env_fn, "init_env_fn")(self)
+
+    def _build_model(self) -> torch.nn.Module:
+        args = self.train_args
+        kind = resolve_object(args.model.type, "model.type")
+        model = instantiate(kind, build_args(args.model.args, "model.args"), "model.args")
+        if args.tracing_from_weights and not args.uses_parallel_modules:
+            build.load_tracing_weights(model, args.tracing_from_weights)
+        return model
+
+    def _compile(self) -> None:
+        """Generate the code (rank 0, or the only process) and stop."""
+        args = self.train_args
+        if "RANK" in os.environ:
+            self._init_env()
+        elif args.seed is not None:
+            build.seed_everything(args.seed)
+        model = self._build_model()
+        if args.uses_parallel_modules:
+            build.parallelize_submodules(args, model, load_module=False)
+        else:
+            dataset = build.build_dataset(args.dataset, "train")
+            build.parallelize_model(args, model, build.dummy_batch(args, dataset), load_module=False)
+
+    def _setup(self) -> None:
+        args = self.train_args
+        self._init_env()
+        from nnscaler.runtime import PrecisionPlugin
+        self.precision = PrecisionPlugin(args.precision)
+        self.train_dataset = build.build_dataset(args.dataset, "train")
+        self.val_dataset = build.build_dataset(args.dataset, "val")
+        original = self._build_model()
+        self.original_model = original
+        if args.uses_parallel_modules:  # the plain part in the trainer's precision, each sub-module in its own
+            original = self.precision.setup_module(original)
+            build.parallelize_submodules(args, original, load_module=True)
+            self.model = original
+        else:
+            self.model = build.parallelize_model(args, original, build.dummy_batch(args, self.train_dataset), True)
+            self.model = self.precision.setup_module(self.model)
+        self.model.train()
+        self.optimizer = build.build_trainer_optimizer(args, self.model, self.precision)
+        self.lr_scheduler = build.build_lr_scheduler(args, self.optimizer)
+        if args.optimizer.aggregate_outputs_fn:
+            self.aggregate_outputs_fn = resolve_object(args.optimizer.aggregate_outputs_fn, "optimizer.aggregate_outputs_fn")
+        self._generator = torch.Generator()
+        self.train_loader, self.train_sampler = build.build_dataloader(args, self.train_dataset, "train", self.rank,
+                                                                       self._generator)
+        if self.val_dataset is not None:
+            self.val_loader, self.val_sampler = build.build_dataloader(args, self.val_dataset, "val", self.rank,
+                                                                       torch.Generator())
+        members = [m for m in (original, self.optimizer, self.lr_scheduler) if isinstance(m, TrainHook)]
+        members += build.build_config_hooks(self.train_args)
+        self.hooks = HookChain(members)
+        self.checkpoints = CheckpointManager(args.checkpoint)
+        self._setup_loggers()
+
+    def _setup_loggers(self) -> None:
+        args = self.train_args
+        self.steps_per_epoch = len(self.train_loader) // args.update_freq
+        total = args.max_train_steps
+        if args.max_epochs is not None:
+            by_epochs = args.max_epochs * self.steps_per_epoch
+            total = by_epochs if total is None else min(total, by_epochs)
+        self.total_steps = total
+        self.console = ConsoleReporter(self.rank == 0, args.enable_progress_bar, total)
+        if self.rank == 0:
+            self.loggers = build.build_loggers(args)
+
+    def _teardown(self, ok: bool) -> None:
+        """Close loggers; destroy the process group if this Trainer created it (after a barrier
+        when the run succeeded, so no rank leaves while a peer still talks to it)."""
+        console = getattr(self, "console", None)
+        if console is not None:
+            console.close()
+        for logger in self.loggers:
+            logger.finalize()
+        self.loggers = []
+        if self._owns_group and dist.is_initialized():
+            from nnscaler.runtime import RankGrid
+            if ok:
+                dist.barrier()
+            RankGrid.destroy_all()
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _done(self) -> bool:
+        args, s = self.train_args, self.state
+        if args.max_train_steps is not None and s.step >= args.max_train_steps:
+            return True
+        return args.max_epochs is not None and s.epoch >= args.max_epochs
+
+    def _train(self) -> None:
+        args = self.train_args
+        from .resume import resume
+        resume(self)
+        if self._pending_rng is not None:  # right before training starts, as the seed says
+            restore_rng(self._pending_rng, self.model)
+            self._pending_rng = None
+        self.console.set_completed(self.state.step)
+        self.hooks.on_train_start(self)
+        while not self._done():
+            epoch = self.state.epoch
+            self.train_sampler.set_epoch(epoch)
+            self.train_sampler.skip(self.state.idx_in_epoch * args.update_freq * args.micro_batch_size)
+            self._generator.manual_seed((args.seed or 0) * 100003 + epoch)
+            if self.state.idx_in_epoch == 0:
+                self.hooks.on_epoch_start(self, epoch)
+            if not self._train_epoch(epoch):
+                break  # max_train_steps reached inside the epoch
+            self.hooks.on_epoch_end(self, epoch)
+            self.state.epoch, self.state.idx_in_epoch = epoch + 1, 0
+            if self.lr_scheduler is not None and args.lr_scheduler.interval == "epoch":
+                self.lr_scheduler.step()
+            val_loss = None
+            if args.val_every_n_epochs and (epoch + 1) % args.val_every_n_epochs == 0:
+                val_loss = self.validate()
+            every = args.checkpoint.every_n_epochs
+            if every and (epoch + 1) % every == 0:
+                self.save_checkpoint(val_loss)
+        self.hooks.on_train_end(self)
+        if self.state.step > 0 and self._checkpointing():
+            self.save_checkpoint()  # the final state (nothing when this step is saved already)
+
+    def _train_epoch(self, epoch: int) -> bool:
+        """Steps of one epoch; False when max_train_steps stopped it early."""
+        args = self.train_args
+        gas, batches, idx = args.update_freq, [], self.state.idx_in_epoch
+        for batch in self.train_loader:
+            batches.append(batch)
+            if len(batches) < gas:
+                continue
+            if args.max_train_steps is not None and self.state.step >= args.max_train_steps:
+                return False
+            self._one_step(epoch, idx, batches)
+            batches, idx = [], idx + 1
+        return not (args.max_train_steps is not None and self.state.step >= args.max_train_steps
+                    and idx < self.steps_per_epoch)
+
+    def _one_step(self, epoch: int, idx: int, batches: List[Any]) -> None:
+        args = self.train_args
+        self.hooks.on_step_start(self, epoch, idx)
+        start = time.perf_counter()
+        outputs, agg, loss, gnorm = train_step(self, batches)
+        elapsed = time.perf_counter() - start
+        self.state.step += 1
+        self.state.idx_in_epoch = idx + 1
+        self.state.last_train_loss = loss
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+        if self.lr_scheduler is not None and args.lr_scheduler.interval == "step":
+            self.lr_scheduler.step()
+        samples = args.resolved_global_batch_size
+        tokens = getattr(agg, "num_tokens", None)
+        metrics = TrainStepMetrics(epoch=epoch, step=self.state.step, train_loss=loss, lr=lr, gnorm=gnorm,
+                                   samples_per_s=samples / elapsed if elapsed > 0 else None,
+                                   tokens_per_s=tokens / elapsed if tokens and elapsed > 0 else None,
+                                   step_time_s=elapsed, memory_mb=_memory_mb())
+        self.hooks.before_log_train_metrics(self, metrics, agg)
+        self._log(metrics.scalars(), "train")
+        self.console.train_step(metrics, self.state.step)
+        self.hooks.on_step_end(self, epoch, idx, metrics, agg)
+        every_val = args.val_every_n_train_steps
+        val_loss = self.validate() if every_val and self.state.step % every_val == 0 else None
+        every = args.checkpoint.every_n_train_steps
+        if every and self.state.step % every == 0 and self._checkpointing():
+            self.save_checkpoint(val_loss)
+
+    # -- validation -----------------------------------------------------------------------------
+    def validate(self) -> Optional[float]:
+        """Validation loss (mean over all batches of all replicas); None without val data."""
+        if self.val_loader is None:
+            return None
+        if self._val_step == self.state.step:  # validated at this step already (steps and epoch end)
+            return self.state.last_val_loss
+        args = self.train_args
+        self.hooks.on_val_start(self)
+        self.model.eval()
+        self.val_sampler.set_epoch(0)
+        outputs: List[Any] = []
+        for i, batch in enumerate(self.val_loader):
+            if args.max_val_steps is not None and i >= args.max_val_steps:
+                break
+            outputs.extend(val_step(self, [batch]))
+        self.model.train()
+        agg = aggregate(self, outputs)
+        val_loss = agg.loss_sum / agg.num_batches if agg.num_batches else math.nan
+        self.hooks.after_aggregate_val_step_outputs(self, agg, val_loss)
+        metrics = ValMetrics(epoch=self._current_epoch(), step=self.state.step, val_loss=val_loss,
+                             num_batches=agg.num_batches or 0)
+        self.hooks.before_log_val_metrics(self, metrics)
+        self._log(metrics.scalars(), "val")
+        self.console.val(metrics)
+        self.state.last_val_loss = val_loss
+        self._val_step = self.state.step
+        self.hooks.on_val_end(self, val_loss)
+        return val_loss
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _current_epoch(self) -> int:
+        """The epoch the last step belongs to (state.epoch already points past a finished one)."""
+        s = self.state
+        return s.epoch - 1 if s.idx_in_epoch == 0 and s.epoch > 0 else s.epoch
+
+    def _checkpointing(self) -> bool:
+        return not self.train_args.checkpoint.no_save
+
+    def save_checkpoint(self, val_loss: Optional[float] = None) -> Optional[str]:
+        """Validate (when no loss is given), then save through nnscaler.ckpt (collective); returns
+        the checkpoint directory, or None when this step is saved already."""
+        from .saving import save_checkpoint
+        return save_checkpoint(self, val_loss)
+
+    def _log(self, scalars: Dict[str, float], tag: str) -> None:
+        for logger in self.loggers:
+            logger.log_metrics(scalars, self.state.step, tag)
+
+
+def _memory_mb() -> Optional[float]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
+    except (ImportError, OSError):
+        return None

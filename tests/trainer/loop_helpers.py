@@ -1,0 +1,92 @@
+"""Configs and runners shared by the loop tests (importable by spawned workers)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def config(tmp, **over):
+    """A small MLP run: 32 samples, global batch 8, AdamW; `over` sets dotted keys."""
+    data = {
+        "compute_config": {"plan_ngpus": 1, "runtime_ngpus": 1, "use_end2end": True, "trace_strategy": "cpu"},
+        "pas_policy": "dp", "seed": 0, "gen_savedir": f"{tmp}/gen", "instance_name": "t",
+        "micro_batch_size": 4, "global_batch_size": 8, "max_train_steps": 6, "enable_progress_bar": False,
+        "model": {"type": "trainer_models.MLP", "args": {"dim": 16, "nlayers": 2}},
+        "optimizer": {"type": "torch.optim.AdamW", "args": {"lr": 0.01}},
+        "dataset": {"type": "trainer_models.RandomDataset", "train_args": {"size": 32}},
+        "dataset_sampler": {"train_args": {"shuffle": True, "seed": 3}},
+        "checkpoint": {"no_save": True, "save_dir": f"{tmp}/ckpt"},
+        "hook": {"type": "trainer_models.RecordingHook"},
+    }
+    data = copy.deepcopy(data)
+    for key, value in over.items():
+        node = data
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is ...:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return data
+
+
+def run_trainer(data):
+    """Run the Trainer on `data`; returns (losses, weight pieces, hook calls)."""
+    from nnscaler.trainer import Trainer, TrainerArgs
+    from trainer_models import RecordingHook, full_weights
+    trainer = Trainer(train_args=TrainerArgs.from_dict(data))
+    trainer.run()
+    return list(RecordingHook.losses), full_weights(trainer.model), list(RecordingHook.calls)
+
+
+def worker(rank, world, data):
+    return run_trainer(data)
+
+
+def hand_loop(steps=6, mbs=4, gas=2, lr=0.01, sampler_seed=3, size=32):
+    """The same run written by hand on one process: the seed's data order, mean over micro-batches."""
+    from trainer_models import MLP, RandomDataset
+    torch.manual_seed(0)
+    model = MLP(16, 2)
+    ds = RandomDataset(size=size)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=sampler_seed)
+    loader = torch.utils.data.DataLoader(ds, batch_size=mbs, sampler=sampler)
+    losses, epoch = [], 0
+    while len(losses) < steps:
+        sampler.set_epoch(epoch)
+        batches = list(loader)
+        for i in range(0, len(batches) - gas + 1, gas):
+            if len(losses) == steps:
+                break
+            opt.zero_grad()
+            total = 0.0
+            for b in batches[i:i + gas]:
+                loss = model(b) / gas
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            losses.append(total)
+        epoch += 1
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+LRS: list = []
+LOSSES: list = []
+
+
+def record_lr(trainer, step_metrics, aggregated_outputs):
+    """before_log_train_metrics hook of the LR tests."""
+    LRS.append(step_metrics.lr)
+    LOSSES.append(step_metrics.train_loss)
+
+
+INIT_CALLS: list = []
+
+
+def init_env(trainer):
+    """init_env_fn of the init_env test: seeds the run itself."""
+    INIT_CALLS.append(trainer.rank)
+    torch.manual_seed(0)

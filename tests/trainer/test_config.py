@@ -1,0 +1,136 @@
+"""TrainerArgs and the component configs: defaults, typed loading, values, validation errors."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from nnscaler.ir import ComputeConfig
+from nnscaler.trainer import (CheckpointConfig, DataloaderConfig, DatasetSamplerConfig, HookConfig, HookMapConfig,
+                              LRSchedulerConfig, ModelConfig, ModuleParallelizeConfig, OptimizerConfig, TrainerArgs,
+                              TrainerConfigError, TrainerConfigWarning, TrainHook)
+from nnscaler.trainer.config.values import build_value, guess_value, resolve_object
+
+
+def base(**over):
+    data = {
+        "compute_config": {"plan_ngpus": 1, "runtime_ngpus": 2, "use_end2end": True},
+        "pas_policy": "dp", "seed": 0, "max_epochs": 1, "micro_batch_size": 2,
+        "model": {"type": "trainer_models.MLP"},
+        "optimizer": {"type": "torch.optim.SGD", "args": {"lr": 0.1}},
+        "dataset": {"type": "trainer_models.RandomDataset"},
+    }
+    for key, value in over.items():
+        node = data
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is ...:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return data
+
+
+def error_of(data) -> TrainerConfigError:
+    with pytest.raises(TrainerConfigError) as info:
+        TrainerArgs.from_dict(data)
+    assert "\n" not in str(info.value)  # one line
+    return info.value
+
+
+def test_seed_defaults():
+    a = TrainerArgs()
+    assert (a.gen_savedir, a.gen_reuse, a.pas_policy, a.broadcast_strategy, a.run_mode) == \
+        ("./.nnscaler", "auto", "autodist", "all", "run")
+    assert (a.micro_batch_size, a.val_every_n_epochs, a.enable_progress_bar, a.lr_scheduler, a.hook) == (1, 1, True, None, None)
+    assert OptimizerConfig() == OptimizerConfig(None, {}, 0.0, "mean", "mean", None)
+    assert DataloaderConfig().type == "torch.utils.data.DataLoader"
+    assert DatasetSamplerConfig().type == "torch.utils.data.DistributedSampler"
+    assert LRSchedulerConfig().interval == "epoch"
+    c = CheckpointConfig()
+    assert (c.save_dir, c.no_save, c.save_type, c.save_last, c.save_best, c.symlink_best_and_last) == \
+        ("./checkpoints", False, "sharded", True, True, True)
+    assert {f.name for f in dataclasses.fields(HookMapConfig)} >= {"after_setup", "before_sync_grad", "on_save_checkpoint"}
+    assert ModuleParallelizeConfig().compute_config is None and ModelConfig().parallel_modules == []
+
+
+def test_from_dict_builds_typed_args_and_derived_values():
+    a = TrainerArgs.from_dict(base(global_batch_size=8, **{"compute_config.use_zero": "true"}))
+    assert isinstance(a.compute_config, ComputeConfig) and a.compute_config.use_zero is True
+    assert (a.dp_size, a.update_freq, a.resolved_global_batch_size) == (2, 2, 8)
+    assert a.resolved_gen_reuse == "match"
+    assert dataclasses.replace(a, run_mode="compile").resolved_gen_reuse == "moo"
+    assert TrainerArgs.from_dict(a.to_dict()) == a
+
+
+def test_hook_union_and_parallel_modules_are_typed():
+    a = TrainerArgs.from_dict(base(hook={"on_train_start": "builtins.print"}))
+    assert isinstance(a.hook, HookMapConfig)
+    a = TrainerArgs.from_dict(base(hook={"type": "nnscaler.trainer.TrainHook"}))
+    assert isinstance(a.hook, HookConfig)
+    a = TrainerArgs.from_dict(base(**{"model.parallel_modules": [
+        {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
+         "compute_config": {"use_zero": False}}]}))
+    assert a.model.parallel_modules[0].compute_config.use_zero is False
+
+
+def test_values_type_value_type_and_guessing():
+    assert guess_value("1") == 1 and guess_value("[1, 2]") == [1, 2] and guess_value("abc") == "abc"
+    assert guess_value("1e-3") == 0.001 and guess_value("true") is True
+    assert build_value({"__value_type": "str", "value": 1}, "k") == "1"
+    built = build_value({"__type": "trainer_models.MLP", "dim": "8"}, "k")
+    assert isinstance(built, torch.nn.Module) and built.layers[0].in_features == 8
+    assert build_value({"__type": "ModelConfig", "type": "x"}, "k") == ModelConfig(type="x")
+    assert resolve_object("torch.optim.AdamW", "k") is torch.optim.AdamW
+
+
+@pytest.mark.parametrize("over, key, words", [
+    ({"max_epoch": 3}, "", "did you mean 'max_epochs'"),
+    ({"optimizer.clip_gnrm": 1.0}, "optimizer", "'clip_gnorm'"),
+    ({"compute_config.use_zer": True}, "compute_config", "'use_zero'"),
+    ({"micro_batch_size": "many"}, "micro_batch_size", "expected an integer"),
+    ({"enable_progress_bar": 3}, "enable_progress_bar", "true or false"),
+    ({"global_batch_size": 6}, "global_batch_size", "multiple of 4"),
+    ({"global_batch_size": 8, "grad_accumulation_steps": 3}, "global_batch_size", "!= micro_batch_size (2) x data-parallel size (2) x grad_accumulation_steps (3)"),
+    ({"seed": ...}, "seed", "init_env_fn"),
+    ({"pas_policy": "pp", "compute_config.pas_config": {"pipeline_nmicros": 4}}, "compute_config.pas_config.pipeline_nmicros",
+     "a step has 1 micro-batches"),
+    ({"max_epochs": ...}, "max_epochs", "max_train_steps"),
+    ({"model.type": "trainer_models.NoSuchModel"}, "model.type", "does not exist"),
+    ({"optimizer.type": "torch.optim.Adamm"}, "optimizer.type", "does not exist"),
+    ({"dataset.type": "no_such_pkg.Data"}, "dataset.type", "cannot import"),
+    ({"optimizer.grad_reduction": "per-token-mean"}, "optimizer.aggregate_outputs_fn", "per-token-mean"),
+    ({"compute_config.use_end2end": False}, "compute_config.use_end2end", "set it to true"),
+    ({"compute_config": ...}, "compute_config", "is required"),
+    ({"compute_config.plan_ngpus": 2, "compute_config.runtime_ngpus": 3}, "compute_config", "multiple of plan_ngpus"),
+    ({"pas_policy": "autodist"}, "pas_policy", "not built yet"),
+    ({"optimizer.loss_reduction": "avg"}, "optimizer.loss_reduction", "'mean', 'sum'"),
+    ({"checkpoint.save_type": "merged"}, "checkpoint.save_type", "'sharded', 'deduped'"),
+    ({"precision": "fp8"}, "precision", "not supported"),
+    ({"model.type": "trainer_models.count_token_outputs"}, "model.type", "not a factory"),
+    ({"hook": {"on_train_strat": "builtins.print"}}, "hook", "on_train_start"),
+    ({"model.parallel_modules": [{"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
+                                  "pas_policy": "pp"}]}, "model.parallel_modules.0.pas_policy", "cannot be pipelined"),
+])
+def test_bad_input_names_key_and_fix(over, key, words):
+    e = error_of(base(**over))
+    assert e.key == key, str(e)
+    assert words in str(e), str(e)
+
+
+def test_automatic_arguments_are_ignored_with_a_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TrainerArgs.from_dict(base(**{"dataset_sampler.train_args": {"rank": 3, "shuffle": False},
+                                      "dataloader.val_args": {"batch_size": 9}}))
+    messages = [str(w.message) for w in caught if issubclass(w.category, TrainerConfigWarning)]
+    assert any("dataset_sampler.train_args: rank" in m for m in messages)
+    assert any("dataloader.val_args: batch_size" in m for m in messages)
+
+
+def test_train_hook_lists_every_hook_of_the_map():
+    names = {f.name for f in dataclasses.fields(HookMapConfig)}
+    assert names == {n for n in vars(TrainHook) if not n.startswith("_")}

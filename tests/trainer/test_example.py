@@ -1,0 +1,44 @@
+"""The shipped example (examples/trainer/gpt_char.yaml) trains, validates, checkpoints and resumes on
+2 processes; the seed's own example config runs on 4."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from test_cli import HERE, nnscaler
+
+pytestmark = pytest.mark.multiprocess
+ROOT = os.path.dirname(os.path.dirname(HERE))
+EXAMPLE = os.path.join(ROOT, "examples", "trainer", "gpt_char.yaml")
+
+
+def losses(stdout):
+    return [float(m.group(1)) for m in re.finditer(r"^epoch \d+ step \d+/\d+ \| loss ([0-9.]+)", stdout, re.M)]
+
+
+def test_gpt_char_example_trains_and_resumes(tmp_path):
+    r = nnscaler("train", "-f", EXAMPLE, "--nproc", "2", "--max_train_steps", "8", "--val_every_n_train_steps", "4",
+                 "--checkpoint.every_n_train_steps", "4", "--enable_progress_bar", "false", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = losses(r.stdout)
+    assert len(first) == 8 and first[-1] < first[0]
+    assert r.stdout.count("val_loss") == 2
+    run = tmp_path / "runs" / "gpt_char"
+    assert os.readlink(run / "checkpoints" / "last") == "0000-0008"
+    assert list((run / "tensorboard" / "train").iterdir()) and list((run / "tensorboard" / "val").iterdir())
+    r = nnscaler("train", "-f", EXAMPLE, "--nproc", "2", "--max_train_steps", "10", "--checkpoint.resume_from", "last",
+                 "--enable_progress_bar", "false", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and len(losses(r.stdout)) == 2
+
+
+def test_seed_example_config_on_4_processes(tmp_path):
+    r = nnscaler("train", "-f", os.path.join(HERE, "seed_example.yaml"), "--nproc", "4", "--pas_policy", "tp",
+                 "--compute_config.runtime_ngpus", "4", "--seed", "0", "--max_train_steps", "3",
+                 "--gen_savedir", str(tmp_path / "gen"), "--checkpoint.save_dir", str(tmp_path / "ckpt"),
+                 "--enable_progress_bar", "false", cwd=tmp_path, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(losses(r.stdout)) == 3
+    assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n[0].isdigit()) == ["0000-0001", "0000-0002", "0000-0003"]
