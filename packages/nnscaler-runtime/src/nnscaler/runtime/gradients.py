@@ -120,3 +120,19 @@ def scaled_loss(loss: torch.Tensor, scale_fn: Optional[Callable[[torch.Tensor], 
         raise NnScalerError(f"{owner}.train_step: scale_fn must return the scaled loss (a one-element tensor), "
                             f"got {type(scaled).__name__}{'' if not isinstance(scaled, torch.Tensor) else tuple(scaled.shape)}")
     return scaled
+
+
+def clear_grads(tensors, set_to_none: bool = True) -> None:
+    """Clear the gradients of `tensors` as ``torch.optim.Optimizer.zero_grad`` does: drop them
+    (``set_to_none``) or zero them in place, detached from any graph."""
+    for t in tensors:
+        if t.grad is None:
+            continue
+        if set_to_none:
+            t.grad = None
+        else:
+            if t.grad.grad_fn is not None:
+                t.grad.detach_()
+            else:
+                t.grad.requires_grad_(False)
+            t.grad.zero_()

@@ -100,6 +100,7 @@ from . import failures
 from .comm.flat import all_gather_flat, reduce_scatter_rows
 from .comm.stats import record
 from .errors import ConfigError
+from .gradients import clear_grads
 from .zero_groups import ZeroGroups, make_zero_groups
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
@@ -342,17 +343,7 @@ class ZeroEngine:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' and the pieces' gradients (the optimizer clears those of the
         tensors it holds); the next `sync_grads` sets the shard gradients afresh."""
-        for t in [zp.param for zp in self.params] + [p.tensor for p in self.pieces]:
-            if t.grad is None:
-                continue
-            if set_to_none:
-                t.grad = None
-            else:
-                if t.grad.grad_fn is not None:
-                    t.grad.detach_()
-                else:
-                    t.grad.requires_grad_(False)
-                t.grad.zero_()
+        clear_grads([zp.param for zp in self.params] + [p.tensor for p in self.pieces], set_to_none)
         self._synced = False
 
     # -- parameters ---------------------------------------------------------------------------

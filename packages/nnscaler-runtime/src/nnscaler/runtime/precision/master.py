@@ -8,6 +8,7 @@ import torch
 
 from ..class_mixin import mix_into
 from ..errors import ConfigError
+from ..gradients import clear_grads
 
 from .settings import _LOW
 
@@ -99,17 +100,7 @@ class MixedPrecisionOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.release_master_grads()
         super().zero_grad(set_to_none=set_to_none)
-        for p, _ in self._mp_pairs:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                if p.grad.grad_fn is not None:
-                    p.grad.detach_()
-                else:
-                    p.grad.requires_grad_(False)
-                p.grad.zero_()
+        clear_grads([p for p, _ in self._mp_pairs], set_to_none)
 
     def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
         """Gradient norm (and clipping) over the fp32 master gradients; see build_optimizer."""
