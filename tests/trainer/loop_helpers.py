@@ -19,7 +19,11 @@ def config(tmp, **over):
         "checkpoint": {"no_save": True, "save_dir": f"{tmp}/ckpt"},
         "hook": {"type": "trainer_models.RecordingHook"},
     }
-    data = copy.deepcopy(data)
+    return set_dotted(copy.deepcopy(data), over)
+
+
+def set_dotted(data, over):
+    """`data` with each dotted key of `over` set (``...`` removes it); returns `data`."""
     for key, value in over.items():
         node = data
         *parents, last = key.split(".")

@@ -13,6 +13,8 @@ from nnscaler.trainer import (CheckpointConfig, DataloaderConfig, DatasetSampler
                               TrainerConfigError, TrainerConfigWarning, TrainHook)
 from nnscaler.trainer.config.values import build_value, guess_value, resolve_object
 
+from loop_helpers import set_dotted
+
 
 def base(**over):
     data = {
@@ -22,16 +24,7 @@ def base(**over):
         "optimizer": {"type": "torch.optim.SGD", "args": {"lr": 0.1}},
         "dataset": {"type": "trainer_models.RandomDataset"},
     }
-    for key, value in over.items():
-        node = data
-        *parents, last = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        if value is ...:
-            node.pop(last, None)
-        else:
-            node[last] = value
-    return data
+    return set_dotted(data, over)
 
 
 def error_of(data) -> TrainerConfigError:
