@@ -1,7 +1,21 @@
-"""nnscaler.lightning: NnScalerStrategy, NnScalerPrecision and a Fabric strategy.
+"""nnscaler.lightning: nnscaler as a Lightning strategy (docs/lightning.md).
 
-Skeleton: this package has no code yet and exports nothing. It will hold ``NnScalerStrategy``
-(a Lightning strategy that parallelizes the LightningModule with nnscaler and saves sharded or
-deduped checkpoints), ``NnScalerPrecision`` (32-true, 16-true, bf16-true, 16-mixed, bf16-mixed)
-and a Fabric strategy. See the package README.
+- `NnScalerStrategy`: `Trainer(strategy=NnScalerStrategy(compute_config=..., pas_policy=...))`, or
+  `Trainer(strategy="nnscaler", devices=N)` (data parallel over all devices); importing this
+  package registers "nnscaler", "nnscaler_spawn" and "nnscaler_fork" in Lightning's registry.
+- `NnScalerPrecision`: its precision plugin (gradient clipping by norm across ranks).
+- `fabric.NnScalerStrategy`: the same for Lightning Fabric (`Fabric(strategy="nnscaler")`; this
+  import registers it in Fabric's registry too).
+- `NnScalerLightningError`: every deliberate refusal (an `nnscaler.ir.NnScalerError`).
 """
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
+
+from .errors import NnScalerLightningError
+from .precision import NnScalerPrecision
+from .strategy import NnScalerStrategy
+
+NnScalerStrategy.register_strategies(_StrategyRegistry)
+
+from . import fabric  # noqa: E402 - registers "nnscaler" for Fabric
+
+__all__ = ["NnScalerStrategy", "NnScalerPrecision", "NnScalerLightningError", "fabric"]

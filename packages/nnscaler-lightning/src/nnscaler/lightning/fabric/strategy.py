@@ -1,0 +1,227 @@
+"""nnscaler.lightning.fabric.NnScalerStrategy: nnscaler for Lightning Fabric's own loops.
+
+`fabric.setup(model, optimizer)` parallelizes `model` (tracing input: the model's
+`dummy_forward_args`, else the strategy's `dummy_forward_args`) and re-points the optimizer (same
+object, class and hyper-parameters) at the parallel parameters; the module Fabric returns wraps
+this rank's ParallelModule, whose outputs are whole on every rank. Gradients are averaged inside
+`fabric.backward`; `fabric.no_backward_sync(model)` skips that while accumulating;
+`fabric.clip_gradients(model, opt, max_norm=...)` clips by the global norm; `fabric.save` /
+`fabric.load` go through nnscaler.ckpt (a directory; modules and optimizers as tensors, the rest
+of the state as JSON with tensors).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import (_distributed_is_initialized,
+                                                    _get_default_process_group_backend_for_device,
+                                                    _init_dist_connection, _sync_ddp_if_available)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from nnscaler.ir import ComputeConfig
+from nnscaler.runtime import ParallelModule, ReuseType, parallelize, sync_grad_when
+
+from .. import checkpoint as ckpt_io
+from ..errors import NnScalerLightningError
+from ..optimizers import check_optimizer, rebuild
+from ..state_codec import decode, encode
+
+__all__ = ["NnScalerStrategy"]
+
+
+class _NoSync(_BackwardSyncControl):
+    def no_backward_sync(self, module, enabled: bool):
+        return sync_grad_when(False) if enabled else nullcontext()
+
+
+class NnScalerStrategy(ParallelStrategy):
+    """Fabric's `ParallelStrategy` arguments, `nnscaler.parallelize`'s, `state_dict_type`, and
+    `dummy_forward_args` (used when the model has no such attribute). See docs/lightning.md."""
+
+    def __init__(self, accelerator=None, parallel_devices: Optional[list] = None, cluster_environment=None,
+                 precision=None, compute_config: Optional[ComputeConfig] = None,
+                 pas_policy: Union[str, Callable] = "dp", gen_savedir: Union[str, os.PathLike] = "./.nnscaler",
+                 reuse: Union[ReuseType, str] = ReuseType.MATCH, instance_name: Optional[str] = None,
+                 broadcast_strategy: str = "none", state_dict_type: str = "sharded",
+                 dummy_forward_args: Optional[Dict[str, Any]] = None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen") -> None:
+        if compute_config is not None and not isinstance(compute_config, ComputeConfig):
+            raise NnScalerLightningError(f"NnScalerStrategy(compute_config=...) must be a nnscaler ComputeConfig, "
+                                         f"got {type(compute_config).__name__}")
+        if state_dict_type not in ("sharded", "deduped"):
+            raise NnScalerLightningError(f"NnScalerStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or "
+                                         f"'deduped'")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision=precision)
+        self.compute_config, self.pas_policy, self.gen_savedir = compute_config, pas_policy, gen_savedir
+        self.reuse, self.instance_name, self.broadcast_strategy = reuse, instance_name, broadcast_strategy
+        self.state_dict_type, self.dummy_forward_args = state_dict_type, dummy_forward_args
+        self._process_group_backend, self._timeout, self._start_method = process_group_backend, timeout, start_method
+        self._num_nodes = 1
+        self._backward_sync_control = _NoSync()
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, n: int) -> None:
+        self._num_nodes = n
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        plan = self.compute_config.plan_ngpus if self.compute_config is not None else 1
+        return {"num_replicas": self.num_nodes * self.num_processes // plan, "rank": self.global_rank // plan}
+
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    # -- model and optimizer ---------------------------------------------------------------------
+    def _parallelize(self, module: torch.nn.Module) -> ParallelModule:
+        cfg = self.compute_config or ComputeConfig(1, self.world_size)
+        if cfg.runtime_ngpus != self.world_size:
+            raise NnScalerLightningError(
+                f"NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus={cfg.plan_ngpus}, runtime_ngpus="
+                f"{cfg.runtime_ngpus})) but Fabric runs {self.world_size} process(es): make them equal")
+        self.compute_config = cfg
+        dummy = getattr(module, "dummy_forward_args", None) or self.dummy_forward_args
+        if not isinstance(dummy, dict):
+            raise NnScalerLightningError(
+                f"NnScalerStrategy traces {type(module).__name__}.forward and needs an example input: give the model "
+                f"a `dummy_forward_args` dict, or NnScalerStrategy(dummy_forward_args={{name: tensor}}), shaped like "
+                f"one rank's batch (got {type(dummy).__name__})")
+        was_training = module.training
+        module.train()
+        try:
+            pm = parallelize(module, self.precision.convert_input(dummy), self.pas_policy, cfg,
+                             gen_savedir=self.gen_savedir, reuse=self.reuse, instance_name=self.instance_name,
+                             broadcast_strategy=self.broadcast_strategy)
+        finally:
+            module.train(was_training)
+        pm.train(was_training)
+        return pm
+
+    def setup_module_and_optimizers(self, module, optimizers: List[torch.optim.Optimizer], scheduler=None):
+        if len(optimizers) != 1:
+            raise NnScalerLightningError(f"fabric.setup(model, *optimizers) got {len(optimizers)} optimizers; "
+                                         f"NnScalerStrategy supports one optimizer: put every parameter in one")
+        check_optimizer(optimizers[0], module, "fabric.setup got")
+        pm = self._parallelize(module)
+        return pm, [rebuild(optimizers[0], pm)], scheduler
+
+    def setup_module(self, module):
+        return self._parallelize(module)
+
+    def setup_optimizer(self, optimizer):
+        raise NnScalerLightningError("NnScalerStrategy sets up the model and its optimizer together: call "
+                                     "fabric.setup(model, optimizer) instead of fabric.setup_optimizers")
+
+    def module_to_device(self, module) -> None:
+        module.to(self.root_device)
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        if float(norm_type) != 2.0:
+            raise NnScalerLightningError(f"fabric.clip_gradients(norm_type={norm_type}): NnScalerStrategy clips by "
+                                         f"the L2 norm only; use norm_type=2")
+        self.precision.unscale_gradients(optimizer)
+        norm = getattr(optimizer, "optimizer", optimizer).clip_gnorm(float(max_norm))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of gradients is {norm.item()}: non-finite")
+        return norm
+
+    # -- collectives -----------------------------------------------------------------------------
+    def all_reduce(self, tensor, group=None, reduce_op="mean"):
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) \
+            else tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, path, state: Dict[str, Any], storage_options=None, filter=None) -> None:
+        if storage_options is not None or filter is not None:
+            raise NnScalerLightningError("fabric.save(..., storage_options / filter) is not supported by "
+                                         "NnScalerStrategy: leave them out")
+        pm, opt, rest = self._split(state)
+        import nnscaler.ckpt as ckpt
+        path = self.broadcast(os.fspath(path))
+        ckpt.save(path, pm, opt, kind=self.state_dict_type, overwrite=True,
+                  extra={"fabric": encode(rest), "keys": {"model": self._key, "optimizer": self._opt_key}})
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> Dict[str, Any]:
+        import nnscaler.ckpt as ckpt
+        if not isinstance(state, dict) or not state:
+            raise NnScalerLightningError("fabric.load(path, state) with NnScalerStrategy needs the state dict "
+                                         "holding the set-up model (and optimizer) to fill in place")
+        pm, opt, rest = self._split(state)
+        path = self.broadcast(os.fspath(path))
+        ckpt_io.checkpoint_dir(path)
+        extra = ckpt.load(path, pm, opt)
+        saved = decode(extra.get("fabric", {}))
+        for key in list(rest):
+            if key in saved:
+                state[key] = saved.pop(key)
+            elif strict:
+                raise NnScalerLightningError(f"fabric.load: '{key}' is not in checkpoint {path} (strict=True)")
+        return saved
+
+    def _split(self, state: Dict[str, Any]) -> Tuple[ParallelModule, Any, Dict[str, Any]]:
+        pm, opt, rest, self._key, self._opt_key = None, None, {}, None, None
+        for key, value in state.items():
+            inner = getattr(value, "_forward_module", value)
+            if isinstance(inner, ParallelModule):
+                pm, self._key = inner, key
+            elif isinstance(getattr(value, "optimizer", value), torch.optim.Optimizer):
+                opt, self._opt_key = getattr(value, "optimizer", value), key
+            else:
+                rest[key] = value
+        if pm is None:
+            raise NnScalerLightningError("fabric.save / load with NnScalerStrategy: the state holds no model set up by "
+                                         "fabric.setup; put it in the state (e.g. {'model': model, ...})")
+        return pm, opt, rest
+
+    @classmethod
+    def merge_checkpoint(cls, checkpoint_files, output_file) -> None:
+        """As `nnscaler.lightning.NnScalerStrategy.merge_checkpoint`."""
+        ckpt_io.merge(checkpoint_files, output_file)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if "nnscaler" not in strategy_registry:
+            strategy_registry.register("nnscaler", cls, description="nnscaler", start_method="popen")

@@ -1,0 +1,280 @@
+"""NnScalerStrategy: a Lightning `ParallelStrategy` that trains the LightningModule parallelized
+by nnscaler (docs/lightning.md).
+
+Setup (on every rank, inside `Trainer.fit` / `validate` / `test` / `predict`):
+1. the process group (gloo on CPU, NCCL on CUDA), as Lightning's DDP does;
+2. `configure_optimizers` on the user's module, checked (optimizers.py);
+3. `nnscaler.runtime.parallelize(module, dummy_forward_args, ...)`, then the module is converted:
+   its forward is the parallel one, `log` reduces over the right group, the traced modules are
+   None (model_setup.py);
+4. the optimizer is re-pointed at the parallel parameters (`build_optimizer`).
+Training then runs Lightning's own loops on the LightningModule itself (no wrapper): gradients
+are synchronised inside ``loss.backward()`` (skipped on accumulating steps through
+`block_backward_sync`), gradient clipping by norm spans the ranks (precision.py), and
+checkpoints go through nnscaler.ckpt (checkpoint.py).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Dict, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (_distributed_is_initialized,
+                                                    _get_default_process_group_backend_for_device,
+                                                    _init_dist_connection, _sync_ddp_if_available)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from nnscaler.ir import ComputeConfig
+from nnscaler.runtime import ReuseType, parallelize, sync_grad_when
+
+from .checkpoint_hooks import CheckpointHooks
+from .errors import NnScalerLightningError
+from .model_setup import convert, dummy_forward_args, pmodule_of, removed_module_hint
+from .optimizers import rebuild, user_optimizer
+from .precision import SUPPORTED_PRECISIONS, NnScalerPrecision
+
+__all__ = ["NnScalerStrategy"]
+
+
+class NnScalerStrategy(CheckpointHooks, ParallelStrategy):
+    """Lightning's `ParallelStrategy` arguments, `nnscaler.parallelize`'s, and `state_dict_type`.
+
+    compute_config: a `ComputeConfig`; None: ``ComputeConfig(1, world size)`` (data parallel over
+        every device). pas_policy: a policy name or function (default ``"dp"``).
+    gen_savedir, reuse, instance_name, broadcast_strategy: as `nnscaler.parallelize`.
+    state_dict_type: ``"sharded"`` or ``"deduped"`` (nnscaler.ckpt kinds).
+    process_group_backend, timeout, start_method: as Lightning's `DDPStrategy` (``"popen"`` runs
+        the script again per device, ``"spawn"`` / ``"fork"`` start processes from this one).
+    """
+
+    strategy_name = "nnscaler"
+
+    def __init__(
+        self,
+        accelerator=None,
+        parallel_devices: Optional[list] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        compute_config: Optional[ComputeConfig] = None,
+        pas_policy: Union[str, Callable] = "dp",
+        gen_savedir: Union[str, os.PathLike] = "./.nnscaler",
+        reuse: Union[ReuseType, str] = ReuseType.MATCH,
+        instance_name: Optional[str] = None,
+        broadcast_strategy: str = "none",
+        state_dict_type: Literal["sharded", "deduped"] = "sharded",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if compute_config is not None and not isinstance(compute_config, ComputeConfig):
+            raise NnScalerLightningError(f"NnScalerStrategy(compute_config=...) must be a nnscaler ComputeConfig, "
+                                         f"got {type(compute_config).__name__}")
+        if state_dict_type not in ("sharded", "deduped"):
+            raise NnScalerLightningError(f"NnScalerStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or "
+                                         f"'deduped' (merge later with NnScalerStrategy.merge_checkpoint)")
+        if checkpoint_io is not None:
+            raise NnScalerLightningError("NnScalerStrategy(checkpoint_io=...) is not supported: checkpoints are "
+                                         "nnscaler.ckpt directories (state_dict_type); leave checkpoint_io out")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin)
+        self.compute_config = compute_config
+        self.pas_policy = pas_policy
+        self.gen_savedir = gen_savedir
+        self.reuse = reuse
+        self.instance_name = instance_name
+        self.broadcast_strategy = broadcast_strategy
+        self.state_dict_type = state_dict_type
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._pm = None
+
+    # -- devices, ranks, processes ---------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning injects a DistributedSampler (distributed_sampler_kwargs) when this is True."""
+        return True
+
+    @property
+    def plan_ngpus(self) -> int:
+        return self.compute_config.plan_ngpus if self.compute_config is not None else 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        """One shard of the data per data-parallel unit; the ranks of a unit see the same batch."""
+        return {"num_replicas": self.num_nodes * self.num_processes // self.plan_ngpus,
+                "rank": self.global_rank // self.plan_ngpus}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: Dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # -- precision -------------------------------------------------------------------------------
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else NnScalerPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        name = getattr(plugin, "precision", None)
+        if plugin is not None and not isinstance(plugin, NnScalerPrecision) and name in SUPPORTED_PRECISIONS \
+                and type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision"):
+            plugin = NnScalerPrecision(name)  # Trainer(precision=...): Lightning's plugin of a supported kind
+        if plugin is not None and not isinstance(plugin, NnScalerPrecision):
+            raise NnScalerLightningError(
+                f"NnScalerStrategy cannot train with the precision plugin {type(plugin).__name__} "
+                f"(precision={name!r}): use Trainer(precision=...) with one of {', '.join(SUPPORTED_PRECISIONS)}, "
+                f"or plugins=[nnscaler.lightning.NnScalerPrecision(...)]")
+        self._precision_plugin = plugin
+
+    # -- setup -----------------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        # configure_optimizers runs on the user's module, before conversion (it may name submodules)
+        optimizer, schedulers = user_optimizer(module) if fitting else (None, [])
+        if self._pm is None:  # a second fit / validate with this strategy keeps the plan in place
+            module = self.precision_plugin.convert_module(module)
+            self.model_to_device()
+            self._pm = self._parallelize(module, trainer)
+        if fitting and optimizer is not None:
+            self.optimizers = [rebuild(optimizer, self._pm)]
+            self.lr_scheduler_configs = schedulers
+        elif fitting:
+            self.optimizers, self.lr_scheduler_configs = [], schedulers
+        self.setup_precision_plugin()
+
+    def _parallelize(self, module, trainer):
+        cfg = self.compute_config or ComputeConfig(1, self.world_size)
+        if cfg.runtime_ngpus != self.world_size:
+            raise NnScalerLightningError(
+                f"NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus={cfg.plan_ngpus}, "
+                f"runtime_ngpus={cfg.runtime_ngpus})) but the Trainer runs {self.world_size} process(es) "
+                f"(devices x num_nodes): make them equal")
+        self.compute_config = cfg
+        dummy = self.precision_plugin.convert_input(dummy_forward_args(module, trainer, self))
+        was_training = module.training
+        module.train()
+        try:
+            pm = parallelize(module, dummy, self.pas_policy, cfg, gen_savedir=self.gen_savedir, reuse=self.reuse,
+                             instance_name=self.instance_name, broadcast_strategy=self.broadcast_strategy)
+        finally:
+            module.train(was_training)
+        convert(module, pm)
+        pm.train(was_training)
+        module.to(self.root_device)
+        return pm
+
+    # -- steps: a traced module used outside forward gets a clear error ----------------------------
+    def training_step(self, *args: Any, **kwargs: Any):
+        with removed_module_hint(self.lightning_module, "training_step"):
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        with removed_module_hint(self.lightning_module, "validation_step"):
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        with removed_module_hint(self.lightning_module, "test_step"):
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        with removed_module_hint(self.lightning_module, "predict_step"):
+            return super().predict_step(*args, **kwargs)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the parallel module and optimizer must exist to be filled
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores it through nnscaler.ckpt
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Gradient accumulation: backward passes only accumulate locally."""
+        with sync_grad_when(False):
+            yield None
+
+    # -- collectives -----------------------------------------------------------------------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- registry, teardown ----------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, start_method in (("nnscaler", "popen"), ("nnscaler_spawn", "spawn"), ("nnscaler_fork", "fork")):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"nnscaler with start_method '{start_method}'",
+                                           start_method=start_method)

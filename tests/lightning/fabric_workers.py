@@ -1,0 +1,80 @@
+"""The multi-process halves of the Fabric tests: the same hand-written loop with Fabric's
+DDPStrategy and with nnscaler's Fabric strategy (dp2, tp2), then a save / load round trip."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from lit_models import CLASSES, FEATURES, HIDDEN, dataset
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
+                                       torch.nn.Linear(HIDDEN, CLASSES))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _loop(strategy, batch_size, steps_out):
+    import lightning.fabric as lf
+    fabric = lf.Fabric(strategy=strategy, accelerator="cpu", devices=dist.get_world_size())
+    fabric.launch()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = fabric.setup(model, opt)
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=batch_size, shuffle=False))
+    for epoch in range(2):
+        for i, (x, y) in enumerate(loader):
+            accumulating = i % 2 == 0
+            with fabric.no_backward_sync(model, enabled=accumulating):
+                loss = F.cross_entropy(model(x), y) / 2
+                fabric.backward(loss)
+            steps_out.append(fabric.all_reduce(loss.detach().clone(), reduce_op="mean"))
+            if not accumulating:
+                fabric.clip_gradients(model, opt, max_norm=0.5)
+                opt.step()
+                opt.zero_grad()
+    return fabric, model, opt
+
+
+def parity(rank, world, root):
+    from lightning.fabric.strategies import DDPStrategy
+    from nnscaler.ir import ComputeConfig
+    from nnscaler.lightning.fabric import NnScalerStrategy
+    from lit_models import full_weights
+    out = {}
+    losses = []
+    _, model, _ = _loop(DDPStrategy(), 8, losses)
+    out["ddp"] = (torch.stack(losses), {k: v.detach().clone() for k, v in model.module.state_dict().items()})
+    for name, plan, policy in (("dp2", 1, "dp"), ("tp2", 2, "tp")):
+        losses = []
+        strategy = NnScalerStrategy(compute_config=ComputeConfig(plan, world), pas_policy=policy,
+                                    gen_savedir=os.path.join(root, "gen"), instance_name=name,
+                                    dummy_forward_args={"x": torch.randn(8 * plan, FEATURES)})
+        fabric, model, opt = _loop(strategy, 8 * plan, losses)
+
+        class Holder(torch.nn.Module):  # full_weights looks for the parallel module here
+            pass
+        holder = Holder()
+        holder.nnscaler_pmodule = model._forward_module
+        weights = full_weights(holder)
+        path = os.path.join(root, f"{name}.ckpt")
+        fabric.save(path, {"model": model, "optimizer": opt, "step": 7, "pair": (1, 2)})
+        before = {k: v.clone() for k, v in opt.optimizer.state_dict()["state"][0].items()}
+        with torch.no_grad():
+            for p in model._forward_module.parameters():
+                p.zero_()
+        state = {"model": model, "optimizer": opt, "step": 0, "pair": None}
+        left = fabric.load(path, state)
+        after = opt.optimizer.state_dict()["state"][0]
+        out[name] = (torch.stack(losses), weights, full_weights(holder), state["step"], state["pair"], left,
+                     all(torch.equal(before[k], after[k]) for k in before))
+    return out if rank == 0 else None

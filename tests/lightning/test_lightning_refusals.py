@@ -1,0 +1,86 @@
+"""Every configuration NnScalerStrategy refuses, each with its message (an NnScalerError naming
+the user's thing and the fix); the in-process ones here, the ones that need a Trainer.fit on
+real gloo ranks through refusal_workers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nnscaler.ir import NnScalerError
+
+
+def test_import_registers_the_strategy_names():
+    import nnscaler.lightning  # noqa: F401
+    from lightning.pytorch.strategies import StrategyRegistry
+    from nnscaler.lightning import NnScalerStrategy
+    for name, method in (("nnscaler", "popen"), ("nnscaler_spawn", "spawn"), ("nnscaler_fork", "fork")):
+        assert StrategyRegistry[name]["strategy"] is NnScalerStrategy
+        assert StrategyRegistry[name]["init_params"] == {"start_method": method}
+
+
+def test_bad_constructor_arguments():
+    from nnscaler.lightning import NnScalerStrategy
+    with pytest.raises(NnScalerError, match=r"state_dict_type='merged'.*'sharded' or 'deduped'"):
+        NnScalerStrategy(state_dict_type="merged")
+    with pytest.raises(NnScalerError, match=r"compute_config=\.\.\.\) must be a nnscaler ComputeConfig, got dict"):
+        NnScalerStrategy(compute_config={"plan_ngpus": 1})
+    with pytest.raises(NnScalerError, match=r"checkpoint_io=\.\.\.\) is not supported"):
+        from lightning.pytorch.plugins import TorchCheckpointIO
+        NnScalerStrategy(checkpoint_io=TorchCheckpointIO())
+
+
+def test_unsupported_precision_is_refused():
+    import lightning.pytorch as pl
+    from nnscaler.lightning import NnScalerPrecision, NnScalerStrategy
+    with pytest.raises(NnScalerError, match=r"precision plugin DoublePrecision \(precision='64-true'\).*32-true"):
+        pl.Trainer(strategy=NnScalerStrategy(), precision="64-true", accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(NnScalerError, match=r"precision plugin HalfPrecision \(precision='16-true'\)"):
+        pl.Trainer(strategy=NnScalerStrategy(), precision="16-true", accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(NnScalerError, match=r"NnScalerPrecision\('16-true'\) is not supported yet"):
+        NnScalerPrecision("16-true")
+    t = pl.Trainer(strategy=NnScalerStrategy(), precision="32-true", accelerator="cpu", devices=1, logger=False,
+                   enable_checkpointing=False)
+    assert isinstance(t.strategy.precision_plugin, NnScalerPrecision)
+    for name in ("bf16-mixed", "bf16-true"):  # Lightning's plugins of the supported kinds become ours
+        t = pl.Trainer(strategy=NnScalerStrategy(), precision=name, accelerator="cpu", devices=1, logger=False,
+                       enable_checkpointing=False)
+        assert isinstance(t.strategy.precision_plugin, NnScalerPrecision)
+        assert t.strategy.precision_plugin.precision == name
+
+
+def test_lightning_state_round_trips_through_json():
+    from nnscaler.lightning.state_codec import decode, encode
+    from nnscaler.lightning import NnScalerLightningError
+    state = {"epoch": 3, "t": (1, 2), "inf": float("inf"), 1: "int key", "dtype": torch.float16,
+             "nested": [{"x": torch.ones(2)}]}
+    back = decode(encode(state))
+    assert back["t"] == (1, 2) and back["inf"] == float("inf") and back[1] == "int key"
+    assert back["dtype"] is torch.float16 and torch.equal(back["nested"][0]["x"], torch.ones(2))
+    with pytest.raises(NnScalerLightningError, match=r"holds a object at '/hyper_parameters/thing'"):
+        encode({"hyper_parameters": {"thing": object()}})
+
+
+@pytest.mark.multiprocess
+def test_refused_configurations_in_fit(tmp_path):
+    from launch import run_workers
+    import refusal_workers
+    out = run_workers(refusal_workers.refusals, 2, str(tmp_path), timeout=180)
+    expected = {
+        "two_optimizers": r"TwoOptimizers.configure_optimizers returned 2 optimizers; NnScalerStrategy supports one",
+        "two_schedulers": r"returned 2 LR schedulers; NnScalerStrategy supports one LR scheduler",
+        "two_groups": r"TwoGroups.configure_optimizers returned Adam with 2 parameter groups",
+        "subset": r"over a subset of the trainable parameters \(missing net.2.weight, net.2.bias",
+        "no_dummy": r"traces NoDummy.forward and needs an example input: add a property `dummy_forward_args`",
+        "not_a_dict": r"NotADict.dummy_forward_args must be a dict of forward arguments by name, got list",
+        "world": r"runtime_ngpus=4\)\) but the Trainer runs 2 process\(es\)",
+        "outside_forward": r"UsesModuleOutsideForward.training_step failed with TypeError: .*self.net is None: the "
+                           r"traced modules run only inside forward",
+    }
+    import re
+    for rank, result in enumerate(out):
+        for case, pattern in expected.items():
+            assert result[case] is not None, f"rank {rank}: {case} was not refused"
+            is_nnscaler, cls, message = result[case]
+            assert is_nnscaler, f"{case}: {cls}: {message}"
+            assert re.search(pattern, message), f"{case}: {message}"
+        assert result["from_batch_steps"] == 4  # dummy_forward_args_fn(first batch) traced and trained
