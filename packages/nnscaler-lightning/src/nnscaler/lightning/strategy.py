@@ -41,11 +41,12 @@ from .errors import NnScalerLightningError
 from .model_setup import convert, dummy_forward_args, pmodule_of, removed_module_hint
 from .optimizers import rebuild, user_optimizer
 from .precision import SUPPORTED_PRECISIONS, NnScalerPrecision
+from .process_layout import ProcessLayout
 
 __all__ = ["NnScalerStrategy"]
 
 
-class NnScalerStrategy(CheckpointHooks, ParallelStrategy):
+class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
     """Lightning's `ParallelStrategy` arguments, `nnscaler.parallelize`'s, and `state_dict_type`.
 
     compute_config: a `ComputeConfig`; None: ``ComputeConfig(1, world size)`` (data parallel over
@@ -102,36 +103,9 @@ class NnScalerStrategy(CheckpointHooks, ParallelStrategy):
 
     # -- devices, ranks, processes ---------------------------------------------------------------
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     def is_distributed(self) -> bool:
         """Lightning injects a DistributedSampler (distributed_sampler_kwargs) when this is True."""
         return True
-
-    @property
-    def plan_ngpus(self) -> int:
-        return self.compute_config.plan_ngpus if self.compute_config is not None else 1
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        """One shard of the data per data-parallel unit; the ranks of a unit see the same batch."""
-        return {"num_replicas": self.num_nodes * self.num_processes // self.plan_ngpus,
-                "rank": self.global_rank // self.plan_ngpus}
 
     @property
     def process_group_backend(self) -> Optional[str]:

@@ -30,6 +30,7 @@ from nnscaler.ir import ComputeConfig
 from nnscaler.runtime import ParallelModule, ReuseType, parallelize, sync_grad_when
 
 from .. import checkpoint as ckpt_io
+from ..process_layout import ProcessLayout
 from ..errors import NnScalerLightningError
 from ..optimizers import check_optimizer, rebuild
 from ..state_codec import decode, encode
@@ -42,7 +43,7 @@ class _NoSync(_BackwardSyncControl):
         return sync_grad_when(False) if enabled else nullcontext()
 
 
-class NnScalerStrategy(ParallelStrategy):
+class NnScalerStrategy(ProcessLayout, ParallelStrategy):
     """Fabric's `ParallelStrategy` arguments, `nnscaler.parallelize`'s, `state_dict_type`, and
     `dummy_forward_args` (used when the model has no such attribute). See docs/lightning.md."""
 
@@ -67,27 +68,6 @@ class NnScalerStrategy(ParallelStrategy):
         self._process_group_backend, self._timeout, self._start_method = process_group_backend, timeout, start_method
         self._num_nodes = 1
         self._backward_sync_control = _NoSync()
-
-    @property
-    def root_device(self) -> torch.device:
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, n: int) -> None:
-        self._num_nodes = n
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        plan = self.compute_config.plan_ngpus if self.compute_config is not None else 1
-        return {"num_replicas": self.num_nodes * self.num_processes // plan, "rank": self.global_rank // plan}
 
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":

@@ -1,0 +1,41 @@
+"""The process layout both strategies (Lightning's Trainer and Fabric) share: one process per
+device, `plan_ngpus` consecutive ranks per data-parallel unit, one data shard per unit."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+__all__ = ["ProcessLayout"]
+
+
+class ProcessLayout:
+    """Mixed in before Lightning's ParallelStrategy; the strategy sets ``self._num_nodes`` and
+    ``self.compute_config`` (None: data parallel over every process)."""
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def plan_ngpus(self) -> int:
+        return self.compute_config.plan_ngpus if self.compute_config is not None else 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        """One shard of the data per data-parallel unit; the ranks of a unit see the same batch."""
+        return {"num_replicas": self.num_nodes * self.num_processes // self.plan_ngpus,
+                "rank": self.global_rank // self.plan_ngpus}
