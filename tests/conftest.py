@@ -41,6 +41,15 @@ SESSION_VAR = "NNSCALER_TEST_SESSION"
 SESSION = f"{os.getpid()}-{time.time_ns()}"
 os.environ[SESSION_VAR] = SESSION
 
+# autodist caches op profiles and measured collectives (nnscaler.policies.autodist): the session
+# gets its own cache directory, shared by its workers, removed at exit.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+_CACHE = tempfile.mkdtemp(prefix="nnscaler-test-cache-")
+os.environ["NNSCALER_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
+
 PROCESS_GRACE_S = 10.0  # how long a test's processes get to exit once the test is over
 # multiprocessing's own per-interpreter helpers: started once, on first use, and kept for the
 # whole session by design (not a test's leftovers).

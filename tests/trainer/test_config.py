@@ -99,7 +99,7 @@ def test_values_type_value_type_and_guessing():
     ({"compute_config.use_end2end": False}, "compute_config.use_end2end", "set it to true"),
     ({"compute_config": ...}, "compute_config", "is required"),
     ({"compute_config.plan_ngpus": 2, "compute_config.runtime_ngpus": 3}, "compute_config", "multiple of plan_ngpus"),
-    ({"pas_policy": "autodist"}, "pas_policy", "not built yet"),
+    ({"pas_policy": "autodis"}, "pas_policy", "unknown policy 'autodis'; use one of autodist, "),
     ({"optimizer.loss_reduction": "avg"}, "optimizer.loss_reduction", "'mean', 'sum'"),
     ({"checkpoint.save_type": "merged"}, "checkpoint.save_type", "'sharded', 'deduped'"),
     ({"precision": "fp8"}, "precision", "not supported"),

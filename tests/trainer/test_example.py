@@ -35,7 +35,8 @@ def test_gpt_char_example_trains_and_resumes(tmp_path):
 
 
 def test_seed_example_config_on_4_processes(tmp_path):
-    r = nnscaler("train", "-f", os.path.join(HERE, "seed_example.yaml"), "--nproc", "4", "--pas_policy", "tp",
+    # pas_policy as the seed has it: autodist (searching a plan over plan_ngpus=4)
+    r = nnscaler("train", "-f", os.path.join(HERE, "seed_example.yaml"), "--nproc", "4",
                  "--compute_config.runtime_ngpus", "4", "--seed", "0", "--max_train_steps", "3",
                  "--gen_savedir", str(tmp_path / "gen"), "--checkpoint.save_dir", str(tmp_path / "ckpt"),
                  "--enable_progress_bar", "false", cwd=tmp_path, timeout=400)

@@ -10,17 +10,19 @@ What other packages use is exported here (and from the public sub-packages
 - tracing: `trace()` into an `IRGraph` of `Node` s over `Ref` s; guards, branches and random ops
   of the traced program (`is_guard`, `keep_traced_branch`, `branch_refs`, `node_random_kind`);
 - ops: `register_op`, `REGISTRY`, `parse_annotation`;
-- layouts: `Replicate`, `Shard`, `Partial`, `TensorLayout`;
+- layouts: `Replicate`, `Shard`, `Partial`, `TensorLayout`, and the collectives between them
+  (`transition_steps`, `steps_cost`, `step_collectives`, `STEP_COLLECTIVES`, `CommCost`, `COST_MODELS`);
 - plans: `PipelinePlan`, the plan report (`PlanReport` and its records);
 - helpers shared by every package: `warn_user` / `is_internal` (errors point at the user's code),
   `iter_tensors` / `map_tensors` (nested containers), `atomic_write` / `AtomicFile`, `policy_name`,
-  `module_of`.
+  `module_of`, `resolve_target` (the function an op's dotted target names).
 """
 from .config import ComputeConfig, OptionalComputeConfig, as_compute_config
 from .errors import ConfigError, GenerationError, NnScalerError, NnScalerWarning, TraceError, TracingWarning
 from .config_checks import ConfigWarning, warn_ineffective_settings
 from .graph import IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, decode, dtype_name, iter_refs
 from .layout import LayoutError, Partial, Replicate, Shard, TensorLayout
+from .transitions import COST_MODELS, STEP_COLLECTIVES, CommCost, step_collectives, steps_cost, transition_steps
 from .plan_report import (REPORT_JSON, REPORT_TEXT, Collective, ModuleReport, OpSplit, PlanReport,
                           UnannotatedOp)
 from .pipeline_plan import PipelinePlan
@@ -31,7 +33,7 @@ from .ops.random_ops import LIKE, MASK, node_random_kind
 from .user_code import is_internal, warn_user
 from .tree import iter_tensors, map_tensors, replace_tensors, tensor_leaves
 from .atomic_write import TMP_SUFFIX, AtomicFile, atomic_write, exchange_paths, fsync_dir
-from .ops.op_names import module_of, policy_name
+from .ops.op_names import module_of, policy_name, resolve as resolve_target
 from .ops.annotation import AnnotationError, parse_annotation
 from .ops.registry import REGISTRY, register_op  # (importing it registers the built-in annotations)
 
@@ -44,8 +46,9 @@ __all__ = [
     "LIKE", "MASK", "node_random_kind",
     "REGISTRY", "register_op", "parse_annotation",
     "Replicate", "Shard", "Partial", "TensorLayout",
+    "COST_MODELS", "STEP_COLLECTIVES", "CommCost", "step_collectives", "steps_cost", "transition_steps",
     "PipelinePlan", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit", "PlanReport",
     "UnannotatedOp",
     "warn_user", "is_internal", "iter_tensors", "map_tensors", "replace_tensors", "tensor_leaves",
-    "TMP_SUFFIX", "AtomicFile", "atomic_write", "exchange_paths", "fsync_dir", "module_of", "policy_name",
+    "TMP_SUFFIX", "AtomicFile", "atomic_write", "exchange_paths", "fsync_dir", "module_of", "policy_name", "resolve_target",
 ]

@@ -99,8 +99,7 @@ def _check_policy(key: str, policy: Any) -> None:
     from nnscaler.policies import available_policies
     names = available_policies()
     if policy not in names:
-        extra = " ('autodist' is not built yet)" if policy == "autodist" else ""
-        raise TrainerConfigError(key, f"unknown policy {policy!r}{extra}; use one of {', '.join(names)} "
+        raise TrainerConfigError(key, f"unknown policy {policy!r}; use one of {', '.join(names)} "
                                       f"or the fully qualified name of a policy function")
 
 

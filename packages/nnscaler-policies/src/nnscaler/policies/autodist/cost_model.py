@@ -1,0 +1,231 @@
+"""The cost model: for every op and choice its time and memory, for every producer/consumer
+pair of choices the time of the collectives between them.
+
+Time per op and choice: the op's profiled forward + backward time, divided over the `n`
+devices when split (a per-op launch overhead does not divide), plus its forward again when the
+op is recomputed. Communication: the steps codegen emits between the producer's output
+placement and the consumer's input placement (`nnscaler.ir.transition_steps`), forward and (when
+a gradient flows) backward duals, each priced by the measured `CommModel`; a parameter's
+gradient all-reduce across data-parallel units is priced on its local size. Memory per device:
+parameters, gradients and optimizer state (fp32 states, fp32 master weights under fp16/bf16
+unless memory-efficient, ZeRO dividing the optimizer part) of the local shard, and the local
+outputs kept for backward (none inside recomputed modules).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from nnscaler.ir import IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
+
+from ..plan import tensor_inputs, tensor_outputs
+from .choices import Choice, is_shape_query, node_choices
+from .comm_model import CommModel
+from .config import AutodistConfig
+
+__all__ = ["OpVar", "Edge", "Problem", "build_problem", "nbytes"]
+
+R = Replicate()
+_ELT = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+        "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+
+
+def nbytes(shape, dtype: Optional[str], cfg: Optional[AutodistConfig] = None) -> float:
+    if shape is None:
+        return 0.0
+    elt = _ELT.get(dtype or "float32", 4)
+    if cfg is not None and (cfg.use_fp16 or cfg.use_bf16) and dtype == "float32":
+        elt = 2
+    return float(math.prod(shape)) * elt
+
+
+def _floating(dtype: Optional[str]) -> bool:
+    return dtype is not None and (dtype.startswith(("float", "bfloat", "complex")))
+
+
+@dataclass
+class OpVar:
+    """One op to decide: its choices with their time (s) and memory (bytes) per device."""
+
+    node: Node
+    choices: List[Choice]
+    time: List[float]
+    mem: List[float]
+    compute: List[float] = field(default_factory=list)  # the compute part of `time`
+    param_mem: List[float] = field(default_factory=list)
+    act_mem: List[float] = field(default_factory=list)
+    out_bytes: List[float] = field(default_factory=list)  # largest local output (transient memory)
+
+    @property
+    def labels(self) -> List[str]:
+        return [c.label for c in self.choices]
+
+
+@dataclass
+class Edge:
+    u: int  # index of the producer OpVar
+    v: int  # index of the consumer OpVar
+    cost: np.ndarray  # seconds, [choice of u, choice of v]
+
+
+@dataclass
+class Problem:
+    n: int
+    ops: List[OpVar]
+    edges: List[Edge]
+    const_time: float = 0.0
+    const_mem: float = 0.0
+    index: Dict[int, int] = field(default_factory=dict)  # node id -> op index
+
+    def evaluate(self, pick: List[int]) -> Tuple[float, float]:
+        """(estimated seconds, bytes per device) of a complete choice."""
+        t = self.const_time + sum(op.time[c] for op, c in zip(self.ops, pick))
+        t += sum(float(e.cost[pick[e.u], pick[e.v]]) for e in self.edges)
+        m = self.const_mem + sum(op.mem[c] for op, c in zip(self.ops, pick))
+        return t, m
+
+
+class _Pricer:
+    def __init__(self, graph: IRGraph, n: int, comm: CommModel, cfg: AutodistConfig):
+        self.graph, self.n, self.comm, self.cfg = graph, n, comm, cfg
+
+    def transition(self, src, dst, value, grad_partial: bool) -> float:
+        """Seconds of the steps from `src` to `dst` placement of `value` (fwd + bwd duals)."""
+        if self.n <= 1:
+            return 0.0
+        ndim = len(value.shape) if value.shape is not None else None
+        steps = transition_steps(src, dst, grad_partial=grad_partial, ndim=ndim)
+        if not steps:
+            return 0.0
+        fwd, bwd = step_collectives(steps)
+        size = nbytes(value.shape, value.dtype, self.cfg)
+        t = sum(self.comm.time(c, size, self.n) for c in fwd)
+        if value.requires_grad:
+            t += sum(self.comm.time(c, size, self.n) for c in bwd)
+        return t
+
+    def param_state(self, spec_bytes: float, numel: float, trainable: bool) -> float:
+        """Bytes per device of a (local) parameter with its gradient and optimizer state."""
+        if not trainable:
+            return spec_bytes
+        cfg = self.cfg
+        opt = cfg.optimizer_states * 4 * numel
+        if (cfg.use_fp16 and not cfg.use_memory_efficient_fp16) or (cfg.use_bf16 and not cfg.use_memory_efficient_bf16):
+            opt += 4 * numel  # fp32 master weights
+        if cfg.use_zero and cfg.dp_size > 1:
+            opt /= max(1, cfg.dp_size // max(1, cfg.zero_ngroups))
+        return 2 * spec_bytes + opt
+
+    def dp_sync(self, local_bytes: float) -> float:
+        """The gradient all-reduce of a trainable tensor across data-parallel units."""
+        return self.comm.time("all_reduce", local_bytes, self.cfg.dp_size) if self.cfg.dp_size > 1 else 0.0
+
+
+def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float]], comm: CommModel,
+                  cfg: AutodistConfig, allowed: Optional[Dict[int, List[str]]] = None,
+                  overhead: float = 1e-5) -> Problem:
+    """The cost model of `graph` on `n` devices. `op_times`: node id -> (forward s, backward s)
+    of the whole op; `allowed`: node id -> choice labels permitted (constraints)."""
+    pricer = _Pricer(graph, n, comm, cfg)
+    allowed = allowed or {}
+    ops: List[OpVar] = []
+    index: Dict[int, int] = {}
+    produced: Dict[int, Tuple[int, int]] = {}
+    module_values = {spec.value.id: spec for spec in graph.tensor_specs()}
+    consumers: Dict[int, List[Tuple[int, int]]] = {}
+    problem = Problem(n, ops, [], index=index)
+    for node in graph.nodes:
+        ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
+        if (not ins and not outs) or is_shape_query(node):
+            continue
+        choices = node_choices(graph, node, n, allowed.get(node.id))
+        if not choices:
+            raise ValueError(f"no allowed choice for op {node.describe()}")
+        fwd, bwd = op_times.get(node.id, (0.0, 0.0))
+        needs_grad = node.grad_enabled and any(graph.value(r).requires_grad for r in ins)
+        whole = fwd + (bwd if needs_grad else 0.0) + (fwd if node.recompute else 0.0)
+        op = OpVar(node, choices, [], [])
+        for c in choices:
+            t = whole if not c.partitioned else min(whole, overhead) + max(0.0, whole - overhead) / n
+            local = [nbytes(graph.value(r).shape, graph.value(r).dtype, cfg) / (n if isinstance(p, Shard) else 1)
+                     for r, p in zip(outs, c.outs)]
+            act = 0.0 if node.recompute else sum(b for r, b in zip(outs, local)
+                                                  if graph.value(r).requires_grad and _floating(graph.value(r).dtype))
+            op.compute.append(t)
+            op.time.append(t)
+            op.act_mem.append(act)
+            op.param_mem.append(0.0)
+            op.mem.append(act)
+            op.out_bytes.append(max(local, default=0.0))
+        index[node.id] = len(ops)
+        ops.append(op)
+        for k, r in enumerate(ins):
+            consumers.setdefault(r.id, []).append((len(ops) - 1, k))
+        for j, r in enumerate(outs):
+            produced[r.id] = (len(ops) - 1, j)
+    edges: Dict[Tuple[int, int], np.ndarray] = {}
+    for vid, uses in consumers.items():
+        value = graph.values[vid]
+        spec = module_values.get(vid)
+        if spec is not None and len({v for v, _ in uses}) == 1:
+            _price_module_tensor(pricer, problem, spec, value, uses)
+            continue
+        if spec is not None:  # stored whole, read by several ops
+            size = nbytes(value.shape, value.dtype, cfg)
+            problem.const_mem += pricer.param_state(size, math.prod(value.shape or ()), spec.requires_grad)
+            problem.const_time += pricer.dp_sync(size) if spec.requires_grad else 0.0
+        src = produced.get(vid)
+        for v, k in uses:
+            op_v = ops[v]
+            if src is None:  # a graph input or a module tensor: replicated
+                for b, cv in enumerate(op_v.choices):
+                    extra = pricer.transition(R, cv.ins[k], value, _grad_partial(cv, cv.ins[k], value))
+                    op_v.time[b] += extra
+                continue
+            u, j = src
+            op_u = ops[u]
+            cost = np.zeros((len(op_u.choices), len(op_v.choices)))
+            for a, cu in enumerate(op_u.choices):
+                for b, cv in enumerate(op_v.choices):
+                    cost[a, b] = pricer.transition(cu.outs[j], cv.ins[k], value, _grad_partial(cv, cv.ins[k], value))
+            if u == v:
+                for a in range(len(op_u.choices)):
+                    op_u.time[a] += cost[a, a]
+            elif (u, v) in edges:
+                edges[(u, v)] += cost
+            else:
+                edges[(u, v)] = cost
+    problem.edges = [Edge(u, v, c) for (u, v), c in edges.items() if c.any()]
+    return problem
+
+
+def _grad_partial(choice: Choice, place, value) -> bool:
+    return choice.partitioned and isinstance(place, Replicate) and _floating(value.dtype)
+
+
+def _price_module_tensor(pricer: _Pricer, problem: Problem, spec, value, uses) -> None:
+    """A parameter / buffer read by one op: stored as that op's choice needs it."""
+    v = uses[0][0]
+    op = problem.ops[v]
+    size = nbytes(value.shape, value.dtype, pricer.cfg)
+    numel = float(math.prod(value.shape or ()))
+    trainable = spec.requires_grad
+    for b, c in enumerate(op.choices):
+        t, shard = 0.0, None
+        for _, k in uses:
+            need = c.ins[k]
+            if isinstance(need, Shard):
+                shard = need
+            else:
+                grad_partial = trainable and _grad_partial(c, need, value)
+                t += pricer.transition(R, need, value, grad_partial)
+        local = size / pricer.n if shard is not None else size
+        local_numel = numel / pricer.n if shard is not None else numel
+        mem = pricer.param_state(local, local_numel, trainable)
+        t += pricer.dp_sync(local) if trainable else 0.0
+        op.time[b] += t
+        op.mem[b] += mem
+        op.param_mem[b] += mem

@@ -1,0 +1,208 @@
+"""Per-op compute time, profiled on this machine and cached in a database.
+
+Every op is re-run alone with tensors of its traced shapes and dtypes (integer arguments
+recomputed from the shapes, `int_values`): forward, then backward when an input needs a
+gradient; the median of `repeats` runs after a warm-up. Results are cached in
+``<cache>/autodist/profile-<device>.json`` keyed by the op's signature (target, argument shapes,
+dtypes and constants), so copies of a layer, re-traces and later runs reuse them; ``re_profile``
+measures again. An op that cannot run alone (an argument we cannot rebuild) is estimated from
+the bytes it reads and writes at the measured memory bandwidth, and marked ``estimated``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, Tuple
+
+import torch
+
+from nnscaler.ir import IRGraph, Node, Ref, atomic_write, iter_refs, resolve_target
+
+from ..plan import tensor_inputs, tensor_outputs
+from .choices import is_shape_query
+from .int_values import int_values, substitute
+
+__all__ = ["ProfileDB", "cache_dir", "device_key", "profile_graph"]
+
+
+def cache_dir() -> Path:
+    """``$NNSCALER_CACHE_DIR``, else ``$XDG_CACHE_HOME/nnscaler``, else ``~/.cache/nnscaler``."""
+    env = os.environ.get("NNSCALER_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nnscaler"
+
+
+def device_key(device: str = "cpu") -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = f"{platform.machine()}-{platform.processor() or 'cpu'}-{torch.get_num_threads()}threads"
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{device.split(':')[0]}-{name}")
+
+
+class ProfileDB:
+    """A JSON database: signature -> {"fwd": s, "bwd": s, "estimated": bool}."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.entries: Dict[str, dict] = {}
+        self.hits = self.misses = 0
+        if self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text())
+                self.entries = data.get("ops", {}) if isinstance(data, dict) else {}
+            except (OSError, ValueError):
+                self.entries = {}  # a damaged cache is measured again
+        self.dirty = False
+
+    def save(self) -> None:
+        if self.dirty:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, json.dumps({"format": 1, "ops": self.entries}, sort_keys=True).encode())
+            self.dirty = False
+
+
+def _key(graph: IRGraph, node: Node, known) -> str:
+    def enc(x):
+        if isinstance(x, Ref):
+            v = graph.value(x)
+            if v.is_tensor:
+                return f"T{tuple(v.shape or ())}:{v.dtype}:{int(v.requires_grad)}"
+            return f"V{known.get(x.id, '?')}"
+        if isinstance(x, (list, tuple)):
+            return [enc(y) for y in x]
+        if isinstance(x, dict):
+            return {str(k): enc(v) for k, v in sorted(x.items())}
+        if isinstance(x, slice):
+            return ["slice", enc(x.start), enc(x.stop), enc(x.step)]
+        return repr(x)
+    return json.dumps([node.target, enc(node.args), enc(node.kwargs), node.grad_enabled], sort_keys=True)
+
+
+def _make(v, device):
+    shape = tuple(v.shape or ())
+    dtype = getattr(torch, v.dtype) if v.dtype and hasattr(torch, v.dtype) else torch.float32
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, device=device).requires_grad_(bool(v.requires_grad))
+    if dtype == torch.bool:
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _measure(graph: IRGraph, node: Node, known, device: str, repeats: int) -> Tuple[float, float]:
+    fn = resolve_target(node.target)
+    args, kwargs = substitute(node.args, known), substitute(node.kwargs, known)
+    if _non_tensor_refs(graph, (args, kwargs)):
+        raise ValueError("an argument computed from something other than shapes")
+    fwd_times, bwd_times = [], []
+    for i in range(repeats + 1):
+        made = {}
+
+        def build(x):
+            if isinstance(x, Ref):
+                if x.id not in made:
+                    made[x.id] = _make(graph.value(x), device)
+                return made[x.id]
+            if isinstance(x, list):
+                return [build(y) for y in x]
+            if isinstance(x, tuple):
+                return tuple(build(y) for y in x)
+            if isinstance(x, dict):
+                return {k: build(v) for k, v in x.items()}
+            if isinstance(x, slice):
+                return slice(build(x.start), build(x.stop), build(x.step))
+            return x
+        a, k = build(args), build(kwargs)
+        if node.inplace:
+            a = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in a]
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.set_grad_enabled(node.grad_enabled):
+            out = fn(*a, **k)
+        _sync(device)
+        t1 = time.perf_counter()
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is not None]
+        if outs:
+            grads = [torch.ones_like(o) for o in outs]
+            _sync(device)
+            t2 = time.perf_counter()
+            torch.autograd.backward(outs, grads)
+            _sync(device)
+            bwd = time.perf_counter() - t2
+        else:
+            bwd = 0.0
+        if i:  # the first run warms up
+            fwd_times.append(t1 - t0)
+            bwd_times.append(bwd)
+    return statistics.median(fwd_times), statistics.median(bwd_times)
+
+
+def _non_tensor_refs(graph: IRGraph, obj) -> bool:
+    return any(not graph.value(r).is_tensor for r in iter_refs(obj))
+
+
+_BANDWIDTH: Dict[str, float] = {}
+
+
+def memory_bandwidth(device: str = "cpu") -> float:
+    """Bytes per second of a large copy (read + write counted), measured once per process."""
+    if device not in _BANDWIDTH:
+        x = torch.empty(32 * 1024 * 1024 // 4, device=device)
+        y = torch.empty_like(x)
+        best = math.inf
+        for _ in range(3):
+            _sync(device)
+            t = time.perf_counter()
+            y.copy_(x)
+            _sync(device)
+            best = min(best, time.perf_counter() - t)
+        _BANDWIDTH[device] = 2 * x.numel() * 4 / best
+    return _BANDWIDTH[device]
+
+
+def _estimate(graph: IRGraph, node: Node, device: str) -> Tuple[float, float]:
+    from .cost_model import nbytes
+    moved = sum(nbytes(graph.value(r).shape, graph.value(r).dtype)
+                for r in tensor_inputs(graph, node) + tensor_outputs(graph, node))
+    t = 2e-6 + moved / memory_bandwidth(device)
+    return t, 2 * t
+
+
+def profile_graph(graph: IRGraph, *, device: str = "cpu", re_profile: bool = False, repeats: int = 3,
+                  db_path=None) -> Tuple[Dict[int, Tuple[float, float]], ProfileDB]:
+    """node id -> (forward s, backward s) for every op with tensors, from the cache or measured."""
+    db = ProfileDB(Path(db_path) if db_path else cache_dir() / "autodist" / f"profile-{device_key(device)}.json")
+    known = int_values(graph)
+    times: Dict[int, Tuple[float, float]] = {}
+    for node in graph.nodes:
+        if is_shape_query(node) or not (tensor_inputs(graph, node) or tensor_outputs(graph, node)):
+            continue
+        key = _key(graph, node, known)
+        entry = None if re_profile else db.entries.get(key)
+        if entry is None:
+            db.misses += 1
+            try:
+                fwd, bwd = _measure(graph, node, known, device, repeats)
+                entry = {"fwd": fwd, "bwd": bwd, "estimated": False}
+            except Exception as e:  # noqa: BLE001 - any op failing alone is estimated instead
+                fwd, bwd = _estimate(graph, node, device)
+                entry = {"fwd": fwd, "bwd": bwd, "estimated": True, "why": f"{type(e).__name__}: {e}"[:200]}
+            db.entries[key] = entry
+            db.dirty = True
+        else:
+            db.hits += 1
+        times[node.id] = (float(entry["fwd"]), float(entry["bwd"]))
+    db.save()
+    return times, db

@@ -1,0 +1,116 @@
+"""The pipeline solver: number of stages, where to cut (only where a `pipeline_pivots` module
+starts) and each stage's SPMD plan on its ``plan_ngpus // nstages`` devices, for the 1f1b
+schedule.
+
+For each stage count s (dividing plan_ngpus, ``tp = plan_ngpus // s <= max_partition_degree``)
+the SPMD solver plans every op on tp devices; the cut is then exact dynamic programming over the
+pivot starts minimising the slowest stage (its ops, the edges into them and the point-to-point
+messages at its boundary) under the memory limit, where stage k of s keeps the activations of
+``min(s - k, nmicros)`` micro-batches in flight (1f1b). Estimated step time:
+``(nmicros + s - 1) * slowest stage``, the 1f1b bubble included.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from nnscaler.ir import IRGraph
+
+from ..plan import tensor_inputs, tensor_outputs
+from .cost_model import Problem, nbytes
+from .spmd_solver import Solution
+
+__all__ = ["StagePlan", "cut_pipeline"]
+
+
+@dataclass
+class StagePlan:
+    nstages: int
+    tp_size: int
+    leads: List[int]  # op indices (in graph.nodes) where stages 1.. start
+    stage_time: List[float]
+    stage_mem: List[float]
+    step_time: float  # estimated seconds for nmicros micro-batches
+
+
+def _per_node(graph: IRGraph, problem: Problem, sol: Solution):
+    """Per graph position: (time, param memory, activation memory) of the chosen plan."""
+    pos = {node.id: i for i, node in enumerate(graph.nodes)}
+    t = [0.0] * len(graph.nodes)
+    pm = [0.0] * len(graph.nodes)
+    am = [0.0] * len(graph.nodes)
+    for k, (op, c) in enumerate(zip(problem.ops, sol.pick)):
+        i = pos[op.node.id]
+        t[i] += op.time[c]
+        pm[i] += op.param_mem[c]
+        am[i] += op.act_mem[c]
+    for e in problem.edges:
+        t[pos[problem.ops[e.v].node.id]] += float(e.cost[sol.pick[e.u], sol.pick[e.v]])
+    return t, pm, am
+
+
+def _boundary_bytes(graph: IRGraph, cut: int, tp: int) -> float:
+    """Bytes of the tensors produced before op `cut` and read at or after it (per device)."""
+    made = {}
+    for node in graph.nodes[:cut]:
+        for r in tensor_outputs(graph, node):
+            made[r.id] = graph.value(r)
+    crossing = {r.id for node in graph.nodes[cut:] for r in tensor_inputs(graph, node) if r.id in made}
+    return sum(nbytes(made[v].shape, made[v].dtype) for v in crossing) / max(1, tp)
+
+
+def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, leads: Sequence[int], nmicros: int,
+                 mem_limit: Optional[float], p2p: Callable[[float], float]) -> Optional[StagePlan]:
+    """The best cut of `graph` into `nstages` stages for the SPMD plan `sol` (on tp devices), or
+    None when no cut fits the memory limit."""
+    tp = problem.n
+    t, pm, am = _per_node(graph, problem, sol)
+    n = len(graph.nodes)
+    points = [0] + sorted({c for c in leads if 0 < c < n})
+    if len(points) < nstages:
+        return None
+    pre_t, pre_p, pre_a = [0.0], [0.0], [0.0]
+    for i in range(n):
+        pre_t.append(pre_t[-1] + t[i])
+        pre_p.append(pre_p[-1] + pm[i])
+        pre_a.append(pre_a[-1] + am[i])
+    comm = {c: 2 * p2p(_boundary_bytes(graph, c, tp)) for c in points[1:]}  # forward + backward message
+    const_mem = problem.const_mem / max(1, nstages)
+
+    def stage_cost(k: int, a: int, b: int) -> Tuple[float, float]:  # stage k covers points[a]..points[b]
+        lo, hi = points[a], (points[b] if b < len(points) else n)
+        time_ = pre_t[hi] - pre_t[lo] + (comm.get(lo, 0.0))
+        mem = const_mem + pre_p[hi] - pre_p[lo] + (pre_a[hi] - pre_a[lo]) * min(nstages - k, nmicros)
+        return time_, mem
+
+    inf = math.inf
+    P = len(points)
+    # f[k][j]: least slowest-stage time for stages 0..k-1 covering points[0]..points[j] (exclusive)
+    f = [[inf] * (P + 1) for _ in range(nstages + 1)]
+    back = [[-1] * (P + 1) for _ in range(nstages + 1)]
+    f[0][0] = 0.0
+    for k in range(1, nstages + 1):
+        for j in range(k, P + 1):
+            if k == nstages and j != P:
+                continue
+            for i in range(k - 1, j):
+                if f[k - 1][i] == inf:
+                    continue
+                st, sm = stage_cost(k - 1, i, j)
+                if mem_limit is not None and sm > mem_limit:
+                    continue
+                w = max(f[k - 1][i], st)
+                if w < f[k][j]:
+                    f[k][j], back[k][j] = w, i
+    if f[nstages][P] == inf:
+        return None
+    bounds, j = [], P
+    for k in range(nstages, 0, -1):
+        i = back[k][j]
+        bounds.append((i, j))
+        j = i
+    bounds.reverse()
+    times, mems = zip(*(stage_cost(k, a, b) for k, (a, b) in enumerate(bounds)))
+    leads_out = [points[a] for a, _ in bounds[1:]]
+    return StagePlan(nstages, tp, leads_out, list(times), list(mems), (nmicros + nstages - 1) * max(times))

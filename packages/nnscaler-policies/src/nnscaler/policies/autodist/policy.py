@@ -1,0 +1,190 @@
+"""`autodist`: the plan search. Profiles the ops, prices every choice, solves the SPMD plan
+(and, with `pipeline_pivots`, the pipeline), applies the best plan that fits the memory limit,
+and can save, load and print it. Registered as ``pas_policy="autodist"``."""
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from nnscaler.ir import IRGraph, warn_user
+
+from ..builtin._nothing_split import PolicyWarning
+from ..builtin._spread import replicate_over_unit, split_over_unit
+from ..pipeline import pivot_leads, schedule, stage
+from ..recompute import recompute_modules
+from ..registry import register_policy
+from .comm_profile import measured_comm_model
+from .config import AutodistConfig
+from .constraints import load_constraints
+from .cost_model import Problem, build_problem
+from .layers import tie_layers
+from .op_keys import op_keys
+from .op_profile import profile_graph
+from .pipeline_solver import StagePlan, cut_pipeline
+from .plan_file import OpRecord, PlanRecord, load_plan, op_shapes, save_plan
+from .report import format_plan
+from .spmd_solver import NoPlanFits, Solution, size_text, solve
+
+__all__ = ["autodist", "AutodistWarning", "search"]
+
+
+class AutodistWarning(PolicyWarning):
+    """Something autodist accepted but cannot honour fully (e.g. apex absent)."""
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _transient(problem: Problem, pick: List[int], coef: float) -> float:
+    sizes = sorted((op.out_bytes[c] for op, c in zip(problem.ops, pick)), reverse=True)
+    return coef * sum(sizes[:2])
+
+
+class _Search:
+    def __init__(self, graph: IRGraph, cfg: AutodistConfig):
+        self.graph, self.cfg = graph, cfg
+        self.device = _device()
+        self.op_times, self.db = profile_graph(graph, device=self.device, re_profile=cfg.re_profile,
+                                               repeats=cfg.profile_repeats)
+        self.problems: Dict[int, Problem] = {}
+
+    def problem(self, tp: int, comm) -> Problem:
+        if tp not in self.problems:
+            cfg = self.cfg
+            allowed = load_constraints(cfg.partition_constraints_path, self.graph, tp) \
+                if cfg.partition_constraints_path else {}
+            if cfg.max_partition_degree is not None and tp > cfg.max_partition_degree:
+                allowed = {node.id: ["R"] for node in self.graph.nodes}
+            self.problems[tp] = build_problem(self.graph, tp, self.op_times, comm, cfg, allowed)
+        return self.problems[tp]
+
+    def spmd(self, problem: Problem, limit: Optional[float]) -> Solution:
+        """Solve, then tighten the limit by the transient buffers until the plan fits with them."""
+        tie = tie_layers(problem)
+        budget = limit
+        for _ in range(4):
+            sol = solve(problem, budget, tie, self.cfg.solver_time_limit)
+            extra = _transient(problem, sol.pick, self.cfg.transient_mem_coef)
+            if limit is None or sol.mem + extra <= limit:
+                return sol
+            budget = limit - extra
+        raise NoPlanFits(f"autodist: no plan fits mem_constraint = {size_text(limit)} per device with its "
+                         f"transient buffers (transient_mem_coef = {self.cfg.transient_mem_coef}); the best found "
+                         f"needs {size_text(sol.mem + extra)}")
+
+
+def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, str], Optional[StagePlan]]:
+    """Find the plan; returns the record, node id -> choice label, and the pipeline cut if any."""
+    start = time.perf_counter()
+    n = cfg.plan_ngpus
+    s = _Search(graph, cfg)
+    leads = None
+    if cfg.pipeline_pivots and cfg.pipeline_nstages != 1:
+        leads = pivot_leads(graph, cfg.pipeline_pivots)
+    stage_counts = [1] if leads is None else (
+        [cfg.pipeline_nstages] if cfg.pipeline_nstages != "auto" else [k for k in range(1, n + 1) if n % k == 0])
+    if leads is not None and cfg.pipeline_nstages == "auto" and n > 1:
+        stage_counts = [k for k in stage_counts if k == 1 or len([c for c in leads if c > 0]) >= k - 1]
+    maxdeg = cfg.max_partition_degree or n
+    sizes = {n // k for k in stage_counts} | {cfg.dp_size} | ({2} if leads else set())
+    comm = measured_comm_model(sizes, s.device, cfg.re_profile, cfg.comm_profile)
+    limit = cfg.mem_limit_bytes
+    best = None  # (step time, nstages, problem, solution, stage plan)
+    smallest = None
+    for k in stage_counts:
+        tp = n // k
+        if k > 1 and tp > maxdeg:
+            continue
+        problem = s.problem(tp, comm)
+        try:
+            if k == 1:
+                sol = s.spmd(problem, limit)
+                cand = (cfg.nmicros * sol.time, k, problem, sol, None)
+            else:
+                sol = s.spmd(problem, None)
+                cut = cut_pipeline(graph, problem, sol, k, leads, cfg.nmicros, limit,
+                                   lambda b: comm.time("p2p", b, 2))
+                if cut is None:
+                    continue
+                cand = (cut.step_time, k, problem, sol, cut)
+        except NoPlanFits as e:
+            smallest = smallest or e
+            continue
+        if best is None or cand[0] < best[0]:
+            best = cand
+    if best is None:
+        raise smallest or NoPlanFits(f"autodist: no plan of {graph.module_class} fits mem_constraint = "
+                                     f"{cfg.mem_constraint} GB per device, with or without a pipeline; raise it, "
+                                     f"or use more devices")
+    step, k, problem, sol, cut = best
+    keys = op_keys(graph)
+    labels = {op.node.id: op.choices[c].label for op, c in zip(problem.ops, sol.pick)}
+    stage_of = {}
+    if cut is not None:
+        bounds = [0, *cut.leads, len(graph.nodes)]
+        for st in range(len(bounds) - 1):
+            for node in graph.nodes[bounds[st]:bounds[st + 1]]:
+                stage_of[node.id] = st
+    per_op = {op.node.id: (op.time[c], op.mem[c]) for op, c in zip(problem.ops, sol.pick)}
+    ops = [OpRecord(keys[node.id], node.target, node.module_path, labels.get(node.id, "R"), op_shapes(graph, node),
+                    stage_of.get(node.id), *per_op.get(node.id, (0.0, 0.0)))
+           for node in graph.nodes]
+    transient = _transient(problem, sol.pick, cfg.transient_mem_coef)
+    mem = (max(cut.stage_mem) if cut is not None else sol.mem) + transient
+    estimate = {"time_s": step, "mem_bytes": mem, "transient_bytes": transient, "search_s": time.perf_counter() - start,
+                "solver_s": sol.seconds, "profiled_ops": s.db.misses, "cached_ops": s.db.hits}
+    if limit is not None:
+        estimate["mem_limit_bytes"] = limit
+    pipeline = None if cut is None else {"nstages": k, "tp_size": cut.tp_size, "nmicros": cfg.nmicros,
+                                         "scheduler": cfg.pipeline_scheduler}
+    record = PlanRecord(graph.module_class, n, ops, estimate, pipeline, cfg.task_name, sol.method)
+    return record, labels, cut
+
+
+def apply_record(graph: IRGraph, record: PlanRecord) -> IRGraph:
+    """Give every op of `graph` its pieces as `record` says (stages and schedule included)."""
+    keys = op_keys(graph)
+    by_key = {o.key: o for o in record.ops}
+    p = record.pipeline
+    if p is not None:
+        leads, prev = [], 0
+        for i, node in enumerate(graph.nodes):
+            st = by_key[keys[node.id]].stage
+            if st is not None and st != prev:
+                leads.append(i)
+                prev = st
+        stage(graph, leads)
+        schedule(graph, p["nmicros"], p["scheduler"], p["nstages"], p["tp_size"])
+    for node in graph.nodes:
+        devices = graph.pipeline.home_devices(node.stage) if graph.pipeline is not None else tuple(range(record.plan_ngpus))
+        choice = by_key[keys[node.id]].choice
+        if choice == "R" or len(devices) == 1:
+            replicate_over_unit(graph, node, len(devices), devices)
+        else:
+            split_over_unit(graph, node, choice, len(devices), devices)
+    return graph
+
+
+@register_policy("autodist")
+def autodist(graph: IRGraph, compute_config) -> IRGraph:
+    cfg = AutodistConfig.from_compute_config(compute_config)
+    if cfg.use_apex_fused_adam_v2 and importlib.util.find_spec("apex") is None:
+        warn_user("autodist: use_apex_fused_adam_v2 is set but apex is not installed; the plan is searched for a "
+                  "plain Adam (same optimizer-state memory)", AutodistWarning)
+    if cfg.recompute_modules:
+        recompute_modules(graph, cfg.recompute_modules)
+    if cfg.load_plan_path:
+        record = load_plan(cfg.load_plan_path, graph, cfg.plan_ngpus)
+    else:
+        record, _, _ = search(graph, cfg)
+    apply_record(graph, record)
+    if cfg.save_plan_path:
+        save_plan(record, cfg.save_plan_path)
+    if cfg.verbose:
+        print(format_plan(record), flush=True)
+    graph.autodist_plan = record  # for callers that want the estimate (bench, tests)
+    return graph
