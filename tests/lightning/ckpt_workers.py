@@ -66,3 +66,13 @@ def model_checkpoint(rank, world, root):
     resumed = _run(root, "mc-resume", plan, 3, ckpt_path=last)
     return dict(listing=listing, is_dir=os.path.isdir(last), resumed_step=resumed["step"],
                 fitted_val=fitted["val_loss"], validated_val=validated)
+
+
+def other_plan(rank, world, root, kind):
+    """A checkpoint of tp2 (2 epochs) loaded directly by a dp2 Trainer (no merge): it resumes
+    to 4 epochs as 4 straight under dp2."""
+    straight = _run(root, "straight-dp2", ("dp2", 1, "dp"), 4)
+    path = os.path.join(root, "tp2.ckpt")
+    _run(root, "first-tp2", ("tp2", 2, "tp"), 2, save=path, kind=kind)
+    resumed = _run(root, "resumed-dp2", ("dp2", 1, "dp"), 4, ckpt_path=path, kind=kind)
+    return dict(straight=straight, resumed=resumed)

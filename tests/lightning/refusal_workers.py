@@ -54,21 +54,61 @@ class UsesModuleOutsideForward(Classifier):
         return torch.nn.functional.cross_entropy(self.net(x), y)  # rule 3: only through forward
 
 
+class Temperature(Classifier):
+    """A parameter the traced forward does not use, used in training_step (rule 1)."""
+    def __init__(self, no_grad: bool = False):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.full((), 2.0))
+        self.no_grad = no_grad
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.no_grad:  # allowed: a constant for this step
+            with torch.no_grad():
+                t = self.temperature * 1.0
+            self.seen = t.item()
+        else:
+            t = self.temperature
+        return torch.nn.functional.cross_entropy(self(x) / t, y)
+
+
+class Scaled(Classifier):
+    """A parameter held by the LightningModule itself and used in forward; read under no_grad
+    after each step (the trained value), or used with grad enabled in training_step."""
+    def __init__(self, misuse: bool = False):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((), 1.5))
+        self.misuse = misuse
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        return loss + (self.scale ** 2 if self.misuse else 0.0)
+
+
 class FromBatch(Base):
     """Tracing input from the first training batch."""
     def dummy_forward_args_fn(self, batch):
         return {"x": batch[0]}
 
 
-def _fit(root, name, model, plan_ngpus=1, runtime=None):
+def _fit(root, name, model, plan_ngpus=1, runtime=None, config=None, **trainer_kwargs):
     from nnscaler.ir import ComputeConfig
     from nnscaler.lightning import NnScalerStrategy
-    cfg = ComputeConfig(plan_ngpus, runtime or dist.get_world_size())
+    cfg = ComputeConfig(plan_ngpus, runtime or dist.get_world_size(), **(config or {}))
     strategy = NnScalerStrategy(compute_config=cfg, pas_policy="dp", gen_savedir=os.path.join(root, "gen"),
                                 instance_name=name)
-    t = trainer(strategy, os.path.join(root, name), max_epochs=1)
+    t = trainer(strategy, os.path.join(root, name), max_epochs=1, **trainer_kwargs)
     t.fit(model)
     return t
+
+
+def _fp16():
+    from nnscaler.lightning import NnScalerPrecision
+    return NnScalerPrecision("16-mixed")
 
 
 def refusals(rank, world, root):
@@ -81,9 +121,22 @@ def refusals(rank, world, root):
         "not_a_dict": lambda: _fit(root, "f", NotADict()),
         "world": lambda: _fit(root, "g", Classifier(), runtime=4),
         "outside_forward": lambda: _fit(root, "h", UsesModuleOutsideForward()),
+        "param_outside_forward": lambda: _fit(root, "i", Temperature()),
+        "direct_param_outside_forward": lambda: _fit(root, "j", Scaled(misuse=True)),
+        "fp16_zero": lambda: _fit(root, "k", Classifier(), config={"use_zero": True}, plugins=[_fp16()]),
     }
     out = {name: error_of(fn) for name, fn in cases.items()}
     model = FromBatch()
     t = _fit(root, "from_batch", model)
     out["from_batch_steps"] = t.global_step
+    model = Temperature(no_grad=True)
+    t = _fit(root, "no_grad", model)
+    out["no_grad"] = (t.global_step, model.seen, type(model.temperature).__name__)
+    model = Scaled()
+    _fit(root, "scaled", model)
+    with torch.no_grad():
+        read = model.scale * 1.0
+    trained = dict(model.nnscaler_pmodule.named_parameters())
+    trained = [v for k, v in trained.items() if model.nnscaler_pmodule.fullmap[k].full_name == "scale"][0]
+    out["scaled"] = (read.item(), trained.item())
     return out

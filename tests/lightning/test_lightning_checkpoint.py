@@ -64,3 +64,19 @@ def test_a_single_device_file_is_refused(tmp_path):
         load(f, None, None)
     with pytest.raises(NnScalerLightningError, match=r"missing.ckpt is missing"):
         load(tmp_path / "missing.ckpt", None, None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["sharded", "deduped"])
+def test_checkpoint_of_another_plan_loads_directly(tmp_path, kind):
+    """fit(ckpt_path=...) under dp2 from a tp2 checkpoint, without merge_checkpoint: nnscaler.ckpt
+    reshards on load (weights and optimizer state)."""
+    out = run_workers(ckpt_workers.other_plan, 2, str(tmp_path), kind, timeout=240)
+    for r in out:
+        straight, resumed = r["straight"], r["resumed"]
+        assert resumed["step"] == straight["step"] == 16 and resumed["epoch"] == 4
+        torch.testing.assert_close(resumed["losses"], straight["losses"][8:], atol=TOL, rtol=0)
+        _close_weights(resumed["weights"], straight["weights"], "resumed under dp2")
+        for k, s in straight["optim"].items():
+            for n, v in s.items():
+                torch.testing.assert_close(resumed["optim"][k][n], v, atol=TOL, rtol=0)

@@ -32,20 +32,42 @@ def test_bad_constructor_arguments():
 def test_unsupported_precision_is_refused():
     import lightning.pytorch as pl
     from nnscaler.lightning import NnScalerPrecision, NnScalerStrategy
+    from nnscaler.lightning.grad_scaler import NnScalerGradScaler
     with pytest.raises(NnScalerError, match=r"precision plugin DoublePrecision \(precision='64-true'\).*32-true"):
         pl.Trainer(strategy=NnScalerStrategy(), precision="64-true", accelerator="cpu", devices=1, logger=False)
-    with pytest.raises(NnScalerError, match=r"precision plugin HalfPrecision \(precision='16-true'\)"):
-        pl.Trainer(strategy=NnScalerStrategy(), precision="16-true", accelerator="cpu", devices=1, logger=False)
-    with pytest.raises(NnScalerError, match=r"NnScalerPrecision\('16-true'\) is not supported yet"):
-        NnScalerPrecision("16-true")
+    with pytest.raises(NnScalerError, match=r"NnScalerPrecision\('64-true'\) is not supported; use one of"):
+        NnScalerPrecision("64-true")
+    with pytest.raises(NnScalerError, match=r"only '16-mixed' and '16-true' use a grad scaler"):
+        NnScalerPrecision("bf16-mixed", scaler=torch.amp.GradScaler("cpu"))
     t = pl.Trainer(strategy=NnScalerStrategy(), precision="32-true", accelerator="cpu", devices=1, logger=False,
                    enable_checkpointing=False)
     assert isinstance(t.strategy.precision_plugin, NnScalerPrecision)
-    for name in ("bf16-mixed", "bf16-true"):  # Lightning's plugins of the supported kinds become ours
+    for name in ("bf16-mixed", "bf16-true", "16-true"):  # Lightning's plugins of the supported kinds become ours
         t = pl.Trainer(strategy=NnScalerStrategy(), precision=name, accelerator="cpu", devices=1, logger=False,
                        enable_checkpointing=False)
         assert isinstance(t.strategy.precision_plugin, NnScalerPrecision)
         assert t.strategy.precision_plugin.precision == name
+        assert (t.strategy.precision_plugin.scaler is not None) == (name == "16-true")
+    # a Lightning MixedPrecision plugin's scaler settings are kept in ours
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3))
+    t = pl.Trainer(strategy=NnScalerStrategy(), plugins=[plugin], accelerator="cpu", devices=1, logger=False,
+                   enable_checkpointing=False)
+    scaler = t.strategy.precision_plugin.scaler
+    assert isinstance(scaler, NnScalerGradScaler)
+    assert scaler.get_scale() == 8.0 and scaler.get_growth_interval() == 3
+
+
+def test_fabric_precision_plugins():
+    import lightning.fabric as lf
+    from nnscaler.lightning.fabric import NnScalerPrecision, NnScalerStrategy
+    with pytest.raises(NnScalerError, match=r"precision plugin DoublePrecision \(precision='64-true'\)"):
+        lf.Fabric(strategy=NnScalerStrategy(), precision="64-true", accelerator="cpu", devices=1)
+    for name in ("bf16-mixed", "16-true"):  # Fabric's plugins of the supported kinds become ours
+        fabric = lf.Fabric(strategy=NnScalerStrategy(), precision=name, accelerator="cpu", devices=1)
+        assert isinstance(fabric.strategy.precision, NnScalerPrecision)
+        assert fabric.strategy.precision.precision == name
+        assert (fabric.strategy.precision.scaler is not None) == (name == "16-true")
 
 
 def test_lightning_state_round_trips_through_json():
@@ -75,6 +97,10 @@ def test_refused_configurations_in_fit(tmp_path):
         "world": r"runtime_ngpus=4\)\) but the Trainer runs 2 process\(es\)",
         "outside_forward": r"UsesModuleOutsideForward.training_step failed with TypeError: .*self.net is None: the "
                            r"traced modules run only inside forward",
+        "param_outside_forward": r"Temperature.temperature is a trainable parameter used outside forward with grad "
+                                 r"enabled: .*use it under torch.no_grad\(\), or freeze it",
+        "direct_param_outside_forward": r"Scaled.scale is a trainable parameter used outside forward with grad enabled",
+        "fp16_zero": r"precision '16-mixed' and ComputeConfig\(use_zero=True\): the grad scaler does not reach ZeRO",
     }
     import re
     for rank, result in enumerate(out):
@@ -84,3 +110,8 @@ def test_refused_configurations_in_fit(tmp_path):
             assert is_nnscaler, f"{case}: {cls}: {message}"
             assert re.search(pattern, message), f"{case}: {message}"
         assert result["from_batch_steps"] == 4  # dummy_forward_args_fn(first batch) traced and trained
+        # under torch.no_grad() the untraced parameter is usable, and it is the guard
+        assert result["no_grad"] == (4, 2.0, "OutsideForwardParameter")
+        # a parameter of the module itself, read under no_grad after training: the trained value
+        read, trained = result["scaled"]
+        assert read == trained and read != 1.5

@@ -6,7 +6,10 @@ After `convert(module, pm)`:
 - `module.forward` runs the parallel forward (outputs whole on every rank of a unit);
 - `module.log` / `log_dict` reduce `sync_dist=True` values over the ranks that hold different
   data (one per data-parallel unit), not over the ranks of a unit, which hold the same value;
-- every top-level attribute that held traced parameters or buffers is ``None``.
+- every top-level attribute that held traced parameters or buffers is ``None``;
+- (`guard_parameters`, after the module is on its device) a trainable parameter the module held
+  directly, or one the parallel module does not hold, is an `OutsideForwardParameter`: using it
+  with grad enabled is an error naming it (param_guard.py).
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from .errors import NnScalerLightningError
+from .param_guard import guard_direct_parameters, guard_untraced_parameters
 
-__all__ = ["PMODULE_ATTR", "dummy_forward_args", "convert", "pmodule_of", "removed_module_hint"]
+__all__ = ["PMODULE_ATTR", "dummy_forward_args", "convert", "guard_parameters", "pmodule_of", "removed_module_hint"]
 
 PMODULE_ATTR = "nnscaler_pmodule"
 
@@ -91,6 +95,8 @@ def convert(module: torch.nn.Module, pm: torch.nn.Module) -> List[str]:
     """Put `pm` into `module` and rewrite forward and log (see the module docstring). Returns the
     attributes set to None."""
     removed = [n for n in _top_level_names(pm) if n != PMODULE_ATTR and hasattr(module, n)]
+    direct = {n: module._parameters.get(n) for n in removed}
+    module.__dict__["_nnscaler_direct"] = {n: p for n, p in direct.items() if p is not None and p.requires_grad}
     for attr in removed:
         setattr(module, attr, None)
     setattr(module, PMODULE_ATTR, pm)
@@ -110,6 +116,14 @@ def convert(module: torch.nn.Module, pm: torch.nn.Module) -> List[str]:
 
     module.log = types.MethodType(log, module)
     return removed
+
+
+def guard_parameters(module: torch.nn.Module, pm: torch.nn.Module) -> None:
+    """After `convert` and the move to the device: the guards of param_guard.py."""
+    removed = module.__dict__["_nnscaler_removed"]
+    direct = guard_direct_parameters(module, list(removed), pm, type(module).__name__)
+    module.__dict__["_nnscaler_removed"] = tuple(n for n in removed if n not in direct)
+    guard_untraced_parameters(module, list(removed), type(module).__name__)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,8 @@ Setup (on every rank, inside `Trainer.fit` / `validate` / `test` / `predict`):
    its forward is the parallel one, `log` reduces over the right group, the traced modules are
    None (model_setup.py);
 4. the optimizer is re-pointed at the parallel parameters (`build_optimizer`).
+FSDP-style arguments (`activation_checkpointing_policy`, `cpu_offload`, a model built in
+`configure_model`, also on the meta device) are translated by sharded_args.py.
 Training then runs Lightning's own loops on the LightningModule itself (no wrapper): gradients
 are synchronised inside ``loss.backward()`` (skipped on accumulating steps through
 `block_backward_sync`), gradient clipping by norm spans the ranks (precision.py), and
@@ -38,10 +40,11 @@ from nnscaler.runtime import ReuseType, parallelize, sync_grad_when
 
 from .checkpoint_hooks import CheckpointHooks
 from .errors import NnScalerLightningError
-from .model_setup import convert, dummy_forward_args, pmodule_of, removed_module_hint
+from .model_setup import convert, dummy_forward_args, guard_parameters, pmodule_of, removed_module_hint
 from .optimizers import rebuild, user_optimizer
 from .precision import SUPPORTED_PRECISIONS, NnScalerPrecision
 from .process_layout import ProcessLayout
+from .sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, recompute_config
 
 __all__ = ["NnScalerStrategy"]
 
@@ -53,6 +56,8 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         every device). pas_policy: a policy name or function (default ``"dp"``).
     gen_savedir, reuse, instance_name, broadcast_strategy: as `nnscaler.parallelize`.
     state_dict_type: ``"sharded"`` or ``"deduped"`` (nnscaler.ckpt kinds).
+    activation_checkpointing_policy: a set of module types whose ops are recomputed in backward.
+    cpu_offload: accepted on CPU (a no-op there); refused on CUDA.
     process_group_backend, timeout, start_method: as Lightning's `DDPStrategy` (``"popen"`` runs
         the script again per device, ``"spawn"`` / ``"fork"`` start processes from this one).
     """
@@ -76,6 +81,8 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        activation_checkpointing_policy: Optional[Any] = None,
+        cpu_offload: bool = False,
     ) -> None:
         if compute_config is not None and not isinstance(compute_config, ComputeConfig):
             raise NnScalerLightningError(f"NnScalerStrategy(compute_config=...) must be a nnscaler ComputeConfig, "
@@ -86,6 +93,9 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         if checkpoint_io is not None:
             raise NnScalerLightningError("NnScalerStrategy(checkpoint_io=...) is not supported: checkpoints are "
                                          "nnscaler.ckpt directories (state_dict_type); leave checkpoint_io out")
+        self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
+        check_cpu_offload(cpu_offload, torch.device("cpu"))
+        self.cpu_offload = cpu_offload
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
         self.compute_config = compute_config
@@ -145,7 +155,9 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         name = getattr(plugin, "precision", None)
         if plugin is not None and not isinstance(plugin, NnScalerPrecision) and name in SUPPORTED_PRECISIONS \
                 and type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision"):
-            plugin = NnScalerPrecision(name)  # Trainer(precision=...): Lightning's plugin of a supported kind
+            # Trainer(precision=...): Lightning's plugin of a supported kind (its scaler's settings kept)
+            plugin = NnScalerPrecision(name, scaler=getattr(plugin, "scaler", None),
+                                       device=getattr(plugin, "device", None))
         if plugin is not None and not isinstance(plugin, NnScalerPrecision):
             raise NnScalerLightningError(
                 f"NnScalerStrategy cannot train with the precision plugin {type(plugin).__name__} "
@@ -161,7 +173,10 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         # configure_optimizers runs on the user's module, before conversion (it may name submodules)
         optimizer, schedulers = user_optimizer(module) if fitting else (None, [])
+        check_cpu_offload(self.cpu_offload, self.root_device)
+        self.precision_plugin.set_device(self.root_device.type)
         if self._pm is None:  # a second fit / validate with this strategy keeps the plan in place
+            materialize_meta(module, self.root_device)  # a model built in configure_model on the meta device
             module = self.precision_plugin.convert_module(module)
             self.model_to_device()
             self._pm = self._parallelize(module, trainer)
@@ -179,7 +194,14 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
                 f"NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus={cfg.plan_ngpus}, "
                 f"runtime_ngpus={cfg.runtime_ngpus})) but the Trainer runs {self.world_size} process(es) "
                 f"(devices x num_nodes): make them equal")
+        if cfg.use_zero and self.precision_plugin.scaler is not None:
+            raise NnScalerLightningError(
+                f"NnScalerStrategy with precision {self.precision_plugin.precision!r} and "
+                f"ComputeConfig(use_zero=True): "
+                f"the grad scaler does not reach ZeRO's optimizer shards yet; use bf16-mixed / bf16-true, or "
+                f"use_zero=False")
         self.compute_config = cfg
+        cfg = recompute_config(cfg, self._checkpointing_types, module)
         dummy = self.precision_plugin.convert_input(dummy_forward_args(module, trainer, self))
         was_training = module.training
         module.train()
@@ -191,6 +213,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         convert(module, pm)
         pm.train(was_training)
         module.to(self.root_device)
+        guard_parameters(module, pm)
         return pm
 
     # -- steps: a traced module used outside forward gets a clear error ----------------------------

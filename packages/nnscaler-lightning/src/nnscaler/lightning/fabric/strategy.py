@@ -7,7 +7,8 @@ this rank's ParallelModule, whose outputs are whole on every rank. Gradients are
 `fabric.backward`; `fabric.no_backward_sync(model)` skips that while accumulating;
 `fabric.clip_gradients(model, opt, max_norm=...)` clips by the global norm; `fabric.save` /
 `fabric.load` go through nnscaler.ckpt (a directory; modules and optimizers as tensors, the rest
-of the state as JSON with tensors).
+of the state and the precision's grad-scaler state as JSON with tensors). Precision: `Fabric(
+precision=...)` of a supported kind becomes `NnScalerPrecision` (fabric/precision.py).
 """
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ from .. import checkpoint as ckpt_io
 from ..process_layout import ProcessLayout
 from ..errors import NnScalerLightningError
 from ..optimizers import check_optimizer, rebuild
+from ..precision import SUPPORTED_PRECISIONS
+from ..sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, recompute_config
 from ..state_codec import decode, encode
+from .precision import NnScalerPrecision
 
 __all__ = ["NnScalerStrategy"]
 
@@ -53,13 +57,17 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                  reuse: Union[ReuseType, str] = ReuseType.MATCH, instance_name: Optional[str] = None,
                  broadcast_strategy: str = "none", state_dict_type: str = "sharded",
                  dummy_forward_args: Optional[Dict[str, Any]] = None, process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen") -> None:
+                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
+                 activation_checkpointing_policy: Optional[Any] = None, cpu_offload: bool = False) -> None:
         if compute_config is not None and not isinstance(compute_config, ComputeConfig):
             raise NnScalerLightningError(f"NnScalerStrategy(compute_config=...) must be a nnscaler ComputeConfig, "
                                          f"got {type(compute_config).__name__}")
         if state_dict_type not in ("sharded", "deduped"):
             raise NnScalerLightningError(f"NnScalerStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or "
                                          f"'deduped'")
+        self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
+        check_cpu_offload(cpu_offload, torch.device("cpu"))
+        self.cpu_offload = cpu_offload
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
         self.compute_config, self.pas_policy, self.gen_savedir = compute_config, pas_policy, gen_savedir
@@ -68,6 +76,24 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
         self._process_group_backend, self._timeout, self._start_method = process_group_backend, timeout, start_method
         self._num_nodes = 1
         self._backward_sync_control = _NoSync()
+
+    @property
+    def precision(self) -> NnScalerPrecision:
+        return self._precision if self._precision is not None else NnScalerPrecision()
+
+    @precision.setter
+    def precision(self, plugin) -> None:
+        name = getattr(plugin, "precision", None)
+        if plugin is not None and not isinstance(plugin, NnScalerPrecision) and name in SUPPORTED_PRECISIONS \
+                and type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision"):
+            plugin = NnScalerPrecision(name, scaler=getattr(plugin, "scaler", None),
+                                       device=getattr(plugin, "device", None))
+        if plugin is not None and not isinstance(plugin, NnScalerPrecision):
+            raise NnScalerLightningError(
+                f"the nnscaler Fabric strategy cannot train with the precision plugin {type(plugin).__name__} "
+                f"(precision={name!r}): use Fabric(precision=...) with one of {', '.join(SUPPORTED_PRECISIONS)}, or "
+                f"plugins=[nnscaler.lightning.fabric.NnScalerPrecision(...)]")
+        self._precision = plugin
 
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
@@ -91,7 +117,16 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
             raise NnScalerLightningError(
                 f"NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus={cfg.plan_ngpus}, runtime_ngpus="
                 f"{cfg.runtime_ngpus})) but Fabric runs {self.world_size} process(es): make them equal")
+        check_cpu_offload(self.cpu_offload, self.root_device)
+        self.precision.set_device(self.root_device.type)
+        if cfg.use_zero and self.precision.scaler is not None:
+            raise NnScalerLightningError(
+                f"the nnscaler Fabric strategy with precision {self.precision.precision!r} and ComputeConfig("
+                f"use_zero=True): the grad scaler does not reach ZeRO's optimizer shards yet; use bf16-mixed / "
+                f"bf16-true, or use_zero=False")
         self.compute_config = cfg
+        materialize_meta(module, self.root_device)
+        cfg = recompute_config(cfg, self._checkpointing_types, module)
         dummy = getattr(module, "dummy_forward_args", None) or self.dummy_forward_args
         if not isinstance(dummy, dict):
             raise NnScalerLightningError(
@@ -101,7 +136,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
         was_training = module.training
         module.train()
         try:
-            pm = parallelize(module, self.precision.convert_input(dummy), self.pas_policy, cfg,
+            pm = parallelize(module, self.precision.trace_input(dummy), self.pas_policy, cfg,
                              gen_savedir=self.gen_savedir, reuse=self.reuse, instance_name=self.instance_name,
                              broadcast_strategy=self.broadcast_strategy)
         finally:
@@ -131,8 +166,9 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
         if float(norm_type) != 2.0:
             raise NnScalerLightningError(f"fabric.clip_gradients(norm_type={norm_type}): NnScalerStrategy clips by "
                                          f"the L2 norm only; use norm_type=2")
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
         self.precision.unscale_gradients(optimizer)
-        norm = getattr(optimizer, "optimizer", optimizer).clip_gnorm(float(max_norm))
+        norm = optimizer.clip_gnorm(float(max_norm))
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of gradients is {norm.item()}: non-finite")
         return norm
@@ -162,7 +198,8 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
         import nnscaler.ckpt as ckpt
         path = self.broadcast(os.fspath(path))
         ckpt.save(path, pm, opt, kind=self.state_dict_type, overwrite=True,
-                  extra={"fabric": encode(rest), "keys": {"model": self._key, "optimizer": self._opt_key}})
+                  extra={"fabric": encode(rest), "keys": {"model": self._key, "optimizer": self._opt_key},
+                         "precision": encode(self.precision.state_dict())})
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> Dict[str, Any]:
         import nnscaler.ckpt as ckpt
@@ -174,6 +211,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
         ckpt_io.checkpoint_dir(path)
         extra = ckpt.load(path, pm, opt)
         saved = decode(extra.get("fabric", {}))
+        self.precision.load_state_dict(decode(extra.get("precision", {})))
         for key in list(rest):
             if key in saved:
                 state[key] = saved.pop(key)

@@ -1,0 +1,99 @@
+"""What users of Lightning's FSDP strategy pass as strategy arguments, in nnscaler's terms.
+
+- `activation_checkpointing_policy`: a set of module types (as FSDPStrategy's) -> every op of
+  those modules is recomputed in backward: the types go to the plan as ``ComputeConfig.pas_config
+  ["recompute_modules"]``, which every policy honours (nnscaler.policies.recompute_modules), so
+  the generated forward runs them under ``torch.utils.checkpoint``.
+- `cpu_offload`: optimizer state kept on CPU while training on GPU. On CPU it is what happens
+  anyway (accepted, a no-op); on CUDA it is refused (not implemented).
+- `configure_model()`: a model built in the hook on the meta device is materialized on the root
+  device (``to_empty`` + each submodule's ``reset_parameters()``, in module order, as Lightning
+  does for FSDP) before it is traced.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Optional, Set, Type
+
+import torch
+
+from .errors import NnScalerLightningError
+
+__all__ = ["checkpointing_types", "recompute_config", "check_cpu_offload", "materialize_meta"]
+
+
+def checkpointing_types(policy: Any) -> Optional[Set[Type[torch.nn.Module]]]:
+    """The module types of ``activation_checkpointing_policy`` (None: none), checked."""
+    if policy is None:
+        return None
+    if isinstance(policy, type):
+        policy = {policy}
+    if not isinstance(policy, (set, frozenset, list, tuple)) or not all(
+            isinstance(t, type) and issubclass(t, torch.nn.Module) for t in policy):
+        raise NnScalerLightningError(
+            f"NnScalerStrategy(activation_checkpointing_policy={policy!r}): give a set of torch.nn.Module types, "
+            f"e.g. {{torch.nn.TransformerEncoderLayer}} (wrap policies and callables are not supported)")
+    return set(policy)
+
+
+def _qualified(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def recompute_config(cfg, types: Optional[Set[type]], module: torch.nn.Module):
+    """`cfg` with the submodules of `types` in ``pas_config["recompute_modules"]``."""
+    if not types:
+        return cfg
+    present = {type(m) for name, m in module.named_modules() if name}
+    missing = sorted(t.__name__ for t in types if t not in present)
+    if missing:
+        kinds = sorted({t.__name__ for t in present})
+        raise NnScalerLightningError(
+            f"NnScalerStrategy(activation_checkpointing_policy=...): {type(module).__name__} has no submodule of "
+            f"type {', '.join(missing)}; its submodule types: {', '.join(kinds) or 'none'}")
+    names = sorted(_qualified(t) for t in types)
+    pas = dict(cfg.pas_config)
+    given = pas.get("recompute_modules")
+    if given:
+        names = ([given] if isinstance(given, str) else list(given)) + names
+    pas["recompute_modules"] = names
+    return dataclasses.replace(cfg, pas_config=pas)
+
+
+def check_cpu_offload(cpu_offload: Any, device: torch.device) -> None:
+    if not isinstance(cpu_offload, bool):
+        raise NnScalerLightningError(f"NnScalerStrategy(cpu_offload={cpu_offload!r}): give True or False "
+                                     f"(offload policies are not supported)")
+    if cpu_offload and device.type != "cpu":
+        raise NnScalerLightningError(
+            f"NnScalerStrategy(cpu_offload=True) on {device.type}: keeping optimizer state on CPU while training on "
+            f"GPU is not implemented yet; leave cpu_offload out, or use ComputeConfig(use_zero=True) to shard "
+            f"the optimizer state over the data-parallel ranks instead")
+
+
+def _has_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def materialize_meta(module: torch.nn.Module, device: torch.device) -> bool:
+    """Meta-device parameters and buffers (a model built in ``configure_model`` under
+    ``torch.device("meta")``) allocated on `device` and initialized by each submodule's
+    ``reset_parameters()``. Returns whether anything was on the meta device."""
+    if not _has_meta(module):
+        return False
+    uninitialized = []
+    for name, sub in module.named_modules():
+        direct = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
+        if not any(t.is_meta for t in direct):
+            continue
+        if callable(getattr(sub, "reset_parameters", None)):
+            sub.to_empty(device=device, recurse=False)
+            sub.reset_parameters()
+        else:
+            uninitialized.append(name or type(module).__name__)
+    if uninitialized:
+        raise NnScalerLightningError(
+            f"{type(module).__name__}.configure_model built {', '.join(uninitialized[:5])} on the meta device, and "
+            f"{'it has' if len(uninitialized) == 1 else 'they have'} no reset_parameters() to initialize the weights: "
+            f"add reset_parameters() or build those modules on a real device")
+    return True

@@ -1,0 +1,76 @@
+"""The arguments users of Lightning's FSDP strategy expect: `activation_checkpointing_policy`
+(recomputes those modules: same numbers, fewer saved activations, checkpointed generated code),
+`configure_model()` (also on the meta device) and `cpu_offload` (a no-op on CPU, refused on CUDA)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launch import run_workers
+import sharded_workers
+
+TOL = 1e-5
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_activation_checkpointing_recomputes_with_the_same_numbers(tmp_path):
+    out = run_workers(sharded_workers.checkpointing, 2, str(tmp_path), timeout=240)[0]
+    for name in ("dp2", "tp2"):
+        plain, ckpt = out[f"{name}-plain"], out[f"{name}-ckpt"]
+        assert plain["code_files"] == ckpt["code_files"] == 2  # one generated forward per rank
+        assert plain["checkpoint_calls"] == {0}
+        assert ckpt["checkpoint_calls"] == {3}, ckpt["checkpoint_calls"]  # one segment per Linear, on each rank
+        # recomputed segments keep only their inputs: fewer tensors saved for backward
+        assert ckpt["saved"] < plain["saved"], (ckpt["saved"], plain["saved"])
+        _close(ckpt["losses"], plain["losses"], f"{name} losses")
+        for key, ref in plain["weights"].items():
+            _close(ckpt["weights"][key], ref, f"{name} {key}")
+    _close(out["tp2-ckpt"]["losses"], out["dp2-ckpt"]["losses"], "tp2 against dp2")
+
+
+@pytest.mark.multiprocess
+def test_configure_model_and_cpu_offload_match_ddp(tmp_path):
+    out = run_workers(sharded_workers.configure_model, 2, str(tmp_path), timeout=240)[0]
+    ref_losses, ref_weights = out["ddp"]
+    assert len(ref_losses) == 8
+    for label in ("cpu", "meta", "offload"):
+        losses, weights, built_on, net, devices = out[label]
+        assert built_on == ("meta" if label == "meta" else "cpu")
+        assert net is None  # the model built in the hook is the one parallelized (and converted)
+        assert devices == {"cpu"}  # optimizer state on CPU
+        _close(losses, ref_losses, f"{label} losses")
+        for key, ref in ref_weights.items():
+            _close(weights[key], ref, f"{label} {key}")
+
+
+def test_sharded_arguments_are_checked():
+    from nnscaler.ir import ComputeConfig
+    from nnscaler.lightning import NnScalerLightningError, NnScalerStrategy
+    from nnscaler.lightning.sharded_args import check_cpu_offload, materialize_meta, recompute_config
+    with pytest.raises(NnScalerLightningError, match=r"activation_checkpointing_policy=.*give a set of torch.nn"):
+        NnScalerStrategy(activation_checkpointing_policy=lambda m: True)
+    with pytest.raises(NnScalerLightningError, match=r"cpu_offload='yes'\): give True or False"):
+        NnScalerStrategy(cpu_offload="yes")
+    with pytest.raises(NnScalerLightningError, match=r"cpu_offload=True\) on cuda: keeping optimizer state on CPU "
+                                                     r"while training on GPU is not implemented yet"):
+        check_cpu_offload(True, torch.device("cuda", 0))
+    check_cpu_offload(True, torch.device("cpu"))
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    with pytest.raises(NnScalerLightningError, match=r"Sequential has no submodule of type Conv2d; its submodule "
+                                                     r"types: Linear, ReLU"):
+        recompute_config(ComputeConfig(1, 1), {torch.nn.Conv2d}, net)
+    cfg = recompute_config(ComputeConfig(1, 1, pas_config={"recompute_modules": "h.*"}), {torch.nn.Linear}, net)
+    assert cfg.pas_config["recompute_modules"] == ["h.*", "torch.nn.modules.linear.Linear"]
+
+    class NoReset(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+    with torch.device("meta"):
+        holder = torch.nn.Sequential(torch.nn.Linear(2, 2), NoReset())
+    with pytest.raises(NnScalerLightningError, match=r"built 1 on the meta device, and it has no reset_parameters"):
+        materialize_meta(holder, torch.device("cpu"))
