@@ -93,3 +93,15 @@ def test_tp2_dp2_zero_on_4_ranks_matches_ddp(tmp_path):
     plans = [("tp2dp2-zero", 2, "tp", {"use_zero": True})]
     result = run_workers(lit_workers.parity, 4, str(tmp_path), plans, kwargs, timeout=240)[0]
     _check(result, ["tp2dp2-zero"], steps=2 * 2, world=4, units=2)  # 2 epochs of 16 samples per rank / batch 8
+
+
+@pytest.mark.multiprocess
+def test_autodist_plan_matches_ddp(tmp_path):
+    """pas_policy="autodist" through the strategy: the plan it searches (over a unit of 2
+    devices, with accumulation and clipping) trains like DDP."""
+    comm = {"backend": "given", "collectives": {c: {"2": [1e-5, 5e9]} for c in
+                                                ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}}
+    kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+    plans = [("autodist2", 2, "autodist", {"pas_config": {"_comm_profile": comm, "verbose": True}})]
+    result = run_workers(lit_workers.parity, 2, str(tmp_path), plans, kwargs, timeout=180)[0]
+    _check(result, ["autodist2"], steps=2 * 4, units=1)

@@ -38,6 +38,9 @@ def _run(world, cases, tmp_path):
     for c in cases:
         if c.get("sharded"):
             assert _sharded(results, c["label"]), f"{c['label']}: the plan shards no parameter"
+        if c.get("pipelined"):  # each rank holds only its stage's parameters (a tied embedding: both)
+            held = [{name for name, *_ in per_rank[c["label"]][1]} for per_rank in results[:2]]
+            assert held[0] - held[1] and held[1] - held[0], f"{c['label']}: not cut into stages"
 
 
 @pytest.mark.multiprocess
@@ -47,6 +50,10 @@ def test_autodist_parity_2_ranks(tmp_path):
              dict(autodist("autodist-gpt2-tight", 2, **tight("gpt2", 2, 2)), model="gpt2", sharded=True),
              dict(autodist("autodist-llama64-tight", 2, **tight("llama64", 2, 2)), model="llama64", sharded=True),
              dict(autodist("autodist-resnet", 2), model="resnet", train=False),
+             # a pipeline of 2 stages, cut where a block starts (1f1b, 2 micro-batches)
+             dict(mp.plan("autodist-gpt2-pp", "autodist", 2, use_end2end=True,
+                          pas_config={"_comm_profile": COMM, "pipeline_pivots": "GPT2Block", "pipeline_nstages": 2,
+                                      "pipeline_nmicros": mp.NMICROS}), model="gpt2", pipelined=True),
              dict(autodist("autodist-resnet-tight", 2, **tight("resnet", 2, 2)), model="resnet", train=False,
                   sharded=True)], tmp_path)
 

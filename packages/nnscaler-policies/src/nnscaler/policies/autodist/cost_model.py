@@ -6,7 +6,8 @@ devices when split (a per-op launch overhead does not divide), plus its forward 
 op is recomputed. Communication: the steps codegen emits between the producer's output
 placement and the consumer's input placement (`nnscaler.ir.transition_steps`), forward and (when
 a gradient flows) backward duals, each priced by the measured `CommModel`; a parameter's
-gradient all-reduce across data-parallel units is priced on its local size. Memory per device:
+gradient all-reduce across data-parallel units is priced on its local size, once per step. Times
+are per micro-batch (a step runs `nmicros` of them). Memory per device:
 parameters, gradients and optimizer state (fp32 states, fp32 master weights under fp16/bf16
 unless memory-efficient, ZeRO dividing the optimizer part) of the local shard, and the local
 outputs kept for backward (none inside recomputed modules).
@@ -120,8 +121,11 @@ class _Pricer:
         return 2 * spec_bytes + opt
 
     def dp_sync(self, local_bytes: float) -> float:
-        """The gradient all-reduce of a trainable tensor across data-parallel units."""
-        return self.comm.time("all_reduce", local_bytes, self.cfg.dp_size) if self.cfg.dp_size > 1 else 0.0
+        """The gradient all-reduce of a trainable tensor across data-parallel units, once per step:
+        spread over the step's micro-batches (the times here are per micro-batch)."""
+        if self.cfg.dp_size <= 1:
+            return 0.0
+        return self.comm.time("all_reduce", local_bytes, self.cfg.dp_size) / self.cfg.nmicros
 
 
 def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float]], comm: CommModel,
