@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from .errors import NnScalerLightningError
 from .grad_scaler import NnScalerGradScaler
 
-__all__ = ["NnScalerPrecision", "SUPPORTED_PRECISIONS", "PrecisionKind"]
+__all__ = ["NnScalerPrecision", "SUPPORTED_PRECISIONS", "PrecisionKind", "adopt_precision_plugin"]
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
@@ -139,3 +139,20 @@ class NnScalerPrecision(PrecisionKind, Precision):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         PrecisionKind.load_state_dict(self, state_dict)
+
+
+def adopt_precision_plugin(plugin, ours: type, who: str, how: str):
+    """The precision plugin a strategy (`who`) trains with: ours as it is; Lightning's own plugin
+    of a supported precision (what ``{how}(precision=...)`` makes) replaced by `ours` with its
+    scaler's settings; anything else refused, saying what to pass instead."""
+    name = getattr(plugin, "precision", None)
+    if plugin is not None and not isinstance(plugin, ours) and name in SUPPORTED_PRECISIONS \
+            and type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision"):
+        plugin = ours(name, scaler=getattr(plugin, "scaler", None), device=getattr(plugin, "device", None))
+    if plugin is not None and not isinstance(plugin, ours):
+        from .errors import NnScalerLightningError
+        raise NnScalerLightningError(
+            f"{who} cannot train with the precision plugin {type(plugin).__name__} (precision={name!r}): use "
+            f"{how}(precision=...) with one of {', '.join(SUPPORTED_PRECISIONS)}, or "
+            f"plugins=[{ours.__module__.rsplit('.', 1)[0]}.NnScalerPrecision(...)]")
+    return plugin

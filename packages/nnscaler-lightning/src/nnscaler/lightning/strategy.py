@@ -42,7 +42,7 @@ from .checkpoint_hooks import CheckpointHooks
 from .errors import NnScalerLightningError
 from .model_setup import convert, dummy_forward_args, guard_parameters, pmodule_of, removed_module_hint
 from .optimizers import rebuild, user_optimizer
-from .precision import SUPPORTED_PRECISIONS, NnScalerPrecision
+from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout
 from .sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, recompute_config
 
@@ -152,18 +152,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        name = getattr(plugin, "precision", None)
-        if plugin is not None and not isinstance(plugin, NnScalerPrecision) and name in SUPPORTED_PRECISIONS \
-                and type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision"):
-            # Trainer(precision=...): Lightning's plugin of a supported kind (its scaler's settings kept)
-            plugin = NnScalerPrecision(name, scaler=getattr(plugin, "scaler", None),
-                                       device=getattr(plugin, "device", None))
-        if plugin is not None and not isinstance(plugin, NnScalerPrecision):
-            raise NnScalerLightningError(
-                f"NnScalerStrategy cannot train with the precision plugin {type(plugin).__name__} "
-                f"(precision={name!r}): use Trainer(precision=...) with one of {', '.join(SUPPORTED_PRECISIONS)}, "
-                f"or plugins=[nnscaler.lightning.NnScalerPrecision(...)]")
-        self._precision_plugin = plugin
+        self._precision_plugin = adopt_precision_plugin(plugin, NnScalerPrecision, "NnScalerStrategy", "Trainer")
 
     # -- setup -----------------------------------------------------------------------------------
     def setup(self, trainer) -> None:

@@ -34,7 +34,7 @@ from .. import checkpoint as ckpt_io
 from ..process_layout import ProcessLayout
 from ..errors import NnScalerLightningError
 from ..optimizers import check_optimizer, rebuild
-from ..precision import SUPPORTED_PRECISIONS
+from ..precision import adopt_precision_plugin
 from ..sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, recompute_config
 from ..state_codec import decode, encode
 from .precision import NnScalerPrecision
@@ -83,17 +83,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
 
     @precision.setter
     def precision(self, plugin) -> None:
-        name = getattr(plugin, "precision", None)
-        if plugin is not None and not isinstance(plugin, NnScalerPrecision) and name in SUPPORTED_PRECISIONS \
-                and type(plugin).__name__ in ("Precision", "MixedPrecision", "HalfPrecision"):
-            plugin = NnScalerPrecision(name, scaler=getattr(plugin, "scaler", None),
-                                       device=getattr(plugin, "device", None))
-        if plugin is not None and not isinstance(plugin, NnScalerPrecision):
-            raise NnScalerLightningError(
-                f"the nnscaler Fabric strategy cannot train with the precision plugin {type(plugin).__name__} "
-                f"(precision={name!r}): use Fabric(precision=...) with one of {', '.join(SUPPORTED_PRECISIONS)}, or "
-                f"plugins=[nnscaler.lightning.fabric.NnScalerPrecision(...)]")
-        self._precision = plugin
+        self._precision = adopt_precision_plugin(plugin, NnScalerPrecision, "the nnscaler Fabric strategy", "Fabric")
 
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
