@@ -61,6 +61,10 @@ class PlanRecord:
                                  f"version {VERSION}: search again (drop load_plan_path)")
         try:
             ops = [OpRecord(**o) for o in data["ops"]]
+            pipeline = data.get("pipeline")
+            if pipeline is not None and (not isinstance(pipeline, dict)
+                                         or not {"nstages", "tp_size", "nmicros", "scheduler"} <= set(pipeline)):
+                raise ValueError("'pipeline' must be null or a mapping with nstages, tp_size, nmicros and scheduler")
             return cls(data["module_class"], int(data["plan_ngpus"]), ops, dict(data.get("estimate") or {}),
                        data.get("pipeline"), data.get("task_name", "default"), data.get("method", ""))
         except (KeyError, TypeError, ValueError) as e:
