@@ -1,12 +1,16 @@
 """Checkpoint I/O of nnscaler.ckpt against the same bytes moved by the reference tools.
 
-* save / load: `nnscaler.ckpt.save` (sharded, hashing while writing) and `load` (same plan,
-  SHA-256 checked first, and without the check) of a model sharded over `--ranks` gloo processes,
-  against `safetensors.torch.save_file` / `load_file` of the same tensors by the same ranks, in
-  the same run. Throughput = bytes / slowest rank's seconds.
-* merge: `nnscaler.ckpt.merge` of that checkpoint (a fresh interpreter; with and without the
-  source hash check) against `cp -r` of the same directory; peak RSS above the interpreter's
-  RSS before merging, against the largest tensor.
+* save / load: `nnscaler.ckpt.save` (sharded, hashing while writing) and `load` at each
+  verification level (``"fast"``: the default, size + chunked CRC-32; ``"sha256"``; ``"size"``)
+  of a model sharded over `--ranks` gloo processes, against `safetensors.torch.save_file` /
+  `load_file` of the same tensors by the same ranks, in the same run. Throughput = bytes /
+  slowest rank's seconds.
+* merge: `nnscaler.ckpt.merge` of that checkpoint (a fresh interpreter; each verification level)
+  against `cp -r` of the same directory, `cp` + `sync` (merge fsyncs) and `cp` + SHA-256 of the
+  copy (a verified copy); peak RSS above the interpreter's RSS before merging, against the
+  largest tensor.
+* floors: SHA-256 and CRC-32 rates of one core measured in the same run, and what they imply:
+  a merged file's SHA-256 is one sequential stream, so no merge can beat bytes / SHA-256 rate.
 
     python bench/ckpt.py                 # 2 GiB, 8 tensors, 4 ranks (~2-3 min on 2 cores)
     python bench/ckpt.py --gib 0.25      # a quick run
@@ -24,18 +28,46 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import loadavg, run_header, save_results, spawn_gloo, table  # noqa: E402
+from _common import cpu_count, loadavg, run_header, save_results, spawn_gloo, table  # noqa: E402
+
+
+LEVELS = ("fast", "sha256", "size")
 
 
 def fmt_bytes(b: float) -> str:
     return f"{b / 2**20:,.0f} MiB"
+
+
+def hash_rates(nbytes: int = 256 * 2**20, repeat: int = 3) -> dict:
+    """GB/s of SHA-256 and zlib CRC-32 on one core (best of `repeat`), over a buffer in memory."""
+    import hashlib
+    import zlib
+    buf = memoryview(bytes(range(256)) * (nbytes // 256))
+    out = {}
+    for name, fn in (("sha256", lambda: hashlib.sha256(buf).digest()), ("crc32", lambda: zlib.crc32(buf))):
+        best = float("inf")
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        out[f"{name}_GBps"] = nbytes / best / 1e9
+    return out
+
+
+def sha256_file(path) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(16 * 2**20):
+            h.update(block)
+    return h.hexdigest()
 
 _MERGE = """
 import json, resource, sys, time
 import nnscaler.ckpt as ckpt
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t = time.perf_counter()
-ckpt.merge(sys.argv[1], sys.argv[2], verify=sys.argv[3] == "1")
+ckpt.merge(sys.argv[1], sys.argv[2], verify=sys.argv[3])
 seconds = time.perf_counter() - t
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"seconds": seconds, "rss_before": before, "rss_peak": peak}))
@@ -78,7 +110,7 @@ def _ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str
     import nnscaler.ckpt as ckpt
     m = _module(rank, world, rows, cols, ntensors)
     tensors = {k: v.detach() for k, v in m.named_parameters()}
-    out = {k: [] for k in ("save_file", "save", "load_file", "load", "load_no_verify")}
+    out = {k: [] for k in ("save_file", "save", "load_file", "load", "load_sha256", "load_no_verify")}
     ref_dir = Path(root, "safetensors")
     ref_dir.mkdir(exist_ok=True)
     for _ in range(repeat):  # alternated, so that both see the same state of the page cache
@@ -99,8 +131,9 @@ def _ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str
         with torch.no_grad():
             for p in target.parameters():
                 p.zero_()
-        out["load"].append(_timed(lambda: ckpt.load(Path(root, "ck"), target)))
-        out["load_no_verify"].append(_timed(lambda: ckpt.load(Path(root, "ck"), target, verify=False)))
+        out["load"].append(_timed(lambda: ckpt.load(Path(root, "ck"), target)))  # verify="fast"
+        out["load_sha256"].append(_timed(lambda: ckpt.load(Path(root, "ck"), target, verify="sha256")))
+        out["load_no_verify"].append(_timed(lambda: ckpt.load(Path(root, "ck"), target, verify="size")))
     out = {k: statistics.median(v) for k, v in out.items()}
     out["exact"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), target.parameters()))
     return out
@@ -120,68 +153,115 @@ def main() -> None:
     tensor_bytes = rows * cols * 4
     total = tensor_bytes * args.tensors
     load_before = loadavg()  # I/O and hashing figures swing with what else the machine runs
+    rates = hash_rates()
     root = Path(tempfile.mkdtemp(prefix="nnscaler-bench-ckpt-", dir=args.workdir))
     try:
         per_rank, _ = spawn_gloo(_ranks, (args.ranks, rows, cols, args.tensors, str(root), args.repeat), args.ranks,
                                  str(root / "result.json"))
-        slowest = {k: max(r[k] for r in per_rank) for k in ("save", "save_file", "load", "load_no_verify",
-                                                            "load_file")}
-        cps, cp_syncs, runs = [], [], {"verify": [], "no_verify": []}
-        for _ in range(args.repeat):  # alternated: cp, merge with the hash check, merge without
+        slowest = {k: max(r[k] for r in per_rank) for k in ("save", "save_file", "load", "load_sha256",
+                                                            "load_no_verify", "load_file")}
+        ref = {"cp": [], "cp_then_sync": [], "cp_then_sha256": []}
+        runs = {level: [] for level in LEVELS}
+        for _ in range(args.repeat):  # alternated: the references, then merge at each level
             subprocess.run(["sync"], check=True)
             t = time.perf_counter()
             subprocess.run(["cp", "-r", str(root / "ck"), str(root / "copy")], check=True)
-            cps.append(time.perf_counter() - t)
+            ref["cp"].append(time.perf_counter() - t)
             subprocess.run(["sync", "-f", str(root / "copy")], check=True)  # cp does not fsync; merge does
-            cp_syncs.append(time.perf_counter() - t)
+            ref["cp_then_sync"].append(time.perf_counter() - t)
             shutil.rmtree(root / "copy")
-            for verify in (True, False):
+            subprocess.run(["sync"], check=True)
+            t = time.perf_counter()
+            subprocess.run(["cp", "-r", str(root / "ck"), str(root / "copy")], check=True)
+            for f in sorted((root / "copy").iterdir()):  # what sha256sum of the copy does: one stream
+                sha256_file(f)
+            ref["cp_then_sha256"].append(time.perf_counter() - t)
+            shutil.rmtree(root / "copy")
+            for level in LEVELS:
                 subprocess.run(["sync"], check=True)
-                dst = root / f"merged-{int(verify)}"
-                out = subprocess.run([sys.executable, "-c", _MERGE, str(root / "ck"), str(dst), str(int(verify))],
+                dst = root / f"merged-{level}"
+                out = subprocess.run([sys.executable, "-c", _MERGE, str(root / "ck"), str(dst), level],
                                      capture_output=True, text=True, check=True)
-                runs["verify" if verify else "no_verify"].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                runs[level].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 shutil.rmtree(dst)
-        cp_seconds, cp_sync_seconds = statistics.median(cps), statistics.median(cp_syncs)
+        refs = {k: statistics.median(v) for k, v in ref.items()}
         merges = {k: {"seconds": statistics.median(r["seconds"] for r in v), "all_seconds": [r["seconds"] for r in v],
                       "rss_before": max(r["rss_before"] for r in v), "rss_peak": max(r["rss_peak"] for r in v)}
                   for k, v in runs.items()}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gbs = lambda s: total / s / 1e9  # noqa: E731
+    cores = cpu_count()
+    # floors: the merged model file's SHA-256 is one sequential stream on one core; the fast load
+    # check adds a CRC-32 pass over every byte, spread over the cores, to what load_file does
+    sha_floor = total / rates["sha256_GBps"] / 1e9
+    # ... and the CPU of a fast-verified merge spread perfectly over the cores: the output's
+    # SHA-256, its CRC-32 and the sources' CRC-32, plus the copy itself (cp's time: kernel CPU)
+    cpu_floor = (sha_floor + 2 * total / rates["crc32_GBps"] / 1e9 + refs["cp"]) / cores
+    merge_floor = max(sha_floor, cpu_floor, refs["cp"])
+    best_floor = max(sha_floor, (sha_floor + 2 * total / rates["crc32_GBps"] / 1e9 + min(ref["cp"])) / cores,
+                     min(ref["cp"]))
+    load_floor = slowest["load_file"] + total / (rates["crc32_GBps"] * 1e9 * cores)
     result = {
         **run_header(),
         "loadavg": {"before": load_before, "after": loadavg()},
         "config": {"gib": args.gib, "tensors": args.tensors, "ranks": args.ranks, "tensor_shape": [rows, cols],
                    "bytes": total, "largest_tensor_bytes": tensor_bytes},
+        "rates_one_core": rates,
         "save": {"seconds": slowest["save"], "GBps": gbs(slowest["save"]),
                  "ref_save_file_seconds": slowest["save_file"], "ratio_vs_save_file": slowest["save_file"] /
                  slowest["save"]},
-        "load": {"seconds": slowest["load"], "GBps": gbs(slowest["load"]),
-                 "seconds_no_verify": slowest["load_no_verify"], "ref_load_file_seconds": slowest["load_file"],
+        "load": {"seconds": slowest["load"], "GBps": gbs(slowest["load"]), "verify": "fast",
+                 "seconds_sha256": slowest["load_sha256"], "seconds_no_verify": slowest["load_no_verify"],
+                 "ref_load_file_seconds": slowest["load_file"],
                  "ratio_vs_load_file": slowest["load_file"] / slowest["load"],
+                 "ratio_vs_load_file_sha256": slowest["load_file"] / slowest["load_sha256"],
                  "ratio_vs_load_file_no_verify": slowest["load_file"] / slowest["load_no_verify"],
+                 "floor_fast_seconds": load_floor, "floor_fast_note": "load_file + bytes / (CRC-32 rate x cores)",
+                 "ratio_floor_fast_vs_load_file": slowest["load_file"] / load_floor,
+                 "ratio_vs_floor_fast": load_floor / slowest["load"],
                  "exact": all(r["exact"] for r in per_rank)},
-        "merge": {**{k: {**v, "GBps": gbs(v["seconds"]), "ratio_vs_cp": cp_seconds / v["seconds"],
-                         "ratio_vs_cp_then_sync": cp_sync_seconds / v["seconds"],
+        "merge": {**{k: {**v, "GBps": gbs(v["seconds"]), "ratio_vs_cp": refs["cp"] / v["seconds"],
+                         "ratio_vs_cp_then_sync": refs["cp_then_sync"] / v["seconds"],
+                         "ratio_vs_cp_then_sha256": refs["cp_then_sha256"] / v["seconds"],
+                         "ratio_vs_floor": merge_floor / v["seconds"],
+                         "best_seconds": min(v["all_seconds"]),  # the I/O of a shared machine swings 5x
+                         "best_ratio_vs_cp": min(ref["cp"]) / min(v["all_seconds"]),
+                         "best_ratio_vs_cp_then_sync": min(ref["cp_then_sync"]) / min(v["all_seconds"]),
+                         "best_ratio_vs_cp_then_sha256": min(ref["cp_then_sha256"]) / min(v["all_seconds"]),
+                         "best_ratio_vs_floor": best_floor / min(v["all_seconds"]),
                          "extra_rss_bytes": v["rss_peak"] - v["rss_before"],
                          "extra_rss_minus_largest_tensor": v["rss_peak"] - v["rss_before"] - tensor_bytes}
                      for k, v in merges.items()},
-                  "cp_seconds": cp_seconds, "cp_GBps": gbs(cp_seconds), "cp_then_sync_seconds": cp_sync_seconds,
-                  "cp_then_sync_GBps": gbs(cp_sync_seconds), "cp_all_seconds": cps,
-                  "cp_then_sync_all_seconds": cp_syncs},
+                  **{f"{k}_seconds": v for k, v in refs.items()}, **{f"{k}_all_seconds": v for k, v in ref.items()},
+                  "cp_GBps": gbs(refs["cp"]), "cp_then_sync_GBps": gbs(refs["cp_then_sync"]),
+                  "floor_seconds": merge_floor, "floor_sha256_stream_seconds": sha_floor,
+                  "floor_cpu_seconds": cpu_floor,
+                  "floor_note": "max(cp, bytes / SHA-256 rate (the merged file's SHA-256 is one stream), (bytes / "
+                                "SHA-256 rate + 2 bytes / CRC-32 rate + cp) / cores (all the CPU work on all cores))",
+                  "ratio_floor_vs_cp": refs["cp"] / merge_floor, "best_floor_seconds": best_floor,
+                  "best_ratio_floor_vs_cp": min(ref["cp"]) / best_floor},
         "per_rank": per_rank,
     }
-    rows_ = [["save vs save_file", f"{result['save']['GBps']:.2f} GB/s", f"{result['save']['ratio_vs_save_file']:.2f}"],
-             ["load vs load_file", f"{result['load']['GBps']:.2f} GB/s", f"{result['load']['ratio_vs_load_file']:.2f}"],
-             ["load (no hash) vs load_file", f"{gbs(slowest['load_no_verify']):.2f} GB/s",
-              f"{result['load']['ratio_vs_load_file_no_verify']:.2f}"]]
-    for k, v in result["merge"].items():
-        if isinstance(v, dict):
-            rows_.append([f"merge ({k}) vs cp | cp + sync", f"{v['GBps']:.2f} GB/s",
-                          f"{v['ratio_vs_cp']:.2f} | {v['ratio_vs_cp_then_sync']:.2f}  extra RSS "
-                          f"{fmt_bytes(v['extra_rss_bytes'])} (largest tensor {fmt_bytes(tensor_bytes)})"])
-    print(f"{fmt_bytes(total)} in {args.tensors} tensors over {args.ranks} ranks")
+    r = lambda x: f"{x:.2f}"  # noqa: E731
+    rows_ = [["save vs save_file", f"{result['save']['GBps']:.2f} GB/s", r(result['save']['ratio_vs_save_file'])],
+             ["load (fast check) vs load_file", f"{result['load']['GBps']:.2f} GB/s",
+              f"{r(result['load']['ratio_vs_load_file'])} (floor {r(result['load']['ratio_floor_fast_vs_load_file'])})"],
+             ["load (SHA-256) vs load_file", f"{gbs(slowest['load_sha256']):.2f} GB/s",
+              r(result["load"]["ratio_vs_load_file_sha256"])],
+             ["load (size only) vs load_file", f"{gbs(slowest['load_no_verify']):.2f} GB/s",
+              r(result["load"]["ratio_vs_load_file_no_verify"])]]
+    for k in LEVELS:
+        v = result["merge"][k]
+        rows_.append([f"merge ({k}) vs cp | cp+sync | cp+sha256 | floor", f"{v['GBps']:.2f} GB/s",
+                      f"{r(v['ratio_vs_cp'])} | {r(v['ratio_vs_cp_then_sync'])} | {r(v['ratio_vs_cp_then_sha256'])} | "
+                      f"{r(v['ratio_vs_floor'])} (best of runs: {r(v['best_ratio_vs_cp'])} | "
+                      f"{r(v['best_ratio_vs_cp_then_sync'])} | {r(v['best_ratio_vs_cp_then_sha256'])} | "
+                      f"{r(v['best_ratio_vs_floor'])})  extra RSS {fmt_bytes(v['extra_rss_bytes'])} "
+                      f"(largest tensor {fmt_bytes(tensor_bytes)})"])
+    print(f"{fmt_bytes(total)} in {args.tensors} tensors over {args.ranks} ranks; one core: SHA-256 "
+          f"{rates['sha256_GBps']:.2f} GB/s, CRC-32 {rates['crc32_GBps']:.2f} GB/s; merge floor "
+          f"{r(result['merge']['ratio_floor_vs_cp'])} x cp")
     print(table(["what", "throughput", "ratio to reference"], rows_))
     save_results(args.out, result)
 

@@ -81,7 +81,7 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
             f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(save_module, "write_tensors", full)
+    monkeypatch.setattr(save_module, "write_record", full)
     with pytest.raises(CheckpointError, match=r"could not write .*No space left.*previous checkpoint is intact"):
         save(tmp_path / "ck", FakeParallel(seed=4), overwrite=True)
     with pytest.raises(CheckpointError, match="No space left"):

@@ -36,7 +36,7 @@ def _needed(manifest: Dict[str, Any], tensors: List[LocalTensor], rank: int) -> 
 class DedupSources(Sources):
     """`Sources` whose pieces stored by other ranks arrive from them (COLLECTIVE to build)."""
 
-    def __init__(self, root, manifest: Dict[str, Any], verify: bool, rank: int, tensors: List[LocalTensor]):
+    def __init__(self, root, manifest: Dict[str, Any], verify, rank: int, tensors: List[LocalTensor]):
         super().__init__(root, manifest, verify, prefer_rank=rank)
         self._received: Dict[Tuple[str, int], torch.Tensor] = {}
         own = rank_file(rank, manifest["world_size"])

@@ -10,11 +10,12 @@ the world size matches. Every rank raises the same error when any rank fails.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from .collectives import all_gather_json, rank_and_world
+from .checksums import verify_level
+from .collectives import agree, all_gather_json, rank_and_world
 from .errors import CheckpointError, describe
 from .extra import join_extra
 from .manifest import read_manifest
@@ -105,19 +106,23 @@ def _optimizer_state(src: Sources, manifest: Dict[str, Any], module, optimizer, 
 
 
 def _raise_if_any(error: Optional[str]) -> None:
-    """Every rank raises the first error any rank met (collective)."""
+    """Every rank raises the first error any rank met (collective: one all-reduce when none did)."""
+    if agree(error is None):
+        return
     errors = all_gather_json(error)
-    if any(errors):
-        raise CheckpointError(next(e for e in errors if e))
+    raise CheckpointError(next(e for e in errors if e))
 
 
 def load(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-         verify: bool = True) -> Any:
+         verify: Union[str, bool] = "fast") -> Any:
     """Load checkpoint directory `path` into `module` (and `optimizer`); returns the ``extra``
-    saved by this rank (by rank 0 when the world size differs). COLLECTIVE. With `verify` each
-    file read is checked against its SHA-256 first. Nothing changes unless every rank succeeds."""
+    saved by this rank (by rank 0 when the world size differs). COLLECTIVE. Each file read is
+    checked first at level `verify` (`checksums`): ``"fast"`` (size and chunked CRC-32, the
+    SHA-256 for manifests without it), ``"sha256"`` (or True) or ``"size"`` (or False). Nothing
+    changes unless every rank succeeds."""
     rank, world = rank_and_world()
     root = Path(path).absolute()
+    verify = verify_level(verify)
     error, manifest, tensors = None, None, None
     try:
         manifest = read_manifest(root)

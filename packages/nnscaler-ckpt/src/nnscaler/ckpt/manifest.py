@@ -2,7 +2,8 @@
 
 Fields: ``format`` ("nnscaler-checkpoint"), ``format_version``, ``kind`` (sharded, deduped,
 merged), ``world_size``, ``plan`` (per parallelized module: path, graph fingerprint, compute
-config), ``files`` (name -> size and SHA-256 of every other file), ``model`` and
+config), ``files`` (name -> size, SHA-256 and chunked CRC-32 of every other file, see
+`checksums`), ``model`` and
 ``optimizer_state`` (one record per stored piece: its file and key and its place in the full
 tensor), ``tensors`` (full name -> shape and dtype), ``optimizer`` (class, hyper-parameters),
 ``ranks`` (per saving rank: RNG states and the caller's ``extra``). No pickle anywhere.

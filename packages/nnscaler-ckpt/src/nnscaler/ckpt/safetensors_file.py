@@ -4,22 +4,24 @@ The format (https://github.com/huggingface/safetensors): an 8-byte little-endian
 a JSON header ``{name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}`` padded with
 spaces to a multiple of 8, then the tensors' bytes back to back. Writing it here instead of
 ``safetensors.torch.save_file`` lets a merge stream (one tensor in memory at a time) and gives the
-SHA-256 without reading the file again. Files are read with ``safetensors.safe_open``.
+SHA-256 and the chunked CRC-32 (`checksums`) without reading the file again. Files are read with ``safetensors.safe_open``.
 """
 from __future__ import annotations
 
-import hashlib
+import collections
 import json
+import mmap
 import os
 import struct
-import threading
 from pathlib import Path
-from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from .checksums import Digests
+
 __all__ = ["DTYPES", "dtype_name", "dtype_of", "TensorSpec", "SafetensorsWriter", "write_tensors",
-           "read_header", "tensor_bytes"]
+           "write_record", "read_header", "tensor_bytes"]
 
 DTYPES: Dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -33,7 +35,8 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
 _BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
 
 TensorSpec = Tuple[str, str, Tuple[int, ...]]  # (name, dtype code, shape)
-_CHUNK = 64 * 2**20  # bytes written (and hashed, overlapped) at a time
+_CHUNK = 16 * 2**20  # bytes written (and hashed, overlapped) at a time
+_INFLIGHT = 4  # chunks written but not yet hashed, at most
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,8 +67,10 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 class SafetensorsWriter:
-    """``w = SafetensorsWriter(path, specs, metadata)``, then ``w.write(name, tensor)`` for every
-    spec in order, then ``size, sha256 = w.close()`` (flushed and fsynced)."""
+    """``w = SafetensorsWriter(path, specs, metadata)``, then ``w.write(name, tensor)`` (or
+    ``w.copy``) for every spec in order, then ``size, sha256 = w.close()`` (flushed and fsynced;
+    ``w.record`` is then the file's manifest record: size, SHA-256, chunked CRC-32). The bytes are
+    hashed by helper threads (`checksums.Digests`) while they are written."""
 
     def __init__(self, path, specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, str]] = None):
         self.path = Path(path)
@@ -81,29 +86,40 @@ class SafetensorsWriter:
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        self._hash = hashlib.sha256()
-        self._hashing: Optional[threading.Thread] = None
+        self.record: Optional[Dict[str, object]] = None
+        self._digests: Optional[Digests] = Digests()
+        self._inflight: Deque[tuple] = collections.deque()  # (pending, what to release once hashed)
         self._file = open(self.path, "wb", buffering=0)  # large writes: no Python buffer in between
         self._size = 0
         self._emit(struct.pack("<Q", len(raw)) + raw)
-        self._offsets = header
+
+    def _track(self, pending, *hold) -> None:
+        self._inflight.append((pending, hold))
+        while len(self._inflight) > _INFLIGHT:
+            self._retire()
+
+    def _retire(self) -> None:
+        pending, hold = self._inflight.popleft()
+        pending.wait()
+        for h in hold:  # memory maps of source windows, their views first
+            try:
+                h.release() if isinstance(h, memoryview) else h.close()
+            except BufferError:  # still exported somewhere: the garbage collector unmaps it
+                pass
+
+    def drain(self) -> None:
+        """Wait until every byte written so far is hashed (then the caller's tensors are free)."""
+        while self._inflight:
+            self._retire()
 
     def _emit(self, data) -> None:
-        """Write `data` while a helper thread hashes it (both release the GIL), chunk by chunk."""
+        """Write `data` while the helper threads hash it, chunk by chunk."""
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _CHUNK):
             chunk = view[start:start + _CHUNK]
-            self._wait_hash()
-            self._hashing = threading.Thread(target=self._hash.update, args=(chunk,), daemon=True)
-            self._hashing.start()
-            while chunk:  # a raw write may take part of the chunk
-                chunk = chunk[self._file.write(chunk):]
-            self._size += len(view[start:start + _CHUNK])
-
-    def _wait_hash(self) -> None:
-        if self._hashing is not None:
-            self._hashing.join()
-            self._hashing = None
+            self._track(self._digests.feed(chunk))
+            _write_all(self._file, chunk)
+            self._size += len(chunk)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected, code, shape = self._specs[self._next]
@@ -115,7 +131,8 @@ class SafetensorsWriter:
 
     def copy(self, name: str, segments: Sequence[Tuple[str, int, int]]) -> None:
         """Write tensor `name` as the concatenation of byte ranges ``(file, offset, length)`` of
-        other files, copied by the kernel (``os.copy_file_range``) while a helper thread hashes them."""
+        other files, copied by the kernel (``os.copy_file_range``) while the helper threads hash
+        the same bytes through a memory map of each window (no copy in user space)."""
         expected, code, shape = self._specs[self._next]
         n = _itemsize(code)
         for d in shape:
@@ -126,53 +143,60 @@ class SafetensorsWriter:
         out = self._file.fileno()
         for path, offset, length in segments:
             with open(path, "rb", buffering=0) as src:
-                self._wait_hash()
-                self._hashing = threading.Thread(target=_hash_range, args=(self._hash, src.fileno(), offset, length),
-                                                 daemon=True)
-                self._hashing.start()
-                done = 0
-                while done < length:
-                    try:
-                        moved = os.copy_file_range(src.fileno(), out, length - done, offset + done)
-                    except (AttributeError, OSError):  # no kernel copy here: read and write
-                        moved = self._file.write(os.pread(src.fileno(), min(_CHUNK, length - done), offset + done))
-                    if moved == 0:
-                        raise OSError(f"{path}: unexpected end of file at {offset + done}")
-                    done += moved
-                self._wait_hash()
-            self._size += length
+                for start in range(offset, offset + length, _CHUNK):
+                    size = min(_CHUNK, offset + length - start)
+                    base = start - start % mmap.ALLOCATIONGRANULARITY
+                    window = mmap.mmap(src.fileno(), start + size - base, access=mmap.ACCESS_READ, offset=base)
+                    view = memoryview(window)[start - base:]
+                    if len(view) != size:
+                        raise OSError(f"{path}: unexpected end of file at {start + len(view)}")
+                    self._track(self._digests.feed(view), view, window)
+                    done = 0
+                    while done < size:
+                        try:
+                            moved = os.copy_file_range(src.fileno(), out, size - done, start + done)
+                        except (AttributeError, OSError):  # no kernel copy here: write from the map
+                            moved = self._file.write(view[done:])
+                        if moved == 0:
+                            raise OSError(f"{path}: unexpected end of file at {start + done}")
+                        done += moved
+                    self._size += size
         self._next += 1
 
     def close(self) -> Tuple[int, str]:
-        """Flush, fsync and close; returns (size in bytes, SHA-256 hex)."""
+        """Flush, fsync and close; returns (size in bytes, SHA-256 hex) and sets `record`."""
         if self._next != len(self._specs):
             self.abort()
             raise ValueError(f"{self.path.name}: {len(self._specs) - self._next} tensors were not written")
-        self._wait_hash()
+        self.drain()
+        digest, crc = self._digests.finish()
+        self._digests = None
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        return self._size, self._hash.hexdigest()
+        self.record = {"size": self._size, "sha256": digest, "crc32": crc}
+        return self._size, digest
 
     def abort(self) -> None:
-        self._wait_hash()
+        self.drain()
+        if self._digests is not None:
+            try:
+                self._digests.finish()
+            except BaseException:  # noqa: BLE001 - aborting already
+                pass
+            self._digests = None
         if not self._file.closed:
             self._file.close()
 
 
-def _hash_range(h, fd: int, offset: int, length: int) -> None:
-    done = 0
-    while done < length:
-        block = os.pread(fd, min(_CHUNK, length - done), offset + done)
-        if not block:
-            raise OSError(f"unexpected end of file at {offset + done}")
-        h.update(block)
-        done += len(block)
+def _write_all(f, chunk: memoryview) -> None:
+    while chunk:  # a raw write may take part of the chunk
+        chunk = chunk[f.write(chunk):]
 
 
-def write_tensors(path, tensors: Iterable[Tuple[str, torch.Tensor]],
-                  metadata: Optional[Mapping[str, str]] = None) -> Tuple[int, str]:
-    """Write (name, tensor) pairs to a safetensors file; returns (size, SHA-256)."""
+def write_record(path, tensors: Iterable[Tuple[str, torch.Tensor]],
+                 metadata: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
+    """Write (name, tensor) pairs to a safetensors file; returns its manifest record."""
     items = list(tensors)
     writer = SafetensorsWriter(path, [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in items], metadata)
     try:
@@ -181,7 +205,15 @@ def write_tensors(path, tensors: Iterable[Tuple[str, torch.Tensor]],
     except BaseException:
         writer.abort()
         raise
-    return writer.close()
+    writer.close()
+    return writer.record
+
+
+def write_tensors(path, tensors: Iterable[Tuple[str, torch.Tensor]],
+                  metadata: Optional[Mapping[str, str]] = None) -> Tuple[int, str]:
+    """Write (name, tensor) pairs to a safetensors file; returns (size, SHA-256)."""
+    record = write_record(path, tensors, metadata)
+    return record["size"], record["sha256"]
 
 
 def read_header(path) -> Dict[str, dict]:

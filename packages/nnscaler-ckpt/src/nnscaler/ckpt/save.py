@@ -3,8 +3,9 @@
 Every rank describes what it holds (`rank_state.collect`); with ``kind="deduped"`` the ranks
 agree (one JSON all-gather) that each distinct piece is stored by the lowest rank holding it.
 Rank 0 creates the staging directory, every rank streams its safetensors file into it, hashing as
-it writes, then rank 0 writes the manifest and commits (`commit.StagingDir`). A failure on any
-rank (a full disk, a bad ``extra``) makes every rank raise and leaves no checkpoint behind.
+it writes (SHA-256 and chunked CRC-32, `checksums`), then rank 0 writes the manifest and commits
+(`commit.StagingDir`). A failure on any rank (a full disk, a bad ``extra``) makes every rank raise
+and leaves no checkpoint behind.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .module_tensors import plan_identity
 from .names import FORMAT, FORMAT_VERSION, rank_file
 from .optimizer_tensors import hyper_parameters, optimizer_class
 from .rank_state import collect, keep_only, optimizer_piece_id
-from .safetensors_file import write_tensors
+from .safetensors_file import write_record
 
 __all__ = ["save"]
 
@@ -82,9 +83,9 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     name = rank_file(rank, world)
     info: Dict[str, Any] = {"file": name}
     try:
-        size, digest = write_tensors(staging.file(name), st.tensors,
-                                     {"format": "pt", "nnscaler": f"{kind} checkpoint, rank {rank} of {world}"})
-        info.update(size=size, sha256=digest, model=st.model, optimizer_state=st.optimizer_state, rng=st.rng,
+        record = write_record(staging.file(name), st.tensors,
+                              {"format": "pt", "nnscaler": f"{kind} checkpoint, rank {rank} of {world}"})
+        info.update(record=record, model=st.model, optimizer_state=st.optimizer_state, rng=st.rng,
                     extra=st.extra)
     except OSError as e:
         info["error"] = f"rank {rank} could not write {staging.file(name)} ({e}); the previous checkpoint is intact"
@@ -97,7 +98,7 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
             "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "world_size": world,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "plan": plan_identity(module),
-            "files": {i["file"]: {"size": i["size"], "sha256": i["sha256"]} for i in ranks},
+            "files": {i["file"]: i["record"] for i in ranks},
             "tensors": _tensor_table(ranks),
             "optimizer": None if optimizer is None else {"class": optimizer_class(optimizer),
                                                           "param_groups": hyper_parameters(optimizer)},

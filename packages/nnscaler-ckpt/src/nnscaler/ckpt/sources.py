@@ -2,8 +2,8 @@
 
 Works the same for every kind: a sharded or deduped checkpoint lists each rank's pieces, a merged
 one holds whole tensors. Files are opened lazily with ``safetensors.safe_open`` (memory-mapped:
-only the bytes of the slices asked for are read) after their size, and by default their SHA-256,
-were checked against the manifest.
+only the bytes of the slices asked for are read) after their size and contents were checked
+against the manifest at the level asked for (`checksums`).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from safetensors import safe_open
 
+from .checksums import Level
 from .errors import CheckpointError
 from .safetensors_file import dtype_of, read_header
 from .verify import check_file, read_checked
@@ -25,7 +26,7 @@ Region = Tuple[Tuple[int, int], ...]
 class Sources:
     """`model[full_name]` and `optim[(full_name, state)]`: the manifest's piece records."""
 
-    def __init__(self, root, manifest: Dict[str, Any], verify: bool = True, prefer_rank: Optional[int] = None,
+    def __init__(self, root, manifest: Dict[str, Any], verify: Level = True, prefer_rank: Optional[int] = None,
                  whole_files: Sequence[str] = ()):
         self.root = Path(root)
         self.manifest = manifest
@@ -42,7 +43,7 @@ class Sources:
         self._open: Dict[str, Any] = {}
         self._headers: Dict[str, dict] = {}
         self._data_start: Dict[str, int] = {}
-        self._whole = set(whole_files)  # read at once, hashed as they are read (a rank's own file)
+        self._whole = set(whole_files)  # mapped at once and checked (a rank's own file)
         self._buffers: Dict[str, torch.Tensor] = {}
 
     def handle(self, file: str):

@@ -1,22 +1,26 @@
 """`verify(path)`: every file of a checkpoint is there, with the size and SHA-256 the manifest
-records, and nothing is left over that the manifest does not list."""
+records, and nothing is left over that the manifest does not list. `check_file` and
+`read_checked` are the same checks at a chosen level (`checksums`) for `load` and `merge`."""
 from __future__ import annotations
 
 import hashlib
+import mmap
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
+from .checksums import Level, crc32_chunks, file_crc32_chunks, verify_level
 from .errors import CheckpointError
 from .manifest import read_manifest, sha256_file
 
 __all__ = ["verify", "check_file", "read_checked"]
 
-_CHUNK = 64 * 2**20
+
+def _mismatch(path: Path) -> CheckpointError:
+    return CheckpointError(f"{path} does not match its SHA-256 in the manifest (corrupted): copy the file back "
+                           f"or use an earlier checkpoint")
 
 
-def check_file(root: Path, name: str, record: Dict[str, Any], hash_: bool = True) -> None:
-    """Raise CheckpointError when file `name` is missing, has another size or (with `hash_`) another SHA-256."""
-    path = root / name
+def _check_size(path: Path, record: Dict[str, Any]) -> None:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing (the manifest lists it): the checkpoint is incomplete; copy the "
                               f"file back or use an earlier checkpoint")
@@ -24,48 +28,51 @@ def check_file(root: Path, name: str, record: Dict[str, Any], hash_: bool = True
     if size != record["size"]:
         raise CheckpointError(f"{path} has {size} bytes, the manifest records {record['size']} (truncated or "
                               f"replaced): copy the file back or use an earlier checkpoint")
-    if hash_ and sha256_file(path) != record["sha256"]:
-        raise CheckpointError(f"{path} does not match its SHA-256 in the manifest (corrupted): copy the file back "
-                              f"or use an earlier checkpoint")
 
 
-def read_checked(root: Path, name: str, record: Dict[str, Any], hash_: bool = True):
-    """The whole file as a uint8 tensor, hashed (in a helper thread) while it is read: one pass
-    instead of a check then a read (without `hash_`: memory-mapped). Raises like `check_file`."""
-    import threading
+def _check_content(path: Path, data, record: Dict[str, Any], level: str) -> None:
+    """Check file `path` (its bytes `data`, a buffer, or None: read the file) at `level`."""
+    crc = record.get("crc32")
+    if level == "size":
+        return
+    sha = (lambda: hashlib.sha256(data).hexdigest()) if data is not None else (lambda: sha256_file(path))
+    if level == "fast" and isinstance(crc, dict) and crc.get("chunk") and record["size"]:
+        chunk = int(crc["chunk"])
+        got = crc32_chunks(data, chunk) if data is not None else file_crc32_chunks(path, record["size"], chunk)
+        if got == list(crc["values"]):
+            return
+        if sha() == record["sha256"]:  # confirm: is it the file or the manifest?
+            raise CheckpointError(f"{path} matches its SHA-256 but not its CRC-32 in the manifest: the manifest is "
+                                  f"corrupt; check it with `nnscaler ckpt verify` or use an earlier checkpoint")
+        raise _mismatch(path)
+    if sha() != record["sha256"]:
+        raise _mismatch(path)
 
+
+def check_file(root: Path, name: str, record: Dict[str, Any], hash_: Level = True) -> None:
+    """Raise CheckpointError when file `name` is missing, has another size or, at level `hash_`
+    (True: SHA-256, False: size only, or a `checksums` level), other contents."""
+    path = root / name
+    _check_size(path, record)
+    _check_content(path, None, record, verify_level(hash_))
+
+
+def read_checked(root: Path, name: str, record: Dict[str, Any], hash_: Level = True):
+    """The whole file as a uint8 tensor (a private memory map: no copy), checked at level `hash_`
+    (as `check_file`) on the mapped bytes. Raises like `check_file`."""
     import torch
-    check_file(root, name, record, hash_=False)
-    if not hash_:  # nothing to hash: map the file (copy-on-write) instead of reading it
-        import mmap
-        with open(root / name, "rb") as f:
-            if record["size"] == 0:
-                return torch.empty(0, dtype=torch.uint8)
-            return torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
-    data = torch.empty(record["size"], dtype=torch.uint8)
-    view = memoryview(data.numpy()).cast("B")
-    h, worker = hashlib.sha256(), None
-    with open(root / name, "rb", buffering=0) as f:
-        for start in range(0, len(view), _CHUNK):
-            chunk = view[start:start + _CHUNK]
-            got = 0
-            while got < len(chunk):
-                n = f.readinto(chunk[got:])
-                if not n:
-                    raise CheckpointError(f"{root / name} ended early while reading: copy the file back or use an "
-                                          f"earlier checkpoint")
-                got += n
-            if hash_:
-                if worker is not None:
-                    worker.join()
-                worker = threading.Thread(target=h.update, args=(chunk,), daemon=True)
-                worker.start()
-    if worker is not None:
-        worker.join()
-    if hash_ and h.hexdigest() != record["sha256"]:
-        raise CheckpointError(f"{root / name} does not match its SHA-256 in the manifest (corrupted): copy the file back "
-                              f"or use an earlier checkpoint")
-    return data
+    path = root / name
+    _check_size(path, record)
+    if record["size"] == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    view = memoryview(mapped)
+    try:
+        _check_content(path, view, record, verify_level(hash_))
+    finally:
+        view.release()
+    return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def verify(path, files: Optional[Iterable[str]] = None) -> Dict[str, Any]:
