@@ -46,8 +46,8 @@ def parity(rank, world, root, precision):
         if precision == "16-mixed" else HalfPrecision("16-true")
     _, model, _, losses, _ = _loop(DDPStrategy(), ddp_plugin, 8)
     out = {"ddp": (losses, {k: v.detach().float().clone() for k, v in model.module.state_dict().items()})}
-    for name, plan, policy in (("dp2", 1, "dp"), ("tp2", 2, "tp")):
-        strategy = NnScalerStrategy(compute_config=ComputeConfig(plan, world), pas_policy=policy,
+    for name, plan, policy, zero in (("dp2", 1, "dp", False), ("tp2", 2, "tp", False), ("dp2-zero", 1, "dp", True)):
+        strategy = NnScalerStrategy(compute_config=ComputeConfig(plan, world, use_zero=zero), pas_policy=policy,
                                     gen_savedir=os.path.join(root, "gen"), instance_name=f"{name}-{precision}",
                                     dummy_forward_args={"x": torch.randn(8 * plan, FEATURES)})
         plugin = NnScalerPrecision(precision, scaler=torch.amp.GradScaler("cpu", **SCALER))

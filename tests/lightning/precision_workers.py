@@ -91,3 +91,83 @@ def overflow_on_one_rank(rank, world):
         except ValueError as exc:  # torch's refuses fp16 gradients
             out[name] = str(exc)
     return out
+
+
+def _nnscaler_zero(root, name, precision, scaler=None, config=None, model_batch=8, **kwargs):
+    from nnscaler.ir import ComputeConfig
+    from nnscaler.lightning import NnScalerPrecision, NnScalerStrategy
+    cfg = ComputeConfig(1, dist.get_world_size(), use_zero=True, **(config or {}))
+    strategy = NnScalerStrategy(compute_config=cfg, pas_policy="dp", gen_savedir=os.path.join(root, "gen"),
+                                instance_name=f"{name}-{precision}")
+    plugin = NnScalerPrecision(precision, scaler=torch.amp.GradScaler("cpu", **(scaler or SCALER)))
+    return trainer(strategy, os.path.join(root, name), plugins=[plugin], **kwargs)
+
+
+def zero_parity(rank, world, root, precision, fit_kwargs, configs):
+    """DDP with Lightning's fp16 plugin against nnscaler dp2 + ZeRO (each of `configs`) in
+    `precision`: losses, weights, dtypes, the scaler's state, the shard layout."""
+    from lightning.pytorch.strategies import DDPStrategy
+    model = Classifier(batch_size=8, lr=0.1, optimizer="sgd")
+    t = trainer(DDPStrategy(), os.path.join(root, "ddp"), plugins=[_ddp_plugin(precision)], **fit_kwargs)
+    t.fit(model)
+    out = {"ddp": (global_losses(model.step_losses).float(),
+                   {k: v.detach().float().clone() for k, v in model.state_dict().items()})}
+    for name, config in configs:
+        model = Classifier(batch_size=8, lr=0.1, optimizer="sgd")
+        t = _nnscaler_zero(root, name, precision, config=config, **fit_kwargs)
+        t.fit(model)
+        weights = full_weights(model)
+        opt = t.strategy.optimizers[0]
+        out[name] = dict(losses=global_losses(model.step_losses).float(),
+                         weights={k: v.float() for k, v in weights.items()},
+                         dtypes={k: str(v.dtype) for k, v in weights.items()},
+                         scaler=t.strategy.precision_plugin.scaler.state_dict(),
+                         zero=opt.zero_layout is not None, syncs=opt._nnscaler_zero.stats.syncs)
+    return out if rank == 0 else None
+
+
+class InfOnRankOne(Classifier):
+    """Puts an inf into the gradient of the last parameter (which lies in rank 1's ZeRO shard) on
+    rank 1 only, at batch `at` of the first epoch; records the scale and a checksum of the
+    weights after each batch."""
+
+    def __init__(self, at, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.record = at, []
+
+    def on_after_backward(self):
+        from nnscaler.lightning.model_setup import pmodule_of
+        if dist.get_rank() == 1 and self.current_epoch == 0 and self._batch == self.at:
+            last = list(pmodule_of(self).parameters())[-1]
+            last.grad.view(-1)[0] = float("inf")
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._batch = batch_idx
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        from nnscaler.lightning.model_setup import pmodule_of
+        params = list(pmodule_of(self).parameters())
+        self.record.append((self.trainer.strategy.precision_plugin.scaler.get_scale(),
+                            [p.detach().double().sum().item() for p in params]))
+
+
+def zero_overflow(rank, world, root):
+    """16-mixed with dp2 + ZeRO: (a) a loss scale of 2**40 overflows the fp16 gradients of every
+    step: no step is taken on any rank (weights as initialized, no optimizer state) and the scale
+    halves each step; (b) an inf in rank 1's shard only, at one batch: both ranks skip that step
+    together."""
+    from nnscaler.lightning.model_setup import pmodule_of
+    init = Classifier(batch_size=8, lr=0.1, optimizer="sgd")
+    initial = {k: v.detach().clone() for k, v in init.state_dict().items()}
+    model = Classifier(batch_size=8, lr=0.1, optimizer="sgd")
+    t = _nnscaler_zero(root, "huge", "16-mixed", scaler=dict(init_scale=2.0 ** 40, growth_interval=2), max_steps=3)
+    t.fit(model)
+    opt = t.strategy.optimizers[0]
+    huge = dict(weights=full_weights(model), initial=initial, scale=t.strategy.precision_plugin.scaler.get_scale(),
+                state=len(opt.state), batches=len(model.step_losses),
+                shard_numel=sum(p.numel() for g in opt.param_groups for p in g["params"]),
+                module_numel=sum(p.numel() for p in pmodule_of(model).parameters()))
+    model = InfOnRankOne(at=2, batch_size=8, lr=0.1, optimizer="sgd")
+    t = _nnscaler_zero(root, "one-rank", "16-mixed", max_epochs=1)
+    t.fit(model)
+    return dict(huge=huge, one_rank=model.record)

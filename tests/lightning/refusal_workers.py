@@ -106,11 +106,6 @@ def _fit(root, name, model, plan_ngpus=1, runtime=None, config=None, **trainer_k
     return t
 
 
-def _fp16():
-    from nnscaler.lightning import NnScalerPrecision
-    return NnScalerPrecision("16-mixed")
-
-
 def refusals(rank, world, root):
     cases = {
         "two_optimizers": lambda: _fit(root, "a", TwoOptimizers()),
@@ -123,7 +118,6 @@ def refusals(rank, world, root):
         "outside_forward": lambda: _fit(root, "h", UsesModuleOutsideForward()),
         "param_outside_forward": lambda: _fit(root, "i", Temperature()),
         "direct_param_outside_forward": lambda: _fit(root, "j", Scaled(misuse=True)),
-        "fp16_zero": lambda: _fit(root, "k", Classifier(), config={"use_zero": True}, plugins=[_fp16()]),
     }
     out = {name: error_of(fn) for name, fn in cases.items()}
     model = FromBatch()

@@ -84,7 +84,7 @@ def checkpointing(rank, world, root):
 
 def configure_model(rank, world, root):
     """DDP with the network built in configure_model, against nnscaler with it built there on
-    the CPU and on the meta device; and cpu_offload=True (a no-op on CPU)."""
+    the CPU and on the meta device; and with cpu_offload=True."""
     from lightning.pytorch.strategies import DDPStrategy
     out = {}
     model = BuiltInHook(meta=False)

@@ -4,6 +4,7 @@ parallel over both with every default."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,8 +38,9 @@ def test_registered_strategy_in_a_script(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
-    # the launched child's stdout is the parent's: both ranks report
+    # the launched child's stdout is the parent's: both ranks report (their lines may interleave
+    # on the shared pipe, so the reports are found by pattern, not by line)
+    lines = sorted(re.findall(r"RESULT rank=\d+ world=\d+ plan=\d+x\d+ steps=\d+ net=\w+?(?=RESULT|\s|$)", proc.stdout))
     assert lines == ["RESULT rank=0 world=2 plan=1x2 steps=4 net=None",
                      "RESULT rank=1 world=2 plan=1x2 steps=4 net=None"], proc.stdout[-2000:]
     assert (tmp_path / ".nnscaler").is_dir()  # the default gen_savedir, in the working directory

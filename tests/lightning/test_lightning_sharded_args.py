@@ -1,6 +1,7 @@
 """The arguments users of Lightning's FSDP strategy expect: `activation_checkpointing_policy`
 (recomputes those modules: same numbers, fewer saved activations, checkpointed generated code),
-`configure_model()` (also on the meta device) and `cpu_offload` (a no-op on CPU, refused on CUDA)."""
+`configure_model()` (also on the meta device) and `cpu_offload` (its own tests:
+test_lightning_cpu_offload.py)."""
 from __future__ import annotations
 
 import pytest
@@ -55,10 +56,9 @@ def test_sharded_arguments_are_checked():
         NnScalerStrategy(activation_checkpointing_policy=lambda m: True)
     with pytest.raises(NnScalerLightningError, match=r"cpu_offload='yes'\): give True or False"):
         NnScalerStrategy(cpu_offload="yes")
-    with pytest.raises(NnScalerLightningError, match=r"cpu_offload=True\) on cuda: keeping optimizer state on CPU "
-                                                     r"while training on GPU is not implemented yet"):
-        check_cpu_offload(True, torch.device("cuda", 0))
-    check_cpu_offload(True, torch.device("cpu"))
+    check_cpu_offload(True)  # accepted whatever the device (the offload runs on CUDA and on CPU)
+    from nnscaler.lightning.sharded_args import offload_device
+    assert offload_device(True) == torch.device("cpu") and offload_device(False) is None
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     with pytest.raises(NnScalerLightningError, match=r"Sequential has no submodule of type Conv2d; its submodule "
                                                      r"types: Linear, ReLU"):

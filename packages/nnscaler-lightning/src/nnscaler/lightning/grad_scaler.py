@@ -6,16 +6,26 @@ Two differences from ``torch.amp.GradScaler``:
   must skip the step and lower the scale together. `unscale_` all-reduces (MAX) the found-inf
   flag over the default process group, once per optimizer step;
 - fp16 gradients are unscaled too (``16-true`` trains fp16 parameters; torch's scaler refuses
-  to unscale fp16 gradients).
+  to unscale fp16 gradients);
+- it unscales the gradients the optimizer steps on (offload.step_gradients), not blindly those
+  of ``param_groups``: under ZeRO (``ComputeConfig(use_zero=True)``) the optimizer holds this
+  rank's shards, whose gradients exist only once ``sync_shard_grad()`` set them from the
+  parameters' (torch's scaler would find none, or last step's, and the step would then set them
+  still scaled); `unscale_` sets them first and unscales those. Each rank checks its own shards;
+  the all-reduce of the found-inf flag makes every rank skip the step together. With
+  ``cpu_offload`` the gradients on the module's device are unscaled (before the copy).
 The scaler's state (`state_dict`) is plain numbers: it goes into a checkpoint's JSON `extra`.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
+
+from .offload import step_gradients
 
 __all__ = ["NnScalerGradScaler", "default_scaler"]
 
@@ -36,7 +46,9 @@ class NnScalerGradScaler(torch.amp.GradScaler):
         assert self._scale is not None
         inv_scale = self._scale.double().reciprocal().float()
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, True)  # True: fp16 grads too
+        # the gradients the step consumes (ZeRO shards set first; not the offload copies)
+        holder = SimpleNamespace(param_groups=[{"params": step_gradients(optimizer)}])
+        per_device = self._unscale_grads_(holder, inv_scale, found_inf, True)  # True: fp16 grads too
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             total = torch.zeros((), dtype=torch.float32, device=self._scale.device)
             for flag in per_device.values():

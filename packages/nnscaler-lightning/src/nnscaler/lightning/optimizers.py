@@ -9,13 +9,14 @@ stay as the user made them.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from nnscaler.runtime import build_optimizer
+from nnscaler.runtime import build_optimizer, mix_into, rewrap_scheduler_step
 
 from .errors import NnScalerLightningError
+from .offload import offload_optimizer
 
 __all__ = ["user_optimizer", "check_optimizer", "rebuild"]
 
@@ -57,9 +58,12 @@ def check_optimizer(opt: torch.optim.Optimizer, module: torch.nn.Module, what: s
             f"(requires_grad_(False)) before training")
 
 
-def rebuild(opt: torch.optim.Optimizer, pm: torch.nn.Module) -> torch.optim.Optimizer:
+def rebuild(opt: torch.optim.Optimizer, pm: torch.nn.Module,
+            offload_device: Optional[Union[str, torch.device]] = None) -> torch.optim.Optimizer:
     """`opt` itself, re-pointed at `pm`'s trainable parameters (or this rank's ZeRO shards) and
-    given nnscaler's methods (``clip_gnorm``, ...); its state is empty."""
+    given nnscaler's methods (``clip_gnorm``, ...); its state is empty. With `offload_device`
+    it steps on fp32 copies there (offload.py: ``cpu_offload=True``). An LR scheduler already
+    bound to it keeps working (its step wrapper is re-pointed at the new class's step)."""
 
     def same_optimizer(params, **_):
         params = list(params)
@@ -69,4 +73,32 @@ def rebuild(opt: torch.optim.Optimizer, pm: torch.nn.Module) -> torch.optim.Opti
         opt.state.clear()
         return opt
 
-    return build_optimizer(pm, same_optimizer)
+    opt = build_optimizer(pm, same_optimizer)
+    if offload_device is not None:
+        opt = offload_optimizer(opt, offload_device)
+    mix_into(opt, ThroughWrappers, "Wrapped")
+    return rewrap_scheduler_step(opt)
+
+
+class ThroughWrappers:
+    """Lightning's optimizer wrappers (Fabric's `_FabricOptimizer`, `LightningOptimizer`) take
+    the optimizer's class as a base, so its methods run with the *wrapper* as ``self``; Fabric's
+    wrapper does not copy the optimizer's attributes, and then class defaults win over them
+    (build_optimizer's ``_nnscaler_zero = None``): ``fabric_opt.zero_grad()`` would not clear the
+    parameters' gradients under ZeRO, and they would accumulate across steps. Mixed in last, this
+    sends those calls to the optimizer itself."""
+
+    def _nnscaler_inner(self):
+        inner = self.__dict__.get("_optimizer")
+        return inner if isinstance(inner, torch.optim.Optimizer) and inner is not self else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        inner = self._nnscaler_inner()
+        if inner is not None:
+            return inner.zero_grad(set_to_none)
+        return super().zero_grad(set_to_none)
+
+    @property
+    def zero_layout(self):
+        inner = self._nnscaler_inner()
+        return inner.zero_layout if inner is not None else super().zero_layout

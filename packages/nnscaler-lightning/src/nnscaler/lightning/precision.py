@@ -11,7 +11,8 @@ rank); its state is the plugin's `state_dict`, which Lightning puts in the check
 Gradient clipping by norm is the optimizer's `clip_gnorm(max_norm)` (nnscaler.runtime's
 `build_optimizer`): Lightning's own runs `clip_grad_norm_` over this rank's parameters, which
 under tensor parallelism are shards, so its norm would be the shard's. Clipping by value is
-element-wise and is Lightning's own. With a scaler, gradients are unscaled before clipping.
+element-wise and is Lightning's own, over `main_params` (the gradients the step consumes: ZeRO
+shards, the device side of cpu_offload). With a scaler, gradients are unscaled before clipping.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from .errors import NnScalerLightningError
 from .grad_scaler import NnScalerGradScaler
+from .offload import step_gradients
 
 __all__ = ["NnScalerPrecision", "SUPPORTED_PRECISIONS", "PrecisionKind", "adopt_precision_plugin"]
 
@@ -81,6 +83,12 @@ class PrecisionKind:
 
     def autocast(self):
         return torch.autocast(self.device, dtype=self.dtype) if self.is_mixed else contextlib.nullcontext()
+
+    def main_params(self, optimizer) -> Any:
+        """The tensors whose gradients the step consumes (clipping by value clips these): under
+        ZeRO the shards (their gradients set first), with cpu_offload the tensors on the
+        module's device rather than the copies (offload.step_gradients)."""
+        return step_gradients(optimizer)
 
     def state_dict(self) -> Dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

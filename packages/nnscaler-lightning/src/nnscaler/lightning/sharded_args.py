@@ -4,8 +4,9 @@
   those modules is recomputed in backward: the types go to the plan as ``ComputeConfig.pas_config
   ["recompute_modules"]``, which every policy honours (nnscaler.policies.recompute_modules), so
   the generated forward runs them under ``torch.utils.checkpoint``.
-- `cpu_offload`: optimizer state kept on CPU while training on GPU. On CPU it is what happens
-  anyway (accepted, a no-op); on CUDA it is refused (not implemented).
+- `cpu_offload`: optimizer state kept on CPU while training on GPU: the optimizer steps on fp32
+  copies on `OFFLOAD_DEVICE` (offload.py, a simplified ZeRO-Offload; with ZeRO, of this rank's
+  shards). The same machinery runs on CPU (CPU copies), where it is tested.
 - `configure_model()`: a model built in the hook on the meta device is materialized on the root
   device (``to_empty`` + each submodule's ``reset_parameters()``, in module order, as Lightning
   does for FSDP) before it is traced.
@@ -19,7 +20,10 @@ import torch
 
 from .errors import NnScalerLightningError
 
-__all__ = ["checkpointing_types", "recompute_config", "check_cpu_offload", "materialize_meta"]
+__all__ = ["checkpointing_types", "recompute_config", "check_cpu_offload", "offload_device", "materialize_meta",
+           "OFFLOAD_DEVICE"]
+
+OFFLOAD_DEVICE = torch.device("cpu")  # where cpu_offload=True keeps the optimizer's copies and state
 
 
 def checkpointing_types(policy: Any) -> Optional[Set[Type[torch.nn.Module]]]:
@@ -60,15 +64,15 @@ def recompute_config(cfg, types: Optional[Set[type]], module: torch.nn.Module):
     return dataclasses.replace(cfg, pas_config=pas)
 
 
-def check_cpu_offload(cpu_offload: Any, device: torch.device) -> None:
+def check_cpu_offload(cpu_offload: Any) -> None:
     if not isinstance(cpu_offload, bool):
         raise NnScalerLightningError(f"NnScalerStrategy(cpu_offload={cpu_offload!r}): give True or False "
                                      f"(offload policies are not supported)")
-    if cpu_offload and device.type != "cpu":
-        raise NnScalerLightningError(
-            f"NnScalerStrategy(cpu_offload=True) on {device.type}: keeping optimizer state on CPU while training on "
-            f"GPU is not implemented yet; leave cpu_offload out, or use ComputeConfig(use_zero=True) to shard "
-            f"the optimizer state over the data-parallel ranks instead")
+
+
+def offload_device(cpu_offload: bool) -> Optional[torch.device]:
+    """Where the optimizer steps (`rebuild`'s `offload_device`): None without offload."""
+    return OFFLOAD_DEVICE if cpu_offload else None
 
 
 def _has_meta(module: torch.nn.Module) -> bool:

@@ -9,7 +9,8 @@ Setup (on every rank, inside `Trainer.fit` / `validate` / `test` / `predict`):
    None (model_setup.py);
 4. the optimizer is re-pointed at the parallel parameters (`build_optimizer`).
 FSDP-style arguments (`activation_checkpointing_policy`, `cpu_offload`, a model built in
-`configure_model`, also on the meta device) are translated by sharded_args.py.
+`configure_model`, also on the meta device) are translated by sharded_args.py (`cpu_offload`:
+the optimizer steps on fp32 CPU copies, offload.py).
 Training then runs Lightning's own loops on the LightningModule itself (no wrapper): gradients
 are synchronised inside ``loss.backward()`` (skipped on accumulating steps through
 `block_backward_sync`), gradient clipping by norm spans the ranks (precision.py), and
@@ -44,7 +45,7 @@ from .model_setup import convert, dummy_forward_args, guard_parameters, pmodule_
 from .optimizers import rebuild, user_optimizer
 from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout
-from .sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, recompute_config
+from .sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, offload_device, recompute_config
 
 __all__ = ["NnScalerStrategy"]
 
@@ -57,7 +58,8 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
     gen_savedir, reuse, instance_name, broadcast_strategy: as `nnscaler.parallelize`.
     state_dict_type: ``"sharded"`` or ``"deduped"`` (nnscaler.ckpt kinds).
     activation_checkpointing_policy: a set of module types whose ops are recomputed in backward.
-    cpu_offload: accepted on CPU (a no-op there); refused on CUDA.
+    cpu_offload: the optimizer steps on fp32 copies on the CPU (its state lives there), on CUDA
+        and on CPU alike (offload.py).
     process_group_backend, timeout, start_method: as Lightning's `DDPStrategy` (``"popen"`` runs
         the script again per device, ``"spawn"`` / ``"fork"`` start processes from this one).
     """
@@ -94,7 +96,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
             raise NnScalerLightningError("NnScalerStrategy(checkpoint_io=...) is not supported: checkpoints are "
                                          "nnscaler.ckpt directories (state_dict_type); leave checkpoint_io out")
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
-        check_cpu_offload(cpu_offload, torch.device("cpu"))
+        check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
@@ -162,7 +164,6 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         # configure_optimizers runs on the user's module, before conversion (it may name submodules)
         optimizer, schedulers = user_optimizer(module) if fitting else (None, [])
-        check_cpu_offload(self.cpu_offload, self.root_device)
         self.precision_plugin.set_device(self.root_device.type)
         if self._pm is None:  # a second fit / validate with this strategy keeps the plan in place
             materialize_meta(module, self.root_device)  # a model built in configure_model on the meta device
@@ -170,7 +171,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
             self.model_to_device()
             self._pm = self._parallelize(module, trainer)
         if fitting and optimizer is not None:
-            self.optimizers = [rebuild(optimizer, self._pm)]
+            self.optimizers = [rebuild(optimizer, self._pm, offload_device(self.cpu_offload))]
             self.lr_scheduler_configs = schedulers
         elif fitting:
             self.optimizers, self.lr_scheduler_configs = [], schedulers
@@ -183,12 +184,6 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
                 f"NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus={cfg.plan_ngpus}, "
                 f"runtime_ngpus={cfg.runtime_ngpus})) but the Trainer runs {self.world_size} process(es) "
                 f"(devices x num_nodes): make them equal")
-        if cfg.use_zero and self.precision_plugin.scaler is not None:
-            raise NnScalerLightningError(
-                f"NnScalerStrategy with precision {self.precision_plugin.precision!r} and "
-                f"ComputeConfig(use_zero=True): "
-                f"the grad scaler does not reach ZeRO's optimizer shards yet; use bf16-mixed / bf16-true, or "
-                f"use_zero=False")
         self.compute_config = cfg
         cfg = recompute_config(cfg, self._checkpointing_types, module)
         dummy = self.precision_plugin.convert_input(dummy_forward_args(module, trainer, self))

@@ -14,8 +14,9 @@ from .failures import PeerFailedError, StepRefusedError  # a failed step reaches
 from . import guards  # run-time checks of the trace's decisions on tensor values (nr.guards.check)
 from .guards import GuardError
 from .driver.gen_dir import ReuseType
-from .gradients import (AggregatedOutputs, aggregate_outputs, count_tokens, grad_scale, reduce_gradients,
-                        reduce_loss)
+from .gradients import (AggregatedOutputs, aggregate_outputs, clear_grads, count_tokens, grad_scale,
+                        reduce_gradients, reduce_loss)
+from .class_mixin import mix_into, rewrap_scheduler_step
 from .grid import RankGrid
 from .module import ParallelModule
 from .optimizer import build_optimizer
@@ -28,7 +29,7 @@ from .reducer import Reducer, sync_grad_when
 from nnscaler.ir.contracts import ZeroShardLayout
 
 __all__ = [
-    "AggregatedOutputs", "aggregate_outputs", "count_tokens", "grad_scale", "reduce_gradients", "reduce_loss",
+    "AggregatedOutputs", "aggregate_outputs", "clear_grads", "mix_into", "rewrap_scheduler_step", "count_tokens", "grad_scale", "reduce_gradients", "reduce_loss",
     "GradScaler", "MixedPrecisionOptimizer", "PrecisionConfig", "PrecisionPlugin", "apply_precision",
     "parse_precision", "with_master_weights",
     "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "GuardError", "guards", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",

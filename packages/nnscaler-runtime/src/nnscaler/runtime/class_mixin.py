@@ -7,9 +7,10 @@ one class per (mixin, class) pair.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Tuple
 
-__all__ = ["mix_into"]
+__all__ = ["mix_into", "rewrap_scheduler_step"]
 
 _CLASSES: Dict[Tuple[type, type], type] = {}
 
@@ -23,3 +24,23 @@ def mix_into(obj: object, mixin: type, prefix: str) -> object:
         _CLASSES[key] = type(f"{prefix}{base.__name__}", (mixin, base), {"__module__": base.__module__})
     obj.__class__ = _CLASSES[key]
     return obj
+
+
+def rewrap_scheduler_step(optimizer):
+    """After `mix_into` changed an optimizer's class: an LR scheduler created before (it replaced
+    ``optimizer.step`` on the instance by a wrapper of the *old* class's step, which would skip the
+    mixin's step) now wraps the current class's step, still marking each call for the scheduler.
+    Returns `optimizer`."""
+    patched = optimizer.__dict__.get("step")
+    if patched is None or not getattr(patched, "_wrapped_by_lr_sched", False):
+        return optimizer
+    ref = weakref.ref(optimizer)
+
+    def step(*args, **kwargs):
+        opt = ref()
+        opt._opt_called = True
+        return type(opt).step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    optimizer.step = step
+    return optimizer

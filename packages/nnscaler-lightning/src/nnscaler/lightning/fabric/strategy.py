@@ -35,7 +35,7 @@ from ..process_layout import ProcessLayout
 from ..errors import NnScalerLightningError
 from ..optimizers import check_optimizer, rebuild
 from ..precision import adopt_precision_plugin
-from ..sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, recompute_config
+from ..sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, offload_device, recompute_config
 from ..state_codec import decode, encode
 from .precision import NnScalerPrecision
 
@@ -66,7 +66,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
             raise NnScalerLightningError(f"NnScalerStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or "
                                          f"'deduped'")
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
-        check_cpu_offload(cpu_offload, torch.device("cpu"))
+        check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
@@ -107,13 +107,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
             raise NnScalerLightningError(
                 f"NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus={cfg.plan_ngpus}, runtime_ngpus="
                 f"{cfg.runtime_ngpus})) but Fabric runs {self.world_size} process(es): make them equal")
-        check_cpu_offload(self.cpu_offload, self.root_device)
         self.precision.set_device(self.root_device.type)
-        if cfg.use_zero and self.precision.scaler is not None:
-            raise NnScalerLightningError(
-                f"the nnscaler Fabric strategy with precision {self.precision.precision!r} and ComputeConfig("
-                f"use_zero=True): the grad scaler does not reach ZeRO's optimizer shards yet; use bf16-mixed / "
-                f"bf16-true, or use_zero=False")
         self.compute_config = cfg
         materialize_meta(module, self.root_device)
         cfg = recompute_config(cfg, self._checkpointing_types, module)
@@ -140,7 +134,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                                          f"NnScalerStrategy supports one optimizer: put every parameter in one")
         check_optimizer(optimizers[0], module, "fabric.setup got")
         pm = self._parallelize(module)
-        return pm, [rebuild(optimizers[0], pm)], scheduler
+        return pm, [rebuild(optimizers[0], pm, offload_device(self.cpu_offload))], scheduler
 
     def setup_module(self, module):
         return self._parallelize(module)

@@ -1,12 +1,11 @@
 """fp32 master weights for an optimizer over fp16/bf16 parameters."""
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..class_mixin import mix_into
+from ..class_mixin import mix_into, rewrap_scheduler_step
 from ..errors import ConfigError
 from ..gradients import clear_grads
 
@@ -180,13 +179,5 @@ def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
     for group in optimizer.param_groups:
         optimizer._mp_convert_group(group)
     if patched is not None:  # an LR scheduler wrapped the old class's step: wrap the new one
-        ref = weakref.ref(optimizer)
-
-        def step(*args, **kwargs):
-            opt = ref()
-            opt._opt_called = True
-            return type(opt).step(opt, *args, **kwargs)
-
-        step._wrapped_by_lr_sched = True
-        optimizer.step = step
+        rewrap_scheduler_step(optimizer)
     return optimizer
