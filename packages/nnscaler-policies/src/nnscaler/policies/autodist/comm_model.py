@@ -32,6 +32,10 @@ class CommModel:
         lat, bw = table[str(best)]
         return float(lat), float(bw)
 
+    def latency(self, collective: str, n: int) -> float:
+        """The fixed seconds of one `collective` over `n` ranks (0 for n <= 1)."""
+        return 0.0 if n <= 1 else self._fit(collective, n)[0]
+
     def time(self, collective: str, full_nbytes: float, n: int) -> float:
         """Seconds for `collective` over `n` ranks on a full tensor of `full_nbytes`."""
         if n <= 1 or full_nbytes <= 0:

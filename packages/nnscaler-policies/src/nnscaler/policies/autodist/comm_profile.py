@@ -25,9 +25,10 @@ from .op_profile import cache_dir, device_key
 
 __all__ = ["measured_comm_model", "measure"]
 
-_SIZES = (1 << 14, 1 << 22)
+_SIZES = (1 << 14, 1 << 18, 1 << 22)  # bytes of the full tensor: latency-bound to bandwidth-bound
+_REPEATS = 10  # timed runs per size (after one warm-up); the median is fitted
 _JOB_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}  # bytes of the full tensor: latency-bound and bandwidth-bound
+             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
 
 
 def _port() -> int:
@@ -55,7 +56,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes, out_dir: str)
                     elems = max(n, full // 4 // n * n)
                     x = torch.ones(elems, device=device)
                     times = []
-                    for i in range(6):
+                    for i in range(_REPEATS + 1):
                         dist.barrier(group=group)
                         t = time.perf_counter()
                         _run(dist, coll, x, n, rank, group)
@@ -65,15 +66,32 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes, out_dir: str)
                             times.append(time.perf_counter() - t)
                     wire = elems * 4 if coll == "p2p" else COST_MODELS["ring"](coll, elems * 4, n)
                     points.append((wire, statistics.median(times)))
-                (b0, t0), (b1, t1) = points
-                bw = (b1 - b0) / max(t1 - t0, 1e-9)
-                lat = max(t0 - b0 / bw, 1e-7)
-                result.setdefault(coll, {})[str(n)] = [lat, bw]
+                result.setdefault(coll, {})[str(n)] = list(_fit(points))
         if rank == 0:
             Path(out_dir, "comm.json").write_text(json.dumps(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _fit(points):
+    """(latency s, bytes/s) of ``time = latency + wire / bandwidth``, least squares over the
+    (wire bytes, median seconds) points. Two points alone made a noisy small-message time
+    (a shared machine) into a latency of milliseconds and a bandwidth of tens of GB/s; a
+    non-increasing fit falls back to the smallest time as latency and the largest message's
+    rate as bandwidth."""
+    xs = [b for b, _ in points]
+    ys = [t for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    if slope <= 0:
+        return max(min(ys), 1e-7), max(xs) / max(max(ys), 1e-9)
+    lat = my - slope * mx
+    if lat < 1e-7:  # through the smallest point's time instead of a negative latency
+        lat = max(min(ys), 1e-7) * 0.5
+        slope = max((y - lat) / x for x, y in zip(xs, ys))
+    return lat, 1.0 / slope
 
 
 def _run(dist, coll, x, n, rank, group):

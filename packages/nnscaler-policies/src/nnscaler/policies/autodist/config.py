@@ -71,6 +71,7 @@ class AutodistConfig:
     comm_profile: Optional[dict] = None  # _comm_profile: a measured profile given directly
     solver_time_limit: float = 10.0
     profile_repeats: int = 3
+    bucket_cap_bytes: float = 25 * 1024 ** 2  # the reducer's gradient bucket (ComputeConfig.bucket_cap_mb)
     optimizer_states: int = 2  # fp32 tensors of optimizer state per parameter (Adam: exp_avg, exp_avg_sq)
 
     @property
@@ -94,6 +95,8 @@ class AutodistConfig:
                               f"its keys are {', '.join(sorted(KEYS))} (prefix your own keys with '_')")
         out = cls(plan_ngpus=cfg.plan_ngpus, runtime_ngpus=cfg.runtime_ngpus, use_zero=bool(cfg.use_zero),
                   zero_ngroups=getattr(cfg, "zero_ngroups", 1) or 1)
+        if getattr(cfg, "bucket_cap_mb", None):
+            out.bucket_cap_bytes = float(cfg.bucket_cap_mb) * 1024 ** 2
         for key in ("use_fp16", "use_memory_efficient_fp16", "use_bf16", "use_memory_efficient_bf16",
                     "re_profile", "verbose", "use_apex_fused_adam_v2", "parallel_profile"):
             if key in pas:

@@ -6,11 +6,13 @@ devices when split (a per-op launch overhead does not divide), plus its forward 
 op is recomputed. Communication: the steps codegen emits between the producer's output
 placement and the consumer's input placement (`nnscaler.ir.transition_steps`), forward and (when
 a gradient flows) backward duals, each priced by the measured `CommModel`; a parameter's
-gradient all-reduce across data-parallel units is priced on its local size, once per step. Times
+gradient all-reduce across data-parallel units is priced on its local size, once per step, and
+the all-reduce latency once per reducer bucket. Times
 are per micro-batch (a step runs `nmicros` of them). Memory per device:
 parameters, gradients and optimizer state (fp32 states, fp32 master weights under fp16/bf16
 unless memory-efficient, ZeRO dividing the optimizer part) of the local shard, and the local
-outputs kept for backward (none inside recomputed modules).
+outputs autograd keeps for backward (`saved_for_backward`: not views, not what add / cat keep
+nothing of; none inside recomputed modules).
 """
 from __future__ import annotations
 
@@ -20,14 +22,14 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from nnscaler.ir import IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
+from nnscaler.ir import IRGraph, Node, Replicate, Shard, iter_refs, step_collectives, transition_steps
 
 from ..plan import tensor_inputs, tensor_outputs
 from .choices import Choice, is_shape_query, node_choices
 from .comm_model import CommModel
 from .config import AutodistConfig
 
-__all__ = ["OpVar", "Edge", "Problem", "build_problem", "nbytes"]
+__all__ = ["OpVar", "Edge", "Problem", "build_problem", "nbytes", "saved_for_backward"]
 
 R = Replicate()
 _ELT = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -122,10 +124,21 @@ class _Pricer:
 
     def dp_sync(self, local_bytes: float) -> float:
         """The gradient all-reduce of a trainable tensor across data-parallel units, once per step:
-        spread over the step's micro-batches (the times here are per micro-batch)."""
-        if self.cfg.dp_size <= 1:
+        spread over the step's micro-batches (the times here are per micro-batch). Its bandwidth
+        part only: the reducer all-reduces whole buckets, so the latency is paid once per bucket
+        (`dp_sync_latency`), not once per tensor."""
+        if self.cfg.dp_size <= 1 or local_bytes <= 0:
             return 0.0
-        return self.comm.time("all_reduce", local_bytes, self.cfg.dp_size) / self.cfg.nmicros
+        d = self.cfg.dp_size
+        return (self.comm.time("all_reduce", local_bytes, d) - self.comm.latency("all_reduce", d)) / self.cfg.nmicros
+
+    def dp_sync_latency(self, trainable_bytes: float) -> float:
+        """The latency of the reducer's bucket all-reduces per micro-batch: one per bucket of
+        `bucket_cap_bytes` (`trainable_bytes`: the replicated size, an upper bound)."""
+        if self.cfg.dp_size <= 1 or trainable_bytes <= 0:
+            return 0.0
+        buckets = max(1, math.ceil(trainable_bytes / self.cfg.bucket_cap_bytes))
+        return buckets * self.comm.latency("all_reduce", self.cfg.dp_size) / self.cfg.nmicros
 
 
 def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float]], comm: CommModel,
@@ -141,6 +154,7 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
     module_values = {spec.value.id: spec for spec in graph.tensor_specs()}
     consumers: Dict[int, List[Tuple[int, int]]] = {}
     problem = Problem(n, ops, [], index=index)
+    kept = saved_for_backward(graph)
     for node in graph.nodes:
         ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
         if (not ins and not outs) or is_shape_query(node):
@@ -157,7 +171,8 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
             local = [nbytes(graph.value(r).shape, graph.value(r).dtype, cfg) / (n if isinstance(p, Shard) else 1)
                      for r, p in zip(outs, c.outs)]
             act = 0.0 if node.recompute else sum(b for r, b in zip(outs, local)
-                                                  if graph.value(r).requires_grad and _floating(graph.value(r).dtype))
+                                                  if r.id in kept and graph.value(r).requires_grad
+                                                  and _floating(graph.value(r).dtype))
             op.compute.append(t)
             op.time.append(t)
             op.act_mem.append(act)
@@ -203,7 +218,52 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
             else:
                 edges[(u, v)] = cost
     problem.edges = [Edge(u, v, c) for (u, v), c in edges.items() if c.any()]
+    trainable = sum(nbytes(graph.value(spec.value).shape, graph.value(spec.value).dtype, cfg)
+                    for spec in module_values.values() if spec.requires_grad and spec.value.id in consumers)
+    problem.const_time += pricer.dp_sync_latency(trainable)
     return problem
+
+
+# Activation memory is the tensors autograd keeps for backward, not every op output: a view
+# shares its input's storage, and many ops keep none of their inputs (add, cat, a copy) or only
+# their output (softmax). Counting every output over-estimated the activations of the example
+# GPT about 2x (bench/autodist.py). Ops not listed keep their tensor inputs (conservative).
+_ALIASES = {f"torch.Tensor.{m}" for m in ("view", "view_as", "transpose", "permute", "t", "expand", "expand_as",
+                                          "unsqueeze", "squeeze", "split", "chunk", "unbind", "narrow", "select",
+                                          "__getitem__", "reshape", "flatten", "unflatten", "movedim", "detach")} | \
+    {f"torch.{m}" for m in ("transpose", "permute", "t", "unsqueeze", "squeeze", "split", "chunk", "unbind",
+                            "narrow", "select", "reshape", "flatten", "movedim", "detach")}
+_KEEP_NO_INPUT = {f"{ns}.{m}" for ns in ("torch", "torch.Tensor", "operator")
+                  for m in ("add", "sub", "neg", "cat", "concat", "contiguous", "clone", "masked_fill", "mean", "sum",
+                            "float", "to", "type_as", "__add__", "__radd__", "__sub__", "__neg__")}
+_KEEP_OUTPUT = {"torch.nn.functional.softmax", "torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.log_softmax",
+                "torch.exp", "torch.Tensor.exp", "torch.tanh", "torch.Tensor.tanh", "torch.sigmoid",
+                "torch.Tensor.sigmoid", "torch.rsqrt", "torch.Tensor.rsqrt", "torch.sqrt", "torch.Tensor.sqrt",
+                "torch.nn.functional.relu", "torch.relu", "torch.nn.functional.scaled_dot_product_attention"}
+_KEEP_IF_OTHER_TENSOR = {f"{ns}.{m}" for ns in ("torch", "torch.Tensor", "operator")
+                         for m in ("mul", "__mul__", "__rmul__", "multiply")}
+
+
+def saved_for_backward(graph: IRGraph) -> set:
+    """Ids of the values autograd keeps for backward (a view's keep is charged to its base)."""
+    kept = set()
+    for node in reversed(graph.nodes):
+        ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
+        if node.target in _ALIASES:
+            if any(r.id in kept for r in outs):
+                kept.update(r.id for r in ins[:1])
+            kept.difference_update(r.id for r in outs)  # the storage is the base's
+            continue
+        if node.target in _KEEP_OUTPUT:
+            kept.update(r.id for r in outs)
+        if node.target in _KEEP_NO_INPUT:
+            continue
+        if node.target in _KEEP_IF_OTHER_TENSOR and len(ins) < 2:
+            continue
+        if node.target in _KEEP_OUTPUT and node.target != "torch.nn.functional.scaled_dot_product_attention":
+            continue
+        kept.update(r.id for r in ins)
+    return kept
 
 
 def _grad_partial(choice: Choice, place, value) -> bool:

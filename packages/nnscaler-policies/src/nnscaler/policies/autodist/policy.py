@@ -39,6 +39,22 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def compute_scale(cfg: AutodistConfig, device: str) -> float:
+    """How much slower an op runs in the job than when profiled: on CPU the ops are profiled in
+    one process with this process's threads, but the job runs its local processes (LOCAL_WORLD_SIZE,
+    else runtime_ngpus) at once on the same cores; with more threads than cores they share them
+    (e.g. 4 ranks on 2 cores: 2x). 1 on GPUs (a device each)."""
+    if not device.startswith("cpu"):
+        return 1.0
+    import os
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.runtime_ngpus)
+    return max(1.0, procs * torch.get_num_threads() / cores)
+
+
 def _transient(problem: Problem, pick: List[int], coef: float) -> float:
     sizes = sorted((op.out_bytes[c] for op, c in zip(problem.ops, pick)), reverse=True)
     return coef * sum(sizes[:2])
@@ -50,6 +66,9 @@ class _Search:
         self.device = _device()
         self.op_times, self.db = profile_graph(graph, device=self.device, re_profile=cfg.re_profile,
                                                repeats=cfg.profile_repeats)
+        self.scale = compute_scale(cfg, self.device)
+        if self.scale != 1.0:
+            self.op_times = {k: (f * self.scale, b * self.scale) for k, (f, b) in self.op_times.items()}
         self.problems: Dict[int, Problem] = {}
 
     def problem(self, tp: int, comm) -> Problem:
@@ -136,7 +155,7 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
     transient = _transient(problem, sol.pick, cfg.transient_mem_coef)
     mem = (max(cut.stage_mem) if cut is not None else sol.mem) + transient
     estimate = {"time_s": step, "mem_bytes": mem, "transient_bytes": transient, "search_s": time.perf_counter() - start,
-                "solver_s": sol.seconds, "profiled_ops": s.db.misses, "cached_ops": s.db.hits}
+                "solver_s": sol.seconds, "profiled_ops": s.db.misses, "cached_ops": s.db.hits, "compute_scale": s.scale}
     if limit is not None:
         estimate["mem_limit_bytes"] = limit
     pipeline = None if cut is None else {"nstages": k, "tp_size": cut.tp_size, "nmicros": cfg.nmicros,
@@ -169,6 +188,22 @@ def apply_record(graph: IRGraph, record: PlanRecord) -> IRGraph:
     return graph
 
 
+def _check_obeys(graph: IRGraph, record: PlanRecord, cfg: AutodistConfig) -> None:
+    """A loaded plan must obey the constraints file as a searched one does."""
+    tp = record.pipeline["tp_size"] if record.pipeline else record.plan_ngpus
+    allowed = load_constraints(cfg.partition_constraints_path, graph, tp)
+    keys = op_keys(graph)
+    by_key = {o.key: o for o in record.ops}
+    broken = [f"{keys[node.id]} is {by_key[keys[node.id]].choice!r}, allowed {allowed[node.id]}"
+              for node in graph.nodes if node.id in allowed and by_key[keys[node.id]].choice not in allowed[node.id]]
+    if broken:
+        from .plan_file import StalePlanError
+        raise StalePlanError(f"autodist plan {cfg.load_plan_path} breaks the partition constraints "
+                             f"{cfg.partition_constraints_path}: {'; '.join(broken[:5])}"
+                             + (f" (and {len(broken) - 5} more)" if len(broken) > 5 else "")
+                             + ". Search again with the constraints (drop load_plan_path), or change the constraints")
+
+
 @register_policy("autodist")
 def autodist(graph: IRGraph, compute_config) -> IRGraph:
     cfg = AutodistConfig.from_compute_config(compute_config)
@@ -179,6 +214,8 @@ def autodist(graph: IRGraph, compute_config) -> IRGraph:
         recompute_modules(graph, cfg.recompute_modules)
     if cfg.load_plan_path:
         record = load_plan(cfg.load_plan_path, graph, cfg.plan_ngpus)
+        if cfg.partition_constraints_path:
+            _check_obeys(graph, record, cfg)
     else:
         record, _, _ = search(graph, cfg)
     apply_record(graph, record)
