@@ -92,8 +92,15 @@ class Problem:
 
 
 class _Pricer:
-    def __init__(self, graph: IRGraph, n: int, comm: CommModel, cfg: AutodistConfig):
-        self.graph, self.n, self.comm, self.cfg = graph, n, comm, cfg
+    def __init__(self, graph: IRGraph, n: int, comm: CommModel, cfg: AutodistConfig, opt_rate: float = 0.0):
+        self.graph, self.n, self.comm, self.cfg, self.opt_rate = graph, n, comm, cfg, opt_rate
+
+    def optimizer_step(self, local_numel: float) -> float:
+        """The optimizer's update of a local parameter (a ZeRO shard of it with use_zero), once
+        per step, spread over the step's micro-batches."""
+        if self.cfg.use_zero and self.cfg.dp_size > 1:
+            local_numel /= max(1, self.cfg.dp_size // max(1, self.cfg.zero_ngroups))
+        return local_numel * self.opt_rate / self.cfg.nmicros
 
     def transition(self, src, dst, value, grad_partial: bool) -> float:
         """Seconds of the steps from `src` to `dst` placement of `value` (fwd + bwd duals)."""
@@ -143,10 +150,11 @@ class _Pricer:
 
 def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float]], comm: CommModel,
                   cfg: AutodistConfig, allowed: Optional[Dict[int, List[str]]] = None,
-                  overhead: float = 1e-5) -> Problem:
+                  overhead: float = 1e-5, opt_rate: float = 0.0) -> Problem:
     """The cost model of `graph` on `n` devices. `op_times`: node id -> (forward s, backward s)
-    of the whole op; `allowed`: node id -> choice labels permitted (constraints)."""
-    pricer = _Pricer(graph, n, comm, cfg)
+    of the whole op; `allowed`: node id -> choice labels permitted (constraints); `opt_rate`:
+    seconds per parameter element of an optimizer step (`op_profile.optimizer_rate`)."""
+    pricer = _Pricer(graph, n, comm, cfg, opt_rate)
     allowed = allowed or {}
     ops: List[OpVar] = []
     index: Dict[int, int] = {}
@@ -195,7 +203,8 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
         if spec is not None:  # stored whole, read by several ops
             size = nbytes(value.shape, value.dtype, cfg)
             problem.const_mem += pricer.param_state(size, math.prod(value.shape or ()), spec.requires_grad)
-            problem.const_time += pricer.dp_sync(size) if spec.requires_grad else 0.0
+            problem.const_time += (pricer.dp_sync(size) + pricer.optimizer_step(math.prod(value.shape or ()))
+                                   if spec.requires_grad else 0.0)
         src = produced.get(vid)
         for v, k in uses:
             op_v = ops[v]
@@ -289,7 +298,7 @@ def _price_module_tensor(pricer: _Pricer, problem: Problem, spec, value, uses) -
         local = size / pricer.n if shard is not None else size
         local_numel = numel / pricer.n if shard is not None else numel
         mem = pricer.param_state(local, local_numel, trainable)
-        t += pricer.dp_sync(local) if trainable else 0.0
+        t += pricer.dp_sync(local) + pricer.optimizer_step(local_numel) if trainable else 0.0
         op.time[b] += t
         op.mem[b] += mem
         op.param_mem[b] += mem

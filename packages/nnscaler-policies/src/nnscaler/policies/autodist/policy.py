@@ -22,7 +22,7 @@ from .constraints import load_constraints
 from .cost_model import Problem, build_problem
 from .layers import tie_layers
 from .op_keys import op_keys
-from .op_profile import profile_graph
+from .op_profile import optimizer_rate, profile_graph
 from .pipeline_solver import StagePlan, cut_pipeline
 from .plan_file import OpRecord, PlanRecord, load_plan, op_shapes, save_plan
 from .report import format_plan
@@ -67,6 +67,7 @@ class _Search:
         self.op_times, self.db = profile_graph(graph, device=self.device, re_profile=cfg.re_profile,
                                                repeats=cfg.profile_repeats)
         self.scale = compute_scale(cfg, self.device)
+        self.opt_rate = optimizer_rate(self.db, self.device, cfg.re_profile) * self.scale
         if self.scale != 1.0:
             self.op_times = {k: (f * self.scale, b * self.scale) for k, (f, b) in self.op_times.items()}
         self.problems: Dict[int, Problem] = {}
@@ -78,7 +79,8 @@ class _Search:
                 if cfg.partition_constraints_path else {}
             if cfg.max_partition_degree is not None and tp > cfg.max_partition_degree:
                 allowed = {node.id: ["R"] for node in self.graph.nodes}
-            self.problems[tp] = build_problem(self.graph, tp, self.op_times, comm, cfg, allowed)
+            self.problems[tp] = build_problem(self.graph, tp, self.op_times, comm, cfg, allowed,
+                                              opt_rate=self.opt_rate)
         return self.problems[tp]
 
     def spmd(self, problem: Problem, limit: Optional[float]) -> Solution:
