@@ -17,8 +17,22 @@ from nnscaler.ir.schedules import (SCHEDULES, Action, ChimeraDirect, ExplicitSch
                                        Interleaved1F1B, OneFOneB, OneFOneBPlus, ScheduleDeadlockError,
                                        ScheduleError, get_schedule)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
-from schedule_report import bubble_fraction, makespan, peak_inflight, render  # noqa: E402  (bench-side measures)
+
+
+def _bench_module(name):
+    """A bench/ script as a module, loaded by path: bench/ never goes on sys.path, where its file
+    names (bench/lightning.py) would shadow installed packages for every later test."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"nnscaler_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_report = _bench_module("schedule_report")  # bench-side measures
+bubble_fraction, makespan, peak_inflight, render = (_report.bubble_fraction, _report.makespan, _report.peak_inflight,
+                                                    _report.render)
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 

@@ -274,3 +274,35 @@ def test_recompute_modules_marks_ops_and_lowers_activation_memory():
     pick = [0] * len(before.ops)
     (t0, m0), (t1, m1) = before.evaluate(pick), after.evaluate(pick)
     assert m1 < m0 and t1 > t0
+
+
+def _pipeline_case(limit, pivots="Block"):
+    import gpt
+    from nnscaler.ir import ComputeConfig, trace
+    from nnscaler.policies import apply_policy
+    cfg = gpt.GPTConfig(n_layer=4, n_embd=64, n_head=2, block_size=8, vocab_size=64)
+    comm = {"backend": "given", "collectives": {c: {"2": [1e-5, 5e9]} for c in
+                                                ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}}
+    pas = {"_comm_profile": comm, "update_freq": 4, "max_partition_degree": 1, "mem_constraint": limit}
+    if pivots:
+        pas["pipeline_pivots"] = pivots
+    graph = trace(gpt.GPT(cfg), gpt.random_batch(0, 2, cfg))
+    return apply_policy(graph, ComputeConfig(2, 2, use_end2end=True, pas_config=pas), "autodist")
+
+
+def test_a_limit_only_a_pipeline_meets_gives_a_pipeline():
+    """max_partition_degree=1: without a pipeline every op is replicated on both devices; a limit
+    below that plan's memory is met only by cutting the model into 2 stages."""
+    from nnscaler.policies.autodist import NoPlanFits
+    with pytest.raises(NoPlanFits) as info:
+        _pipeline_case(0.0001, pivots=None)
+    replicated = info.value.smallest
+    with pytest.raises(NoPlanFits) as info:
+        _pipeline_case(0.0001)
+    assert "as a 2-stage pipeline" in str(info.value) and info.value.smallest < replicated
+    limit_gb = (info.value.smallest + replicated) / 2 / 1024 ** 3 + 0.002  # room for transient buffers
+    graph = _pipeline_case(limit_gb)
+    record = graph.autodist_plan
+    assert record.pipeline == {"nstages": 2, "tp_size": 1, "nmicros": 4, "scheduler": "1f1b"}
+    assert record.estimate["mem_bytes"] <= limit_gb * 1024 ** 3
+    assert {n.stage for n in graph.nodes} == {0, 1} and graph.pipeline is not None

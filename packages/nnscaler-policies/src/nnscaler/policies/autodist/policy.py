@@ -95,7 +95,33 @@ class _Search:
             budget = limit - extra
         raise NoPlanFits(f"autodist: no plan fits mem_constraint = {size_text(limit)} per device with its "
                          f"transient buffers (transient_mem_coef = {self.cfg.transient_mem_coef}); the best found "
-                         f"needs {size_text(sol.mem + extra)}")
+                         f"needs {size_text(sol.mem + extra)}", sol.mem + extra)
+
+
+# The per-stage SPMD plans are first the fastest ones; when no cut of them fits the limit, the
+# whole graph's plan is searched again under a budget of the limit times the stages (each stage
+# holds about 1/k of it), then tighter budgets, until a cut fits.
+_STAGE_BUDGETS = (1.0, 0.75, 0.5, 0.35, 0.25)
+
+
+def _pipeline(s: "_Search", graph: IRGraph, problem: Problem, k: int, leads, limit, comm):
+    """(SPMD solution on the stage devices, best cut into k stages, or None for both; the least
+    memory per device of the cuts tried)."""
+    p2p = lambda b: comm.time("p2p", b, 2)  # noqa: E731
+    budgets = [None] + ([limit * k * f for f in _STAGE_BUDGETS] if limit is not None else [])
+    least = None
+    for budget in budgets:
+        try:
+            sol = s.spmd(problem, budget)
+        except NoPlanFits:
+            break
+        cut = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, limit, p2p)
+        if cut is not None:
+            return sol, cut, max(cut.stage_mem)
+        free = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, None, p2p)
+        if free is not None:
+            least = max(free.stage_mem) if least is None else min(least, max(free.stage_mem))
+    return None, None, least
 
 
 def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, str], Optional[StagePlan]]:
@@ -115,7 +141,7 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
     comm = measured_comm_model(sizes, s.device, cfg.re_profile, cfg.comm_profile)
     limit = cfg.mem_limit_bytes
     best = None  # (step time, nstages, problem, solution, stage plan)
-    smallest = None
+    smallest = []  # (bytes per device, how) of the least-memory plans that did not fit
     for k in stage_counts:
         tp = n // k
         if k > 1 and tp > maxdeg:
@@ -126,21 +152,25 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
                 sol = s.spmd(problem, limit)
                 cand = (cfg.nmicros * sol.time, k, problem, sol, None)
             else:
-                sol = s.spmd(problem, None)
-                cut = cut_pipeline(graph, problem, sol, k, leads, cfg.nmicros, limit,
-                                   lambda b: comm.time("p2p", b, 2))
+                sol, cut, least = _pipeline(s, graph, problem, k, leads, limit, comm)
                 if cut is None:
+                    if least is not None:
+                        smallest.append((least, f"as a {k}-stage pipeline"))
                     continue
                 cand = (cut.step_time, k, problem, sol, cut)
         except NoPlanFits as e:
-            smallest = smallest or e
+            if e.smallest is not None:
+                smallest.append((e.smallest, "without a pipeline"))
             continue
         if best is None or cand[0] < best[0]:
             best = cand
     if best is None:
-        raise smallest or NoPlanFits(f"autodist: no plan of {graph.module_class} fits mem_constraint = "
-                                     f"{cfg.mem_constraint} GB per device, with or without a pipeline; raise it, "
-                                     f"or use more devices")
+        least, how = min(smallest) if smallest else (None, "")
+        found = (f"; the smallest plan found needs {size_text(least)} ({how}, before transient buffers)"
+                 if least is not None else "")
+        raise NoPlanFits(f"autodist: no plan fits mem_constraint = {size_text(limit)} per device for "
+                         f"{graph.module_class}{found}. Raise mem_constraint, use more devices (plan_ngpus), set "
+                         f"use_zero, recompute_modules, or let it pipeline (pipeline_pivots)", least)
     step, k, problem, sol, cut = best
     keys = op_keys(graph)
     labels = {op.node.id: op.choices[c].label for op, c in zip(problem.ops, sol.pick)}

@@ -30,7 +30,12 @@ def size_text(nbytes: float) -> str:
 
 
 class NoPlanFits(ConfigError):
-    """No plan fits the memory limit; the message gives the smallest memory found."""
+    """No plan fits the memory limit; the message gives the smallest memory found (`smallest`,
+    bytes per device)."""
+
+    def __init__(self, message: str, smallest: Optional[float] = None):
+        super().__init__(message)
+        self.smallest = smallest
 
 
 @dataclass
@@ -73,7 +78,7 @@ def solve(problem: Problem, mem_limit: Optional[float] = None, tie: Optional[Dic
         raise NoPlanFits(f"autodist: no plan fits mem_constraint = {size_text(mem_limit)} per device; the "
                          f"smallest plan found needs {size_text(smallest)} (before transient buffers). Raise "
                          f"mem_constraint, use more devices (plan_ngpus), set use_zero, recompute_modules, or a "
-                         f"pipeline (pipeline_pivots)")
+                         f"pipeline (pipeline_pivots)", smallest)
     pick = [pick_rep[slot[tie[i]]] for i in range(len(problem.ops))]
     t, m = problem.evaluate(pick)
     return Solution(pick, t, m, method, _time.perf_counter() - start)
