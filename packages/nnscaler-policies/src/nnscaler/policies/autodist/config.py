@@ -47,6 +47,7 @@ class AutodistConfig:
     runtime_ngpus: int
     use_zero: bool = False
     zero_ngroups: int = 1
+    zero_use_reduce_scatter: bool = False
     update_freq: int = 1
     mem_constraint: Optional[float] = None  # GB
     task_name: str = "default"
@@ -94,7 +95,8 @@ class AutodistConfig:
             raise ConfigError(f"pas_policy 'autodist' does not know pas_config key(s) {', '.join(map(repr, unknown))}; "
                               f"its keys are {', '.join(sorted(KEYS))} (prefix your own keys with '_')")
         out = cls(plan_ngpus=cfg.plan_ngpus, runtime_ngpus=cfg.runtime_ngpus, use_zero=bool(cfg.use_zero),
-                  zero_ngroups=getattr(cfg, "zero_ngroups", 1) or 1)
+                  zero_ngroups=getattr(cfg, "zero_ngroups", 1) or 1,
+                  zero_use_reduce_scatter=bool(getattr(cfg, "zero_use_reduce_scatter", False)))
         if getattr(cfg, "bucket_cap_mb", None):
             out.bucket_cap_bytes = float(cfg.bucket_cap_mb) * 1024 ** 2
         for key in ("use_fp16", "use_memory_efficient_fp16", "use_bf16", "use_memory_efficient_bf16",

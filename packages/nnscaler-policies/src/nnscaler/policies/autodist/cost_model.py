@@ -137,6 +137,14 @@ class _Pricer:
         if self.cfg.dp_size <= 1 or local_bytes <= 0:
             return 0.0
         d = self.cfg.dp_size
+        if self.cfg.use_zero:
+            # ZeRO: the gradients are reduce-scattered (zero_use_reduce_scatter) or all-reduced, and
+            # after the step every rank all-gathers the updated shards of its ZeRO group
+            group = max(1, d // max(1, self.cfg.zero_ngroups))
+            sync = "reduce_scatter" if self.cfg.zero_use_reduce_scatter else "all_reduce"
+            t = self.comm.time(sync, local_bytes, d) - self.comm.latency(sync, d)
+            t += self.comm.time("all_gather", local_bytes, group) - self.comm.latency("all_gather", group)
+            return t / self.cfg.nmicros
         return (self.comm.time("all_reduce", local_bytes, d) - self.comm.latency("all_reduce", d)) / self.cfg.nmicros
 
     def dp_sync_latency(self, trainable_bytes: float) -> float:
@@ -145,7 +153,10 @@ class _Pricer:
         if self.cfg.dp_size <= 1 or trainable_bytes <= 0:
             return 0.0
         buckets = max(1, math.ceil(trainable_bytes / self.cfg.bucket_cap_bytes))
-        return buckets * self.comm.latency("all_reduce", self.cfg.dp_size) / self.cfg.nmicros
+        per_bucket = self.comm.latency("all_reduce", self.cfg.dp_size)
+        if self.cfg.use_zero:  # and the gather of the updated shards
+            per_bucket += self.comm.latency("all_gather", max(1, self.cfg.dp_size // max(1, self.cfg.zero_ngroups)))
+        return buckets * per_bucket / self.cfg.nmicros
 
 
 def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float]], comm: CommModel,
