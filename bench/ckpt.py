@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -104,17 +105,30 @@ def _timed(fn):
     return time.perf_counter() - t
 
 
+def _save_file_fsync(save_file, tensors, path) -> None:
+    save_file(tensors, str(path))
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str, repeat: int):
     import torch
     from safetensors.torch import load_file, save_file
     import nnscaler.ckpt as ckpt
     m = _module(rank, world, rows, cols, ntensors)
     tensors = {k: v.detach() for k, v in m.named_parameters()}
-    out = {k: [] for k in ("save_file", "save", "load_file", "load", "load_sha256", "load_no_verify")}
+    out = {k: [] for k in ("save_file", "save_file_fsync", "save", "load_file", "load", "load_sha256",
+                           "load_no_verify")}
     ref_dir = Path(root, "safetensors")
     ref_dir.mkdir(exist_ok=True)
     for _ in range(repeat):  # alternated, so that both see the same state of the page cache
         out["save_file"].append(_timed(lambda: save_file(tensors, str(ref_dir / f"rank{rank}.safetensors"))))
+        # the durable reference: our save fsyncs (a crash must not lose a committed checkpoint)
+        out["save_file_fsync"].append(_timed(lambda: _save_file_fsync(save_file, tensors,
+                                                                       ref_dir / f"rank{rank}-fsync.safetensors")))
         out["save"].append(_timed(lambda: ckpt.save(Path(root, "ck"), m, overwrite=True)))
     target = _module(rank, world, rows, cols, ntensors)
     with torch.no_grad():
@@ -158,7 +172,7 @@ def main() -> None:
     try:
         per_rank, _ = spawn_gloo(_ranks, (args.ranks, rows, cols, args.tensors, str(root), args.repeat), args.ranks,
                                  str(root / "result.json"))
-        slowest = {k: max(r[k] for r in per_rank) for k in ("save", "save_file", "load", "load_sha256",
+        slowest = {k: max(r[k] for r in per_rank) for k in ("save", "save_file", "save_file_fsync", "load", "load_sha256",
                                                             "load_no_verify", "load_file")}
         ref = {"cp": [], "cp_then_sync": [], "cp_then_sha256": []}
         runs = {level: [] for level in LEVELS}
@@ -210,7 +224,8 @@ def main() -> None:
         "rates_one_core": rates,
         "save": {"seconds": slowest["save"], "GBps": gbs(slowest["save"]),
                  "ref_save_file_seconds": slowest["save_file"], "ratio_vs_save_file": slowest["save_file"] /
-                 slowest["save"]},
+                 slowest["save"], "ref_save_file_fsync_seconds": slowest["save_file_fsync"],
+                 "ratio_vs_save_file_fsync": slowest["save_file_fsync"] / slowest["save"]},
         "load": {"seconds": slowest["load"], "GBps": gbs(slowest["load"]), "verify": "fast",
                  "seconds_sha256": slowest["load_sha256"], "seconds_no_verify": slowest["load_no_verify"],
                  "ref_load_file_seconds": slowest["load_file"],
@@ -245,6 +260,8 @@ def main() -> None:
     }
     r = lambda x: f"{x:.2f}"  # noqa: E731
     rows_ = [["save vs save_file", f"{result['save']['GBps']:.2f} GB/s", r(result['save']['ratio_vs_save_file'])],
+             ["save vs save_file + fsync", f"{result['save']['GBps']:.2f} GB/s",
+              r(result['save']['ratio_vs_save_file_fsync'])],
              ["load (fast check) vs load_file", f"{result['load']['GBps']:.2f} GB/s",
               f"{r(result['load']['ratio_vs_load_file'])} (floor {r(result['load']['ratio_floor_fast_vs_load_file'])})"],
              ["load (SHA-256) vs load_file", f"{gbs(slowest['load_sha256']):.2f} GB/s",
