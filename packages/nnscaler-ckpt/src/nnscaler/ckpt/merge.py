@@ -30,7 +30,7 @@ from .manifest import read_manifest
 from .names import (FORMAT, FORMAT_VERSION, MERGED_INDEX, MERGED_MODEL, MERGED_OPTIMIZER, MERGED_RNG,
                     merged_shard)
 from .reshard import model_region, model_segments, optimizer_region
-from .safetensors_file import SafetensorsWriter, dtype_name
+from .safetensors_file import SafetensorsWriter, dtype_name, write_record
 from .sizes import parse_size
 from .sources import Sources
 from .verify import check_file
@@ -178,16 +178,7 @@ def _write_rng(src: Sources, stage: StagingDir, manifest) -> Tuple[dict, list]:
             if key.startswith(("rng/", "extra/")):
                 items.append((prefix + key, src.read({"file": info["file"], "key": key})))
         ranks.append({"file": MERGED_RNG, "prefix": prefix, "rng": info.get("rng"), "extra": info.get("extra")})
-    writer = SafetensorsWriter(stage.file(MERGED_RNG), [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in items],
-                               _META)
-    try:
-        for k, t in items:
-            writer.write(k, t)
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
-    return {MERGED_RNG: writer.record}, ranks
+    return {MERGED_RNG: write_record(stage.file(MERGED_RNG), items, _META)}, ranks
 
 
 def merged_manifest(plan, files, model, *, world_size: int, plan_identity, source, optimizer=None,
