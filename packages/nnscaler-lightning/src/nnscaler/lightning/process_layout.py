@@ -1,10 +1,13 @@
 """The process layout both strategies (Lightning's Trainer and Fabric) share: one process per
-device, `plan_ngpus` consecutive ranks per data-parallel unit, one data shard per unit."""
+device, `plan_ngpus` consecutive ranks per data-parallel unit, one data shard per unit; and the
+collectives over all of them (barrier, broadcast)."""
 from __future__ import annotations
 
 from typing import Any, Dict
 
 import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 
 __all__ = ["ProcessLayout"]
 
@@ -39,3 +42,14 @@ class ProcessLayout:
         """One shard of the data per data-parallel unit; the ranks of a unit see the same batch."""
         return {"num_replicas": self.num_nodes * self.num_processes // self.plan_ngpus,
                 "rank": self.global_rank // self.plan_ngpus}
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]

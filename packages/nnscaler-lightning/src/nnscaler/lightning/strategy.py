@@ -236,17 +236,6 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
             yield None
 
     # -- collectives -----------------------------------------------------------------------------
-    def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    def broadcast(self, obj, src: int = 0):
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

@@ -162,17 +162,6 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) \
             else tensor
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    def broadcast(self, obj, src: int = 0):
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, path, state: Dict[str, Any], storage_options=None, filter=None) -> None:
         if storage_options is not None or filter is not None:
