@@ -75,6 +75,7 @@ import torch.distributed as dist  # noqa: E402
 TARGET_RATIO = 1.05
 TARGET_ESTIMATE = 0.20
 TARGET_SEARCH_32 = 2.0
+ZERO_MARGIN = 0.05
 PIVOT = {"gpt": "Block", "llama": "LlamaDecoderLayer"}
 
 
@@ -165,7 +166,7 @@ def _breakdown(graph, cfg, record, cut) -> dict:
     if cut is not None:
         return {"pipeline": True, "stage_time_s": cut.stage_time, "stage_mem_bytes": cut.stage_mem}
     s = _Search(graph, cfg)
-    comm = measured_comm_model({cfg.plan_ngpus, cfg.dp_size}, s.device)
+    comm = measured_comm_model({cfg.plan_ngpus, cfg.dp_size, cfg.runtime_ngpus}, s.device)
     problem = s.problem(cfg.plan_ngpus, comm)
     labels = {node.id: op.choice for node, op in zip(graph.nodes, record.ops)}
     pick = [op.labels.index(labels[op.node.id]) for op in problem.ops]
@@ -297,7 +298,9 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
     t0 = time.perf_counter()
     dp_rec, dp_parts = search_here(mc, 1, R, micro, autodist_pas(M))
     dp_est = dp_rec.estimate
-    out["compute_model_check"] = compute_check(mc, micro // R, M, dp_parts["compute_s"] / dp_est.get("compute_scale", 1.0))
+    per_process = dp_parts["compute_s"] / dp_est.get("compute_scale", 1.0)
+    out["compute_model_check"] = compute_check(mc, micro // R, M, per_process / dp_est.get("compute_calibration", 1.0),
+                                               per_process)
     limits = {"none": None}
     # the least memory of any SPMD plan (autodist's cost model): the no-plan error names it
     least = {}
@@ -433,9 +436,10 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
     return out
 
 
-def compute_check(mc: dict, per_rank: int, M: int, profiled_s: float, steps: int = 8) -> dict:
+def compute_check(mc: dict, per_rank: int, M: int, profiled_s: float, calibrated_s: float, steps: int = 8) -> dict:
     """The compute part of the cost model against the model run eagerly in this process (same
-    threads, no other rank running): M forward + backward of the dp rank's micro-batch."""
+    threads, no other rank running): M forward + backward of the dp rank's micro-batch. The ops'
+    profiled sum, and that sum calibrated by autodist's whole-graph run (graph_timing.py)."""
     model = build_model(mc)
     mbs = [make_batch(mc, s, per_rank) for s in range(M)]
     times = []
@@ -446,8 +450,9 @@ def compute_check(mc: dict, per_rank: int, M: int, profiled_s: float, steps: int
         if i >= 2:
             times.append(time.perf_counter() - t0)
     eager = _common.median(times)
-    return {"profiled_ops_sum_s": profiled_s, "eager_fwd_bwd_median_s": eager, "eager_fwd_bwd_min_s": min(times),
-            "profiled_over_eager": profiled_s / eager, "loadavg": _common.loadavg()}
+    return {"profiled_ops_sum_s": profiled_s, "calibrated_s": calibrated_s, "eager_fwd_bwd_median_s": eager,
+            "eager_fwd_bwd_min_s": min(times), "profiled_over_eager": profiled_s / eager,
+            "calibrated_over_eager": calibrated_s / eager, "loadavg": _common.loadavg()}
 
 
 def _candidates(mc, R, micro, M, lim, pivot):
@@ -464,7 +469,19 @@ def _candidates(mc, R, micro, M, lim, pivot):
                               "method": rec.method, "breakdown": extra,
                               "signature": plan_signature(rec) + str(zero), "pas": autodist_pas(M, lim, pivot)})
     ok = [c for c in cands if "estimate" in c]
-    return cands, (min(ok, key=lambda c: c["estimate"]["time_s"]) if ok else None)
+    if not ok:
+        return cands, None
+    best = min(ok, key=lambda c: c["estimate"]["time_s"])
+    plain = [c for c in ok if not c["use_zero"]]
+    if best["use_zero"] and plain:
+        # ZeRO is a memory option (the user's use_zero): taken when no plan without it fits, or
+        # when its estimate is clearly (ZERO_MARGIN) lower. Its measured step here costs 3-8 ms
+        # more than the model prices (the runtime's copies per parameter piece, the gather after
+        # the optimizer step), so an estimated tie is a measured loss.
+        fastest_plain = min(plain, key=lambda c: c["estimate"]["time_s"])
+        if best["estimate"]["time_s"] > (1 - ZERO_MARGIN) * fastest_plain["estimate"]["time_s"]:
+            best = fastest_plain
+    return cands, best
 
 
 def _parse_needs(msg: str) -> float:
@@ -553,7 +570,7 @@ def main() -> None:
                             "path": str(cache_dir() / "autodist")}
     print(f"comm profile: {data['comm_profile']['seconds']:.1f} s for groups {sizes}", flush=True)
     for c, table in comm.profile["collectives"].items():
-        print("  " + c + ": " + ", ".join(f"n={n}: {lat * 1e6:.0f} us + B / {bw / 1e9:.2f} GB/s" for n, (lat, bw) in table.items()))
+        print("  " + c + ": " + ", ".join(f"n={n}: {lat * 1e6:.0f} us + B / {bw / 1e9:.2f} GB/s" for n, (lat, bw, *_) in table.items()))
     # 1. plan quality
     data["plan_quality"] = []
     for name in args.models:

@@ -161,8 +161,9 @@ def test_profile_cache_is_reused_and_re_profile_measures_again(tmp_path, monkeyp
     db = tmp_path / "cache" / "autodist" / f"profile-{device_key('cpu')}.json"
     assert db.is_file()
     entries = json.loads(db.read_text())["ops"]
-    ops = [k for k in entries if not k.startswith("__optimizer__")]  # and the optimizer's step rate
-    assert first["profiled_ops"] == len(ops) > 0 and len(entries) == len(ops) + 1
+    ops = [k for k in entries if not k.startswith("__")]  # and the optimizer's costs, the graph's calibration
+    assert first["profiled_ops"] == len(ops) > 0 and len(entries) == len(ops) + 3
+    assert any(k.startswith("__graph__:") for k in entries) and first["compute_calibration"] > 0
     assert first["cached_ops"] > 0  # the second layer repeats the first one's ops
     second = autodist(gpt_graph()).autodist_plan.estimate
     assert second["profiled_ops"] == 0

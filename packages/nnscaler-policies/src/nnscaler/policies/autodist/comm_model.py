@@ -1,18 +1,24 @@
-"""Communication time: latency + bytes / bandwidth, per collective and group size, measured.
+"""Communication time per collective and group size, from measurements.
 
-A profile is ``{"backend": ..., "collectives": {name: {str(n): [latency_s, bytes_per_s]}}}``
-where bytes are the ring algorithm's wire bytes per rank (`nnscaler.ir.COST_MODELS["ring"]`).
-`measure_comm` fits it from real collectives on `n` local processes (comm_profile.py); group
-sizes not measured are priced with the nearest measured size.
+A profile is ``{"backend": ..., "format": 3, "collectives": {name: {str(n): entry}}, "sync_wait":
+{str(n): seconds}}`` (the wait optional, added to every collective: `CommModel.sync_wait`) where an
+entry is ``[latency_s, bytes_per_s]`` (a straight line: ``latency + wire / bandwidth``) or
+``[latency_s, bytes_per_s, [[wire, seconds], ...]]`` with the measured points. Bytes are the
+ring algorithm's wire bytes per rank (`nnscaler.ir.COST_MODELS["ring"]`). With points, a time
+is read off the measured curve (linear between points, the last segment's slope beyond the
+largest): gloo's time is not one line over four decades of sizes (a fitted line missed a 4 MB
+all-reduce by 40 %, bench/autodist.py). `comm_profile.measure` takes the points on real local
+processes; group sizes not measured are priced with the nearest measured size.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from nnscaler.ir import COST_MODELS
 
-__all__ = ["CommModel", "DEFAULT_PROFILE"]
+__all__ = ["CommModel", "DEFAULT_PROFILE", "COLLECTIVES", "monotone_points"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
@@ -21,25 +27,73 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"
 DEFAULT_PROFILE = {"backend": "default", "collectives": {c: {"2": [5e-5, 2e9]} for c in COLLECTIVES}}
 
 
+def monotone_points(points) -> List[Tuple[float, float]]:
+    """(wire bytes, seconds) sorted by size, each time no more than any larger message's: a
+    small message that waited on a busy machine is noise, not a cost (the lower envelope)."""
+    pts = sorted((float(b), float(t)) for b, t in points)
+    out: List[Tuple[float, float]] = []
+    low = float("inf")
+    for b, t in reversed(pts):
+        low = min(low, t)
+        out.append((b, low))
+    return out[::-1]
+
+
 @dataclass
 class CommModel:
     profile: dict = field(default_factory=lambda: DEFAULT_PROFILE)
 
-    def _fit(self, collective: str, n: int) -> Tuple[float, float]:
+    def _entry(self, collective: str, n: int) -> list:
         table: Dict[str, list] = self.profile["collectives"].get(collective) or self.profile["collectives"]["all_reduce"]
         sizes = sorted(int(k) for k in table)
         best = min(sizes, key=lambda s: (abs(s - n), -s))
-        lat, bw = table[str(best)]
-        return float(lat), float(bw)
+        return table[str(best)]
+
+    def _points(self, collective: str, n: int) -> Optional[List[Tuple[float, float]]]:
+        entry = self._entry(collective, n)
+        if len(entry) > 2 and entry[2] and len(entry[2]) >= 2:
+            return monotone_points(entry[2])
+        return None
+
+    def sync_wait(self, n: int) -> float:
+        """Seconds each collective over `n` ranks costs in a running program beyond its time
+        right after a barrier (`comm_profile._sync_wait`; 0 when not measured)."""
+        table = self.profile.get("sync_wait") or {}
+        if n <= 1 or not table:
+            return 0.0
+        best = min((int(k) for k in table), key=lambda s: (abs(s - n), -s))
+        return max(0.0, float(table[str(best)]))
 
     def latency(self, collective: str, n: int) -> float:
-        """The fixed seconds of one `collective` over `n` ranks (0 for n <= 1)."""
-        return 0.0 if n <= 1 else self._fit(collective, n)[0]
+        """The fixed seconds of one `collective` over `n` ranks (0 for n <= 1): the smallest
+        measured message's time, or the line's intercept."""
+        if n <= 1:
+            return 0.0
+        pts = self._points(collective, n)
+        return (pts[0][1] if pts else float(self._entry(collective, n)[0])) + self.sync_wait(n)
+
+    def wire_time(self, collective: str, wire: float, n: int) -> float:
+        """Seconds of `wire` bytes per rank of `collective` over `n` ranks."""
+        pts = self._points(collective, n)
+        if pts is None:
+            lat, bw = self._entry(collective, n)[:2]
+            return float(lat) + wire / float(bw)
+        sizes = [b for b, _ in pts]
+        i = bisect.bisect_left(sizes, wire)
+        if i == 0:
+            return pts[0][1]
+        if i == len(pts):
+            (b0, t0), (b1, t1) = pts[-2], pts[-1]
+            slope = max((t1 - t0) / (b1 - b0), 0.0) if b1 > b0 else 0.0
+            if slope == 0.0:  # a flat tail: at least the largest message's rate
+                slope = t1 / b1
+            return t1 + (wire - b1) * slope
+        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+        return t0 + (t1 - t0) * (wire - b0) / (b1 - b0)
 
     def time(self, collective: str, full_nbytes: float, n: int) -> float:
         """Seconds for `collective` over `n` ranks on a full tensor of `full_nbytes`."""
         if n <= 1 or full_nbytes <= 0:
             return 0.0
-        lat, bw = self._fit(collective, n)
         wire = full_nbytes if collective == "p2p" else COST_MODELS["ring"](collective, full_nbytes, n)
-        return lat + wire / bw
+        return self.wire_time(collective, wire, n) + self.sync_wait(n)

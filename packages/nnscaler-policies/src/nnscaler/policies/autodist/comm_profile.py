@@ -2,9 +2,11 @@
 
 `measured_comm_model(sizes, device)` returns a `CommModel` for groups of the given sizes, from
 ``<cache>/autodist/comm-<device>.json`` when it holds them, else by starting ``max(sizes)``
-local processes (gloo on CPU, NCCL on CUDA) that time each collective at two message sizes and
-fit ``time = latency + wire_bytes / bandwidth``. The result is cached; ``re_profile`` measures
-again.
+local processes (gloo on CPU, NCCL on CUDA) that time each collective at five message sizes
+(16 KiB to 16 MiB) right after a barrier, and what a collective costs more inside a running
+program (`_sync_wait`); the model reads times off these points (`CommModel`), and a least-squares
+line ``latency + wire_bytes / bandwidth`` is kept beside them. The result is cached; ``re_profile``
+measures again (so does a cache from before the points were kept).
 """
 from __future__ import annotations
 
@@ -25,7 +27,11 @@ from .op_profile import cache_dir, device_key
 
 __all__ = ["measured_comm_model", "measure"]
 
-_SIZES = (1 << 14, 1 << 18, 1 << 22)  # bytes of the full tensor: latency-bound to bandwidth-bound
+_SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # full tensor bytes: latency- to bandwidth-bound
+_FORMAT = 3  # the cache keeps the measured points and the sync wait
+_WAIT_MATMULS = 16  # the work before each collective of the sync-wait chain (about 0.7 ms on one CPU core)
+_WAIT_CHAIN = 20
+_WAIT_REPEATS = 5
 _REPEATS = 10  # timed runs per size (after one warm-up); the median is fitted
 _JOB_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
              "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
@@ -66,12 +72,46 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes, out_dir: str)
                             times.append(time.perf_counter() - t)
                     wire = elems * 4 if coll == "p2p" else COST_MODELS["ring"](coll, elems * 4, n)
                     points.append((wire, statistics.median(times)))
-                result.setdefault(coll, {})[str(n)] = list(_fit(points))
+                result.setdefault(coll, {})[str(n)] = [*_fit(points), [list(p) for p in points]]
+            wait = _sync_wait(dist, device, group, n, backend)
         if rank == 0:
-            Path(out_dir, "comm.json").write_text(json.dumps(result))
+            Path(out_dir, "comm.json").write_text(json.dumps({"collectives": result, "sync_wait": {str(world): wait}}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _sync_wait(dist, device: str, group, n: int, backend: str) -> float:
+    """Seconds a collective costs in a running program beyond its time measured right after a
+    barrier: ranks arrive at it apart and a rank that waited has to be woken. Timed as a chain
+    of (a short work, a tiny all-reduce) against the same work alone and the tiny all-reduce
+    alone; the ranks' mean. On 2 CPU cores: about 1.5 ms per collective with 2 ranks, while a
+    tiny all-reduce right after a barrier takes 0.3 ms."""
+    a = torch.randn(128, 128, device=device)
+    tiny = torch.ones(n, device=device)
+
+    def chain(work: bool, reduce: bool) -> float:
+        dist.barrier(group=group)
+        t = time.perf_counter()
+        for _ in range(_WAIT_CHAIN):
+            if work:
+                for _ in range(_WAIT_MATMULS):
+                    a @ a
+                if backend == "nccl":
+                    torch.cuda.synchronize()
+            if reduce:
+                dist.all_reduce(tiny, group=group)
+                if backend == "nccl":
+                    torch.cuda.synchronize()
+        return (time.perf_counter() - t) / _WAIT_CHAIN
+
+    chain(True, True)  # warm-up
+    both = statistics.median(chain(True, True) for _ in range(_WAIT_REPEATS))
+    work = statistics.median(chain(True, False) for _ in range(_WAIT_REPEATS))
+    alone = statistics.median(chain(False, True) for _ in range(_WAIT_REPEATS))
+    mine = torch.tensor([both - work - alone], dtype=torch.float64, device=device)
+    dist.all_reduce(mine, group=group)
+    return max(0.0, float(mine.cpu()) / n)
 
 
 def _fit(points):
@@ -114,23 +154,36 @@ def _run(dist, coll, x, n, rank, group):
 
 
 def measure(sizes: Iterable[int], device: str = "cpu", timeout: float = 300.0) -> dict:
-    """Start max(sizes) local processes and measure every collective on groups of `sizes`.
+    """Measure every collective on groups of `sizes`, each size on its own `n` local processes:
+    a group of 2 measured inside a world of 4 ran beside two waiting processes that took CPU
+    from it (5x a lone pair's time for 256 KiB on 2 cores).
 
     The processes run this module (``python -m``), not the user's script, so nothing of the
     user's program is re-executed."""
+    sizes = sorted({int(s) for s in sizes if s > 1})
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    collectives: Dict[str, Dict[str, list]] = {}
+    wait: Dict[str, float] = {}
+    for n in sizes:
+        got = _measure_world(n, backend, timeout)
+        for coll, table in got["collectives"].items():
+            collectives.setdefault(coll, {}).update(table)
+        wait.update(got["sync_wait"])
+    return {"backend": backend, "format": _FORMAT, "collectives": collectives, "sync_wait": wait}
+
+
+def _measure_world(world: int, backend: str, timeout: float) -> dict:
     import subprocess
     import sys
     import tempfile
-    sizes = sorted({int(s) for s in sizes if s > 1})
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    world, port = max(sizes), _port()
+    port = _port()
     # A clean environment: inside torchrun (or a launcher) the variables of the running job
     # (RANK, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, ...) must not reach the measuring group.
     env = {k: v for k, v in os.environ.items()
            if k not in _JOB_VARS and not k.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
     with tempfile.TemporaryDirectory() as tmp:
         procs = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), str(port), backend,
-                                   ",".join(map(str, sizes)), tmp],
+                                   str(world), tmp],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
                  for rank in range(world)]
         errors = []
@@ -145,7 +198,7 @@ def measure(sizes: Iterable[int], device: str = "cpu", timeout: float = 300.0) -
         if errors:
             raise RuntimeError(f"autodist: measuring {backend} collectives on {world} local processes failed "
                                f"(pass pas_config['_comm_profile'] to skip measuring):\n{errors[0]}")
-        return {"backend": backend, "collectives": json.loads(Path(tmp, "comm.json").read_text())}
+        return json.loads(Path(tmp, "comm.json").read_text())
 
 
 def measured_comm_model(sizes: Iterable[int], device: str = "cpu", re_profile: bool = False,
@@ -163,6 +216,8 @@ def measured_comm_model(sizes: Iterable[int], device: str = "cpu", re_profile: b
             cached = json.loads(path.read_text())
         except (OSError, ValueError):
             cached = {}
+    if cached.get("format") != _FORMAT:
+        cached = {}
     have = cached.get("collectives", {}).get("all_reduce", {})
     missing = [s for s in sizes if str(s) not in have]
     if missing or not cached:
@@ -170,7 +225,8 @@ def measured_comm_model(sizes: Iterable[int], device: str = "cpu", re_profile: b
         merged = cached.get("collectives", {}) if cached else {}
         for coll, table in fresh["collectives"].items():
             merged.setdefault(coll, {}).update(table)
-        cached = {"backend": fresh["backend"], "collectives": merged}
+        wait = {**cached.get("sync_wait", {}), **fresh["sync_wait"]}
+        cached = {"backend": fresh["backend"], "format": _FORMAT, "collectives": merged, "sync_wait": wait}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(cached, sort_keys=True).encode())
     return CommModel(cached)

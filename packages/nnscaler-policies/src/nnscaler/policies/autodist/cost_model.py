@@ -92,15 +92,22 @@ class Problem:
 
 
 class _Pricer:
-    def __init__(self, graph: IRGraph, n: int, comm: CommModel, cfg: AutodistConfig, opt_rate: float = 0.0):
+    def __init__(self, graph: IRGraph, n: int, comm: CommModel, cfg: AutodistConfig, opt_rate: float = 0.0,
+                 trainable_bytes: float = 0.0, copy_rate: float = 0.0, opt_tensor: float = 0.0):
         self.graph, self.n, self.comm, self.cfg, self.opt_rate = graph, n, comm, cfg, opt_rate
+        self.copy_rate, self.opt_tensor = copy_rate, opt_tensor
+        self.bucket = self.bucket_bytes(trainable_bytes)
 
     def optimizer_step(self, local_numel: float) -> float:
-        """The optimizer's update of a local parameter (a ZeRO shard of it with use_zero), once
-        per step, spread over the step's micro-batches."""
+        """The optimizer's update of a local parameter (a ZeRO shard of it with use_zero: a rank
+        holds pieces of about 1/group of the tensors), once per step, spread over the step's
+        micro-batches: per element and per tensor (`op_profile.optimizer_tensor_cost`)."""
+        tensors = 1.0
         if self.cfg.use_zero and self.cfg.dp_size > 1:
-            local_numel /= max(1, self.cfg.dp_size // max(1, self.cfg.zero_ngroups))
-        return local_numel * self.opt_rate / self.cfg.nmicros
+            group = max(1, self.cfg.dp_size // max(1, self.cfg.zero_ngroups))
+            local_numel /= group
+            tensors /= group
+        return (local_numel * self.opt_rate + tensors * self.opt_tensor) / self.cfg.nmicros
 
     def transition(self, src, dst, value, grad_partial: bool) -> float:
         """Seconds of the steps from `src` to `dst` placement of `value` (fwd + bwd duals)."""
@@ -129,11 +136,23 @@ class _Pricer:
             opt /= max(1, cfg.dp_size // max(1, cfg.zero_ngroups))
         return 2 * spec_bytes + opt
 
+    def bucket_bytes(self, trainable_bytes: float) -> float:
+        """The size of the reducer's buckets: `bucket_cap_bytes`, or all the gradients if fewer."""
+        return max(1.0, min(trainable_bytes, self.cfg.bucket_cap_bytes))
+
+    def _rate(self, collective: str, n: int) -> float:
+        """Seconds per byte of `collective` on buckets of `self.bucket` bytes (latency apart): a
+        gradient's share of its bucket's time (gloo's time per byte is not the same at 64 KiB and
+        at 16 MiB, so pricing each tensor alone over-counted the small ones)."""
+        if n <= 1:
+            return 0.0
+        b = self.bucket
+        return max(0.0, self.comm.time(collective, b, n) - self.comm.latency(collective, n)) / b
+
     def dp_sync(self, local_bytes: float) -> float:
         """The gradient all-reduce of a trainable tensor across data-parallel units, once per step:
-        spread over the step's micro-batches (the times here are per micro-batch). Its bandwidth
-        part only: the reducer all-reduces whole buckets, so the latency is paid once per bucket
-        (`dp_sync_latency`), not once per tensor."""
+        spread over the step's micro-batches (the times here are per micro-batch). Its share of
+        its bucket's bandwidth time only: the latency is paid once per bucket (`dp_sync_latency`)."""
         if self.cfg.dp_size <= 1 or local_bytes <= 0:
             return 0.0
         d = self.cfg.dp_size
@@ -142,10 +161,11 @@ class _Pricer:
             # after the step every rank all-gathers the updated shards of its ZeRO group
             group = max(1, d // max(1, self.cfg.zero_ngroups))
             sync = "reduce_scatter" if self.cfg.zero_use_reduce_scatter else "all_reduce"
-            t = self.comm.time(sync, local_bytes, d) - self.comm.latency(sync, d)
-            t += self.comm.time("all_gather", local_bytes, group) - self.comm.latency("all_gather", group)
+            t = local_bytes * (self._rate(sync, d) + self._rate("all_gather", group))
+            # and its copies: the gradient's shard into the flat shard, the gathered values back
+            t += local_bytes * (1 + 1 / group) * self.copy_rate
             return t / self.cfg.nmicros
-        return (self.comm.time("all_reduce", local_bytes, d) - self.comm.latency("all_reduce", d)) / self.cfg.nmicros
+        return local_bytes * self._rate("all_reduce", d) / self.cfg.nmicros
 
     def dp_sync_latency(self, trainable_bytes: float) -> float:
         """The latency of the reducer's bucket all-reduces per micro-batch: one per bucket of
@@ -161,16 +181,22 @@ class _Pricer:
 
 def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float]], comm: CommModel,
                   cfg: AutodistConfig, allowed: Optional[Dict[int, List[str]]] = None,
-                  overhead: float = 1e-5, opt_rate: float = 0.0) -> Problem:
+                  overhead: float = 1e-5, opt_rate: float = 0.0, copy_rate: float = 0.0,
+                  opt_tensor: float = 0.0) -> Problem:
     """The cost model of `graph` on `n` devices. `op_times`: node id -> (forward s, backward s)
     of the whole op; `allowed`: node id -> choice labels permitted (constraints); `opt_rate`:
-    seconds per parameter element of an optimizer step (`op_profile.optimizer_rate`)."""
-    pricer = _Pricer(graph, n, comm, cfg, opt_rate)
+    seconds per parameter element of an optimizer step (`op_profile.optimizer_rate`); `copy_rate`:
+    seconds per byte copied (ZeRO's copies between the parameters and the flat shards);
+    `opt_tensor`: an optimizer step's seconds per parameter tensor."""
+    module_values = {spec.value.id: spec for spec in graph.tensor_specs()}
+    read = {r.id for node in graph.nodes for r in node.input_refs()}
+    trainable = sum(nbytes(graph.value(spec.value).shape, graph.value(spec.value).dtype, cfg)
+                    for spec in module_values.values() if spec.requires_grad and spec.value.id in read)
+    pricer = _Pricer(graph, n, comm, cfg, opt_rate, trainable, copy_rate, opt_tensor)
     allowed = allowed or {}
     ops: List[OpVar] = []
     index: Dict[int, int] = {}
     produced: Dict[int, Tuple[int, int]] = {}
-    module_values = {spec.value.id: spec for spec in graph.tensor_specs()}
     consumers: Dict[int, List[Tuple[int, int]]] = {}
     problem = Problem(n, ops, [], index=index)
     kept = saved_for_backward(graph)
@@ -238,8 +264,6 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
             else:
                 edges[(u, v)] = cost
     problem.edges = [Edge(u, v, c) for (u, v), c in edges.items() if c.any()]
-    trainable = sum(nbytes(graph.value(spec.value).shape, graph.value(spec.value).dtype, cfg)
-                    for spec in module_values.values() if spec.requires_grad and spec.value.id in consumers)
     problem.const_time += pricer.dp_sync_latency(trainable)
     return problem
 

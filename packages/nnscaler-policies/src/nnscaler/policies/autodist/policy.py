@@ -20,9 +20,10 @@ from .comm_profile import measured_comm_model
 from .config import AutodistConfig
 from .constraints import load_constraints
 from .cost_model import Problem, build_problem
+from .graph_timing import calibration
 from .layers import tie_layers
 from .op_keys import op_keys
-from .op_profile import optimizer_rate, profile_graph
+from .op_profile import memory_bandwidth, optimizer_rate, optimizer_tensor_cost, profile_graph
 from .pipeline_solver import StagePlan, cut_pipeline
 from .plan_file import OpRecord, PlanRecord, load_plan, op_shapes, save_plan
 from .report import format_plan
@@ -67,9 +68,13 @@ class _Search:
         self.op_times, self.db = profile_graph(graph, device=self.device, re_profile=cfg.re_profile,
                                                repeats=cfg.profile_repeats)
         self.scale = compute_scale(cfg, self.device)
+        self.calibration, self.uncalibrated = calibration(graph, self.op_times, self.db, self.device, cfg.re_profile)
         self.opt_rate = optimizer_rate(self.db, self.device, cfg.re_profile) * self.scale
-        if self.scale != 1.0:
-            self.op_times = {k: (f * self.scale, b * self.scale) for k, (f, b) in self.op_times.items()}
+        self.opt_tensor = optimizer_tensor_cost(self.db, self.device, cfg.re_profile) * self.scale
+        self.copy_rate = 2 / memory_bandwidth(self.device) * self.scale if cfg.use_zero else 0.0
+        factor = self.scale * self.calibration
+        if factor != 1.0:
+            self.op_times = {k: (f * factor, b * factor) for k, (f, b) in self.op_times.items()}
         self.problems: Dict[int, Problem] = {}
 
     def problem(self, tp: int, comm) -> Problem:
@@ -80,7 +85,8 @@ class _Search:
             if cfg.max_partition_degree is not None and tp > cfg.max_partition_degree:
                 allowed = {node.id: ["R"] for node in self.graph.nodes}
             self.problems[tp] = build_problem(self.graph, tp, self.op_times, comm, cfg, allowed,
-                                              opt_rate=self.opt_rate)
+                                              opt_rate=self.opt_rate, copy_rate=self.copy_rate,
+                                              opt_tensor=self.opt_tensor)
         return self.problems[tp]
 
     def spmd(self, problem: Problem, limit: Optional[float]) -> Solution:
@@ -137,7 +143,7 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
     if leads is not None and cfg.pipeline_nstages == "auto" and n > 1:
         stage_counts = [k for k in stage_counts if k == 1 or len([c for c in leads if c > 0]) >= k - 1]
     maxdeg = cfg.max_partition_degree or n
-    sizes = {n // k for k in stage_counts} | {cfg.dp_size} | ({2} if leads else set())
+    sizes = {n // k for k in stage_counts} | {cfg.dp_size, cfg.runtime_ngpus} | ({2} if leads else set())
     comm = measured_comm_model(sizes, s.device, cfg.re_profile, cfg.comm_profile)
     limit = cfg.mem_limit_bytes
     best = None  # (step time, nstages, problem, solution, stage plan)
@@ -187,7 +193,10 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
     transient = _transient(problem, sol.pick, cfg.transient_mem_coef)
     mem = (max(cut.stage_mem) if cut is not None else sol.mem) + transient
     estimate = {"time_s": step, "mem_bytes": mem, "transient_bytes": transient, "search_s": time.perf_counter() - start,
-                "solver_s": sol.seconds, "profiled_ops": s.db.misses, "cached_ops": s.db.hits, "compute_scale": s.scale}
+                "solver_s": sol.seconds, "profiled_ops": s.db.misses, "cached_ops": s.db.hits, "compute_scale": s.scale,
+                "compute_calibration": s.calibration, "sync_wait_s": comm.sync_wait(cfg.runtime_ngpus)}
+    if s.uncalibrated:
+        estimate["not_calibrated"] = s.uncalibrated
     if limit is not None:
         estimate["mem_limit_bytes"] = limit
     pipeline = None if cut is None else {"nstages": k, "tp_size": cut.tp_size, "nmicros": cfg.nmicros,

@@ -1,0 +1,184 @@
+"""The whole graph's forward + backward time, run eagerly on one device: the compute model's
+calibration.
+
+Ops profiled alone (op_profile.py) sum to less than the model they make: alone, each op runs
+hot in cache, and the autograd bookkeeping between ops and the backward engine's walk are not
+counted. The sum was 4-15 % under the model's eager time (bench/autodist.py, more for small
+per-rank batches). `graph_seconds` runs the traced graph once as a program (parameters and
+inputs made from their shapes, as the profiler does) and times it; the search multiplies every
+op's profiled time by measured / profiled sum. The result is cached in the profile database
+by the graph's fingerprint. A graph that cannot run whole (an input we cannot rebuild, a traced
+branch on a tensor's value) or would not fit on the device is not calibrated (factor 1), and
+the estimate says why.
+"""
+from __future__ import annotations
+
+import builtins
+import math
+import os
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from nnscaler.ir import IRGraph, Ref, resolve_target
+from nnscaler.ir.tracer.guards import GUARD_TARGET
+
+from .op_profile import ProfileDB, _make, _sync
+
+__all__ = ["graph_seconds", "calibration"]
+
+# Calibrate only graphs whose parameters and outputs take at most this share of the free memory,
+# and whose profiled time is at most this many seconds (the run repeats it a few times).
+_MEMORY_SHARE = 0.25
+_MAX_SECONDS = 5.0
+# A factor outside these bounds means the run measured something else than the ops (a machine
+# suddenly busy): the ops' own times are kept.
+_BOUNDS = (0.5, 2.0)
+
+
+class _CannotRun(Exception):
+    pass
+
+
+def _fill(structure, obj, env: Dict[int, object]) -> None:
+    if isinstance(structure, Ref):
+        env[structure.id] = obj
+    elif isinstance(structure, (list, tuple)) and isinstance(obj, (list, tuple)):
+        for s, o in zip(structure, obj):
+            _fill(s, o, env)
+
+
+def _read(obj, env: Dict[int, object]):
+    if isinstance(obj, Ref):
+        if obj.id not in env:
+            raise _CannotRun(f"value {obj.id} is not known")
+        return env[obj.id]
+    if isinstance(obj, list):
+        return [_read(x, env) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(_read(x, env) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _read(v, env) for k, v in obj.items()}
+    if isinstance(obj, slice):
+        return slice(_read(obj.start, env), _read(obj.stop, env), _read(obj.step, env))
+    return obj
+
+
+def _program(graph: IRGraph) -> list:
+    """(node, function) in order, the functions looked up before the clock starts."""
+    found: Dict[str, object] = {}
+    steps = []
+    for node in graph.nodes:
+        if node.only_when is False or node.target == GUARD_TARGET:  # eval-only; a guard checks the traced data
+            continue
+        if node.branch is not None:
+            raise _CannotRun("a traced branch on a tensor's value")
+        if node.target not in found:
+            found[node.target] = getattr(builtins, node.target) if "." not in node.target \
+                else resolve_target(node.target)
+        steps.append((node, found[node.target]))
+    return steps
+
+
+def _run_once(graph: IRGraph, steps: list, device: str) -> float:
+    env: Dict[int, object] = {}
+    for spec in graph.inputs:
+        for _, ref in spec.leaves:
+            v = graph.value(ref)
+            if not v.is_tensor:
+                raise _CannotRun(f"input {spec.name} holds a non-tensor value")
+            env[ref.id] = _make(v, device)
+    for table in (graph.params, graph.buffers, graph.constants):
+        for spec in table.values():
+            env[spec.value.id] = _make(graph.value(spec.value), device)
+    _sync(device)
+    t0 = time.perf_counter()
+    for node, fn in steps:
+        args, kwargs = _read(node.args, env), _read(node.kwargs, env)
+        with torch.set_grad_enabled(node.grad_enabled):
+            if node.autocast:
+                with torch.autocast(node.autocast[0], dtype=getattr(torch, node.autocast[1])):
+                    out = fn(*args, **kwargs)
+            else:
+                out = fn(*args, **kwargs)
+        _fill(node.outputs, out, env)
+    outs = [env[r.id] for r in _refs(graph.output) if r.id in env]
+    outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is not None]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _refs(obj):
+    if isinstance(obj, Ref):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _refs(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _refs(x)
+
+
+def _free_bytes(device: str) -> float:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return float(free)
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return math.inf
+
+
+def _graph_bytes(graph: IRGraph) -> float:
+    from .cost_model import nbytes
+    return sum(nbytes(v.shape, v.dtype) for v in graph.values.values() if v.is_tensor)
+
+
+def graph_seconds(graph: IRGraph, device: str = "cpu", repeats: int = 3) -> float:
+    """The fastest of at least `repeats` eager forward + backward runs of the whole graph (after
+    a warm-up; up to 10 while they take under a second in all). Raises ``RuntimeError`` with the reason when it cannot run."""
+    need = 2 * _graph_bytes(graph)  # every value and its gradient, an upper bound
+    if need > _MEMORY_SHARE * _free_bytes(device):
+        raise RuntimeError(f"the graph needs up to {need / 2 ** 30:.2f} GiB, more than "
+                           f"{_MEMORY_SHARE:.0%} of the free memory of {device}")
+    try:
+        steps = _program(graph)
+        times = []
+        while len(times) < repeats + 1 or (len(times) < 11 and sum(times) < 1.0):
+            times.append(_run_once(graph, steps, device))
+        return min(times[1:])  # the first run warms up
+    except _CannotRun as e:
+        raise RuntimeError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - any failure means: not calibrated
+        raise RuntimeError(f"{type(e).__name__}: {e}"[:200]) from None
+
+
+def calibration(graph: IRGraph, op_times: Dict[int, Tuple[float, float]], db: ProfileDB, device: str,
+                re_profile: bool = False) -> Tuple[float, Optional[str]]:
+    """(factor, why not calibrated or None): measured whole-graph seconds over the sum of the
+    profiled op times, cached in `db` under the graph's fingerprint."""
+    profiled = sum(f + b for f, b in op_times.values())
+    if profiled <= 0:
+        return 1.0, "no profiled ops"
+    key = f"__graph__:{graph.fingerprint()}"
+    entry = None if re_profile else db.entries.get(key)
+    if entry is None:
+        if profiled > _MAX_SECONDS:
+            entry = {"error": f"the profiled ops take {profiled:.1f} s, over {_MAX_SECONDS} s"}
+        else:
+            try:
+                entry = {"seconds": graph_seconds(graph, device)}
+            except RuntimeError as e:
+                entry = {"error": str(e)}
+        db.entries[key] = entry
+        db.dirty = True
+        db.save()
+    if "seconds" not in entry:
+        return 1.0, entry.get("error", "not measured")
+    factor = float(entry["seconds"]) / profiled
+    if not _BOUNDS[0] <= factor <= _BOUNDS[1]:
+        return 1.0, f"the whole graph took {factor:.2f}x its ops' sum, outside {_BOUNDS}"
+    return factor, None

@@ -1,0 +1,146 @@
+"""The measured parts of autodist's cost model: communication read off measured points, the
+sync skew, the whole-graph calibration of the ops' compute time, the optimizer's per-tensor
+cost, and ZeRO's priced extras (nnscaler.policies.autodist: comm_model, graph_timing,
+op_profile)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import gpt
+from nnscaler.ir import ComputeConfig, trace
+from nnscaler.policies import apply_policy
+from nnscaler.policies.autodist import AutodistConfig
+from nnscaler.policies.autodist.comm_model import CommModel, monotone_points
+from nnscaler.policies.autodist.graph_timing import calibration, graph_seconds
+from nnscaler.policies.autodist.op_profile import ProfileDB, optimizer_rate, optimizer_tensor_cost, profile_graph
+from nnscaler.policies.autodist.policy import _Search
+
+LINE = {c: {"2": [1e-4, 1e9]} for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+
+
+def gpt_graph(n_layer=2):
+    cfg = gpt.GPTConfig(n_layer=n_layer)
+    torch.manual_seed(0)
+    return trace(gpt.GPT(cfg), gpt.random_batch(0, 4, cfg))
+
+
+# -- communication from measured points ----------------------------------------------------------
+def test_times_are_read_off_the_measured_points():
+    pts = [[1e4, 1e-4], [1e6, 1e-3], [1e7, 2e-2]]
+    m = CommModel({"backend": "t", "collectives": {"p2p": {"2": [5e-5, 1e9, pts]}}})
+    assert m.wire_time("p2p", 1e4, 2) == pytest.approx(1e-4)
+    assert m.wire_time("p2p", 5.05e5, 2) == pytest.approx(5.5e-4)  # halfway between the first two points
+    assert m.wire_time("p2p", 1e3, 2) == pytest.approx(1e-4)  # below the smallest: its time
+    # beyond the largest: the last segment's slope
+    assert m.wire_time("p2p", 2e7, 2) == pytest.approx(2e-2 + 1e7 * (2e-2 - 1e-3) / 9e6)
+    assert m.latency("p2p", 2) == pytest.approx(1e-4) and m.latency("p2p", 1) == 0.0
+    assert m.time("p2p", 1e6, 1) == 0.0
+
+
+def test_a_line_profile_still_prices_as_a_line():
+    m = CommModel({"backend": "t", "collectives": LINE})
+    assert m.time("p2p", 1e6, 2) == pytest.approx(1e-4 + 1e6 / 1e9)
+    assert m.sync_wait(2) == 0.0  # not measured: none
+
+
+def test_a_small_message_slower_than_a_larger_one_is_noise():
+    assert monotone_points([[1e4, 3e-3], [1e5, 4e-4], [1e6, 1e-3]]) == [(1e4, 4e-4), (1e5, 4e-4), (1e6, 1e-3)]
+
+
+def test_sync_wait_of_the_nearest_measured_group_is_added_to_every_collective():
+    wait = {"2": 1e-3, "4": 2e-3}
+    m = CommModel({"backend": "t", "collectives": LINE, "sync_wait": wait})
+    assert m.sync_wait(2) == 1e-3 and m.sync_wait(3) == 2e-3 and m.sync_wait(8) == 2e-3 and m.sync_wait(1) == 0.0
+    plain = CommModel({"backend": "t", "collectives": LINE})
+    assert m.time("all_reduce", 1e6, 2) == pytest.approx(plain.time("all_reduce", 1e6, 2) + 1e-3)
+    assert m.latency("all_reduce", 2) == pytest.approx(plain.latency("all_reduce", 2) + 1e-3)
+
+
+def test_sync_wait_raises_the_estimate_of_a_plan_with_collectives(tmp_path, monkeypatch):
+    monkeypatch.setenv("NNSCALER_CACHE_DIR", str(tmp_path))
+    est = {}
+    for wait in (0.0, 1e-3):
+        prof = {"backend": "t", "collectives": LINE, "sync_wait": {"2": wait}}
+        cc = ComputeConfig(1, 2, pas_config={"_comm_profile": prof, "_profile_repeats": 1, "update_freq": 2})
+        est[wait] = apply_policy(gpt_graph(), cc, "autodist").autodist_plan.estimate
+    assert est[1e-3]["sync_wait_s"] == 1e-3 and est[0.0]["sync_wait_s"] == 0.0
+    assert est[1e-3]["time_s"] > est[0.0]["time_s"]
+
+
+# -- the whole-graph calibration -----------------------------------------------------------------
+def test_the_whole_graph_runs_and_calibrates_the_ops(tmp_path):
+    graph = gpt_graph()
+    seconds = graph_seconds(graph)
+    assert seconds > 0
+    db = ProfileDB(tmp_path / "p.json")
+    times, _ = profile_graph(graph, repeats=1, db_path=tmp_path / "p.json")
+    factor, why = calibration(graph, times, db, "cpu")
+    assert why is None and 0.5 <= factor <= 2.0
+    stored = json.loads((tmp_path / "p.json").read_text())["ops"]
+    key = f"__graph__:{graph.fingerprint()}"
+    assert stored[key]["seconds"] > 0
+    # cached: the stored time is used, not measured again
+    db.entries[key] = {"seconds": 1.5 * sum(f + b for f, b in times.values())}
+    assert calibration(graph, times, db, "cpu") == (pytest.approx(1.5), None)
+
+
+def test_a_factor_out_of_bounds_or_a_graph_that_cannot_run_is_not_calibrated(tmp_path):
+    graph = gpt_graph()
+    db = ProfileDB(tmp_path / "p.json")
+    times = {1: (1e-3, 1e-3)}
+    db.entries[f"__graph__:{graph.fingerprint()}"] = {"seconds": 1.0}
+    factor, why = calibration(graph, times, db, "cpu")
+    assert factor == 1.0 and "outside" in why
+    db.entries[f"__graph__:{graph.fingerprint()}"] = {"error": "a traced branch on a tensor's value"}
+    assert calibration(graph, times, db, "cpu") == (1.0, "a traced branch on a tensor's value")
+
+
+def test_a_graph_with_a_branch_on_a_value_cannot_run_whole():
+    graph = gpt_graph()
+    graph.nodes[3].branch = [graph.nodes[2].id, True]
+    with pytest.raises(RuntimeError, match="branch"):
+        graph_seconds(graph)
+
+
+def test_the_estimate_says_when_it_is_not_calibrated(tmp_path, monkeypatch):
+    monkeypatch.setenv("NNSCALER_CACHE_DIR", str(tmp_path))
+    graph = gpt_graph()
+    graph.nodes[3].branch = [graph.nodes[2].id, True]
+    cc = ComputeConfig(2, 2, pas_config={"_comm_profile": {"backend": "t", "collectives": LINE}, "_profile_repeats": 1})
+    est = apply_policy(graph, cc, "autodist").autodist_plan.estimate
+    assert est["compute_calibration"] == 1.0 and "branch" in est["not_calibrated"]
+
+
+# -- the optimizer and ZeRO ----------------------------------------------------------------------
+def test_the_optimizer_is_priced_per_element_and_per_tensor(tmp_path):
+    db = ProfileDB(tmp_path / "p.json")
+    per_tensor = optimizer_tensor_cost(db)
+    per_element = optimizer_rate(db)
+    assert per_tensor > 0 and per_element > 0
+    # a tensor's dozen kernel calls cost more than one element's update
+    assert per_tensor > 10 * per_element
+    assert optimizer_tensor_cost(ProfileDB(tmp_path / "p.json")) == per_tensor  # cached
+
+
+def _search(use_zero, tmp_path, monkeypatch):
+    monkeypatch.setenv("NNSCALER_CACHE_DIR", str(tmp_path))
+    cc = ComputeConfig(1, 4, use_zero=use_zero,
+                       pas_config={"_comm_profile": {"backend": "t", "collectives": LINE}, "_profile_repeats": 1})
+    s = _Search(gpt_graph(), AutodistConfig.from_compute_config(cc))
+    return s, s.problem(1, CommModel({"backend": "t", "collectives": LINE}))
+
+
+def test_zero_prices_its_gather_and_copies_and_divides_the_optimizer(tmp_path, monkeypatch):
+    s_dp, dp = _search(False, tmp_path, monkeypatch)
+    s_z, zero = _search(True, tmp_path, monkeypatch)
+    assert s_dp.copy_rate == 0.0 and s_z.copy_rate > 0
+    pick = [0] * len(dp.ops)
+    t_dp, m_dp = dp.evaluate(pick)
+    t_z, m_z = zero.evaluate(pick)
+    assert m_z < m_dp  # the optimizer state is sharded
+    # the same compute; ZeRO adds a gather per bucket (latency 1e-4 s here), so it is not free
+    assert t_z != t_dp
+    assert zero.const_time > dp.const_time
