@@ -21,8 +21,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from nnscaler.ir import IRGraph, Ref, resolve_target
-from nnscaler.ir.tracer.guards import GUARD_TARGET
+from nnscaler.ir import IRGraph, Ref, is_guard, resolve_target
 
 from .op_profile import ProfileDB, _make, _sync
 
@@ -70,7 +69,7 @@ def _program(graph: IRGraph) -> list:
     found: Dict[str, object] = {}
     steps = []
     for node in graph.nodes:
-        if node.only_when is False or node.target == GUARD_TARGET:  # eval-only; a guard checks the traced data
+        if node.only_when is False or is_guard(node):  # eval-only; a guard checks the traced data
             continue
         if node.branch is not None:
             raise _CannotRun("a traced branch on a tensor's value")
