@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from nnscaler.ir import IRGraph, Ref, is_guard, resolve_target
+from nnscaler.ir import IRGraph, Ref, is_guard, iter_refs, resolve_target
 
 from .op_profile import ProfileDB, _make, _sync
 
@@ -102,23 +102,12 @@ def _run_once(graph: IRGraph, steps: list, device: str) -> float:
             else:
                 out = fn(*args, **kwargs)
         _fill(node.outputs, out, env)
-    outs = [env[r.id] for r in _refs(graph.output) if r.id in env]
+    outs = [env[r.id] for r in iter_refs(graph.output) if r.id in env]
     outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is not None]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     _sync(device)
     return time.perf_counter() - t0
-
-
-def _refs(obj):
-    if isinstance(obj, Ref):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _refs(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _refs(x)
 
 
 def _free_bytes(device: str) -> float:
