@@ -23,6 +23,7 @@ import torch
 
 from nnscaler.ir import IRGraph, Ref, is_guard, iter_refs, resolve_target
 
+from .int_values import substitute
 from .op_profile import ProfileDB, _make, _sync
 
 __all__ = ["graph_seconds", "calibration"]
@@ -49,19 +50,11 @@ def _fill(structure, obj, env: Dict[int, object]) -> None:
 
 
 def _read(obj, env: Dict[int, object]):
-    if isinstance(obj, Ref):
-        if obj.id not in env:
-            raise _CannotRun(f"value {obj.id} is not known")
-        return env[obj.id]
-    if isinstance(obj, list):
-        return [_read(x, env) for x in obj]
-    if isinstance(obj, tuple):
-        return tuple(_read(x, env) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _read(v, env) for k, v in obj.items()}
-    if isinstance(obj, slice):
-        return slice(_read(obj.start, env), _read(obj.stop, env), _read(obj.step, env))
-    return obj
+    """`obj` with every Ref replaced by its computed value (`int_values.substitute`)."""
+    out = substitute(obj, env)
+    for ref in iter_refs(out):
+        raise _CannotRun(f"value {ref.id} is not known")
+    return out
 
 
 def _program(graph: IRGraph) -> list:
