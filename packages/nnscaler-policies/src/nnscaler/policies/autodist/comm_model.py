@@ -1,7 +1,6 @@
 """Communication time per collective and group size, from measurements.
 
-A profile is ``{"backend": ..., "format": 3, "collectives": {name: {str(n): entry}}, "sync_wait":
-{str(n): seconds}}`` (the wait optional, added to every collective: `CommModel.sync_wait`) where an
+A profile is ``{"backend": ..., "format": 4, "collectives": {name: {str(n): entry}}}`` where an
 entry is ``[latency_s, bytes_per_s]`` (a straight line: ``latency + wire / bandwidth``) or
 ``[latency_s, bytes_per_s, [[wire, seconds], ...]]`` with the measured points. Bytes are the
 ring algorithm's wire bytes per rank (`nnscaler.ir.COST_MODELS["ring"]`). With points, a time
@@ -55,22 +54,13 @@ class CommModel:
             return monotone_points(entry[2])
         return None
 
-    def sync_wait(self, n: int) -> float:
-        """Seconds each collective over `n` ranks costs in a running program beyond its time
-        right after a barrier (`comm_profile._sync_wait`; 0 when not measured)."""
-        table = self.profile.get("sync_wait") or {}
-        if n <= 1 or not table:
-            return 0.0
-        best = min((int(k) for k in table), key=lambda s: (abs(s - n), -s))
-        return max(0.0, float(table[str(best)]))
-
     def latency(self, collective: str, n: int) -> float:
         """The fixed seconds of one `collective` over `n` ranks (0 for n <= 1): the smallest
         measured message's time, or the line's intercept."""
         if n <= 1:
             return 0.0
         pts = self._points(collective, n)
-        return (pts[0][1] if pts else float(self._entry(collective, n)[0])) + self.sync_wait(n)
+        return pts[0][1] if pts else float(self._entry(collective, n)[0])
 
     def wire_time(self, collective: str, wire: float, n: int) -> float:
         """Seconds of `wire` bytes per rank of `collective` over `n` ranks."""
@@ -96,4 +86,4 @@ class CommModel:
         if n <= 1 or full_nbytes <= 0:
             return 0.0
         wire = full_nbytes if collective == "p2p" else COST_MODELS["ring"](collective, full_nbytes, n)
-        return self.wire_time(collective, wire, n) + self.sync_wait(n)
+        return self.wire_time(collective, wire, n)

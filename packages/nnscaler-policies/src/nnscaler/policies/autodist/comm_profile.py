@@ -2,11 +2,10 @@
 
 `measured_comm_model(sizes, device)` returns a `CommModel` for groups of the given sizes, from
 ``<cache>/autodist/comm-<device>.json`` when it holds them, else by starting ``max(sizes)``
-local processes (gloo on CPU, NCCL on CUDA) that time each collective at five message sizes
-(16 KiB to 16 MiB) right after a barrier, and what a collective costs more inside a running
-program (`_sync_wait`); the model reads times off these points (`CommModel`), and a least-squares
-line ``latency + wire_bytes / bandwidth`` is kept beside them. The result is cached; ``re_profile``
-measures again (so does a cache from before the points were kept).
+local processes (gloo on CPU, NCCL on CUDA) that time what each collective adds to a running
+program at five message sizes, 16 KiB to 16 MiB (`_in_program`); the model reads times off these
+points (`CommModel`), and a least-squares line ``latency + wire_bytes / bandwidth`` is kept beside
+them. The result is cached; ``re_profile`` measures again (so does a cache of an older format).
 """
 from __future__ import annotations
 
@@ -28,11 +27,10 @@ from .op_profile import cache_dir, device_key
 __all__ = ["measured_comm_model", "measure"]
 
 _SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # full tensor bytes: latency- to bandwidth-bound
-_FORMAT = 3  # the cache keeps the measured points and the sync wait
-_WAIT_MATMULS = 16  # the work before each collective of the sync-wait chain (about 0.7 ms on one CPU core)
-_WAIT_CHAIN = 20
-_WAIT_REPEATS = 5
-_REPEATS = 10  # timed runs per size (after one warm-up); the median is fitted
+_FORMAT = 4  # the points are in-program costs (`_in_program`)
+_WORK_MATMULS = 16  # the work before each collective of a chain (about 0.7 ms on one CPU core)
+_CHAIN = 6  # collectives per timed chain
+_REPEATS = 5  # timed chains of each kind per size (after one warm-up)
 _JOB_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
              "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
 
@@ -56,62 +54,54 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes, out_dir: str)
             group = dist.new_group(list(range(n)))
             if rank >= n:
                 continue
+            work = torch.randn(128, 128, device=device)
             for coll in COLLECTIVES:
                 points = []
                 for full in _SIZES:
                     elems = max(n, full // 4 // n * n)
                     x = torch.ones(elems, device=device)
-                    times = []
-                    for i in range(_REPEATS + 1):
-                        dist.barrier(group=group)
-                        t = time.perf_counter()
-                        _run(dist, coll, x, n, rank, group)
-                        if backend == "nccl":
-                            torch.cuda.synchronize()
-                        if i:
-                            times.append(time.perf_counter() - t)
+                    seconds = _in_program(dist, coll, x, n, rank, group, work, backend)
                     wire = elems * 4 if coll == "p2p" else COST_MODELS["ring"](coll, elems * 4, n)
-                    points.append((wire, statistics.median(times)))
+                    points.append((wire, seconds))
                 result.setdefault(coll, {})[str(n)] = [*_fit(points), [list(p) for p in points]]
-            wait = _sync_wait(dist, device, group, n, backend)
         if rank == 0:
-            Path(out_dir, "comm.json").write_text(json.dumps({"collectives": result, "sync_wait": {str(world): wait}}))
+            Path(out_dir, "comm.json").write_text(json.dumps({"collectives": result}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _sync_wait(dist, device: str, group, n: int, backend: str) -> float:
-    """Seconds a collective costs in a running program beyond its time measured right after a
-    barrier: ranks arrive at it apart and a rank that waited has to be woken. Timed as a chain
-    of (a short work, a tiny all-reduce) against the same work alone and the tiny all-reduce
-    alone; the ranks' mean. On 2 CPU cores: about 1.5 ms per collective with 2 ranks, while a
-    tiny all-reduce right after a barrier takes 0.3 ms."""
-    a = torch.randn(128, 128, device=device)
-    tiny = torch.ones(n, device=device)
-
-    def chain(work: bool, reduce: bool) -> float:
+def _in_program(dist, coll: str, x, n: int, rank: int, group, work, backend: str) -> float:
+    """Seconds one `coll` on `x` adds to a running program: a chain of (a short work, the
+    collective) timed against the same work alone, the medians' difference, and at least the
+    fastest chain of the collective alone. Right after a barrier a collective is cheaper than in
+    a program: there the ranks arrive apart, a rank that waited has to be woken, and on an
+    oversubscribed CPU the others' work takes its core (2 cores: a 16 KiB all-gather over 2
+    ranks, 0.2 ms after a barrier, 0.8 ms in a chain)."""
+    def chain(with_work: bool, with_coll: bool) -> float:
         dist.barrier(group=group)
         t = time.perf_counter()
-        for _ in range(_WAIT_CHAIN):
-            if work:
-                for _ in range(_WAIT_MATMULS):
-                    a @ a
-                if backend == "nccl":
-                    torch.cuda.synchronize()
-            if reduce:
-                dist.all_reduce(tiny, group=group)
-                if backend == "nccl":
-                    torch.cuda.synchronize()
-        return (time.perf_counter() - t) / _WAIT_CHAIN
+        for _ in range(_CHAIN):
+            if with_work:
+                for _ in range(_WORK_MATMULS):
+                    work @ work
+            if with_coll:
+                _run(dist, coll, x, n, rank, group)
+            if backend == "nccl":
+                torch.cuda.synchronize()
+        return (time.perf_counter() - t) / _CHAIN
 
     chain(True, True)  # warm-up
-    both = statistics.median(chain(True, True) for _ in range(_WAIT_REPEATS))
-    work = statistics.median(chain(True, False) for _ in range(_WAIT_REPEATS))
-    alone = statistics.median(chain(False, True) for _ in range(_WAIT_REPEATS))
-    mine = torch.tensor([both - work - alone], dtype=torch.float64, device=device)
-    dist.all_reduce(mine, group=group)
-    return max(0.0, float(mine.cpu()) / n)
+    both, alone, bare = [], [], []
+    for _ in range(_REPEATS):
+        both.append(chain(True, True))
+        alone.append(chain(True, False))
+        bare.append(chain(False, True))
+    mine = torch.tensor([statistics.median(both) - statistics.median(alone), min(bare)], dtype=torch.float64,
+                        device=x.device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)  # the program goes at the slowest rank's pace
+    cost, floor = (float(v) for v in mine.cpu())
+    return max(cost, floor)
 
 
 def _fit(points):
@@ -163,13 +153,11 @@ def measure(sizes: Iterable[int], device: str = "cpu", timeout: float = 300.0) -
     sizes = sorted({int(s) for s in sizes if s > 1})
     backend = "nccl" if device.startswith("cuda") else "gloo"
     collectives: Dict[str, Dict[str, list]] = {}
-    wait: Dict[str, float] = {}
     for n in sizes:
         got = _measure_world(n, backend, timeout)
         for coll, table in got["collectives"].items():
             collectives.setdefault(coll, {}).update(table)
-        wait.update(got["sync_wait"])
-    return {"backend": backend, "format": _FORMAT, "collectives": collectives, "sync_wait": wait}
+    return {"backend": backend, "format": _FORMAT, "collectives": collectives}
 
 
 def _measure_world(world: int, backend: str, timeout: float) -> dict:
@@ -225,8 +213,7 @@ def measured_comm_model(sizes: Iterable[int], device: str = "cpu", re_profile: b
         merged = cached.get("collectives", {}) if cached else {}
         for coll, table in fresh["collectives"].items():
             merged.setdefault(coll, {}).update(table)
-        wait = {**cached.get("sync_wait", {}), **fresh["sync_wait"]}
-        cached = {"backend": fresh["backend"], "format": _FORMAT, "collectives": merged, "sync_wait": wait}
+        cached = {"backend": fresh["backend"], "format": _FORMAT, "collectives": merged}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(cached, sort_keys=True).encode())
     return CommModel(cached)

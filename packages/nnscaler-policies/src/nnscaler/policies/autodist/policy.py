@@ -194,7 +194,7 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
     mem = (max(cut.stage_mem) if cut is not None else sol.mem) + transient
     estimate = {"time_s": step, "mem_bytes": mem, "transient_bytes": transient, "search_s": time.perf_counter() - start,
                 "solver_s": sol.seconds, "profiled_ops": s.db.misses, "cached_ops": s.db.hits, "compute_scale": s.scale,
-                "compute_calibration": s.calibration, "sync_wait_s": comm.sync_wait(cfg.runtime_ngpus)}
+                "compute_calibration": s.calibration}
     if s.uncalibrated:
         estimate["not_calibrated"] = s.uncalibrated
     if limit is not None:
