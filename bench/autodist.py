@@ -135,8 +135,10 @@ def trace_graph(mc: dict, plan: int, R: int, micro: int):
     return trace(build_model(mc), make_batch(mc, 0, per_unit), constant_folding=False, trace_strategy="cpu")
 
 
-def autodist_pas(M: int, limit_gb=None, pivot=None) -> dict:
+def autodist_pas(M: int, limit_gb=None, pivot=None, constraints=None) -> dict:
     pas = {"update_freq": M}
+    if constraints:
+        pas["partition_constraints_path"] = constraints
     if limit_gb is not None:
         pas["mem_constraint"] = limit_gb
     if pivot:
@@ -310,7 +312,6 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
     out["no_plan_errors_spmd"] = {str(p): e for p, e in least.items()}
     least_bytes = min(_parse_needs(e) for e in least.values())
     out["least_spmd_mem_bytes"] = least_bytes
-    pipe_limit = 0.9 * least_bytes / GB
     searches = {}
     # (b): 70 % of dp's estimate; where autodist finds nothing that small, 80 / 90 % (recorded)
     fractions = [0.7, 0.8, 0.9]
@@ -319,12 +320,9 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
         if _candidates(mc, R, micro, M, limits["no_dp"], None)[1] is not None:
             break
     out["no_dp_fraction_of_dp_estimate"] = frac
-    for lim_name, lim in list(limits.items()) + [("pipeline", pipe_limit)]:
-        cands, pick = _candidates(mc, R, micro, M, lim, PIVOT[name] if lim_name == "pipeline" else None)
+    for lim_name, lim in limits.items():
+        cands, pick = _candidates(mc, R, micro, M, lim, None)
         searches[lim_name] = {"limit_gb": lim, "candidates": cands, "pick": pick}
-    if searches["pipeline"]["pick"] is None or not searches["pipeline"]["pick"]["pipeline"]:
-        searches["pipeline"]["skipped"] = ("no pipeline plan fits 90 % of the least SPMD memory in autodist's cost model"
-                                           if searches["pipeline"]["pick"] is None else "the pick is not a pipeline")
     # the pipeline's own least memory (for the record): pipeline_nstages R, no limit
     rec, _ = search_here(mc, R, R, micro, dict(autodist_pas(M, None, PIVOT[name]), pipeline_nstages=R))
     out["pipeline_nstages_R_estimate"] = rec.estimate if rec is not None else None
@@ -335,6 +333,18 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
                            "unexpected_plan": rec.estimate if rec is not None else None}
     # the variants to run
     variants = baseline_plans(name, R, M)
+    _add_picks(variants, searches)
+    runs, meta = _measure(args, mc, R, variants, M, micro)
+    out.update(meta)
+    out["runs"] = runs
+    # per limit: autodist against the best that fits
+    out["limits"] = {lim_name: _limit_entry(srch, runs) for lim_name, srch in searches.items()}
+    out["dp_estimate"] = dp_est
+    return out
+
+
+def _add_picks(variants: list, searches: dict) -> None:
+    """autodist's pick of each limit as a variant to run (one run per distinct plan)."""
     seen = {}
     for lim_name, s in searches.items():
         pick = s["pick"]
@@ -347,6 +357,50 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
             variants.append(dict(label=label, policy="autodist", plan=pick["plan_ngpus"], pas=pick["pas"],
                                  zero=pick["use_zero"]))
         s["label"] = seen[sig]
+
+
+def pipeline_case(args, name: str, R: int) -> dict:
+    """(c) A limit that needs a pipeline. The user forbids splitting any op (constraints file:
+    every op ``replicate: true``, e.g. no tensor parallelism over a slow link), on a model whose
+    weights outweigh its activations (`--pipe-embd`, `--pipe-seq`, one sequence per rank per
+    micro-batch, `--pipe-nmicros`). Limit: 90 % of the least memory autodist finds without a
+    pipeline under that constraint (dp, dp + ZeRO, any plan_ngpus); pipelines searched at the
+    block class. autodist's pick runs against the plans that obey the constraint (dp, zero,
+    pp R, at R = 4 pp2-dp2), and the best of those that fit."""
+    mc = dict(model_config(args, name), embd=args.pipe_embd, seq=args.pipe_seq, ffn=4 * args.pipe_embd)
+    M, micro = args.pipe_nmicros, R
+    torch.set_num_threads(_common.threads_per_rank(R))
+    GB = 1024 ** 3
+    out = {"model": mc, "ranks": R, "nmicros": M, "micro_batch": micro,
+           "params": sum(p.numel() for p in build_model(mc).parameters())}
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = os.path.join(tmp, "no_op_split.yaml")
+        with open(constraints, "w") as f:
+            f.write('- op: "*"\n  replicate: true\n')
+        out["constraints"] = [{"op": "*", "replicate": True}]
+        least = []
+        for p in divisors(R):
+            for zero in ([False, True] if R // p > 1 else [False]):
+                rec, err = search_here(mc, p, R, micro, autodist_pas(M, 1e-6, None, constraints), zero)
+                least.append(_parse_needs(err))
+        out["least_spmd_mem_bytes"] = min(least)
+        lim = 0.9 * min(least) / GB
+        cands, pick = _candidates(mc, R, micro, M, lim, PIVOT[name], constraints)
+        searches = {"pipeline": {"limit_gb": lim, "candidates": cands, "pick": pick}}
+        if pick is None or not pick["pipeline"]:
+            searches["pipeline"]["skipped"] = "autodist found no plan" if pick is None else "the pick is not a pipeline"
+        variants = [v for v in baseline_plans(name, R, M) if v["label"] in ("dp", "zero", f"pp{R}", "pp2-dp2")]
+        _add_picks(variants, searches)
+        runs, meta = _measure(args, mc, R, variants, M, micro)
+    out.update(meta)
+    out["runs"] = runs
+    out["limits"] = {"pipeline": _limit_entry(searches["pipeline"], runs,
+                                              admissible={v["label"] for v in variants})}
+    return out
+
+
+def _measure(args, mc: dict, R: int, variants: list, M: int, micro: int):
+    """Every variant timed in R processes, then its peak memory in R fresh ones: (runs, meta)."""
     with tempfile.TemporaryDirectory() as tmp:
         args_d = {"nmicros": M, "micro_batch": micro, "warmup": args.warmup, "rounds": args.rounds, "phase": "time"}
         res, spawn_s = _common.spawn_gloo(_run, (mc, R, variants, args_d, os.path.join(tmp, "gen")), R,
@@ -361,9 +415,6 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
         for r, m in zip(res, res_mem):
             r["mem"] = m["mem"]
-    out["spawn_s"] = spawn_s
-    out["spawn_mem_s"] = mem_s
-    out["loadavg_workers_end"] = res[0].get("loadavg")
     runs = {}
     for v in variants:
         lab = v["label"]
@@ -384,56 +435,52 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
                      "parallelize_s": res[0]["info"][lab].get("parallelize_s")}
         if v["policy"] == "autodist":
             runs[lab]["worker_estimate"] = res[0]["info"][lab].get("plan_estimate")
-    out["runs"] = runs
-    # per limit: autodist against the best that fits
-    results = {}
-    for lim_name, s in searches.items():
-        lim = s["limit_gb"]
-        entry = {"limit_gb": lim, "limit_bytes": None if lim is None else lim * GB}
-        if s.get("skipped") or s["pick"] is None:
-            entry["skipped"] = s.get("skipped") or "autodist found no plan"
-            entry["candidates"] = s["candidates"]
-            results[lim_name] = entry
-            continue
-        lab = s["label"]
-        run = runs.get(lab, {})
-        fits = {k: r["step_s_median"] for k, r in runs.items()
-                if "step_s_median" in r and r["policy"] != "autodist"
-                and (lim is None or r["peak_bytes_max"] <= lim * GB)}
-        fits_all = dict(fits)
-        if "step_s_median" in run and (lim is None or run["peak_bytes_max"] <= lim * GB):
-            fits_all[lab] = run["step_s_median"]
-        best = min(fits, key=fits.get) if fits else None
-        fits_min = {k: min(runs[k]["step_s_rounds"]) for k in fits}
-        best_min = min(fits_min, key=fits_min.get) if fits_min else None
-        est = s["pick"]["estimate"]
-        entry.update({
-            "autodist_label": lab, "autodist_plan_ngpus": s["pick"]["plan_ngpus"],
-            "autodist_use_zero": s["pick"]["use_zero"], "autodist_pipeline": s["pick"]["pipeline"],
-            "autodist_measured_step_s": run.get("step_s_median"), "autodist_measured_peak_bytes": run.get("peak_bytes_max"),
-            "autodist_fits_measured": lim is None or run.get("peak_bytes_max", math.inf) <= lim * GB,
-            "fitting_baselines": sorted(fits), "best_baseline": best,
-            "best_baseline_step_s": fits.get(best),
-            "ratio_autodist_over_best": (run["step_s_median"] / fits[best]) if best and "step_s_median" in run else None,
-            "only_autodist_fits": not fits and "step_s_median" in run and (lim is None or run["peak_bytes_max"] <= lim * GB),
-            "best_baseline_by_min": best_min,
-            "ratio_min_over_min": (min(run["step_s_rounds"]) / fits_min[best_min]) if best_min and "step_s_rounds" in run
-            else None,
-            "baseline_peak_bytes": {k: r.get("peak_bytes_max") for k, r in runs.items() if r["policy"] != "autodist"},
-            "estimated_step_s": est["time_s"], "estimated_mem_bytes": est["mem_bytes"],
-            "estimated_over_measured_step": est["time_s"] / run["step_s_median"] if "step_s_median" in run else None,
-            "measured_cpu_s": run.get("cpu_s_median"), "on_cpu_share": run.get("on_cpu_share"),
-            "estimated_over_measured_cpu": est["time_s"] / est.get("compute_scale", 1.0) / run["cpu_s_median"]
-            if run.get("cpu_s_median") else None,
-            "estimated_over_measured_mem": est["mem_bytes"] / run["peak_bytes_max"] if "peak_bytes_max" in run else None,
-            "estimate_breakdown": s["pick"]["breakdown"],
-            "measured_train_step_s": run.get("train_step_s_mean"), "measured_optimizer_s": run.get("optimizer_s_mean"),
-            "worker_found_same_estimate": (run.get("worker_estimate") or {}).get("time_s") == est["time_s"],
-            "candidates": s["candidates"]})
-        results[lim_name] = entry
-    out["limits"] = results
-    out["dp_estimate"] = dp_est
-    return out
+    return runs, {"spawn_s": spawn_s, "spawn_mem_s": mem_s, "loadavg_workers_end": res[0].get("loadavg")}
+
+
+def _limit_entry(s: dict, runs: dict, admissible=None) -> dict:
+    """autodist's pick under one limit against the measured runs that fit it (`admissible`: the
+    baselines allowed to compete, default all)."""
+    GB = 1024 ** 3
+    lim = s["limit_gb"]
+    entry = {"limit_gb": lim, "limit_bytes": None if lim is None else lim * GB}
+    if s.get("skipped") or s["pick"] is None:
+        entry["skipped"] = s.get("skipped") or "autodist found no plan"
+        entry["candidates"] = s["candidates"]
+        return entry
+    lab = s["label"]
+    run = runs.get(lab, {})
+    fits = {k: r["step_s_median"] for k, r in runs.items()
+            if "step_s_median" in r and r["policy"] != "autodist" and (admissible is None or k in admissible)
+            and (lim is None or r["peak_bytes_max"] <= lim * GB)}
+    best = min(fits, key=fits.get) if fits else None
+    fits_min = {k: min(runs[k]["step_s_rounds"]) for k in fits}
+    best_min = min(fits_min, key=fits_min.get) if fits_min else None
+    est = s["pick"]["estimate"]
+    entry.update({
+        "autodist_label": lab, "autodist_plan_ngpus": s["pick"]["plan_ngpus"],
+        "autodist_use_zero": s["pick"]["use_zero"], "autodist_pipeline": s["pick"]["pipeline"],
+        "autodist_measured_step_s": run.get("step_s_median"), "autodist_measured_peak_bytes": run.get("peak_bytes_max"),
+        "autodist_fits_measured": lim is None or run.get("peak_bytes_max", math.inf) <= lim * GB,
+        "fitting_baselines": sorted(fits), "best_baseline": best,
+        "best_baseline_step_s": fits.get(best),
+        "ratio_autodist_over_best": (run["step_s_median"] / fits[best]) if best and "step_s_median" in run else None,
+        "only_autodist_fits": not fits and "step_s_median" in run and (lim is None or run["peak_bytes_max"] <= lim * GB),
+        "best_baseline_by_min": best_min,
+        "ratio_min_over_min": (min(run["step_s_rounds"]) / fits_min[best_min]) if best_min and "step_s_rounds" in run
+        else None,
+        "baseline_peak_bytes": {k: r.get("peak_bytes_max") for k, r in runs.items() if r["policy"] != "autodist"},
+        "estimated_step_s": est["time_s"], "estimated_mem_bytes": est["mem_bytes"],
+        "estimated_over_measured_step": est["time_s"] / run["step_s_median"] if "step_s_median" in run else None,
+        "measured_cpu_s": run.get("cpu_s_median"), "on_cpu_share": run.get("on_cpu_share"),
+        "estimated_over_measured_cpu": est["time_s"] / est.get("compute_scale", 1.0) / run["cpu_s_median"]
+        if run.get("cpu_s_median") else None,
+        "estimated_over_measured_mem": est["mem_bytes"] / run["peak_bytes_max"] if "peak_bytes_max" in run else None,
+        "estimate_breakdown": s["pick"]["breakdown"],
+        "measured_train_step_s": run.get("train_step_s_mean"), "measured_optimizer_s": run.get("optimizer_s_mean"),
+        "worker_found_same_estimate": (run.get("worker_estimate") or {}).get("time_s") == est["time_s"],
+        "candidates": s["candidates"]})
+    return entry
 
 
 def compute_check(mc: dict, per_rank: int, M: int, profiled_s: float, calibrated_s: float, steps: int = 8) -> dict:
@@ -455,19 +502,20 @@ def compute_check(mc: dict, per_rank: int, M: int, profiled_s: float, calibrated
             "calibrated_over_eager": calibrated_s / eager, "loadavg": _common.loadavg()}
 
 
-def _candidates(mc, R, micro, M, lim, pivot):
+def _candidates(mc, R, micro, M, lim, pivot, constraints=None):
     """autodist at plan_ngpus 1, 2, R (with and without ZeRO where dp > 1) under `lim` GB:
     every search, and the one of least estimated step time (None when none fits)."""
     cands = []
     for p in divisors(R):
         for zero in ([False, True] if R // p > 1 else [False]):
-            rec, extra = search_here(mc, p, R, micro, autodist_pas(M, lim, pivot), zero)
+            pas = autodist_pas(M, lim, pivot, constraints)
+            rec, extra = search_here(mc, p, R, micro, pas, zero)
             if rec is None:
                 cands.append({"plan_ngpus": p, "use_zero": zero, "error": extra})
             else:
                 cands.append({"plan_ngpus": p, "use_zero": zero, "estimate": rec.estimate, "pipeline": rec.pipeline,
                               "method": rec.method, "breakdown": extra,
-                              "signature": plan_signature(rec) + str(zero), "pas": autodist_pas(M, lim, pivot)})
+                              "signature": plan_signature(rec) + str(zero), "pas": pas})
     ok = [c for c in cands if "estimate" in c]
     if not ok:
         return cands, None
@@ -546,6 +594,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch (global)")
     p.add_argument("--nmicros", type=int, default=2, help="micro-batches per step (update_freq)")
+    p.add_argument("--pipe-embd", type=int, default=256, help="(c) the pipeline case's width")
+    p.add_argument("--pipe-seq", type=int, default=16, help="(c) the pipeline case's sequence length")
+    p.add_argument("--pipe-nmicros", type=int, default=4, help="(c) the pipeline case's micro-batches per step")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--depths", nargs="*", type=int, default=[4, 8, 16, 32, 64])
@@ -583,6 +634,14 @@ def main() -> None:
             res["seconds"] = time.perf_counter() - t
             data["plan_quality"].append(res)
             _print_case(res)
+            t = time.perf_counter()
+            try:
+                res = pipeline_case(args, name, R)
+            except Exception:  # noqa: BLE001 - keep the other cases
+                res = {"model": name, "ranks": R, "error": traceback.format_exc()[-3000:]}
+            res["seconds"] = time.perf_counter() - t
+            data.setdefault("pipeline_case", []).append(res)
+            _print_case(res)
     # 3. search time against depth
     if args.depths:
         data["search_depth"] = search_depth(args)
@@ -599,6 +658,7 @@ def _mb(b):
 
 def _print_case(res: dict) -> None:
     head = f"\n== {res['model'] if isinstance(res['model'], str) else res['model']['name']}, {res['ranks']} ranks"
+    head += " (c: pipeline case, no op split)" if "constraints" in res else ""
     print(head + f" ({res.get('seconds', 0):.0f} s)")
     if "error" in res:
         print(res["error"])
@@ -627,6 +687,8 @@ def _print_case(res: dict) -> None:
                      f(e["estimated_over_measured_mem"], "{:.2f}")])
     print(_common.table(["limit", "MiB", "autodist plan", "ms", "best that fits (ms)", "ratio", "min/min", "est/meas t", "est/cpu t",
                          "est/meas mem"], rows))
+    if "compute_model_check" not in res:  # the pipeline case
+        return
     c = res["compute_model_check"]
     print(f"compute model: profiled ops {c['profiled_ops_sum_s'] * 1e3:.1f} ms vs eager fwd+bwd {c['eager_fwd_bwd_median_s'] * 1e3:.1f} ms "
           f"(min {c['eager_fwd_bwd_min_s'] * 1e3:.1f}) -> {c['profiled_over_eager']:.2f}; load {c['loadavg']}")

@@ -49,6 +49,10 @@ import tempfile  # noqa: E402
 _CACHE = tempfile.mkdtemp(prefix="nnscaler-test-cache-")
 os.environ["NNSCALER_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
+# autodist measures how the job's processes share the CPU by forking peers that run the model
+# (nnscaler.policies.autodist.cpu_sharing): the fast tier starts no process, so the suite uses the
+# plain division of the cores; tests/policies/test_autodist_cpu_sharing.py measures for real.
+os.environ["NNSCALER_AUTODIST_CPU_SHARING"] = "plain"
 
 PROCESS_GRACE_S = 10.0  # how long a test's processes get to exit once the test is over
 # multiprocessing's own per-interpreter helpers: started once, on first use, and kept for the

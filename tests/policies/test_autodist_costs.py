@@ -14,7 +14,7 @@ from nnscaler.ir import ComputeConfig, trace
 from nnscaler.policies import apply_policy
 from nnscaler.policies.autodist import AutodistConfig
 from nnscaler.policies.autodist.comm_model import CommModel, monotone_points
-from nnscaler.policies.autodist.graph_timing import calibration, graph_seconds
+from nnscaler.policies.autodist.graph_timing import calibration, calibration_key, graph_seconds
 from nnscaler.policies.autodist.op_profile import ProfileDB, optimizer_rate, optimizer_tensor_cost, profile_graph
 from nnscaler.policies.autodist.policy import _Search
 
@@ -84,7 +84,7 @@ def test_the_whole_graph_runs_and_calibrates_the_ops(tmp_path):
     factor, why = calibration(graph, times, db, "cpu")
     assert why is None and 0.5 <= factor <= 2.0
     stored = json.loads((tmp_path / "p.json").read_text())["ops"]
-    key = f"__graph__:{graph.fingerprint()}"
+    key = calibration_key(graph)
     assert stored[key]["seconds"] > 0
     # cached: the stored time is used, not measured again
     db.entries[key] = {"seconds": 1.5 * sum(f + b for f, b in times.values())}
@@ -95,10 +95,10 @@ def test_a_factor_out_of_bounds_or_a_graph_that_cannot_run_is_not_calibrated(tmp
     graph = gpt_graph()
     db = ProfileDB(tmp_path / "p.json")
     times = {1: (1e-3, 1e-3)}
-    db.entries[f"__graph__:{graph.fingerprint()}"] = {"seconds": 1.0}
+    db.entries[calibration_key(graph)] = {"seconds": 1.0}
     factor, why = calibration(graph, times, db, "cpu")
     assert factor == 1.0 and "outside" in why
-    db.entries[f"__graph__:{graph.fingerprint()}"] = {"error": "a traced branch on a tensor's value"}
+    db.entries[calibration_key(graph)] = {"error": "a traced branch on a tensor's value"}
     assert calibration(graph, times, db, "cpu") == (1.0, "a traced branch on a tensor's value")
 
 
@@ -127,6 +127,17 @@ def test_the_optimizer_is_priced_per_element_and_per_tensor(tmp_path):
     # a tensor's dozen kernel calls cost more than one element's update
     assert per_tensor > 10 * per_element
     assert optimizer_tensor_cost(ProfileDB(tmp_path / "p.json")) == per_tensor  # cached
+
+
+def test_the_optimizer_rate_is_measured_on_the_models_own_shapes(tmp_path):
+    db = ProfileDB(tmp_path / "p.json")
+    small = optimizer_rate(db, shapes=[(256, 64), (64,)] * 8)
+    default = optimizer_rate(db)
+    rates = [k for k in db.entries if k.startswith("__optimizer__:")]
+    assert len(rates) == 2 and small > 0 and default > 0  # one entry per set of shapes
+    assert optimizer_rate(ProfileDB(tmp_path / "p.json"), shapes=[(256, 64), (64,)] * 8) == small  # cached
+    # too large to measure on its own shapes: the default tensors' rate
+    assert optimizer_rate(db, shapes=[(1 << 25,)]) == default
 
 
 def _search(use_zero, tmp_path, monkeypatch):

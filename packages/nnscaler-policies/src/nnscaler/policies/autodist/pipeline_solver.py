@@ -5,9 +5,10 @@ schedule.
 For each stage count s (dividing plan_ngpus, ``tp = plan_ngpus // s <= max_partition_degree``)
 the SPMD solver plans every op on tp devices; the cut is then exact dynamic programming over the
 pivot starts minimising the slowest stage (its ops, the edges into them and the point-to-point
-messages at its boundary) under the memory limit, where stage k of s keeps the activations of
-``min(s - k, nmicros)`` micro-batches in flight (1f1b). Estimated step time:
-``(nmicros + s - 1) * slowest stage``, the 1f1b bubble included.
+messages at both its boundaries) under the memory limit, where stage k of s keeps the activations of
+``min(s - k, nmicros)`` micro-batches in flight (1f1b). Estimated step time: the 1f1b schedule
+played out with the stages' forward and backward times, the messages' latency between them and
+the local processes sharing the CPU (`pipeline_time`), the bubble included.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from nnscaler.ir import IRGraph
 
 from ..plan import tensor_inputs, tensor_outputs
 from .cost_model import Problem, nbytes
+from .pipeline_time import PipelineTiming
 from .spmd_solver import Solution
 
 __all__ = ["StagePlan", "cut_pipeline"]
@@ -50,20 +52,36 @@ def _per_node(graph: IRGraph, problem: Problem, sol: Solution):
     return t, pm, am
 
 
-def _boundary_bytes(graph: IRGraph, cut: int, tp: int) -> float:
-    """Bytes of the tensors produced before op `cut` and read at or after it (per device)."""
+def _boundary_tensors(graph: IRGraph, cut: int, tp: int) -> List[Tuple[float, bool]]:
+    """(bytes per device, needs a gradient) of each tensor produced before op `cut` and read at
+    or after it."""
     made = {}
     for node in graph.nodes[:cut]:
         for r in tensor_outputs(graph, node):
             made[r.id] = graph.value(r)
     crossing = {r.id for node in graph.nodes[cut:] for r in tensor_inputs(graph, node) if r.id in made}
-    return sum(nbytes(made[v].shape, made[v].dtype) for v in crossing) / max(1, tp)
+    return [(nbytes(made[v].shape, made[v].dtype) / max(1, tp), bool(made[v].requires_grad)) for v in sorted(crossing)]
+
+
+def _boundary_time(graph: IRGraph, cut: int, tp: int, p2p: Callable[[float], float]) -> Tuple[float, float]:
+    """Seconds of one micro-batch's messages across the boundary at `cut`, (forward, backward):
+    each tensor goes as a header and a payload (runtime.pipeline.p2p), and its gradient back
+    when it needs one."""
+    tensors = _boundary_tensors(graph, cut, tp)
+    fwd = sum(p2p(_HEADER_BYTES) + p2p(b) for b, _ in tensors)
+    bwd = sum(p2p(_HEADER_BYTES) + p2p(b) for b, grad in tensors if grad)
+    return fwd, bwd
+
+
+_HEADER_BYTES = 8 * 15  # runtime.pipeline.p2p.HEADER_LEN int64s
 
 
 def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, leads: Sequence[int], nmicros: int,
-                 mem_limit: Optional[float], p2p: Callable[[float], float]) -> Optional[StagePlan]:
+                 mem_limit: Optional[float], p2p: Callable[[float], float],
+                 timing: Optional[PipelineTiming] = None) -> Optional[StagePlan]:
     """The best cut of `graph` into `nstages` stages for the SPMD plan `sol` (on tp devices), or
-    None when no cut fits the memory limit."""
+    None when no cut fits the memory limit. The cut minimises the slowest stage; the step time
+    plays the schedule out (`pipeline_time`, with `timing`)."""
     tp = problem.n
     t, pm, am = _per_node(graph, problem, sol)
     n = len(graph.nodes)
@@ -75,12 +93,15 @@ def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, 
         pre_t.append(pre_t[-1] + t[i])
         pre_p.append(pre_p[-1] + pm[i])
         pre_a.append(pre_a[-1] + am[i])
-    comm = {c: 2 * p2p(_boundary_bytes(graph, c, tp)) for c in points[1:]}  # forward + backward message
+    messages = {c: _boundary_time(graph, c, tp, p2p) for c in points[1:]}
+    comm = {c: f + b for c, (f, b) in messages.items()}
     const_mem = problem.const_mem / max(1, nstages)
 
     def stage_cost(k: int, a: int, b: int) -> Tuple[float, float]:  # stage k covers points[a]..points[b]
         lo, hi = points[a], (points[b] if b < len(points) else n)
-        time_ = pre_t[hi] - pre_t[lo] + (comm.get(lo, 0.0))
+        # both ends of a boundary pay its messages: the sender's send is blocking (gloo) or
+        # launched on its stream (NCCL), as the receiver's receive
+        time_ = pre_t[hi] - pre_t[lo] + comm.get(lo, 0.0) + comm.get(hi, 0.0)
         mem = const_mem + pre_p[hi] - pre_p[lo] + (pre_a[hi] - pre_a[lo]) * min(nstages - k, nmicros)
         return time_, mem
 
@@ -113,4 +134,7 @@ def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, 
     bounds.reverse()
     times, mems = zip(*(stage_cost(k, a, b) for k, (a, b) in enumerate(bounds)))
     leads_out = [points[a] for a, _ in bounds[1:]]
-    return StagePlan(nstages, tp, leads_out, list(times), list(mems), (nmicros + nstages - 1) * max(times))
+    compute = [pre_t[points[b] if b < len(points) else n] - pre_t[points[a]] for a, b in bounds]  # messages apart
+    lat = [messages[c] for c in leads_out]
+    step = (timing or PipelineTiming()).seconds(compute, [f for f, _ in lat], [b for _, b in lat], nmicros)
+    return StagePlan(nstages, tp, leads_out, list(times), list(mems), step)

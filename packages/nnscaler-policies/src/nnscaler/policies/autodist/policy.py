@@ -20,11 +20,13 @@ from .comm_profile import measured_comm_model
 from .config import AutodistConfig
 from .constraints import load_constraints
 from .cost_model import Problem, build_problem
+from .cpu_sharing import cpu_scale, shared_cores
 from .graph_timing import calibration
 from .layers import tie_layers
 from .op_keys import op_keys
 from .op_profile import memory_bandwidth, optimizer_rate, optimizer_tensor_cost, profile_graph
 from .pipeline_solver import StagePlan, cut_pipeline
+from .pipeline_time import PipelineTiming
 from .plan_file import OpRecord, PlanRecord, load_plan, op_shapes, save_plan
 from .report import format_plan
 from .spmd_solver import NoPlanFits, Solution, size_text, solve
@@ -40,20 +42,10 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def compute_scale(cfg: AutodistConfig, device: str) -> float:
-    """How much slower an op runs in the job than when profiled: on CPU the ops are profiled in
-    one process with this process's threads, but the job runs its local processes (LOCAL_WORLD_SIZE,
-    else runtime_ngpus) at once on the same cores; with more threads than cores they share them
-    (e.g. 4 ranks on 2 cores: 2x). 1 on GPUs (a device each)."""
-    if not device.startswith("cpu"):
-        return 1.0
+def local_processes(cfg: AutodistConfig) -> int:
+    """The job's processes on this machine: LOCAL_WORLD_SIZE, else runtime_ngpus."""
     import os
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.runtime_ngpus)
-    return max(1.0, procs * torch.get_num_threads() / cores)
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.runtime_ngpus)
 
 
 def _transient(problem: Problem, pick: List[int], coef: float) -> float:
@@ -67,15 +59,26 @@ class _Search:
         self.device = _device()
         self.op_times, self.db = profile_graph(graph, device=self.device, re_profile=cfg.re_profile,
                                                repeats=cfg.profile_repeats)
-        self.scale = compute_scale(cfg, self.device)
         self.calibration, self.uncalibrated = calibration(graph, self.op_times, self.db, self.device, cfg.re_profile)
-        self.opt_rate = optimizer_rate(self.db, self.device, cfg.re_profile) * self.scale
+        # how much slower a rank runs beside the job's other local processes (CPU; 1 on GPUs)
+        self.procs, self.threads = local_processes(cfg), torch.get_num_threads()
+        self.scale, self.scale_note = cpu_scale(graph, self.db, self.device, self.procs, self.threads, cfg.re_profile)
+        shapes = [graph.value(spec.value).shape or () for spec in graph.tensor_specs() if spec.requires_grad]
+        self.opt_rate = optimizer_rate(self.db, self.device, cfg.re_profile, shapes) * self.scale
         self.opt_tensor = optimizer_tensor_cost(self.db, self.device, cfg.re_profile) * self.scale
         self.copy_rate = 2 / memory_bandwidth(self.device) * self.scale if cfg.use_zero else 0.0
         factor = self.scale * self.calibration
         if factor != 1.0:
             self.op_times = {k: (f * factor, b * factor) for k, (f, b) in self.op_times.items()}
         self.problems: Dict[int, Problem] = {}
+
+    def pipeline_timing(self) -> PipelineTiming:
+        fwd = sum(f for f, _ in self.op_times.values())
+        total = fwd + sum(b for _, b in self.op_times.values())
+        return PipelineTiming(fwd_share=fwd / total if total > 0 else 1 / 3, scale=self.scale,
+                              threads=self.procs * self.threads,
+                              cores=shared_cores() if self.device.startswith("cpu") else None,
+                              scheduler=self.cfg.pipeline_scheduler)
 
     def problem(self, tp: int, comm) -> Problem:
         if tp not in self.problems:
@@ -121,7 +124,7 @@ def _pipeline(s: "_Search", graph: IRGraph, problem: Problem, k: int, leads, lim
             sol = s.spmd(problem, budget)
         except NoPlanFits:
             break
-        cut = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, limit, p2p)
+        cut = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, limit, p2p, s.pipeline_timing())
         if cut is not None:
             return sol, cut, max(cut.stage_mem)
         free = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, None, p2p)
@@ -197,6 +200,8 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
                 "compute_calibration": s.calibration}
     if s.uncalibrated:
         estimate["not_calibrated"] = s.uncalibrated
+    if s.scale_note:
+        estimate["cpu_scale_note"] = s.scale_note
     if limit is not None:
         estimate["mem_limit_bytes"] = limit
     pipeline = None if cut is None else {"nstages": k, "tp_size": cut.tp_size, "nmicros": cfg.nmicros,

@@ -47,8 +47,9 @@ from ..errors import NnScalerError
 from ..gradients import scaled_loss
 from ..precision.casting import autocast, cast_inputs, cast_outputs, get_precision
 from ..reducer import sync_grad_when
+from .finals import broadcast_finals
 from .inbox import OrderedInbox, acks_between, sends_between
-from .p2p import HEADER_LEN, Mailbox, PeerFailure, empty_from_header, tensor_header
+from .p2p import Mailbox, PeerFailure
 
 __all__ = ["PipelineExecutor"]
 
@@ -176,9 +177,9 @@ class PipelineExecutor:
         if sync:  # inside the user's sync_grad_when(False) the gradients stay local
             self.module.pipeline_grads.sync()
         outputs = []
+        finals = self._broadcast_finals()
         for m in range(self.nmicros):
-            vals = self._broadcast_final(m)
-            out = self.module._pipeline_output(vals)
+            out = self.module._pipeline_output(finals[m])
             if self.precision is not None:
                 out = cast_outputs(out, self.precision)
             outputs.append(map_tensors(out, torch.Tensor.detach) if training else out)
@@ -310,31 +311,17 @@ class PipelineExecutor:
                                          ("B", vid, s, m))
 
     # -- outputs ------------------------------------------------------------------------------
-    def _broadcast_final(self, m: int) -> Dict[int, Any]:
-        """The forward's output values of micro-batch `m`, the same on every rank of the unit."""
+    def _broadcast_finals(self) -> List[Dict[int, Any]]:
+        """Per micro-batch, the forward's output values, the same on every rank of the unit
+        (finals.py: two broadcasts per source rank for the whole step)."""
         grid = self.module.grid
-        vals = {}
-        for vid in self.final:
-            stage = self.meta.producer[vid]
-            src = self.unit_start + self.schedule.device_of(stage, m) * self.tp  # local index 0
-            mine = self._final[m].get(vid)
-            if grid.plan_ngpus == 1 or not dist.is_initialized():
-                vals[vid] = mine
-                continue
-            if self.meta.is_int(vid):
-                buf = torch.tensor([mine if mine is not None else 0], dtype=torch.int64, device=self.module.device)
-                dist.broadcast(buf, src=src, group=grid.unit_group)
-                vals[vid] = int(buf.item())
-                continue
-            header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.module.device)
-            if grid.rank == src:
-                header.copy_(tensor_header(mine.detach()).to(header.device))
-            dist.broadcast(header, src=src, group=grid.unit_group)
-            buf = (mine.detach().contiguous() if grid.rank == src
-                   else empty_from_header(header, self.module.device).requires_grad_(False))
-            dist.broadcast(buf, src=src, group=grid.unit_group)
-            vals[vid] = buf
-        return vals
+        if grid.plan_ngpus == 1 or not dist.is_initialized():
+            return [{vid: self._final[m].get(vid) for vid in self.final} for m in range(self.nmicros)]
+        items = [(m, vid, self.unit_start + self.schedule.device_of(self.meta.producer[vid], m) * self.tp,
+                  self.meta.is_int(vid)) for m in range(self.nmicros) for vid in self.final]
+        got = broadcast_finals(items, lambda m, vid: self._final[m][vid], grid.rank, grid.unit_group,
+                               self.module.device)
+        return [{vid: got[(m, vid)] for vid in self.final} for m in range(self.nmicros)]
 
 
 class _SavedBytes:

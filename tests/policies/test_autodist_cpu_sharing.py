@@ -1,0 +1,49 @@
+"""How much slower a rank runs beside the job's other local processes on a CPU
+(nnscaler.policies.autodist.cpu_sharing): measured with forked peers running the traced graph,
+cached; the plain division of the cores when asked not to measure."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpt
+from nnscaler.ir import trace
+from nnscaler.policies.autodist.cpu_sharing import ENV, cpu_scale, shared_cores
+from nnscaler.policies.autodist.op_profile import ProfileDB
+
+
+def _graph():
+    cfg = gpt.GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=128)
+    torch.manual_seed(0)
+    return trace(gpt.GPT(cfg), gpt.random_batch(0, 2, cfg))
+
+
+def test_plain_division_when_asked_not_to_measure(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, "plain")
+    db = ProfileDB(tmp_path / "p.json")
+    scale, note = cpu_scale(_graph(), db, "cpu", procs=4 * shared_cores(), threads=1)
+    assert scale == pytest.approx(4.0) and ENV in note
+    assert not db.entries  # nothing measured, nothing stored
+    assert cpu_scale(_graph(), db, "cpu", procs=1, threads=1) == (1.0, None)
+    assert cpu_scale(_graph(), db, "cuda", procs=8, threads=1) == (1.0, None)
+
+
+@pytest.mark.multiprocess  # forks peers
+def test_measured_with_peers_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, "measure")
+    graph, db = _graph(), ProfileDB(tmp_path / "p.json")
+    procs = 2 * shared_cores()  # twice as many one-thread processes as cores
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scale, note = cpu_scale(graph, db, "cpu", procs=procs, threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert note is None
+    assert 1.5 <= scale <= 4.0  # about 2 (sharing) and some more (caches), never the lone speed
+    (key,) = [k for k in db.entries if k.startswith("__cpu_sharing__")]
+    entry = db.entries[key]
+    assert entry["busy"] > entry["alone"] > 0
+    # cached: the stored times are used, nothing measured again
+    db.entries[key] = {"alone": 1.0, "busy": 2.5}
+    assert cpu_scale(graph, db, "cpu", procs=procs, threads=1) == (pytest.approx(2.5), None)
