@@ -24,7 +24,7 @@ import torch
 
 from nnscaler.ir import IRGraph
 
-from .graph_timing import BLOCKS, _program, _run_once, block_runs, block_seconds
+from .graph_timing import BLOCKS, _execute, _inputs, _program, block_runs, block_seconds
 from .op_profile import ProfileDB
 
 __all__ = ["cpu_scale", "shared_cores", "ENV"]
@@ -74,8 +74,9 @@ def cpu_scale(graph: IRGraph, db: ProfileDB, device: str, procs: int, threads: i
 
 def _peer(graph: IRGraph, steps: list, device: str, stop, runs) -> None:
     torch.set_num_threads(1)  # one thread: forked OpenMP pools are not safe to use
+    base = _inputs(graph, device)
     while not stop.is_set():
-        _run_once(graph, steps, device)
+        _execute(graph, steps, dict(base))
         with runs.get_lock():
             runs.value += 1
 

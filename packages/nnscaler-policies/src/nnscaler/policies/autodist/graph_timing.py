@@ -78,7 +78,8 @@ def _program(graph: IRGraph) -> list:
     return steps
 
 
-def _run_once(graph: IRGraph, steps: list, device: str) -> float:
+def _inputs(graph: IRGraph, device: str) -> Dict[int, object]:
+    """Inputs, parameters, buffers and constants made from their shapes."""
     env: Dict[int, object] = {}
     for spec in graph.inputs:
         for _, ref in spec.leaves:
@@ -89,8 +90,11 @@ def _run_once(graph: IRGraph, steps: list, device: str) -> float:
     for table in (graph.params, graph.buffers, graph.constants):
         for spec in table.values():
             env[spec.value.id] = _make(graph.value(spec.value), device)
-    _sync(device)
-    t0 = time.perf_counter()
+    return env
+
+
+def _execute(graph: IRGraph, steps: list, env: Dict[int, object]) -> None:
+    """One forward + backward of the program on `env` (filled with every value it makes)."""
     for node, fn in steps:
         args, kwargs = _read(node.args, env), _read(node.kwargs, env)
         with torch.set_grad_enabled(node.grad_enabled):
@@ -104,6 +108,14 @@ def _run_once(graph: IRGraph, steps: list, device: str) -> float:
     outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is not None]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
+def _run_once(graph: IRGraph, steps: list, device: str) -> float:
+    """Seconds of one forward + backward on fresh inputs (their making not timed)."""
+    env = _inputs(graph, device)
+    _sync(device)
+    t0 = time.perf_counter()
+    _execute(graph, steps, env)
     _sync(device)
     return time.perf_counter() - t0
 
@@ -125,9 +137,9 @@ def _graph_bytes(graph: IRGraph) -> float:
 
 def graph_seconds(graph: IRGraph, device: str = "cpu") -> float:
     """Seconds per eager forward + backward run of the whole graph, as training runs it: back to
-    back, over blocks of about `BLOCK_S` (the median of `BLOCKS` blocks, after a warm-up). Single
-    runs are faster than the steady state (a small GPT here: a single run's median 11.6 ms, back
-    to back 14.0 ms per run). Raises ``RuntimeError`` with the reason when it cannot run."""
+    back, over blocks of about `BLOCK_S` (the median of `BLOCKS` blocks, after a warm-up): a
+    typical run, not the fastest, and timed the same way as `cpu_sharing` times it beside its
+    peers. Raises ``RuntimeError`` with the reason when it cannot run."""
     need = 2 * _graph_bytes(graph)  # every value and its gradient, an upper bound
     if need > _MEMORY_SHARE * _free_bytes(device):
         raise RuntimeError(f"the graph needs up to {need / 2 ** 30:.2f} GiB, more than "
@@ -149,10 +161,14 @@ def block_runs(graph: IRGraph, steps: list, device: str) -> int:
 
 
 def block_seconds(graph: IRGraph, steps: list, device: str, runs: int) -> float:
-    """Seconds per run of `runs` forward + backward runs back to back."""
+    """Seconds per run of `runs` forward + backward runs back to back (the same inputs and
+    parameters: making them is not timed)."""
+    base = _inputs(graph, device)
+    _sync(device)
     t = time.perf_counter()
     for _ in range(runs):
-        _run_once(graph, steps, device)
+        _execute(graph, steps, dict(base))
+    _sync(device)
     return (time.perf_counter() - t) / runs
 
 
