@@ -26,7 +26,9 @@ One run, on this machine:
    step time (the choice uses estimates only; plan_ngpus 1 is plain dp). The searches run here
    first (same cache, so rank 0 of the workers finds the same plan; the bench checks it).
    All plans then run in the same R processes (``cores // R`` threads each): ``--warmup`` steps,
-   ``--rounds`` timed rounds of one step per plan (order rotated, barrier first, a step's time is
+   ``--rounds`` timed rounds of one step per plan, each after ``--settle`` untimed steps of the
+   same plan (a training job runs one plan back to back; right after another plan's step, caches
+   and the allocator hold that plan's tensors) (order rotated, barrier first, a step's time is
    the slower rank's), median. Peak memory per rank: the process's RSS high-water mark over one
    step (``/proc/self/clear_refs`` 5, then VmHWM - VmRSS before the step) plus the bytes of the
    distinct storages already held before it (parameters, gradients, optimizer state), measured in a
@@ -266,6 +268,9 @@ def _run(rank: int, mc: dict, R: int, variants: list, args_d: dict, gen_dir: str
     for r in range(args_d["rounds"] if args_d["phase"] == "time" else 0):
         order = names[r % len(names):] + names[:r % len(names)] if names else []
         for n in order:
+            for _ in range(args_d.get("settle", 1)):  # untimed: the plan's caches warm again after the others
+                dist.barrier()
+                _step(*built[n])
             dist.barrier()
             times[n].append(_step(*built[n], phases[n], cpu[n]))
     mem = {}
@@ -402,7 +407,8 @@ def pipeline_case(args, name: str, R: int) -> dict:
 def _measure(args, mc: dict, R: int, variants: list, M: int, micro: int):
     """Every variant timed in R processes, then its peak memory in R fresh ones: (runs, meta)."""
     with tempfile.TemporaryDirectory() as tmp:
-        args_d = {"nmicros": M, "micro_batch": micro, "warmup": args.warmup, "rounds": args.rounds, "phase": "time"}
+        args_d = {"nmicros": M, "micro_batch": micro, "warmup": args.warmup, "rounds": args.rounds, "phase": "time",
+                  "settle": args.settle}
         res, spawn_s = _common.spawn_gloo(_run, (mc, R, variants, args_d, os.path.join(tmp, "gen")), R,
                                           os.path.join(tmp, "r.json"))
         # memory in fresh processes (the generated code reused) where glibc maps every large
@@ -599,6 +605,8 @@ def main() -> None:
     p.add_argument("--pipe-nmicros", type=int, default=4, help="(c) the pipeline case's micro-batches per step")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--settle", type=int, default=1,
+                   help="untimed steps of a plan before its timed one in each round (training runs one plan back to back)")
     p.add_argument("--depths", nargs="*", type=int, default=[4, 8, 16, 32, 64])
     p.add_argument("--search-repeats", type=int, default=3, help="timed runs per depth after the first (best kept)")
     p.add_argument("--cache-dir", default=None, help="NNSCALER_CACHE_DIR (default: a fresh temporary directory)")
