@@ -20,7 +20,7 @@ def test_autodist_bench_runs_and_reports(tmp_path):
     out = tmp_path / "autodist.json"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "autodist.py"), "--models", "gpt", "--ranks", "2",
            "--layers", "2", "--embd", "32", "--seq", "16", "--micro-batch", "4", "--rounds", "1", "--warmup", "1",
-           "--depths", "2", "4", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+           "--depths", "2", "4", "--pipe-embd", "32", "--pipe-seq", "8", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -33,6 +33,13 @@ def test_autodist_bench_runs_and_reports(tmp_path):
     assert none["estimated_step_s"] > 0 and none["estimated_over_measured_mem"] > 0
     assert none["worker_found_same_estimate"]
     assert "needs" in case["nothing_fits"]["error"] and "GB" in case["nothing_fits"]["error"]
+    (pipe,) = data["pipeline_case"]
+    assert "error" not in pipe, pipe.get("error")
+    assert pipe["constraints"] == [{"op": "*", "replicate": True}]
+    assert {"dp", "zero", "pp2"} <= set(pipe["runs"])
+    entry = pipe["limits"]["pipeline"]
+    if "skipped" not in entry:  # autodist found a pipeline under 90 % of the least memory without one
+        assert entry["autodist_pipeline"]["nstages"] == 2 and entry["estimated_step_s"] > 0
     rows = data["search_depth"]["rows"]
     assert [r["layers"] for r in rows] == [2, 4]
     assert all(r["second"]["profiled_ops"] == 0 and r["second"]["search_s"] > 0 for r in rows)
