@@ -111,3 +111,45 @@ def test_each_rule_matches_autograd(model, batch):
     est, real = estimated_bytes(model, batch), real_bytes(model, batch)
     # sdpa also keeps its softmax's log-sum-exp: 1/head_dim of its output (1/8 here), not an op output
     assert est == pytest.approx(real, rel=0.07), (est, real)
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(self.a(x)).sum()
+
+
+def test_a_converted_copy_the_consumer_keeps_is_memory_of_the_edge():
+    """a's output split over 2 devices, b replicated: b keeps the all-gathered (whole) hidden for
+    its weight gradient, on top of a's shard; the same layout on both sides costs nothing more."""
+    from nnscaler.ir import ComputeConfig
+    from nnscaler.policies.autodist import AutodistConfig
+    from nnscaler.policies.autodist.comm_model import CommModel
+    from nnscaler.policies.autodist.policy import _Search
+    comm = {"backend": "given", "collectives": {c: {"2": [1e-5, 5e9]} for c in
+                                                ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}}
+    graph = trace(TwoLinears(), {"x": torch.randn(8, 32, requires_grad=True)})
+    cfg = AutodistConfig.from_compute_config(ComputeConfig(2, 2, pas_config={"_comm_profile": comm,
+                                                                             "_profile_repeats": 1}))
+    problem = _Search(graph, cfg).problem(2, CommModel(comm))
+    ua = next(i for i, op in enumerate(problem.ops) if op.node.module_path == "a")
+    vb = next(i for i, op in enumerate(problem.ops) if op.node.module_path == "b")
+    (edge,) = [e for e in problem.edges if (e.u, e.v) == (ua, vb)]
+    labels_a, labels_b = problem.ops[ua].labels, problem.ops[vb].labels
+    hidden = 8 * 64 * 4
+    split_a = labels_a.index("n")  # a's output columns split
+    whole_b = labels_b.index("R")
+    assert edge.mem[split_a, whole_b] == hidden
+    assert edge.mem[labels_a.index("R"), whole_b] == 0  # same layout: no copy
+    pick = [0] * len(problem.ops)
+    pick[ua], pick[vb] = split_a, whole_b
+    _, with_copy = problem.evaluate(pick)
+    pick[ua] = labels_a.index("R")
+    _, without = problem.evaluate(pick)
+    op_a = problem.ops[ua]
+    # the estimate counts the copy on top of what a's choice itself costs
+    assert with_copy - without == pytest.approx(hidden + op_a.mem[split_a] - op_a.mem[labels_a.index("R")])

@@ -72,6 +72,9 @@ class Edge:
     u: int  # index of the producer OpVar
     v: int  # index of the consumer OpVar
     cost: np.ndarray  # seconds, [choice of u, choice of v]
+    # bytes per device, [choice of u, choice of v]: the converted copy of the value the consumer
+    # keeps for backward when the two layouts differ (None: nothing kept)
+    mem: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -88,6 +91,7 @@ class Problem:
         t = self.const_time + sum(op.time[c] for op, c in zip(self.ops, pick))
         t += sum(float(e.cost[pick[e.u], pick[e.v]]) for e in self.edges)
         m = self.const_mem + sum(op.mem[c] for op, c in zip(self.ops, pick))
+        m += sum(float(e.mem[pick[e.u], pick[e.v]]) for e in self.edges if e.mem is not None)
         return t, m
 
 
@@ -200,6 +204,7 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
     consumers: Dict[int, List[Tuple[int, int]]] = {}
     problem = Problem(n, ops, [], index=index)
     kept = saved_for_backward(graph)
+    keeps = {node.id: direct_keeps(graph, node) for node in graph.nodes}
     for node in graph.nodes:
         ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
         if (not ins and not outs) or is_shape_query(node):
@@ -231,6 +236,7 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
         for j, r in enumerate(outs):
             produced[r.id] = (len(ops) - 1, j)
     edges: Dict[Tuple[int, int], np.ndarray] = {}
+    edge_mem: Dict[Tuple[int, int], np.ndarray] = {}
     for vid, uses in consumers.items():
         value = graph.values[vid]
         spec = module_values.get(vid)
@@ -253,17 +259,25 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
             u, j = src
             op_u = ops[u]
             cost = np.zeros((len(op_u.choices), len(op_v.choices)))
+            mem = np.zeros_like(cost)
+            held = (vid in keeps.get(op_v.node.id, ()) and value.requires_grad and _floating(value.dtype)
+                    and not op_v.node.recompute)
+            size = nbytes(value.shape, value.dtype, cfg)
             for a, cu in enumerate(op_u.choices):
                 for b, cv in enumerate(op_v.choices):
                     cost[a, b] = pricer.transition(cu.outs[j], cv.ins[k], value, _grad_partial(cv, cv.ins[k], value))
+                    if held and cu.outs[j] != cv.ins[k]:  # the consumer keeps its converted copy
+                        mem[a, b] = size / (pricer.n if isinstance(cv.ins[k], Shard) else 1)
             if u == v:
                 for a in range(len(op_u.choices)):
                     op_u.time[a] += cost[a, a]
-            elif (u, v) in edges:
-                edges[(u, v)] += cost
+                    op_u.mem[a] += mem[a, a]
+                    op_u.act_mem[a] += mem[a, a]
             else:
-                edges[(u, v)] = cost
-    problem.edges = [Edge(u, v, c) for (u, v), c in edges.items() if c.any()]
+                edges[(u, v)] = edges[(u, v)] + cost if (u, v) in edges else cost
+                edge_mem[(u, v)] = edge_mem[(u, v)] + mem if (u, v) in edge_mem else mem
+    problem.edges = [Edge(u, v, c, edge_mem[(u, v)] if edge_mem[(u, v)].any() else None)
+                     for (u, v), c in edges.items() if c.any() or edge_mem[(u, v)].any()]
     problem.const_time += pricer.dp_sync_latency(trainable)
     return problem
 
@@ -303,19 +317,25 @@ def saved_for_backward(graph: IRGraph) -> set:
             continue
         if node.target in _KEEP_OUTPUT:
             kept.update(r.id for r in outs)
-        if node.target in _KEEP_NO_INPUT:
-            continue
-        if node.target in _KEEP_IF_OTHER_TENSOR:
-            # x * y keeps y for x's gradient and x for y's: a factor is kept only when the other
-            # one needs a gradient (rotary's q * cos keeps cos, not q; measured on the Llama)
-            if len(ins) >= 2:
-                kept.update(r.id for i, r in enumerate(ins)
-                            if any(graph.value(o).requires_grad for j, o in enumerate(ins) if j != i))
-            continue
-        if node.target in _KEEP_OUTPUT and node.target != "torch.nn.functional.scaled_dot_product_attention":
-            continue
-        kept.update(r.id for r in ins)
+        kept.update(direct_keeps(graph, node))
     return kept
+
+
+def direct_keeps(graph: IRGraph, node: Node) -> set:
+    """Ids of the tensor inputs `node` itself keeps for backward (none for a view or a shape query)."""
+    ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
+    if not outs or node.target in _ALIASES or node.target in _KEEP_NO_INPUT:
+        return set()
+    if node.target in _KEEP_IF_OTHER_TENSOR:
+        # x * y keeps y for x's gradient and x for y's: a factor is kept only when the other
+        # one needs a gradient (rotary's q * cos keeps cos, not q; measured on the Llama)
+        if len(ins) < 2:
+            return set()
+        return {r.id for i, r in enumerate(ins)
+                if any(graph.value(o).requires_grad for j, o in enumerate(ins) if j != i)}
+    if node.target in _KEEP_OUTPUT and node.target != _SDPA:
+        return set()
+    return {r.id for r in ins}
 
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"

@@ -49,6 +49,8 @@ def _per_node(graph: IRGraph, problem: Problem, sol: Solution):
         am[i] += op.act_mem[c]
     for e in problem.edges:
         t[pos[problem.ops[e.v].node.id]] += float(e.cost[sol.pick[e.u], sol.pick[e.v]])
+        if e.mem is not None:  # a converted copy the consumer keeps: per micro-batch in flight
+            am[pos[problem.ops[e.v].node.id]] += float(e.mem[sol.pick[e.u], sol.pick[e.v]])
     return t, pm, am
 
 

@@ -4,7 +4,7 @@ An integer linear program solved exactly by HiGHS through ``scipy.optimize.milp`
 from the package index, no external binary): a binary x[op, choice] per op (one choice each)
 and, per producer/consumer edge, a continuous y[a, b] >= 0 whose marginals equal the two ops'
 x (so y is the product of the choices when x is integral); minimise sum(time * x) +
-sum(comm * y) subject to sum(mem * x) <= limit. Tied layers share variables (costs summed).
+sum(comm * y) subject to sum(mem * x) + sum(kept copies * y) <= limit. Tied layers share variables (costs summed).
 HiGHS stops at `time_limit`; its best plan so far is used then, and without one the solver
 falls back to the best of "all replicated" and a greedy descent (documented in docs/autodist.md).
 """
@@ -61,18 +61,23 @@ def solve(problem: Problem, mem_limit: Optional[float] = None, tie: Optional[Dic
         time_c[s] += op.time
         mem_c[s] += op.mem
     pair: Dict[tuple, np.ndarray] = {}
+    pair_mem: Dict[tuple, np.ndarray] = {}
     for e in problem.edges:
         a, b = slot[tie[e.u]], slot[tie[e.v]]
+        mem = e.mem if e.mem is not None else np.zeros_like(e.cost)
         if a == b:
             time_c[a] += np.diag(e.cost)
+            mem_c[a] += np.diag(mem)
         elif (a, b) in pair:
             pair[(a, b)] = pair[(a, b)] + e.cost
+            pair_mem[(a, b)] = pair_mem[(a, b)] + mem
         else:
             pair[(a, b)] = e.cost.copy()
+            pair_mem[(a, b)] = mem.copy()
     budget = None if mem_limit is None else mem_limit - problem.const_mem
-    pick_rep, method = _milp(nch, time_c, mem_c, pair, budget, time_limit)
+    pick_rep, method = _milp(nch, time_c, mem_c, pair, pair_mem, budget, time_limit)
     if pick_rep is None:
-        pick_rep, method = _greedy(nch, time_c, mem_c, pair, budget), "greedy"
+        pick_rep, method = _greedy(nch, time_c, mem_c, pair, pair_mem, budget), "greedy"
     if pick_rep is None:
         smallest = problem.const_mem + sum(float(m.min()) for m in mem_c)
         raise NoPlanFits(f"autodist: no plan fits mem_constraint = {size_text(mem_limit)} per device; the "
@@ -84,7 +89,7 @@ def solve(problem: Problem, mem_limit: Optional[float] = None, tie: Optional[Dic
     return Solution(pick, t, m, method, _time.perf_counter() - start)
 
 
-def _milp(nch, time_c, mem_c, pair, budget, time_limit):
+def _milp(nch, time_c, mem_c, pair, pair_mem, budget, time_limit):
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
     offs = np.concatenate([[0], np.cumsum(nch)]).astype(int)
@@ -97,8 +102,11 @@ def _milp(nch, time_c, mem_c, pair, budget, time_limit):
             rows.append(r); cols.append(offs[s] + k); vals.append(1.0)
         lo.append(1.0); hi.append(1.0); r += 1
     ny = 0
+    y_mem = []  # (column, bytes) of the pair variables that hold memory
     for (a, b), mat in pair.items():
         base = nx + ny
+        for i, j in zip(*np.nonzero(pair_mem[(a, b)])):
+            y_mem.append((base + int(i) * mat.shape[1] + int(j), float(pair_mem[(a, b)][i, j])))
         ca, cb = mat.shape
         cost.append(mat.reshape(-1))
         for i in range(ca):  # sum_j y[i, j] = x[a, i]
@@ -116,6 +124,8 @@ def _milp(nch, time_c, mem_c, pair, budget, time_limit):
         m = np.concatenate(mem_c)
         for k in range(nx):
             rows.append(r); cols.append(k); vals.append(float(m[k]))
+        for col, b in y_mem:
+            rows.append(r); cols.append(col); vals.append(b)
         lo.append(-np.inf); hi.append(float(budget)); r += 1
     nvar = nx + ny
     A = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
@@ -132,7 +142,7 @@ def _milp(nch, time_c, mem_c, pair, budget, time_limit):
     return pick, ("milp" if res.status == 0 else "milp (time limit)")
 
 
-def _greedy(nch, time_c, mem_c, pair, budget):
+def _greedy(nch, time_c, mem_c, pair, pair_mem, budget):
     """Coordinate descent from the least-memory plan: change one op at a time while it helps."""
     pick = [int(np.argmin(m)) for m in mem_c]
 
@@ -140,7 +150,7 @@ def _greedy(nch, time_c, mem_c, pair, budget):
         return sum(float(t[k]) for t, k in zip(time_c, p)) + sum(float(m[p[a], p[b]]) for (a, b), m in pair.items())
 
     def memory(p):
-        return sum(float(m[k]) for m, k in zip(mem_c, p))
+        return sum(float(m[k]) for m, k in zip(mem_c, p)) + sum(float(m[p[a], p[b]]) for (a, b), m in pair_mem.items())
 
     if budget is not None and memory(pick) > budget:
         return None
