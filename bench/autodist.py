@@ -19,9 +19,12 @@ One run, on this machine:
    ``dp`` (plan_ngpus 1), ``zero`` (dp + use_zero), ``tp``, ``megatron``, ``data`` (plan_ngpus R),
    ``pp`` (R stages at pivots), and at R = 4 ``hybrid`` (pp 2 x tp 2), ``megatron-tp2-dp2`` and
    ``pp2-dp2``. Limits: (a) none, (b) 70 % of autodist's own estimate of the dp plan (excludes
-   dp), (c) one that needs a pipeline: 90 % of the least memory of any SPMD plan (autodist's cost
-   model), searched with ``pipeline_pivots`` = the block class; run only where autodist finds a
-   pipeline under it. **autodist's plan** for a limit: autodist searched at plan_ngpus 1, 2 and R
+   dp; 80 / 90 % where autodist finds nothing under 70 %), (c) one that needs a pipeline: a
+   separate case (`pipeline_case`) where the user forbids splitting any op (a constraints file)
+   on a model whose weights outweigh its activations (``--pipe-embd``, ``--pipe-seq``, one
+   sequence per rank per micro-batch, ``--pipe-nmicros``), the limit 90 % of the least memory
+   autodist finds without a pipeline (dp or dp + ZeRO), pipelines searched at the block class,
+   against dp, zero, pp R and (R = 4) pp2-dp2. **autodist's plan** for a limit: autodist searched at plan_ngpus 1, 2 and R
    (data-parallel degree R / plan_ngpus) under the limit, the one with the lowest *estimated*
    step time (the choice uses estimates only; plan_ngpus 1 is plain dp). The searches run here
    first (same cache, so rank 0 of the workers finds the same plan; the bench checks it).
