@@ -47,3 +47,6 @@ def test_measured_with_peers_and_cached(tmp_path, monkeypatch):
     # cached: the stored times are used, nothing measured again
     db.entries[key] = {"alone": 1.0, "busy": 2.5}
     assert cpu_scale(graph, db, "cpu", procs=procs, threads=1) == (pytest.approx(2.5), None)
+    # never below the division of the cores (a block too short to see the sharing)
+    db.entries[key] = {"alone": 1.0, "busy": 1.2}
+    assert cpu_scale(graph, db, "cpu", procs=procs, threads=1) == (pytest.approx(2.0), None)
