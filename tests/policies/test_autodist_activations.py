@@ -1,4 +1,4 @@
-"""autodist's activation memory (`cost_model.saved_for_backward`) against what autograd really
+"""autodist's activation memory (`activations.saved_for_backward`) against what autograd really
 keeps: the distinct storages the backward graph saves, walked after a real forward, on our GPT
 and tiny Hugging Face models (fp32), and on the patterns each rule is for."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 import gpt
 from nnscaler.ir import trace
-from nnscaler.policies.autodist.cost_model import nbytes, saved_for_backward
+from nnscaler.policies.autodist.activations import saved_for_backward
+from nnscaler.policies.autodist.cost_model import nbytes
 from nnscaler.policies.plan import tensor_outputs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))

@@ -11,8 +11,8 @@ the all-reduce latency once per reducer bucket. Times
 are per micro-batch (a step runs `nmicros` of them). Memory per device:
 parameters, gradients and optimizer state (fp32 states, fp32 master weights under fp16/bf16
 unless memory-efficient, ZeRO dividing the optimizer part) of the local shard, and the local
-outputs autograd keeps for backward (`saved_for_backward`: not views, not what add / cat keep
-nothing of; none inside recomputed modules).
+outputs autograd keeps for backward (`activations.py`; none inside recomputed modules) and the
+converted copies a consumer keeps (edge memory).
 """
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from nnscaler.ir import IRGraph, Node, Replicate, Shard, iter_refs, step_collectives, transition_steps
+from nnscaler.ir import IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
 
 from ..plan import tensor_inputs, tensor_outputs
+from .activations import direct_keeps, saved_for_backward
 from .choices import Choice, is_shape_query, node_choices
 from .comm_model import CommModel
 from .config import AutodistConfig
 
-__all__ = ["OpVar", "Edge", "Problem", "build_problem", "nbytes", "saved_for_backward"]
+__all__ = ["OpVar", "Edge", "Problem", "build_problem", "nbytes"]
 
 R = Replicate()
 _ELT = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -280,110 +281,6 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
                      for (u, v), c in edges.items() if c.any() or edge_mem[(u, v)].any()]
     problem.const_time += pricer.dp_sync_latency(trainable)
     return problem
-
-
-# Activation memory is the tensors autograd keeps for backward, not every op output: a view
-# shares its input's storage, and many ops keep none of their inputs (add, cat, a copy) or only
-# their output (softmax). Counting every output over-estimated the activations of the example
-# GPT about 2x (bench/autodist.py). Ops not listed keep their tensor inputs (conservative).
-_ALIASES = {f"torch.Tensor.{m}" for m in ("view", "view_as", "transpose", "permute", "t", "expand", "expand_as",
-                                          "unsqueeze", "squeeze", "split", "chunk", "unbind", "narrow", "select",
-                                          "__getitem__", "reshape", "flatten", "unflatten", "movedim", "detach")} | \
-    {f"torch.{m}" for m in ("transpose", "permute", "t", "unsqueeze", "squeeze", "split", "chunk", "unbind",
-                            "narrow", "select", "reshape", "flatten", "movedim", "detach")}
-_KEEP_NO_INPUT = {f"{ns}.{m}" for ns in ("torch", "torch.Tensor", "operator")
-                  for m in ("add", "sub", "neg", "cat", "concat", "contiguous", "clone", "masked_fill", "mean", "sum",
-                            "float", "to", "type_as", "__add__", "__radd__", "__sub__", "__neg__")}
-_KEEP_OUTPUT = {"torch.nn.functional.softmax", "torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.log_softmax",
-                "torch.exp", "torch.Tensor.exp", "torch.tanh", "torch.Tensor.tanh", "torch.sigmoid",
-                "torch.Tensor.sigmoid", "torch.rsqrt", "torch.Tensor.rsqrt", "torch.sqrt", "torch.Tensor.sqrt",
-                "torch.nn.functional.relu", "torch.relu", "torch.nn.functional.scaled_dot_product_attention"}
-_KEEP_IF_OTHER_TENSOR = {f"{ns}.{m}" for ns in ("torch", "torch.Tensor", "operator")
-                         for m in ("mul", "__mul__", "__rmul__", "multiply")}
-
-
-def saved_for_backward(graph: IRGraph) -> set:
-    """Ids of the values autograd keeps for backward (a view's keep is charged to its base)."""
-    kept = set()
-    free_copies = _noop_contiguous(graph)
-    for node in reversed(graph.nodes):
-        ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
-        if not outs:  # a shape query keeps nothing
-            continue
-        if node.target in _ALIASES or node.id in free_copies:
-            if any(r.id in kept for r in outs):
-                kept.update(r.id for r in ins[:1])
-            kept.difference_update(r.id for r in outs)  # the storage is the base's
-            continue
-        if node.target in _KEEP_OUTPUT:
-            kept.update(r.id for r in outs)
-        kept.update(direct_keeps(graph, node))
-    return kept
-
-
-def direct_keeps(graph: IRGraph, node: Node) -> set:
-    """Ids of the tensor inputs `node` itself keeps for backward (none for a view or a shape query)."""
-    ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
-    if not outs or node.target in _ALIASES or node.target in _KEEP_NO_INPUT:
-        return set()
-    if node.target in _KEEP_IF_OTHER_TENSOR:
-        # x * y keeps y for x's gradient and x for y's: a factor is kept only when the other
-        # one needs a gradient (rotary's q * cos keeps cos, not q; measured on the Llama)
-        if len(ins) < 2:
-            return set()
-        return {r.id for i, r in enumerate(ins)
-                if any(graph.value(o).requires_grad for j, o in enumerate(ins) if j != i)}
-    if node.target in _KEEP_OUTPUT and node.target != _SDPA:
-        return set()
-    return {r.id for r in ins}
-
-
-_SDPA = "torch.nn.functional.scaled_dot_product_attention"
-_TRANSPOSES = {"torch.Tensor.transpose", "torch.transpose"}
-_RESHAPES = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape"}
-_ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "tanh", "sigmoid", "relu", "gelu",
-                "silu", "to", "float", "type_as", "masked_fill", "__add__", "__radd__", "__sub__", "__mul__",
-                "__rmul__", "__truediv__", "__neg__", "dropout"}
-
-
-def _noop_contiguous(graph: IRGraph) -> set:
-    """Ids of the ``contiguous()`` ops that copy nothing because their input is laid out in order
-    already. Tracks each value's physical dim order: torch's attention kernel lays its output out
-    like its query, which HF makes as ``linear(x).view(b, s, h, d).transpose(1, 2)``, so that
-    ``sdpa(...).transpose(1, 2).contiguous()`` is free (Llama's attention output was counted twice
-    without this)."""
-    order: Dict[int, Optional[tuple]] = {}  # value id -> physical order of its logical dims (None: unknown)
-    noop = set()
-    for node in graph.nodes:
-        ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
-        if not outs:
-            continue
-        src = order.get(ins[0].id, tuple(range(len(graph.value(ins[0]).shape or ())))) if ins else None
-        out_nd = len(graph.value(outs[0]).shape or ())
-        if node.target == _SDPA:
-            got = src if src is not None and len(src) == out_nd else tuple(range(out_nd))
-        elif node.target == "torch.Tensor.contiguous":
-            if src is not None and src == tuple(range(len(src))):
-                noop.add(node.id)
-            got = tuple(range(out_nd))
-        elif node.target in _TRANSPOSES and src is not None and len(node.args) == 3 \
-                and all(isinstance(d, int) for d in node.args[1:]):
-            a, b = (d % len(src) for d in node.args[1:])
-            swap = {a: b, b: a}
-            got = tuple(swap.get(d, d) for d in src)
-        elif node.target in _RESHAPES:
-            same = src is not None and tuple(graph.value(ins[0]).shape) == tuple(graph.value(outs[0]).shape)
-            got = src if same else (tuple(range(out_nd)) if src == tuple(range(len(src or ()))) and src is not None
-                                    else None)
-        elif node.target in _ALIASES:
-            got = None
-        elif node.short_name in _ELEMENTWISE and src is not None and len(src) == out_nd:
-            got = src  # an elementwise op lays its output out like its first input
-        else:
-            got = tuple(range(out_nd))
-        for r in outs:
-            order[r.id] = got
-    return noop
 
 
 def _grad_partial(choice: Choice, place, value) -> bool:

@@ -55,15 +55,7 @@ def cpu_scale(graph: IRGraph, db: ProfileDB, device: str, procs: int, threads: i
     if os.environ.get(ENV, "measure") == "plain":
         return plain, f"{ENV}=plain: the division of the cores, not measured"
     key = f"__cpu_sharing__:{graph.fingerprint()}:{procs}x{threads}on{cores}"
-    entry = None if re_profile else db.entries.get(key)
-    if entry is None:
-        try:
-            entry = dict(zip(("alone", "busy"), _alone_and_busy(graph, device, peers)))
-        except RuntimeError as e:
-            entry = {"error": str(e)}
-        db.entries[key] = entry
-        db.dirty = True
-        db.save()
+    entry = db.cached(key, lambda: dict(zip(("alone", "busy"), _alone_and_busy(graph, device, peers))), re_profile)
     if "busy" not in entry:
         return plain, entry.get("error", "not measured")
     factor = float(entry["busy"]) / float(entry["alone"])

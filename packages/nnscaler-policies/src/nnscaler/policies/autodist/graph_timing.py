@@ -184,19 +184,12 @@ def calibration(graph: IRGraph, op_times: Dict[int, Tuple[float, float]], db: Pr
     profiled = sum(f + b for f, b in op_times.values())
     if profiled <= 0:
         return 1.0, "no profiled ops"
-    key = calibration_key(graph)
-    entry = None if re_profile else db.entries.get(key)
-    if entry is None:
+    def measure() -> dict:
         if profiled > _MAX_SECONDS:
-            entry = {"error": f"the profiled ops take {profiled:.1f} s, over {_MAX_SECONDS} s"}
-        else:
-            try:
-                entry = {"seconds": graph_seconds(graph, device)}
-            except RuntimeError as e:
-                entry = {"error": str(e)}
-        db.entries[key] = entry
-        db.dirty = True
-        db.save()
+            raise RuntimeError(f"the profiled ops take {profiled:.1f} s, over {_MAX_SECONDS} s")
+        return {"seconds": graph_seconds(graph, device)}
+
+    entry = db.cached(calibration_key(graph), measure, re_profile)
     if "seconds" not in entry:
         return 1.0, entry.get("error", "not measured")
     factor = float(entry["seconds"]) / profiled

@@ -63,6 +63,20 @@ class ProfileDB:
                 self.entries = {}  # a damaged cache is measured again
         self.dirty = False
 
+    def cached(self, key: str, measure, re_profile: bool = False) -> dict:
+        """The entry under `key`, or `measure()`'s (a dict; a RuntimeError it raises is stored
+        as ``{"error": message}``) measured now, stored and saved."""
+        entry = None if re_profile else self.entries.get(key)
+        if entry is None:
+            try:
+                entry = measure()
+            except RuntimeError as e:
+                entry = {"error": str(e)}
+            self.entries[key] = entry
+            self.dirty = True
+            self.save()
+        return entry
+
     def save(self) -> None:
         if self.dirty:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -236,14 +250,11 @@ def optimizer_tensor_cost(db: ProfileDB, device: str = "cpu", re_profile: bool =
     """Seconds an Adam step spends per parameter tensor apart from its elements (its dozen
     small kernel calls): measured on 64 one-element tensors, cached in `db`. On CPU it is about
     30 us, 1.5 ms a step for a 70-tensor model, as much as the elements of 500 K parameters."""
-    entry = None if re_profile else db.entries.get(_OPTIMIZER_TENSOR_KEY)
-    if entry is None:
+    def measure() -> dict:
         params = [torch.nn.Parameter(torch.randn(1, device=device)) for _ in range(64)]
-        entry = {"per_tensor": _adam_seconds(params, device) / 64}
-        db.entries[_OPTIMIZER_TENSOR_KEY] = entry
-        db.dirty = True
-        db.save()
-    return float(entry["per_tensor"])
+        return {"per_tensor": _adam_seconds(params, device) / 64}
+
+    return float(db.cached(_OPTIMIZER_TENSOR_KEY, measure, re_profile)["per_tensor"])
 
 
 def optimizer_rate(db: ProfileDB, device: str = "cpu", re_profile: bool = False, shapes=None) -> float:
@@ -259,14 +270,10 @@ def optimizer_rate(db: ProfileDB, device: str = "cpu", re_profile: bool = False,
         shapes = [(1 << 16,)] * 16
         numel = 1 << 20
     digest = hashlib.sha1(json.dumps(sorted(shapes)).encode()).hexdigest()[:16]
-    key = f"{_OPTIMIZER_KEY}:{digest}"
-    entry = None if re_profile else db.entries.get(key)
-    if entry is None:
+    def measure() -> dict:
         per_tensor = optimizer_tensor_cost(db, device, re_profile)
         params = [torch.nn.Parameter(torch.randn(sh, device=device)) for sh in shapes]
         seconds = _adam_seconds(params, device)
-        entry = {"per_element": max(seconds - per_tensor * len(shapes), 0.1 * seconds) / numel}
-        db.entries[key] = entry
-        db.dirty = True
-        db.save()
-    return float(entry["per_element"])
+        return {"per_element": max(seconds - per_tensor * len(shapes), 0.1 * seconds) / numel}
+
+    return float(db.cached(f"{_OPTIMIZER_KEY}:{digest}", measure, re_profile)["per_element"])
