@@ -3,6 +3,9 @@
 cached; the plain division of the cores when asked not to measure."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -50,3 +53,26 @@ def test_measured_with_peers_and_cached(tmp_path, monkeypatch):
     # never below the division of the cores (a block too short to see the sharing)
     db.entries[key] = {"alone": 1.0, "busy": 1.2}
     assert cpu_scale(graph, db, "cpu", procs=procs, threads=1) == (pytest.approx(2.0), None)
+
+
+def _measure_in_a_job(rank, world, cache):
+    """Rank 0 of a running gloo job measures (as it searches the plan while the others wait): the
+    forked peers must not touch its group."""
+    import torch.distributed as dist
+    os.environ[ENV] = "measure"
+    scale, note = None, None
+    if rank == 0:
+        db = ProfileDB(os.path.join(cache, "p.json"))
+        scale, note = cpu_scale(_graph(), db, "cpu", procs=2 * shared_cores(), threads=1)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group still works after the peers came and went
+    return scale, note, float(t)
+
+
+@pytest.mark.multiprocess
+def test_measured_inside_a_running_gloo_job(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime"))
+    from launch import run_workers
+    (scale, note, reduced), (_, _, other) = run_workers(_measure_in_a_job, 2, str(tmp_path), timeout=120)
+    assert note is None and 1.5 <= scale <= 4.0
+    assert reduced == other == 2.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import statistics
 import time
 from typing import Optional, Tuple
@@ -77,35 +78,66 @@ def _peer(graph: IRGraph, steps: list, device: str, stop, runs) -> None:
 
 def _alone_and_busy(graph: IRGraph, device: str, peers: int) -> Tuple[float, float]:
     """Seconds per forward + backward of the graph here alone, and while `peers` processes run
-    it. Timed over blocks of back-to-back runs (graph_timing.BLOCK_S): a run shorter than the scheduler's time
-    slice is rarely preempted, so single runs would miss most of the sharing (a small GPT's
-    single runs showed 1.24x for 4 processes on 2 cores, its blocks about 2x)."""
-    try:
-        ctx = multiprocessing.get_context("fork")
-    except ValueError:  # no fork on this platform
-        raise RuntimeError("processes cannot be forked here") from None
+    it. Timed over blocks of back-to-back runs (graph_timing.BLOCK_S): a run shorter than the
+    scheduler's time slice is rarely preempted, so single runs would miss most of the sharing (a
+    small GPT's single runs showed 1.24x for 4 processes on 2 cores, its blocks about 2x). The
+    peers are plain ``os.fork`` children (a daemonic worker may not start multiprocessing
+    children); they run torch ops only and leave with ``os._exit``, never touching the
+    process group a rank of a running job holds."""
+    if not hasattr(os, "fork"):
+        raise RuntimeError("processes cannot be forked here")
     try:
         steps = _program(graph)
         runs = block_runs(graph, steps, device)
         alone = statistics.median(block_seconds(graph, steps, device, runs) for _ in range(BLOCKS))
     except Exception as e:  # noqa: BLE001 - a graph that cannot run whole
         raise RuntimeError(f"{type(e).__name__}: {e}"[:200]) from None
+    ctx = multiprocessing.get_context("fork")
     stop, done = ctx.Event(), ctx.Value("i", 0)
-    procs = [ctx.Process(target=_peer, args=(graph, steps, device, stop, done), daemon=True) for _ in range(peers)]
+    pids = []
     try:
-        for p in procs:
-            p.start()
+        for _ in range(peers):
+            pid = os.fork()
+            if pid == 0:  # the peer
+                code = 0
+                try:
+                    _peer(graph, steps, device, stop, done)
+                except BaseException:  # noqa: BLE001 - a peer's failure shows as the parent's timeout
+                    code = 1
+                os._exit(code)
+            pids.append(pid)
         deadline = time.monotonic() + _START_TIMEOUT
         while done.value < peers:
-            if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+            if time.monotonic() > deadline or any(_exited(pid) for pid in pids):
                 raise RuntimeError("the peer processes did not run the graph")
             time.sleep(0.005)
         busy = statistics.median(block_seconds(graph, steps, device, runs) for _ in range(BLOCKS))
         return alone, busy
     finally:
         stop.set()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _reap(pids)
+
+
+def _exited(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG) != (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def _reap(pids, grace: float = 5.0) -> None:
+    """Wait for the peers to leave (they stop at the end of their run), killing late ones."""
+    deadline = time.monotonic() + grace
+    left = list(pids)
+    while left:
+        left = [pid for pid in left if not _exited(pid)]
+        if left and time.monotonic() > deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+            return
+        if left:
+            time.sleep(0.005)
