@@ -24,11 +24,9 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (_distributed_is_initialized,
-                                                    _get_default_process_group_backend_for_device,
+from lightning.fabric.utilities.distributed import (_get_default_process_group_backend_for_device,
                                                     _init_dist_connection, _sync_ddp_if_available)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -41,7 +39,7 @@ from nnscaler.runtime import ReuseType, parallelize, sync_grad_when
 
 from .checkpoint_hooks import CheckpointHooks
 from .errors import NnScalerLightningError
-from .model_setup import convert, dummy_forward_args, guard_parameters, pmodule_of, removed_module_hint
+from .model_setup import convert, dummy_forward_args, guard_parameters, removed_module_hint
 from .optimizers import rebuild, user_optimizer
 from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout

@@ -13,18 +13,16 @@ precision=...)` of a supported kind becomes `NnScalerPrecision` (fabric/precisio
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (_distributed_is_initialized,
-                                                    _get_default_process_group_backend_for_device,
+from lightning.fabric.utilities.distributed import (_get_default_process_group_backend_for_device,
                                                     _init_dist_connection, _sync_ddp_if_available)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from nnscaler.ir import ComputeConfig

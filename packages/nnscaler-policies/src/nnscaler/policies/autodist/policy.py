@@ -4,6 +4,7 @@ and can save, load and print it. Registered as ``pas_policy="autodist"``."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -44,7 +45,6 @@ def _device() -> str:
 
 def local_processes(cfg: AutodistConfig) -> int:
     """The job's processes on this machine: LOCAL_WORLD_SIZE, else runtime_ngpus."""
-    import os
     return int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.runtime_ngpus)
 
 
