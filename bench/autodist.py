@@ -32,7 +32,10 @@ One run, on this machine:
    ``--rounds`` timed rounds of one step per plan, each after ``--settle`` untimed steps of the
    same plan (a training job runs one plan back to back; right after another plan's step, caches
    and the allocator hold that plan's tensors) (order rotated, barrier first, a step's time is
-   the slower rank's), median. Peak memory per rank: the process's RSS high-water mark over one
+   the slower rank's), median. After 2 rounds, plans over 2x the slowest of autodist's picks are
+   timed no more (``rounds_timed``): they cannot decide a ratio (autodist's pick would be under half
+   of them), and the time saved buys more rounds of the others (the runs of identical plans
+   differed by up to 8 % with 9 rounds). Peak memory per rank: the process's RSS high-water mark over one
    step (``/proc/self/clear_refs`` 5, then VmHWM - VmRSS before the step) plus the bytes of the
    distinct storages already held before it (parameters, gradients, optimizer state), measured in a
    second set of R processes (the generated code reused; one warm-up step first) started with
@@ -81,6 +84,7 @@ TARGET_RATIO = 1.05
 TARGET_ESTIMATE = 0.20
 TARGET_SEARCH_32 = 2.0
 ZERO_MARGIN = 0.05
+PRUNE_AFTER, PRUNE_FACTOR = 2, 2.0  # after 2 rounds, plans over 2x the fastest are timed no more
 PIVOT = {"gpt": "Block", "llama": "LlamaDecoderLayer"}
 
 
@@ -268,14 +272,17 @@ def _run(rank: int, mc: dict, R: int, variants: list, args_d: dict, gen_dir: str
     times = {n: [] for n in names}
     cpu = {n: [] for n in names}
     phases = {n: [0.0, 0.0] for n in names}
+    active = list(names)
     for r in range(args_d["rounds"] if args_d["phase"] == "time" else 0):
-        order = names[r % len(names):] + names[:r % len(names)] if names else []
+        order = active[r % len(active):] + active[:r % len(active)] if active else []
         for n in order:
             for _ in range(args_d.get("settle", 1)):  # untimed: the plan's caches warm again after the others
                 dist.barrier()
                 _step(*built[n])
             dist.barrier()
             times[n].append(_step(*built[n], phases[n], cpu[n]))
+        if r + 1 == PRUNE_AFTER and active:
+            active = _contenders(active, times)
     mem = {}
     for n in (names if args_d["phase"] == "mem" else []):
         pm, opt, mbs = built[n]
@@ -292,6 +299,20 @@ def _run(rank: int, mc: dict, R: int, variants: list, args_d: dict, gen_dir: str
     dist.barrier()
     return {"rank": rank, "info": info, "times": times, "cpu": cpu, "phases": phases, "mem": mem,
             "loadavg": _common.loadavg()}
+
+
+def _contenders(names: list, times: dict) -> list:
+    """The plans still timed after PRUNE_AFTER rounds: autodist's, and those within PRUNE_FACTOR of
+    the slowest of autodist's (by the slowest rank's median, the same list on every rank). A plan
+    beyond that cannot decide a ratio (autodist's pick over the best that fits it would be under
+    1 / PRUNE_FACTOR whatever the noise); its rounds so far are its measurement, and the rounds
+    saved time the contenders more often."""
+    med = torch.tensor([_common.median(times[n]) for n in names], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    ours = [m for n, m in zip(names, med.tolist()) if n.startswith("autodist")]
+    if not ours:
+        return names
+    return [n for n, m in zip(names, med.tolist()) if n.startswith("autodist") or m <= PRUNE_FACTOR * max(ours)]
 
 
 # -- main ---------------------------------------------------------------------------------------------
@@ -431,12 +452,14 @@ def _measure(args, mc: dict, R: int, variants: list, M: int, micro: int):
         if any(errs):
             runs[lab] = {"policy": v["policy"], "plan_ngpus": v["plan"], "error": next(e for e in errs if e)}
             continue
-        per_round = [max(r["times"][lab][i] for r in res) for i in range(args.rounds)]
-        cpu_round = [max(r["cpu"][lab][i] for r in res) for i in range(args.rounds)]
-        ph = [sum(r["phases"][lab][k] for r in res) / R / args.rounds for k in (0, 1)]
+        rounds = len(res[0]["times"][lab])
+        per_round = [max(r["times"][lab][i] for r in res) for i in range(rounds)]
+        cpu_round = [max(r["cpu"][lab][i] for r in res) for i in range(rounds)]
+        ph = [sum(r["phases"][lab][k] for r in res) / R / rounds for k in (0, 1)]
         peaks = [r["mem"][lab]["peak_bytes"] for r in res]
         runs[lab] = {"policy": v["policy"], "plan_ngpus": v["plan"], "use_zero": v["zero"],
                      "pas_config": v["pas"], "step_s_median": _common.median(per_round), "step_s_rounds": per_round,
+                     "rounds_timed": rounds,
                      "cpu_s_median": _common.median(cpu_round),
                      "on_cpu_share": sum(sum(r["cpu"][lab]) for r in res) / sum(sum(r["times"][lab]) for r in res),
                      "train_step_s_mean": ph[0], "optimizer_s_mean": ph[1], "peak_bytes_max": max(peaks),
@@ -607,7 +630,7 @@ def main() -> None:
     p.add_argument("--pipe-seq", type=int, default=16, help="(c) the pipeline case's sequence length")
     p.add_argument("--pipe-nmicros", type=int, default=4, help="(c) the pipeline case's micro-batches per step")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--settle", type=int, default=1,
                    help="untimed steps of a plan before its timed one in each round (training runs one plan back to back)")
     p.add_argument("--depths", nargs="*", type=int, default=[4, 8, 16, 32, 64])

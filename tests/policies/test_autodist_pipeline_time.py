@@ -48,3 +48,12 @@ def test_timing_divides_the_scale_out_of_the_stage_times():
     assert (16 + 1) * 6.0 * 0.85 < busy <= (16 + 1) * 6.0
     gpu = PipelineTiming(fwd_share=1 / 3)
     assert gpu.seconds([3.0, 3.0], [0.0], [0.0], 4) == pytest.approx(5 * 3.0)
+
+
+def test_stages_running_together_slow_each_other_below_the_core_count():
+    f, b, m = 1.0, 2.0, 8
+    free = step_seconds([f, f], [b, b], m, threads_per_stage=1, cores=2)
+    assert free == pytest.approx(step_seconds([f, f], [b, b], m))  # no contention measured: a device each
+    slower = step_seconds([f, f], [b, b], m, threads_per_stage=1, cores=2, contention=1.2)
+    # the steady state runs both stages (1.2x slower each); the bubble one alone, at its own speed
+    assert free * 1.05 < slower < free * 1.2

@@ -104,6 +104,7 @@ def _worker(rank, world, gen_dir, cases):
                          gen_savedir=gen_dir, instance_name=name)
         ex = pm._executor()
         ex._tag = lambda *args: 0  # every message on one tag: only the order can match them
+        ex.mailbox.post_ahead = False  # as on NCCL: receives posted when needed, in the sender's order
         opt = build_optimizer(pm, torch.optim.Adam, lr=1e-3)
         losses = []
         for step in range(3):

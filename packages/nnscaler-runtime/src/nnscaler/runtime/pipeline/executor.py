@@ -68,7 +68,7 @@ class PipelineExecutor:
         self.plan_device = grid.plan_device
         self.unit_start = grid.rank - grid.plan_device
         self.group_index, self.local = divmod(self.plan_device, self.tp)
-        self.mailbox = Mailbox(grid.rank, module.device)
+        self.mailbox = Mailbox(grid.rank, module.device, post_ahead=_matches_by_tag())
         self.final = sorted(self._output_ids() & set(meta.producer))
         self.last_timeline: List[Tuple[str, float, float]] = []
         self._inboxes: Dict[bool, OrderedInbox] = {}
@@ -144,6 +144,7 @@ class PipelineExecutor:
             self.module.pipeline_grads.unshare()
         self.inbox = self._inbox(training)
         self.inbox.reset()
+        self.mailbox.new_step()
         self.live_activation_bytes = self.peak_activation_bytes = 0  # per step
         self.mailbox.peak_held_bytes = self.mailbox.held_bytes
         self._saved_bytes.clear()
@@ -155,8 +156,10 @@ class PipelineExecutor:
         a = None
         try:
             with sync_grad_when(False), torch.set_grad_enabled(training):
-                for a in actions:
+                for i, a in enumerate(actions):
                     t0 = time.perf_counter()
+                    for ahead in actions[i:i + POST_AHEAD]:
+                        self.inbox.post([(self.rank_of(*src), msg) for src, msg in self._incoming(ahead)])
                     if a.kind == "F":
                         self._forward(a, samples[a.micro], training)
                     else:
@@ -210,6 +213,14 @@ class PipelineExecutor:
         self.mailbox.abandon()
         if self.inbox is not None:
             self.inbox.arrived.clear()
+
+    def _incoming(self, a: Action) -> List[Tuple[Tuple[int, int], Tuple[str, int, int, int]]]:
+        """((stage, micro) of the sender, message) of what action `a` receives: a forward its
+        stage's inputs, a backward the gradients of its outputs that need one."""
+        meta, s, m = self.meta, a.stage, a.micro
+        if a.kind == "F":
+            return [((meta.producer[vid], m), ("F", vid, s, m)) for vid in meta.inputs[s]]
+        return [((t, m), ("B", vid, t, m)) for vid in meta.outputs[s] for t in meta.consumers[vid]]
 
     def _grad_needed(self, vid: int, stage: int, micro: int):
         """Whether this rank sends the gradient of `vid` for (stage, micro): None when unknown."""
@@ -362,6 +373,15 @@ class _Recorder(dict):
     def __getitem__(self, key):
         self.ids.add(key)
         return None
+
+
+POST_AHEAD = 2  # receives are posted for this many actions: the running one and the next
+
+
+def _matches_by_tag() -> bool:
+    """Whether the backend matches messages by tag (gloo), so receives may be posted ahead;
+    NCCL matches in issue order."""
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def _sync_requested() -> bool:

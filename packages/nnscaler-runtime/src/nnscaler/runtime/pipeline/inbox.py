@@ -82,6 +82,7 @@ class OrderedInbox:
         self.sequences = sequences  # peer rank -> messages in send order
         self.tag_of, self.is_int = tag_of, is_int  # Message -> tag; value id -> sent as an int
         self.acks = acks or {}  # peer rank -> {message this rank sends it: position that proves delivery}
+        self.position = {peer: {msg: i for i, msg in enumerate(seq)} for peer, seq in sequences.items()}
         self.cursor = {peer: 0 for peer in sequences}
         self.received = {peer: -1 for peer in sequences}  # position of the last message really received
         self.arrived: Dict[Tuple[int, Message], object] = {}
@@ -98,6 +99,15 @@ class OrderedInbox:
         """Whether `msg`, sent by this rank to `peer` this step, has certainly been received."""
         k = self.acks.get(peer, {}).get(msg)
         return k is not None and self.received.get(peer, -1) >= k
+
+    def post(self, messages) -> None:
+        """Post ahead the receives of `messages` ((peer, message) pairs) not read yet: a gradient
+        only once it is known to come (mailbox.post: on a backend that matches by tag)."""
+        for peer, msg in messages:
+            pos = self.position.get(peer, {}).get(msg)
+            if pos is None or pos < self.cursor[peer] or (msg[0] == "B" and not self.grad_expected.get(msg, False)):
+                continue
+            self.mailbox.post(peer, self.tag_of(msg), self.is_int(msg[1]))
 
     def _pending(self, peer: int) -> Iterator[Message]:
         seq = self.sequences[peer]

@@ -7,10 +7,27 @@ latest, `Mailbox.wait_sends` at the end of the step. Receives block. Every messa
 unique within a step (value, consuming stage, micro-batch, direction); the executor receives in
 each sender's order anyway (inbox.py). Messages between two stages on the same rank
 (interleaved schedules) stay in memory.
+
+**Agreed sizes and receives posted ahead.** gloo hands a send's bytes to the socket at ``isend``
+only when the peer's receive is already posted; otherwise the bytes wait until the sender's
+gloo thread answers the receiver's later "ready" notice, and while the sender computes that
+thread waits for a core: up to a scheduler tick (4 ms) per message was measured on 2 cores, for
+messages whose data had been sent long before (bench/autodist.py, the pipeline case). A payload's
+size is only known from its header, so a receiver could not post it ahead. Here both sides agree
+on each message's payload size without talking: the size the same message (peer, tag) had in the
+previous step (every rank runs the same steps, so the sender's and the receiver's records are the
+same). A tensor goes as its header (tag ``3t``), then, when a size is agreed, a payload of exactly
+that many bytes (``3t + 1``): the tensor's bytes when its size is the agreed one, else padding;
+and when its size is not the agreed one (the first step, a shape that changed), its bytes again
+under ``3t + 2``. The receiver (`post`) posts the header and the agreed payload before it needs
+them, so the common message is written by the sender at once. Only on a backend that matches
+messages by tag (gloo, ``post_ahead``); NCCL matches them in issue order, and there a tensor is
+its header and its payload (``3t + 2``), each received when needed, in the sender's order.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,17 +81,28 @@ def empty_from_header(header: torch.Tensor, device) -> torch.Tensor:
 class Mailbox:
     """One rank's sends and receives for the steps of one pipeline executor."""
 
-    def __init__(self, rank: int, device: torch.device):
+    def __init__(self, rank: int, device: torch.device, post_ahead: bool = False):
         self.rank, self.device = rank, device
+        self.post_ahead = post_ahead  # receives may be posted before they are needed (tag matching)
         self._pending: List[Tuple[object, torch.Tensor, int, Any]] = []  # (work, buffer, dst, key)
         self._local: Dict[int, object] = {}
         self._poison: List[Tuple[object, torch.Tensor]] = []  # failure notices, kept alive unwaited
+        self._posted: Dict[Tuple[int, int], _Posted] = {}  # (src, tag) -> receives posted ahead
+        # payload bytes of each (peer, tag) message: this step's, and the previous step's (agreed)
+        self._sizes: Dict[Tuple[str, int, int], int] = {}
+        self._agreed: Dict[Tuple[str, int, int], int] = {}
         self.sent_keys: set = set()  # (dst, key) of this step's sends to other ranks
         self.bytes_sent = 0
         self.messages = 0
         # payload bytes of sends not yet released (their buffers stay referenced), and the peak
         self.held_bytes = 0
         self.peak_held_bytes = 0
+
+    def new_step(self) -> None:
+        """Agree on this step's payload sizes: last step's (the same on the sending rank)."""
+        if self._posted:  # pragma: no cover - an executor bug, not a user error
+            raise RuntimeError(f"pipeline: receives posted but never read: {sorted(self._posted)[:5]}")
+        self._agreed = dict(self._sizes)
 
     # -- tensors ------------------------------------------------------------------------------
     def send_tensor(self, x: torch.Tensor, dst: int, tag: int, key: Any = None) -> None:
@@ -83,40 +111,73 @@ class Mailbox:
             self._local[tag] = x
             return
         header = tensor_header(x)
-        payload = x.detach().contiguous()
-        self._isend(header.to(self.device), dst, 2 * tag, key)
-        self._isend(payload, dst, 2 * tag + 1, key)
-        self.bytes_sent += payload.numel() * payload.element_size()
+        payload = x.detach().contiguous().reshape(-1).view(torch.uint8)
+        n, agreed = payload.numel(), self._agreed.get(("to", dst, tag)) if self.post_ahead else None
+        self._isend(header.to(self.device), dst, 3 * tag, key)
+        if agreed is not None:
+            self._isend(payload if n == agreed else torch.empty(agreed, dtype=torch.uint8, device=self.device),
+                        dst, 3 * tag + 1, key)
+        if n != agreed:
+            self._isend(payload, dst, 3 * tag + 2, key)
+        self._sizes[("to", dst, tag)] = n
+        self.bytes_sent += n
+
+    def post(self, src: int, tag: int, is_int: bool = False) -> None:
+        """Post the receive of the message `tag` from `src` now, before it is needed, so that the
+        sender's ``isend`` writes it at once (only with `post_ahead`; else nothing)."""
+        if not self.post_ahead or src == self.rank or (src, tag) in self._posted:
+            return
+        self._posted[(src, tag)] = self._irecv_header(src, tag, is_int)
 
     def recv_tensor(self, src: int, tag: int) -> torch.Tensor:
         """The tensor sent to this rank with `tag` (detached; requires_grad as the sender's)."""
         if src == self.rank:
             x = self._local.pop(tag)
             return x.detach().requires_grad_(x.requires_grad)
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=src, tag=2 * tag)
+        posted = self._posted.pop((src, tag), None) or self._irecv_header(src, tag, False)
+        posted.header_work.wait()
+        header = posted.header
         if int(header[0]) == _POISON:
+            self._poison.append((posted.payload_work, posted.payload))
             raise PeerFailure(src, int(header[2]), int(header[3]))
         x = empty_from_header(header, self.device)
-        grad = x.requires_grad
-        dist.recv(x.requires_grad_(False), src=src, tag=2 * tag + 1)
+        grad, n = x.requires_grad, x.numel() * x.element_size()
+        self._sizes[("from", src, tag)] = n
+        if posted.payload is not None:
+            posted.payload_work.wait()
+            if posted.payload.numel() == n:
+                return posted.payload.view(x.dtype).view(x.shape).requires_grad_(grad)
+        dist.recv(x.requires_grad_(False).reshape(-1).view(torch.uint8), src=src, tag=3 * tag + 2)
         return x.requires_grad_(grad)
+
+    def _irecv_header(self, src: int, tag: int, is_int: bool) -> "_Posted":
+        if is_int:
+            buf = torch.empty(1, dtype=torch.int64, device=self.device)
+            return _Posted(buf, dist.irecv(buf, src=src, tag=3 * tag), None, None)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        work = dist.irecv(header, src=src, tag=3 * tag)
+        agreed = self._agreed.get(("from", src, tag)) if self.post_ahead else None
+        if agreed is None:
+            return _Posted(header, work, None, None)
+        payload = torch.empty(agreed, dtype=torch.uint8, device=self.device)
+        return _Posted(header, work, payload, dist.irecv(payload, src=src, tag=3 * tag + 1))
 
     # -- ints ---------------------------------------------------------------------------------
     def send_int(self, value: int, dst: int, tag: int, key: Any = None) -> None:
         if dst == self.rank:
             self._local[tag] = int(value)
             return
-        self._isend(torch.tensor([int(value)], dtype=torch.int64, device=self.device), dst, 2 * tag, key)
+        self._isend(torch.tensor([int(value)], dtype=torch.int64, device=self.device), dst, 3 * tag, key)
 
     def recv_int(self, src: int, tag: int) -> int:
         if src == self.rank:
             return self._local.pop(tag)
-        buf = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(buf, src=src, tag=2 * tag)
-        if int(buf.item()) == _INT_POISON:
+        posted = self._posted.pop((src, tag), None) or self._irecv_header(src, tag, True)
+        posted.header_work.wait()
+        value = int(posted.header.item())
+        if value == _INT_POISON:
             raise PeerFailure(src)
-        return int(buf.item())
+        return value
 
     # -- failure --------------------------------------------------------------------------------
     def send_poison(self, dst: int, tag: int, is_int: bool, stage: int, micro: int) -> None:
@@ -128,14 +189,18 @@ class Mailbox:
             buf = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
             buf[0], buf[1], buf[2], buf[3] = _POISON, self.rank, stage, micro
         try:
-            self._poison.append((dist.isend(buf, dst=dst, tag=2 * tag), buf))
+            self._poison.append((dist.isend(buf, dst=dst, tag=3 * tag), buf))
         except Exception:  # noqa: BLE001 - the peer may be gone already; the local error is what matters
             pass
 
     def abandon(self) -> None:
         """Forget the step's messages after a failure (nothing is waited for). Sends still in flight
-        stay referenced (a peer may be about to receive one: dropping its buffer would lose it)."""
+        and receives posted ahead stay referenced (a peer may be about to deliver one: dropping its
+        buffer would lose it, or let it write into freed memory)."""
         self._poison.extend((work, x) for work, x, *_ in self._pending)
+        for p in self._posted.values():
+            self._poison.extend([(p.header_work, p.header), (p.payload_work, p.payload)])
+        self._posted.clear()
         self._pending.clear()
         self._local.clear()
         self.held_bytes = 0
@@ -171,3 +236,12 @@ class Mailbox:
             leftover = sorted(self._local)
             self._local.clear()
             raise RuntimeError(f"pipeline: in-memory messages were never received (tags {leftover[:5]})")
+
+
+@dataclass
+class _Posted:
+    """A message's receives: its header (or int) and, when a size is agreed, its payload's."""
+    header: torch.Tensor
+    header_work: Any
+    payload: Optional[torch.Tensor]
+    payload_work: Any
