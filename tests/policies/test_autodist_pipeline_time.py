@@ -57,3 +57,45 @@ def test_stages_running_together_slow_each_other_below_the_core_count():
     slower = step_seconds([f, f], [b, b], m, threads_per_stage=1, cores=2, contention=1.2)
     # the steady state runs both stages (1.2x slower each); the bubble one alone, at its own speed
     assert free * 1.05 < slower < free * 1.2
+
+
+def _gpt_graph(n_layer=2):
+    import gpt
+    from nnscaler.ir import trace
+    cfg = gpt.GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, block_size=8, vocab_size=64)
+    return trace(gpt.GPT(cfg), gpt.random_batch(0, 2, cfg))
+
+
+def test_a_tied_embedding_is_shared_by_the_stages_that_read_it():
+    from nnscaler.policies.autodist.pipeline_solver import shared_across_stages
+    from nnscaler.policies.pipeline import pivot_leads
+    graph = _gpt_graph()
+    leads = [c for c in pivot_leads(graph, "Block") if c > 0]
+    assert shared_across_stages(graph, []) == []  # one stage: nothing to sync across stages
+    # the GPT's head is tied to the token embedding: read in the first stage and the last
+    wte = 64 * 32 * 4
+    assert shared_across_stages(graph, leads[1:2]) == [(wte, 2)]
+    assert shared_across_stages(graph, leads) == [(wte, 2)]  # the middle stage does not read it
+
+
+def test_the_step_adds_what_follows_the_schedule():
+    from nnscaler.policies.autodist.pipeline_solver import cut_pipeline
+    from nnscaler.policies.pipeline import pivot_leads
+    from nnscaler.policies.autodist.policy import _Search
+    from nnscaler.policies.autodist.config import AutodistConfig
+    from nnscaler.policies.autodist.comm_model import CommModel
+    from nnscaler.ir import ComputeConfig
+    graph = _gpt_graph()
+    cfg = AutodistConfig.from_compute_config(ComputeConfig(2, 2, use_end2end=True, pas_config={"update_freq": 4}))
+    comm = CommModel({"backend": "given", "collectives": {
+        c: {"2": [1e-5, 5e9]} for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}})
+    s = _Search(graph, cfg)
+    problem = s.problem(1, comm)
+    sol = s.spmd(problem, None)
+    leads = pivot_leads(graph, "Block")
+    p2p = lambda b: comm.time("p2p", b, 2)  # noqa: E731
+    plain = cut_pipeline(graph, problem, sol, 2, leads, 4, None, p2p)
+    seen = []
+    tailed = cut_pipeline(graph, problem, sol, 2, leads, 4, None, p2p, tail=lambda ls: seen.append(ls) or 0.5)
+    assert seen == [plain.leads]
+    assert tailed.step_time == pytest.approx(plain.step_time + 0.5)

@@ -8,7 +8,11 @@ pivot starts minimising the slowest stage (its ops, the edges into them and the 
 messages at both its boundaries) under the memory limit, where stage k of s keeps the activations of
 ``min(s - k, nmicros)`` micro-batches in flight (1f1b). Estimated step time: the 1f1b schedule
 played out with the stages' forward and backward times, the messages' latency between them and
-the local processes sharing the CPU (`pipeline_time`), the bubble included.
+the local processes sharing the CPU (`pipeline_time`), the bubble included, then what follows
+the schedule on every step (`tail`): the step-level costs of the SPMD plan (tensors read by
+several ops: their data-parallel sync and optimizer update, the reducer's bucket latencies), the
+gradient all-reduce of a module tensor read in several stages (a tied embedding) across those
+stages, and the two broadcasts of the step's outputs (runtime.pipeline.finals).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from .cost_model import Problem, nbytes
 from .pipeline_time import PipelineTiming
 from .spmd_solver import Solution
 
-__all__ = ["StagePlan", "cut_pipeline"]
+__all__ = ["StagePlan", "cut_pipeline", "shared_across_stages"]
 
 
 @dataclass
@@ -78,12 +82,28 @@ def _boundary_time(graph: IRGraph, cut: int, tp: int, p2p: Callable[[float], flo
 _HEADER_BYTES = 8 * 15  # runtime.pipeline.p2p.HEADER_LEN int64s
 
 
+def shared_across_stages(graph: IRGraph, leads: Sequence[int]) -> List[Tuple[float, int]]:
+    """(bytes, number of stages) of each trainable module tensor read in more than one of the
+    stages that start at op indices `leads` (a tied embedding)."""
+    trainable = {spec.value.id for spec in graph.tensor_specs() if spec.requires_grad}
+    stages: dict = {}
+    for i, node in enumerate(graph.nodes):
+        k = sum(1 for c in leads if c <= i)
+        for r in node.input_refs():
+            if r.id in trainable:
+                stages.setdefault(r.id, set()).add(k)
+    return [(nbytes(graph.values[v].shape, graph.values[v].dtype), len(ks)) for v, ks in sorted(stages.items())
+            if len(ks) > 1]
+
+
 def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, leads: Sequence[int], nmicros: int,
                  mem_limit: Optional[float], p2p: Callable[[float], float],
-                 timing: Optional[PipelineTiming] = None) -> Optional[StagePlan]:
+                 timing: Optional[PipelineTiming] = None,
+                 tail: Optional[Callable[[Sequence[int]], float]] = None) -> Optional[StagePlan]:
     """The best cut of `graph` into `nstages` stages for the SPMD plan `sol` (on tp devices), or
     None when no cut fits the memory limit. The cut minimises the slowest stage; the step time
-    plays the schedule out (`pipeline_time`, with `timing`)."""
+    plays the schedule out (`pipeline_time`, with `timing`) and adds ``tail(stage leads)``, the
+    seconds every step spends after the schedule."""
     tp = problem.n
     t, pm, am = _per_node(graph, problem, sol)
     n = len(graph.nodes)
@@ -139,4 +159,5 @@ def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, 
     compute = [pre_t[points[b] if b < len(points) else n] - pre_t[points[a]] for a, b in bounds]  # messages apart
     lat = [messages[c] for c in leads_out]
     step = (timing or PipelineTiming()).seconds(compute, [f for f, _ in lat], [b for _, b in lat], nmicros)
+    step += tail(leads_out) if tail is not None else 0.0
     return StagePlan(nstages, tp, leads_out, list(times), list(mems), step)

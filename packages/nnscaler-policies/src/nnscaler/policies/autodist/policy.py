@@ -4,9 +4,10 @@ and can save, load and print it. Registered as ``pas_policy="autodist"``."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,7 +27,7 @@ from .graph_timing import calibration
 from .layers import tie_layers
 from .op_keys import op_keys
 from .op_profile import memory_bandwidth, optimizer_rate, optimizer_tensor_cost, profile_graph
-from .pipeline_solver import StagePlan, cut_pipeline
+from .pipeline_solver import StagePlan, cut_pipeline, shared_across_stages
 from .pipeline_time import PipelineTiming
 from .plan_file import OpRecord, PlanRecord, load_plan, op_shapes, save_plan
 from .report import format_plan
@@ -113,10 +114,23 @@ class _Search:
 _STAGE_BUDGETS = (1.0, 0.75, 0.5, 0.35, 0.25)
 
 
+def _pipeline_tail(graph: IRGraph, problem: Problem, cfg: AutodistConfig, comm) -> Callable[[Sequence[int]], float]:
+    """Seconds a pipelined step spends after its schedule, for a cut with stage `leads`: the SPMD
+    plan's step-level costs, the all-reduce of each tensor read in several stages across them,
+    and the two broadcasts of the step's outputs over the plan's devices (a tree of messages)."""
+    finals = 2 * max(1, math.ceil(math.log2(cfg.plan_ngpus))) * comm.time("p2p", 8 * 15, 2)
+
+    def tail(leads: Sequence[int]) -> float:
+        shared = sum(comm.time("all_reduce", b, n) for b, n in shared_across_stages(graph, leads))
+        return problem.const_time * cfg.nmicros + shared + finals
+    return tail
+
+
 def _pipeline(s: "_Search", graph: IRGraph, problem: Problem, k: int, leads, limit, comm):
     """(SPMD solution on the stage devices, best cut into k stages, or None for both; the least
     memory per device of the cuts tried)."""
     p2p = lambda b: comm.time("p2p", b, 2)  # noqa: E731
+    tail = _pipeline_tail(graph, problem, s.cfg, comm)
     budgets = [None] + ([limit * k * f for f in _STAGE_BUDGETS] if limit is not None else [])
     least = None
     for budget in budgets:
@@ -124,7 +138,7 @@ def _pipeline(s: "_Search", graph: IRGraph, problem: Problem, k: int, leads, lim
             sol = s.spmd(problem, budget)
         except NoPlanFits:
             break
-        cut = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, limit, p2p, s.pipeline_timing())
+        cut = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, limit, p2p, s.pipeline_timing(), tail)
         if cut is not None:
             return sol, cut, max(cut.stage_mem)
         free = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, None, p2p)
