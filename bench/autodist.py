@@ -25,7 +25,8 @@ One run, on this machine:
    sequence per rank per micro-batch, ``--pipe-nmicros``), the limit 90 % of the least memory
    autodist finds without a pipeline (dp or dp + ZeRO), pipelines searched at the block class,
    against dp, zero, pp R and (R = 4) pp2-dp2. **autodist's plan** for a limit: autodist searched at plan_ngpus 1, 2 and R
-   (data-parallel degree R / plan_ngpus) under the limit, the one with the lowest *estimated*
+   (data-parallel degree R / plan_ngpus) under the limit, with ``pipeline_pivots`` at the block
+   class (so every stage count of each unit is searched too), the one with the lowest *estimated*
    step time (the choice uses estimates only; plan_ngpus 1 is plain dp). The searches run here
    first (same cache, so rank 0 of the workers finds the same plan; the bench checks it).
    All plans then run in the same R processes (``cores // R`` threads each): ``--warmup`` steps,
@@ -346,11 +347,11 @@ def plan_quality(args, name: str, R: int, comm_cache_ok: bool) -> dict:
     fractions = [0.7, 0.8, 0.9]
     for frac in fractions:
         limits["no_dp"] = frac * dp_est["mem_bytes"] / GB
-        if _candidates(mc, R, micro, M, limits["no_dp"], None)[1] is not None:
+        if _candidates(mc, R, micro, M, limits["no_dp"], PIVOT[name])[1] is not None:
             break
     out["no_dp_fraction_of_dp_estimate"] = frac
     for lim_name, lim in limits.items():
-        cands, pick = _candidates(mc, R, micro, M, lim, None)
+        cands, pick = _candidates(mc, R, micro, M, lim, PIVOT[name])
         searches[lim_name] = {"limit_gb": lim, "candidates": cands, "pick": pick}
     # the pipeline's own least memory (for the record): pipeline_nstages R, no limit
     rec, _ = search_here(mc, R, R, micro, dict(autodist_pas(M, None, PIVOT[name]), pipeline_nstages=R))

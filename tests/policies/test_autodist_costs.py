@@ -159,3 +159,22 @@ def test_zero_prices_its_gather_and_copies_and_divides_the_optimizer(tmp_path, m
     # the same compute; ZeRO adds a gather per bucket (latency 1e-4 s here), so it is not free
     assert t_z != t_dp
     assert zero.const_time > dp.const_time
+
+
+def test_a_parameters_sync_and_update_are_marked_as_paid_once_a_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("NNSCALER_CACHE_DIR", str(tmp_path))
+
+    def problem(runtime):
+        cc = ComputeConfig(1, runtime, pas_config={"_comm_profile": {"backend": "t", "collectives": LINE},
+                                                   "_profile_repeats": 1})
+        s = _Search(gpt_graph(), AutodistConfig.from_compute_config(cc))
+        return s.problem(1, CommModel({"backend": "t", "collectives": LINE})), s.scale
+    (alone, scale_1), (dp, scale_4) = problem(1), problem(4)
+    for p in (alone, dp):
+        assert all(0.0 <= o <= t for op in p.ops for o, t in zip(op.once, op.time))
+    # one device: the optimizer update only; 4 data-parallel units: the gradient sync besides
+    once = lambda p, scale: sum(op.once[0] for op in p.ops) / scale  # noqa: E731
+    assert 0.0 < once(alone, scale_1) < once(dp, scale_4)
+    # what is not paid once is the same per micro-batch work (at each one's CPU sharing)
+    per_micro = lambda p, scale: sum(op.time[0] - op.once[0] for op in p.ops) / scale  # noqa: E731
+    assert per_micro(alone, scale_1) == pytest.approx(per_micro(dp, scale_4))

@@ -62,6 +62,9 @@ class OpVar:
     param_mem: List[float] = field(default_factory=list)
     act_mem: List[float] = field(default_factory=list)
     out_bytes: List[float] = field(default_factory=list)  # largest local output (transient memory)
+    # the part of `time` paid once a step, after the micro-batches (its parameters' data-parallel
+    # sync and optimizer update, per micro-batch like `time`): a pipeline pays it after its schedule
+    once: List[float] = field(default_factory=list)
 
     @property
     def labels(self) -> List[str]:
@@ -228,6 +231,7 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
             op.time.append(t)
             op.act_mem.append(act)
             op.param_mem.append(0.0)
+            op.once.append(0.0)
             op.mem.append(act)
             op.out_bytes.append(max(local, default=0.0))
         index[node.id] = len(ops)
@@ -306,7 +310,8 @@ def _price_module_tensor(pricer: _Pricer, problem: Problem, spec, value, uses) -
         local = size / pricer.n if shard is not None else size
         local_numel = numel / pricer.n if shard is not None else numel
         mem = pricer.param_state(local, local_numel, trainable)
-        t += pricer.dp_sync(local) + pricer.optimizer_step(local_numel) if trainable else 0.0
-        op.time[b] += t
+        once = pricer.dp_sync(local) + pricer.optimizer_step(local_numel) if trainable else 0.0
+        op.time[b] += t + once
+        op.once[b] += once
         op.mem[b] += mem
         op.param_mem[b] += mem

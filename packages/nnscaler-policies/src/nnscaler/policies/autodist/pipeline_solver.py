@@ -9,7 +9,8 @@ messages at both its boundaries) under the memory limit, where stage k of s keep
 ``min(s - k, nmicros)`` micro-batches in flight (1f1b). Estimated step time: the 1f1b schedule
 played out with the stages' forward and backward times, the messages' latency between them and
 the local processes sharing the CPU (`pipeline_time`), the bubble included, then what follows
-the schedule on every step (`tail`): the step-level costs of the SPMD plan (tensors read by
+the schedule on every step: each stage's parameters' data-parallel sync and optimizer update
+(the slowest stage's), and (`tail`) the step-level costs of the SPMD plan (tensors read by
 several ops: their data-parallel sync and optimizer update, the reducer's bucket latencies), the
 gradient all-reduce of a module tensor read in several stages (a tied embedding) across those
 stages, and the two broadcasts of the step's outputs (runtime.pipeline.finals).
@@ -41,21 +42,24 @@ class StagePlan:
 
 
 def _per_node(graph: IRGraph, problem: Problem, sol: Solution):
-    """Per graph position: (time, param memory, activation memory) of the chosen plan."""
+    """Per graph position: (time per micro-batch, the part of it paid once a step after the
+    schedule (per micro-batch), param memory, activation memory) of the chosen plan."""
     pos = {node.id: i for i, node in enumerate(graph.nodes)}
     t = [0.0] * len(graph.nodes)
+    once = [0.0] * len(graph.nodes)
     pm = [0.0] * len(graph.nodes)
     am = [0.0] * len(graph.nodes)
     for k, (op, c) in enumerate(zip(problem.ops, sol.pick)):
         i = pos[op.node.id]
-        t[i] += op.time[c]
+        t[i] += op.time[c] - op.once[c]
+        once[i] += op.once[c]
         pm[i] += op.param_mem[c]
         am[i] += op.act_mem[c]
     for e in problem.edges:
         t[pos[problem.ops[e.v].node.id]] += float(e.cost[sol.pick[e.u], sol.pick[e.v]])
         if e.mem is not None:  # a converted copy the consumer keeps: per micro-batch in flight
             am[pos[problem.ops[e.v].node.id]] += float(e.mem[sol.pick[e.u], sol.pick[e.v]])
-    return t, pm, am
+    return t, once, pm, am
 
 
 def _boundary_tensors(graph: IRGraph, cut: int, tp: int) -> List[Tuple[float, bool]]:
@@ -105,14 +109,15 @@ def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, 
     plays the schedule out (`pipeline_time`, with `timing`) and adds ``tail(stage leads)``, the
     seconds every step spends after the schedule."""
     tp = problem.n
-    t, pm, am = _per_node(graph, problem, sol)
+    t, once, pm, am = _per_node(graph, problem, sol)
     n = len(graph.nodes)
     points = [0] + sorted({c for c in leads if 0 < c < n})
     if len(points) < nstages:
         return None
-    pre_t, pre_p, pre_a = [0.0], [0.0], [0.0]
+    pre_t, pre_o, pre_p, pre_a = [0.0], [0.0], [0.0], [0.0]
     for i in range(n):
-        pre_t.append(pre_t[-1] + t[i])
+        pre_t.append(pre_t[-1] + t[i] + once[i])  # the cut balances the stages' whole work
+        pre_o.append(pre_o[-1] + once[i])
         pre_p.append(pre_p[-1] + pm[i])
         pre_a.append(pre_a[-1] + am[i])
     messages = {c: _boundary_time(graph, c, tp, p2p) for c in points[1:]}
@@ -156,8 +161,11 @@ def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, 
     bounds.reverse()
     times, mems = zip(*(stage_cost(k, a, b) for k, (a, b) in enumerate(bounds)))
     leads_out = [points[a] for a, _ in bounds[1:]]
-    compute = [pre_t[points[b] if b < len(points) else n] - pre_t[points[a]] for a, b in bounds]  # messages apart
+    ends = [(points[a], points[b] if b < len(points) else n) for a, b in bounds]
+    # per micro-batch, messages apart; the parameters' sync and update come after the schedule
+    compute = [pre_t[hi] - pre_t[lo] - (pre_o[hi] - pre_o[lo]) for lo, hi in ends]
+    after = max(pre_o[hi] - pre_o[lo] for lo, hi in ends) * nmicros
     lat = [messages[c] for c in leads_out]
     step = (timing or PipelineTiming()).seconds(compute, [f for f, _ in lat], [b for _, b in lat], nmicros)
-    step += tail(leads_out) if tail is not None else 0.0
+    step += after + (tail(leads_out) if tail is not None else 0.0)
     return StagePlan(nstages, tp, leads_out, list(times), list(mems), step)
