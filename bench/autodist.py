@@ -178,7 +178,7 @@ def _breakdown(graph, cfg, record, cut) -> dict:
     if cut is not None:
         return {"pipeline": True, "stage_time_s": cut.stage_time, "stage_mem_bytes": cut.stage_mem}
     s = _Search(graph, cfg)
-    comm = measured_comm_model({cfg.plan_ngpus, cfg.dp_size, cfg.runtime_ngpus}, s.device)
+    comm = measured_comm_model({cfg.plan_ngpus, cfg.dp_size, cfg.runtime_ngpus}, s.device, world=s.procs)
     problem = s.problem(cfg.plan_ngpus, comm)
     labels = {node.id: op.choice for node, op in zip(graph.nodes, record.ops)}
     pick = [op.labels.index(labels[op.node.id]) for op in problem.ops]
@@ -649,12 +649,13 @@ def main() -> None:
     # 0. the comm profile, measured once
     from nnscaler.policies.autodist.comm_profile import measured_comm_model
     from nnscaler.policies.autodist.op_profile import cache_dir
-    sizes = sorted({r for r in args.ranks} | {2})
     t0 = time.perf_counter()
-    comm = measured_comm_model(sizes, "cpu")
-    data["comm_profile"] = {"seconds": time.perf_counter() - t0, "group_sizes": sizes, "profile": comm.profile,
-                            "path": str(cache_dir() / "autodist")}
-    print(f"comm profile: {data['comm_profile']['seconds']:.1f} s for groups {sizes}", flush=True)
+    for R in sorted(args.ranks):  # every group size of an R-rank job, measured as that job runs them
+        comm = measured_comm_model([n for n in range(2, R + 1) if R % n == 0], "cpu", world=R)
+    data["comm_profile"] = {"seconds": time.perf_counter() - t0, "worlds": sorted(args.ranks),
+                            "profile": comm.profile, "path": str(cache_dir() / "autodist")}
+    print(f"comm profile: {data['comm_profile']['seconds']:.1f} s for jobs of {sorted(args.ranks)} processes",
+          flush=True)
     for c, table in comm.profile["collectives"].items():
         print("  " + c + ": " + ", ".join(f"n={n}: {lat * 1e6:.0f} us + B / {bw / 1e9:.2f} GB/s" for n, (lat, bw, *_) in table.items()))
     # 1. plan quality

@@ -49,6 +49,32 @@ def test_a_small_message_slower_than_a_larger_one_is_noise():
     assert monotone_points([[1e4, 3e-3], [1e5, 4e-4], [1e6, 1e-3]]) == [(1e4, 4e-4), (1e5, 4e-4), (1e6, 1e-3)]
 
 
+def test_a_group_in_a_larger_job_is_priced_as_measured_there():
+    alone, beside = [1e-4, 1e9, [[1e4, 1e-4], [1e6, 1e-3]]], [1e-3, 1e8, [[1e4, 1e-3], [1e6, 1e-2]]]
+    profile = {"backend": "t", "collectives": {"all_reduce": {"2": alone, "2/4": beside, "4": beside}}}
+    assert CommModel(profile).latency("all_reduce", 2) == pytest.approx(1e-4)  # no job size: the lone group
+    assert CommModel(profile, world=2).latency("all_reduce", 2) == pytest.approx(1e-4)
+    assert CommModel(profile, world=4).latency("all_reduce", 2) == pytest.approx(1e-3)  # 2 groups at once
+    assert CommModel(profile, world=8).latency("all_reduce", 2) == pytest.approx(1e-4)  # not measured: nearest size
+
+
+@pytest.mark.multiprocess
+def test_groups_of_a_larger_job_are_measured_all_at_once(tmp_path, monkeypatch):
+    from nnscaler.policies.autodist.comm_profile import measured_comm_model, profile_key
+    monkeypatch.setenv("NNSCALER_CACHE_DIR", str(tmp_path))
+    assert profile_key(2, 4) == "2/4" and profile_key(4, 4) == "4" and profile_key(2, None) == "2"
+    assert profile_key(3, 4) == "3"  # 4 ranks are not groups of 3
+    model = measured_comm_model([2], "cpu", world=4)  # 4 processes, 2 groups of 2 timing at once
+    for table in model.profile["collectives"].values():
+        assert set(table) == {"2/4"}
+        lat, bw, points = table["2/4"]
+        assert lat > 0 and bw > 0 and len(points) == 5 and all(t > 0 for _, t in points)
+    reduce = model.profile["collectives"]["all_reduce"]["2/4"]
+    assert model.world == 4 and model.latency("all_reduce", 2) == pytest.approx(min(t for _, t in reduce[2]))
+    again = measured_comm_model([2], "cpu", world=4)  # cached: the same numbers
+    assert again.profile == model.profile
+
+
 def test_a_collective_is_timed_inside_a_running_program(tmp_path):
     """`_in_program` prices a collective as what it adds to a chain of work, never below the
     collective's own fastest time (a real one-rank gloo group)."""
@@ -59,8 +85,8 @@ def test_a_collective_is_timed_inside_a_running_program(tmp_path):
         x = torch.ones(1 << 16)
         work = torch.randn(128, 128)
         for coll in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-            seconds = comm_profile._in_program(dist, coll, x, 1, 0, None, work, "gloo")
-            floor = min(_timed(lambda: comm_profile._run(dist, coll, x, 1, 0, None)) for _ in range(3))
+            seconds = comm_profile._in_program(dist, coll, x, 1, 0, 0, None, work, "gloo")
+            floor = min(_timed(lambda: comm_profile._run(dist, coll, x, 1, 0, 0, None)) for _ in range(3))
             assert 0 < seconds < 1.0
             assert seconds >= 0.2 * floor  # the fastest bare chain is the floor (timings vary run to run)
     finally:

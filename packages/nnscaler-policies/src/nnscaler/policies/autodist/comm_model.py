@@ -1,6 +1,8 @@
 """Communication time per collective and group size, from measurements.
 
-A profile is ``{"backend": ..., "format": 4, "collectives": {name: {str(n): entry}}}`` where an
+A profile is ``{"backend": ..., "format": 4, "collectives": {name: {key: entry}}}``, the key a
+group size ``"n"`` (measured alone) or ``"n/P"`` (n in a job of P local processes, P / n groups
+at once: `comm_profile.profile_key`), where an
 entry is ``[latency_s, bytes_per_s]`` (a straight line: ``latency + wire / bandwidth``) or
 ``[latency_s, bytes_per_s, [[wire, seconds], ...]]`` with the measured points. Bytes are the
 ring algorithm's wire bytes per rank (`nnscaler.ir.COST_MODELS["ring"]`). With points, a time
@@ -40,11 +42,16 @@ def monotone_points(points) -> List[Tuple[float, float]]:
 
 @dataclass
 class CommModel:
+    """`profile`'s times; `world`: the job's local processes, so a group of n < world is priced
+    as measured with world / n groups at once (key ``"n/world"``) where the profile has it."""
     profile: dict = field(default_factory=lambda: DEFAULT_PROFILE)
+    world: int = 0
 
     def _entry(self, collective: str, n: int) -> list:
         table: Dict[str, list] = self.profile["collectives"].get(collective) or self.profile["collectives"]["all_reduce"]
-        sizes = sorted(int(k) for k in table)
+        if self.world > n and f"{n}/{self.world}" in table:
+            return table[f"{n}/{self.world}"]
+        sizes = sorted(int(k) for k in table if "/" not in k)
         best = min(sizes, key=lambda s: (abs(s - n), -s))
         return table[str(best)]
 

@@ -1,11 +1,15 @@
 """Measure the backend's collectives: latency and bandwidth per collective and group size.
 
-`measured_comm_model(sizes, device)` returns a `CommModel` for groups of the given sizes, from
-``<cache>/autodist/comm-<device>.json`` when it holds them, else by starting ``max(sizes)``
-local processes (gloo on CPU, NCCL on CUDA) that time what each collective adds to a running
-program at five message sizes, 16 KiB to 16 MiB (`_in_program`); the model reads times off these
-points (`CommModel`), and a least-squares line ``latency + wire_bytes / bandwidth`` is kept beside
-them. The result is cached; ``re_profile`` measures again (so does a cache of an older format).
+`measured_comm_model(sizes, device, world=P)` returns a `CommModel` for groups of the given
+sizes in a job of P local processes, from ``<cache>/autodist/comm-<device>.json`` when it holds
+them, else by starting local processes (gloo on CPU, NCCL on CUDA) that time what each
+collective adds to a running program at five message sizes, 16 KiB to 16 MiB (`_in_program`); the
+model reads times off these points (`CommModel`), and a least-squares line ``latency + wire_bytes /
+bandwidth`` is kept beside them. A group of n < P is measured as the job runs it: P processes in
+P / n groups, all of them working and communicating at once (key ``"n/P"``); 4 processes on 2
+cores ran a 2-stage x 2 data-parallel GPT's gradient sync and output broadcasts in 15 ms where
+pairs measured alone priced 4. The result is cached; ``re_profile`` measures again (so does a
+cache of an older format).
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import torch
 
@@ -24,7 +28,7 @@ from nnscaler.ir import COST_MODELS, atomic_write
 from .comm_model import COLLECTIVES, CommModel, DEFAULT_PROFILE
 from .op_profile import cache_dir, device_key
 
-__all__ = ["measured_comm_model", "measure"]
+__all__ = ["measured_comm_model", "measure", "profile_key"]
 
 _SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # full tensor bytes: latency- to bandwidth-bound
 _FORMAT = 4  # the points are in-program costs (`_in_program`)
@@ -41,7 +45,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str, sizes, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, n: int, out_dir: str) -> None:
+    """One of `world` processes, in world / n groups of n consecutive ranks, each group timing the
+    collectives at once; rank 0 writes its group's points."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
@@ -49,29 +55,28 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes, out_dir: str)
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result: Dict[str, Dict[str, list]] = {}
-        for n in sizes:
-            group = dist.new_group(list(range(n)))
-            if rank >= n:
-                continue
-            work = torch.randn(128, 128, device=device)
-            for coll in COLLECTIVES:
-                points = []
-                for full in _SIZES:
-                    elems = max(n, full // 4 // n * n)
-                    x = torch.ones(elems, device=device)
-                    seconds = _in_program(dist, coll, x, n, rank, group, work, backend)
-                    wire = elems * 4 if coll == "p2p" else COST_MODELS["ring"](coll, elems * 4, n)
-                    points.append((wire, seconds))
-                result.setdefault(coll, {})[str(n)] = [*_fit(points), [list(p) for p in points]]
+        groups = [dist.new_group(list(range(b, b + n))) for b in range(0, world, n)]  # every rank creates each
+        base = rank - rank % n
+        group = groups[rank // n]
+        result: Dict[str, list] = {}
+        work = torch.randn(128, 128, device=device)
+        for coll in COLLECTIVES:
+            points = []
+            for full in _SIZES:
+                elems = max(n, full // 4 // n * n)
+                x = torch.ones(elems, device=device)
+                seconds = _in_program(dist, coll, x, n, rank - base, base, group, work, backend)
+                wire = elems * 4 if coll == "p2p" else COST_MODELS["ring"](coll, elems * 4, n)
+                points.append((wire, seconds))
+            result[coll] = [*_fit(points), [list(p) for p in points]]
         if rank == 0:
-            Path(out_dir, "comm.json").write_text(json.dumps({"collectives": result}))
+            Path(out_dir, "comm.json").write_text(json.dumps(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _in_program(dist, coll: str, x, n: int, rank: int, group, work, backend: str) -> float:
+def _in_program(dist, coll: str, x, n: int, rank: int, base: int, group, work, backend: str) -> float:
     """Seconds one `coll` on `x` adds to a running program: a chain of (a short work, the
     collective) timed against the same work alone, the medians' difference, and at least the
     fastest chain of the collective alone. Right after a barrier a collective is cheaper than in
@@ -86,7 +91,7 @@ def _in_program(dist, coll: str, x, n: int, rank: int, group, work, backend: str
                 for _ in range(_WORK_MATMULS):
                     work @ work
             if with_coll:
-                _run(dist, coll, x, n, rank, group)
+                _run(dist, coll, x, n, rank, base, group)
             if backend == "nccl":
                 torch.cuda.synchronize()
         return (time.perf_counter() - t) / _CHAIN
@@ -124,7 +129,8 @@ def _fit(points):
     return lat, 1.0 / slope
 
 
-def _run(dist, coll, x, n, rank, group):
+def _run(dist, coll, x, n, rank, base, group):
+    """`coll` on `x` in `group` (ranks base .. base + n - 1; `rank` within the group)."""
     if coll == "all_reduce":
         dist.all_reduce(x, group=group)
     elif coll == "all_gather":
@@ -136,17 +142,24 @@ def _run(dist, coll, x, n, rank, group):
     elif coll == "all_to_all":
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=group)
-    else:  # p2p: rank 0 sends to rank 1
+    else:  # p2p: the group's first rank sends to its second
         if rank == 0:
-            dist.send(x, 1, group=group)
+            dist.send(x, base + 1, group=group)
         elif rank == 1:
-            dist.recv(x, 0, group=group)
+            dist.recv(x, base, group=group)
 
 
-def measure(sizes: Iterable[int], device: str = "cpu", timeout: float = 300.0) -> dict:
-    """Measure every collective on groups of `sizes`, each size on its own `n` local processes:
-    a group of 2 measured inside a world of 4 ran beside two waiting processes that took CPU
-    from it (5x a lone pair's time for 256 KiB on 2 cores).
+def profile_key(n: int, world: Optional[int]) -> str:
+    """The profile's key of a group of `n` in a job of `world` local processes: ``"n/world"``
+    when several such groups run at once, else ``"n"``."""
+    return f"{n}/{world}" if world and n < world and world % n == 0 else str(n)
+
+
+def measure(sizes: Iterable[int], device: str = "cpu", timeout: float = 300.0, world: Optional[int] = None) -> dict:
+    """Measure every collective on groups of `sizes`: a group of n alone on n local processes,
+    or, in a job of `world` > n local processes (a multiple of n), world / n such groups at once
+    (`profile_key`). Not a group of n beside world - n idle processes: those took CPU from it
+    (5x a lone pair's time for 256 KiB on 2 cores).
 
     The processes run this module (``python -m``), not the user's script, so nothing of the
     user's program is re-executed."""
@@ -154,13 +167,14 @@ def measure(sizes: Iterable[int], device: str = "cpu", timeout: float = 300.0) -
     backend = "nccl" if device.startswith("cuda") else "gloo"
     collectives: Dict[str, Dict[str, list]] = {}
     for n in sizes:
-        got = _measure_world(n, backend, timeout)
-        for coll, table in got["collectives"].items():
-            collectives.setdefault(coll, {}).update(table)
+        key = profile_key(n, world)
+        got = _measure_world(world if "/" in key else n, n, backend, timeout)
+        for coll, entry in got.items():
+            collectives.setdefault(coll, {})[key] = entry
     return {"backend": backend, "format": _FORMAT, "collectives": collectives}
 
 
-def _measure_world(world: int, backend: str, timeout: float) -> dict:
+def _measure_world(world: int, n: int, backend: str, timeout: float) -> dict:
     import subprocess
     import sys
     import tempfile
@@ -171,7 +185,7 @@ def _measure_world(world: int, backend: str, timeout: float) -> dict:
            if k not in _JOB_VARS and not k.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
     with tempfile.TemporaryDirectory() as tmp:
         procs = [subprocess.Popen([sys.executable, "-m", __name__, str(rank), str(world), str(port), backend,
-                                   str(world), tmp],
+                                   str(n), tmp],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
                  for rank in range(world)]
         errors = []
@@ -184,16 +198,18 @@ def _measure_world(world: int, backend: str, timeout: float) -> dict:
             if p.returncode:
                 errors.append(err.decode(errors="replace")[-2000:])
         if errors:
-            raise RuntimeError(f"autodist: measuring {backend} collectives on {world} local processes failed "
+            raise RuntimeError(f"autodist: measuring {backend} collectives on {world} local processes (groups of "
+                               f"{n}) failed "
                                f"(pass pas_config['_comm_profile'] to skip measuring):\n{errors[0]}")
         return json.loads(Path(tmp, "comm.json").read_text())
 
 
 def measured_comm_model(sizes: Iterable[int], device: str = "cpu", re_profile: bool = False,
-                        given: dict = None) -> CommModel:
-    """A CommModel for groups of `sizes`: `given` profile, else cached, else measured now."""
+                        given: dict = None, world: Optional[int] = None) -> CommModel:
+    """A CommModel for groups of `sizes` in a job of `world` local processes: `given` profile,
+    else cached, else measured now."""
     if given is not None:
-        return CommModel(given)
+        return CommModel(given, world=world or 0)
     sizes = sorted({int(s) for s in sizes if s > 1})
     if not sizes:
         return CommModel(DEFAULT_PROFILE)
@@ -207,19 +223,19 @@ def measured_comm_model(sizes: Iterable[int], device: str = "cpu", re_profile: b
     if cached.get("format") != _FORMAT:
         cached = {}
     have = cached.get("collectives", {}).get("all_reduce", {})
-    missing = [s for s in sizes if str(s) not in have]
+    missing = [s for s in sizes if profile_key(s, world) not in have]
     if missing or not cached:
-        fresh = measure(missing or sizes, device)
+        fresh = measure(missing or sizes, device, world=world)
         merged = cached.get("collectives", {}) if cached else {}
         for coll, table in fresh["collectives"].items():
             merged.setdefault(coll, {}).update(table)
         cached = {"backend": fresh["backend"], "format": _FORMAT, "collectives": merged}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(cached, sort_keys=True).encode())
-    return CommModel(cached)
+    return CommModel(cached, world=world or 0)
 
 
 if __name__ == "__main__":
     import sys
-    _rank, _world, _port_, _backend, _sizes, _out = sys.argv[1:7]
-    _worker(int(_rank), int(_world), int(_port_), _backend, [int(x) for x in _sizes.split(",")], _out)
+    _rank, _world, _port_, _backend, _n, _out = sys.argv[1:7]
+    _worker(int(_rank), int(_world), int(_port_), _backend, int(_n), _out)
