@@ -1,6 +1,6 @@
 """Communication time per collective and group size, from measurements.
 
-A profile is ``{"backend": ..., "format": 4, "collectives": {name: {key: entry}}}``, the key a
+A profile is ``{"backend": ..., "format": 5, "collectives": {name: {key: entry}}}``, the key a
 group size ``"n"`` (measured alone) or ``"n/P"`` (n in a job of P local processes, P / n groups
 at once: `comm_profile.profile_key`), where an
 entry is ``[latency_s, bytes_per_s]`` (a straight line: ``latency + wire / bandwidth``) or

@@ -31,7 +31,7 @@ from .op_profile import cache_dir, device_key
 __all__ = ["measured_comm_model", "measure", "profile_key"]
 
 _SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # full tensor bytes: latency- to bandwidth-bound
-_FORMAT = 4  # the points are in-program costs (`_in_program`)
+_FORMAT = 5  # in-program costs (`_in_program`), p2p with the receive posted ahead
 _WORK_MATMULS = 16  # the work before each collective of a chain (about 0.7 ms on one CPU core)
 _CHAIN = 6  # collectives per timed chain
 _REPEATS = 5  # timed chains of each kind per size (after one warm-up)
@@ -82,18 +82,31 @@ def _in_program(dist, coll: str, x, n: int, rank: int, base: int, group, work, b
     fastest chain of the collective alone. Right after a barrier a collective is cheaper than in
     a program: there the ranks arrive apart, a rank that waited has to be woken, and on an
     oversubscribed CPU the others' work takes its core (2 cores: a 16 KiB all-gather over 2
-    ranks, 0.2 ms after a barrier, 0.8 ms in a chain)."""
+    ranks, 0.2 ms after a barrier, 0.8 ms in a chain). A point-to-point message goes as the
+    pipeline runtime sends it, its receive posted before the work: a blocking send and receive
+    waited for the sender's gloo thread, 3.2 ms for 16 KiB with 4 processes on 2 cores."""
     def chain(with_work: bool, with_coll: bool) -> float:
         dist.barrier(group=group)
         t = time.perf_counter()
+        sends = []
         for _ in range(_CHAIN):
+            # a point-to-point message as the pipeline runtime sends it: the receive posted before
+            # the work, the send not waited for (runtime/pipeline/p2p.py)
+            recv = dist.irecv(x, base, group=group) if with_coll and coll == "p2p" and rank == 1 else None
             if with_work:
                 for _ in range(_WORK_MATMULS):
                     work @ work
-            if with_coll:
+            if with_coll and coll == "p2p":
+                if rank == 0:
+                    sends.append(dist.isend(x, base + 1, group=group))
+                elif recv is not None:
+                    recv.wait()
+            elif with_coll:
                 _run(dist, coll, x, n, rank, base, group)
             if backend == "nccl":
                 torch.cuda.synchronize()
+        for req in sends:
+            req.wait()
         return (time.perf_counter() - t) / _CHAIN
 
     chain(True, True)  # warm-up
