@@ -116,12 +116,13 @@ _STAGE_BUDGETS = (1.0, 0.75, 0.5, 0.35, 0.25)
 
 def _pipeline_tail(graph: IRGraph, problem: Problem, cfg: AutodistConfig, comm) -> Callable[[Sequence[int]], float]:
     """Seconds a pipelined step spends after its schedule, for a cut with stage `leads`: the SPMD
-    plan's step-level costs, the all-reduce of each tensor read in several stages across them,
-    and the two broadcasts of the step's outputs over the plan's devices (a tree of messages)."""
+    plan's step-level costs, the all-reduce of each tensor read in several stages across them
+    (and the data-parallel units), and the two broadcasts of the step's outputs over the plan's devices (a tree of messages)."""
     finals = 2 * max(1, math.ceil(math.log2(cfg.plan_ngpus))) * comm.time("p2p", 8 * 15, 2)
 
     def tail(leads: Sequence[int]) -> float:
-        shared = sum(comm.time("all_reduce", b, n) for b, n in shared_across_stages(graph, leads))
+        # over the holders in every data-parallel unit (runtime/pipeline_grads.py: one group)
+        shared = sum(comm.time("all_reduce", b, n * cfg.dp_size) for b, n in shared_across_stages(graph, leads))
         return problem.const_time * cfg.nmicros + shared + finals
     return tail
 
