@@ -78,24 +78,41 @@ def test_a_tied_embedding_is_shared_by_the_stages_that_read_it():
     assert shared_across_stages(graph, leads) == [(wte, 2)]  # the middle stage does not read it
 
 
-def test_the_step_adds_what_follows_the_schedule():
-    from nnscaler.policies.autodist.pipeline_solver import cut_pipeline
-    from nnscaler.policies.pipeline import pivot_leads
-    from nnscaler.policies.autodist.policy import _Search
-    from nnscaler.policies.autodist.config import AutodistConfig
-    from nnscaler.policies.autodist.comm_model import CommModel
+def _stage_case():
     from nnscaler.ir import ComputeConfig
+    from nnscaler.policies.autodist.comm_model import CommModel
+    from nnscaler.policies.autodist.config import AutodistConfig
+    from nnscaler.policies.autodist.policy import _Search
+    from nnscaler.policies.pipeline import pivot_leads
     graph = _gpt_graph()
     cfg = AutodistConfig.from_compute_config(ComputeConfig(2, 2, use_end2end=True, pas_config={"update_freq": 4}))
     comm = CommModel({"backend": "given", "collectives": {
         c: {"2": [1e-5, 5e9]} for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}})
     s = _Search(graph, cfg)
     problem = s.problem(1, comm)
-    sol = s.spmd(problem, None)
-    leads = pivot_leads(graph, "Block")
-    p2p = lambda b: comm.time("p2p", b, 2)  # noqa: E731
+    return graph, problem, s.spmd(problem, None), pivot_leads(graph, "Block"), lambda b: comm.time("p2p", b, 2)
+
+
+def test_the_step_adds_what_follows_the_schedule():
+    from nnscaler.policies.autodist.pipeline_solver import cut_pipeline
+    graph, problem, sol, leads, p2p = _stage_case()
     plain = cut_pipeline(graph, problem, sol, 2, leads, 4, None, p2p)
     seen = []
     tailed = cut_pipeline(graph, problem, sol, 2, leads, 4, None, p2p, tail=lambda ls: seen.append(ls) or 0.5)
     assert seen == [plain.leads]
     assert tailed.step_time == pytest.approx(plain.step_time + 0.5)
+
+
+def test_a_stage_counts_its_transient_buffers_against_the_limit():
+    from nnscaler.policies.autodist.pipeline_solver import cut_pipeline
+    graph, problem, sol, leads, p2p = _stage_case()
+    bare = cut_pipeline(graph, problem, sol, 2, leads, 4, None, p2p)
+    with_buffers = cut_pipeline(graph, problem, sol, 2, leads, 4, None, p2p, transient_coef=1.0)
+    assert bare.stage_transient == [0.0, 0.0]
+    # each stage: its two largest outputs (the last stage holds the logits)
+    assert all(t > 0 for t in with_buffers.stage_transient)
+    assert with_buffers.stage_mem == pytest.approx([m + t for m, t in zip(bare.stage_mem, with_buffers.stage_transient)])
+    # a limit the stages meet only without their buffers: no cut
+    limit = max(bare.stage_mem) + 0.5 * min(with_buffers.stage_transient)
+    assert cut_pipeline(graph, problem, sol, 2, leads, 4, limit, p2p) is not None
+    assert cut_pipeline(graph, problem, sol, 2, leads, 4, limit, p2p, transient_coef=1.0) is None

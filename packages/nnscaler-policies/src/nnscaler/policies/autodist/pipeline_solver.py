@@ -18,7 +18,7 @@ stages, and the two broadcasts of the step's outputs (runtime.pipeline.finals).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from nnscaler.ir import IRGraph
@@ -37,29 +37,33 @@ class StagePlan:
     tp_size: int
     leads: List[int]  # op indices (in graph.nodes) where stages 1.. start
     stage_time: List[float]
-    stage_mem: List[float]
+    stage_mem: List[float]  # bytes per device, the stage's transient buffers included
     step_time: float  # estimated seconds for nmicros micro-batches
+    stage_transient: List[float] = field(default_factory=list)  # the transient part of stage_mem
 
 
 def _per_node(graph: IRGraph, problem: Problem, sol: Solution):
     """Per graph position: (time per micro-batch, the part of it paid once a step after the
-    schedule (per micro-batch), param memory, activation memory) of the chosen plan."""
+    schedule (per micro-batch), param memory, activation memory, largest output) of the chosen
+    plan."""
     pos = {node.id: i for i, node in enumerate(graph.nodes)}
     t = [0.0] * len(graph.nodes)
     once = [0.0] * len(graph.nodes)
     pm = [0.0] * len(graph.nodes)
     am = [0.0] * len(graph.nodes)
+    out = [0.0] * len(graph.nodes)
     for k, (op, c) in enumerate(zip(problem.ops, sol.pick)):
         i = pos[op.node.id]
         t[i] += op.time[c] - op.once[c]
         once[i] += op.once[c]
+        out[i] = max(out[i], op.out_bytes[c] if op.out_bytes else 0.0)
         pm[i] += op.param_mem[c]
         am[i] += op.act_mem[c]
     for e in problem.edges:
         t[pos[problem.ops[e.v].node.id]] += float(e.cost[sol.pick[e.u], sol.pick[e.v]])
         if e.mem is not None:  # a converted copy the consumer keeps: per micro-batch in flight
             am[pos[problem.ops[e.v].node.id]] += float(e.mem[sol.pick[e.u], sol.pick[e.v]])
-    return t, once, pm, am
+    return t, once, pm, am, out
 
 
 def _boundary_tensors(graph: IRGraph, cut: int, tp: int) -> List[Tuple[float, bool]]:
@@ -103,13 +107,15 @@ def shared_across_stages(graph: IRGraph, leads: Sequence[int]) -> List[Tuple[flo
 def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, leads: Sequence[int], nmicros: int,
                  mem_limit: Optional[float], p2p: Callable[[float], float],
                  timing: Optional[PipelineTiming] = None,
-                 tail: Optional[Callable[[Sequence[int]], float]] = None) -> Optional[StagePlan]:
+                 tail: Optional[Callable[[Sequence[int]], float]] = None,
+                 transient_coef: float = 0.0) -> Optional[StagePlan]:
     """The best cut of `graph` into `nstages` stages for the SPMD plan `sol` (on tp devices), or
     None when no cut fits the memory limit. The cut minimises the slowest stage; the step time
     plays the schedule out (`pipeline_time`, with `timing`) and adds ``tail(stage leads)``, the
-    seconds every step spends after the schedule."""
+    seconds every step spends after the schedule. A stage's memory includes its transient
+    buffers: `transient_coef` times its two largest outputs (as the SPMD solver counts them)."""
     tp = problem.n
-    t, once, pm, am = _per_node(graph, problem, sol)
+    t, once, pm, am, out = _per_node(graph, problem, sol)
     n = len(graph.nodes)
     points = [0] + sorted({c for c in leads if 0 < c < n})
     if len(points) < nstages:
@@ -120,9 +126,14 @@ def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, 
         pre_o.append(pre_o[-1] + once[i])
         pre_p.append(pre_p[-1] + pm[i])
         pre_a.append(pre_a[-1] + am[i])
+    bounds_of = points + [n]
+    seg_top = [sorted(out[bounds_of[j]:bounds_of[j + 1]], reverse=True)[:2] for j in range(len(points))]
     messages = {c: _boundary_time(graph, c, tp, p2p) for c in points[1:]}
     comm = {c: f + b for c, (f, b) in messages.items()}
     const_mem = problem.const_mem / max(1, nstages)
+
+    def transient(a: int, b: int) -> float:
+        return transient_coef * sum(sorted((x for j in range(a, b) for x in seg_top[j]), reverse=True)[:2])
 
     def stage_cost(k: int, a: int, b: int) -> Tuple[float, float]:  # stage k covers points[a]..points[b]
         lo, hi = points[a], (points[b] if b < len(points) else n)
@@ -130,7 +141,7 @@ def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, 
         # launched on its stream (NCCL), as the receiver's receive
         time_ = pre_t[hi] - pre_t[lo] + comm.get(lo, 0.0) + comm.get(hi, 0.0)
         mem = const_mem + pre_p[hi] - pre_p[lo] + (pre_a[hi] - pre_a[lo]) * min(nstages - k, nmicros)
-        return time_, mem
+        return time_, mem + transient(a, b)
 
     inf = math.inf
     P = len(points)
@@ -168,4 +179,4 @@ def cut_pipeline(graph: IRGraph, problem: Problem, sol: Solution, nstages: int, 
     lat = [messages[c] for c in leads_out]
     step = (timing or PipelineTiming()).seconds(compute, [f for f, _ in lat], [b for _, b in lat], nmicros)
     step += after + (tail(leads_out) if tail is not None else 0.0)
-    return StagePlan(nstages, tp, leads_out, list(times), list(mems), step)
+    return StagePlan(nstages, tp, leads_out, list(times), list(mems), step, [transient(a, b) for a, b in bounds])

@@ -139,10 +139,12 @@ def _pipeline(s: "_Search", graph: IRGraph, problem: Problem, k: int, leads, lim
             sol = s.spmd(problem, budget)
         except NoPlanFits:
             break
-        cut = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, limit, p2p, s.pipeline_timing(), tail)
+        cut = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, limit, p2p, s.pipeline_timing(), tail,
+                           s.cfg.transient_mem_coef)
         if cut is not None:
             return sol, cut, max(cut.stage_mem)
-        free = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, None, p2p)
+        free = cut_pipeline(graph, problem, sol, k, leads, s.cfg.nmicros, None, p2p,
+                            transient_coef=s.cfg.transient_mem_coef)
         if free is not None:
             least = max(free.stage_mem) if least is None else min(least, max(free.stage_mem))
     return None, None, least
@@ -179,18 +181,18 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
                 sol, cut, least = _pipeline(s, graph, problem, k, leads, limit, comm)
                 if cut is None:
                     if least is not None:
-                        smallest.append((least, f"as a {k}-stage pipeline"))
+                        smallest.append((least, f"as a {k}-stage pipeline, transient buffers included"))
                     continue
                 cand = (cut.step_time, k, problem, sol, cut)
         except NoPlanFits as e:
             if e.smallest is not None:
-                smallest.append((e.smallest, "without a pipeline"))
+                smallest.append((e.smallest, "without a pipeline, before transient buffers"))
             continue
         if best is None or cand[0] < best[0]:
             best = cand
     if best is None:
         least, how = min(smallest) if smallest else (None, "")
-        found = (f"; the smallest plan found needs {size_text(least)} ({how}, before transient buffers)"
+        found = (f"; the smallest plan found needs {size_text(least)} ({how})"
                  if least is not None else "")
         raise NoPlanFits(f"autodist: no plan fits mem_constraint = {size_text(limit)} per device for "
                          f"{graph.module_class}{found}. Raise mem_constraint, use more devices (plan_ngpus), set "
@@ -208,8 +210,12 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
     ops = [OpRecord(keys[node.id], node.target, node.module_path, labels.get(node.id, "R"), op_shapes(graph, node),
                     stage_of.get(node.id), *per_op.get(node.id, (0.0, 0.0)))
            for node in graph.nodes]
-    transient = _transient(problem, sol.pick, cfg.transient_mem_coef)
-    mem = (max(cut.stage_mem) if cut is not None else sol.mem) + transient
+    if cut is not None:  # the stage that needs the most, its own transient buffers included
+        top = max(range(len(cut.stage_mem)), key=cut.stage_mem.__getitem__)
+        mem, transient = cut.stage_mem[top], cut.stage_transient[top]
+    else:
+        transient = _transient(problem, sol.pick, cfg.transient_mem_coef)
+        mem = sol.mem + transient
     estimate = {"time_s": step, "mem_bytes": mem, "transient_bytes": transient, "search_s": time.perf_counter() - start,
                 "solver_s": sol.seconds, "profiled_ops": s.db.misses, "cached_ops": s.db.hits, "compute_scale": s.scale,
                 "compute_calibration": s.calibration}
