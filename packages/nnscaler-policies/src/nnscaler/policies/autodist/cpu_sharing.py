@@ -25,7 +25,7 @@ import torch
 
 from nnscaler.ir import IRGraph
 
-from .graph_timing import BLOCKS, _execute, _inputs, _program, block_runs, block_seconds
+from .graph_timing import _execute, _inputs, _program, block_runs, block_seconds
 from .op_profile import ProfileDB
 
 __all__ = ["cpu_scale", "shared_cores", "ENV"]
@@ -33,6 +33,11 @@ __all__ = ["cpu_scale", "shared_cores", "ENV"]
 ENV = "NNSCALER_AUTODIST_CPU_SHARING"
 _START_TIMEOUT = 20.0  # seconds the peers get to run the program once
 _MAX_FACTOR = 2.0  # a ratio above this times the plain division is a disturbed measurement
+
+
+# Blocks timed alone and beside the peers (medians): 3 gave 2.0-2.7 for the same 4 processes on
+# 2 cores from one graph to the next, enough to flip a choice between pipelines.
+_BLOCKS = 7
 
 
 def shared_cores() -> int:
@@ -55,7 +60,7 @@ def cpu_scale(graph: IRGraph, db: ProfileDB, device: str, procs: int, threads: i
         return 1.0, None
     if os.environ.get(ENV, "measure") == "plain":
         return plain, f"{ENV}=plain: the division of the cores, not measured"
-    key = f"__cpu_sharing__:{graph.fingerprint()}:{procs}x{threads}on{cores}"
+    key = f"__cpu_sharing__:{_BLOCKS}:{graph.fingerprint()}:{procs}x{threads}on{cores}"
     entry = db.cached(key, lambda: dict(zip(("alone", "busy"), _alone_and_busy(graph, device, peers))), re_profile)
     if "busy" not in entry:
         return plain, entry.get("error", "not measured")
@@ -89,7 +94,7 @@ def _alone_and_busy(graph: IRGraph, device: str, peers: int) -> Tuple[float, flo
     try:
         steps = _program(graph)
         runs = block_runs(graph, steps, device)
-        alone = statistics.median(block_seconds(graph, steps, device, runs) for _ in range(BLOCKS))
+        alone = statistics.median(block_seconds(graph, steps, device, runs) for _ in range(_BLOCKS))
     except Exception as e:  # noqa: BLE001 - a graph that cannot run whole
         raise RuntimeError(f"{type(e).__name__}: {e}"[:200]) from None
     ctx = multiprocessing.get_context("fork")
@@ -111,7 +116,7 @@ def _alone_and_busy(graph: IRGraph, device: str, peers: int) -> Tuple[float, flo
             if time.monotonic() > deadline or any(_exited(pid) for pid in pids):
                 raise RuntimeError("the peer processes did not run the graph")
             time.sleep(0.005)
-        busy = statistics.median(block_seconds(graph, steps, device, runs) for _ in range(BLOCKS))
+        busy = statistics.median(block_seconds(graph, steps, device, runs) for _ in range(_BLOCKS))
         return alone, busy
     finally:
         stop.set()
