@@ -2,7 +2,7 @@
 
 A profile is ``{"backend": ..., "format": 5, "collectives": {name: {key: entry}}}``, the key a
 group size ``"n"`` (measured alone) or ``"n/P"`` (n in a job of P local processes, P / n groups
-at once: `comm_profile.profile_key`), where an
+at once: `profile_key`), where an
 entry is ``[latency_s, bytes_per_s]`` (a straight line: ``latency + wire / bandwidth``) or
 ``[latency_s, bytes_per_s, [[wire, seconds], ...]]`` with the measured points. Bytes are the
 ring algorithm's wire bytes per rank (`nnscaler.ir.COST_MODELS["ring"]`). With points, a time
@@ -19,13 +19,19 @@ from typing import Dict, List, Optional, Tuple
 
 from nnscaler.ir import COST_MODELS
 
-__all__ = ["CommModel", "DEFAULT_PROFILE", "COLLECTIVES", "monotone_points"]
+__all__ = ["CommModel", "DEFAULT_PROFILE", "COLLECTIVES", "monotone_points", "profile_key"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 # Used only when nothing is measured and measuring is not possible (documented): a slow
 # shared-memory link, so that communication is never free.
 DEFAULT_PROFILE = {"backend": "default", "collectives": {c: {"2": [5e-5, 2e9]} for c in COLLECTIVES}}
+
+
+def profile_key(n: int, world: Optional[int]) -> str:
+    """The profile's key of a group of `n` in a job of `world` local processes: ``"n/world"``
+    when several such groups run at once, else ``"n"``."""
+    return f"{n}/{world}" if world and n < world and world % n == 0 else str(n)
 
 
 def monotone_points(points) -> List[Tuple[float, float]]:
@@ -49,8 +55,9 @@ class CommModel:
 
     def _entry(self, collective: str, n: int) -> list:
         table: Dict[str, list] = self.profile["collectives"].get(collective) or self.profile["collectives"]["all_reduce"]
-        if self.world > n and f"{n}/{self.world}" in table:
-            return table[f"{n}/{self.world}"]
+        key = profile_key(n, self.world)
+        if "/" in key and key in table:
+            return table[key]
         sizes = sorted(int(k) for k in table if "/" not in k)
         best = min(sizes, key=lambda s: (abs(s - n), -s))
         return table[str(best)]

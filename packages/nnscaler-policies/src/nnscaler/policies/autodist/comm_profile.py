@@ -25,10 +25,10 @@ import torch
 
 from nnscaler.ir import COST_MODELS, atomic_write
 
-from .comm_model import COLLECTIVES, CommModel, DEFAULT_PROFILE
+from .comm_model import COLLECTIVES, CommModel, DEFAULT_PROFILE, profile_key
 from .op_profile import cache_dir, device_key
 
-__all__ = ["measured_comm_model", "measure", "profile_key"]
+__all__ = ["measured_comm_model", "measure"]
 
 _SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # full tensor bytes: latency- to bandwidth-bound
 _FORMAT = 5  # in-program costs (`_in_program`), p2p with the receive posted ahead
@@ -102,7 +102,7 @@ def _in_program(dist, coll: str, x, n: int, rank: int, base: int, group, work, b
                 elif recv is not None:
                     recv.wait()
             elif with_coll:
-                _run(dist, coll, x, n, rank, base, group)
+                _run(dist, coll, x, n, group)
             if backend == "nccl":
                 torch.cuda.synchronize()
         for req in sends:
@@ -142,8 +142,8 @@ def _fit(points):
     return lat, 1.0 / slope
 
 
-def _run(dist, coll, x, n, rank, base, group):
-    """`coll` on `x` in `group` (ranks base .. base + n - 1; `rank` within the group)."""
+def _run(dist, coll, x, n, group):
+    """Collective `coll` on `x` in `group` of `n` ranks."""
     if coll == "all_reduce":
         dist.all_reduce(x, group=group)
     elif coll == "all_gather":
@@ -152,20 +152,9 @@ def _run(dist, coll, x, n, rank, base, group):
     elif coll == "reduce_scatter":
         out = torch.empty(x.numel() // n, device=x.device)
         dist.reduce_scatter_tensor(out, x, group=group)
-    elif coll == "all_to_all":
+    else:  # all_to_all (p2p is timed in `_in_program`, its receive posted ahead)
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=group)
-    else:  # p2p: the group's first rank sends to its second
-        if rank == 0:
-            dist.send(x, base + 1, group=group)
-        elif rank == 1:
-            dist.recv(x, base, group=group)
-
-
-def profile_key(n: int, world: Optional[int]) -> str:
-    """The profile's key of a group of `n` in a job of `world` local processes: ``"n/world"``
-    when several such groups run at once, else ``"n"``."""
-    return f"{n}/{world}" if world and n < world and world % n == 0 else str(n)
 
 
 def measure(sizes: Iterable[int], device: str = "cpu", timeout: float = 300.0, world: Optional[int] = None) -> dict:
