@@ -178,7 +178,7 @@ def _breakdown(graph, cfg, record, cut) -> dict:
     if cut is not None:
         return {"pipeline": True, "stage_time_s": cut.stage_time, "stage_mem_bytes": cut.stage_mem}
     s = _Search(graph, cfg)
-    comm = measured_comm_model({cfg.plan_ngpus, cfg.dp_size, cfg.runtime_ngpus}, s.device, world=s.procs)
+    comm = measured_comm_model({cfg.plan_ngpus, cfg.dp_size, cfg.runtime_ngpus}, s.device, world=s.procs, load=s.scale)
     problem = s.problem(cfg.plan_ngpus, comm)
     labels = {node.id: op.choice for node, op in zip(graph.nodes, record.ops)}
     pick = [op.labels.index(labels[op.node.id]) for op in problem.ops]

@@ -58,6 +58,21 @@ def test_a_group_in_a_larger_job_is_priced_as_measured_there():
     assert CommModel(profile, world=8).latency("all_reduce", 2) == pytest.approx(1e-4)  # not measured: nearest size
 
 
+def test_a_collectives_cpu_part_runs_at_the_jobs_load():
+    """Where the job's processes outnumber the cores, the measured CPU share of a collective runs
+    `load` times slower; its waiting part does not."""
+    pts = [[1e4, 1e-3], [1e6, 1e-2]]
+    profile = {"backend": "t", "collectives": {"all_reduce": {"2": [1e-3, 1e8, pts, 0.4]},
+                                               "p2p": {"2": [1e-3, 1e8, pts]}}}
+    alone, loaded = CommModel(profile), CommModel(profile, load=2.5)
+    factor = 1 + 0.4 * (2.5 - 1)
+    assert loaded.cpu_share("all_reduce", 2) == pytest.approx(0.4)
+    assert loaded.latency("all_reduce", 2) == pytest.approx(alone.latency("all_reduce", 2) * factor)
+    assert loaded.time("all_reduce", 4e5, 2) == pytest.approx(alone.time("all_reduce", 4e5, 2) * factor)
+    assert loaded.time("p2p", 4e5, 2) == pytest.approx(alone.time("p2p", 4e5, 2))  # no share measured: as measured
+    assert CommModel(profile, load=0.5).time("all_reduce", 4e5, 2) == pytest.approx(alone.time("all_reduce", 4e5, 2))
+
+
 @pytest.mark.multiprocess
 def test_groups_of_a_larger_job_are_measured_all_at_once(tmp_path, monkeypatch):
     from nnscaler.policies.autodist.comm_model import profile_key
@@ -66,10 +81,12 @@ def test_groups_of_a_larger_job_are_measured_all_at_once(tmp_path, monkeypatch):
     assert profile_key(2, 4) == "2/4" and profile_key(4, 4) == "4" and profile_key(2, None) == "2"
     assert profile_key(3, 4) == "3"  # 4 ranks are not groups of 3
     model = measured_comm_model([2], "cpu", world=4)  # 4 processes, 2 groups of 2 timing at once
-    for table in model.profile["collectives"].values():
+    for coll, table in model.profile["collectives"].items():
         assert set(table) == {"2/4"}
-        lat, bw, points = table["2/4"]
+        lat, bw, points, share = table["2/4"]
         assert lat > 0 and bw > 0 and len(points) == 5 and all(t > 0 for _, t in points)
+        # a collective's process works part of its time (gloo's threads); a message's part ran beside work
+        assert (0.0 < share <= 1.0) if coll != "p2p" else share == 0.0
     reduce = model.profile["collectives"]["all_reduce"]["2/4"]
     assert model.world == 4 and model.latency("all_reduce", 2) == pytest.approx(min(t for _, t in reduce[2]))
     again = measured_comm_model([2], "cpu", world=4)  # cached: the same numbers
@@ -86,7 +103,8 @@ def test_a_collective_is_timed_inside_a_running_program(tmp_path):
         x = torch.ones(1 << 16)
         work = torch.randn(128, 128)
         for coll in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-            seconds = comm_profile._in_program(dist, coll, x, 1, 0, 0, None, work, "gloo")
+            seconds, share = comm_profile._in_program(dist, coll, x, 1, 0, 0, None, work, "gloo")
+            assert 0.0 <= share <= 1.0
             floor = min(_timed(lambda: comm_profile._run(dist, coll, x, 1, None)) for _ in range(3))
             assert 0 < seconds < 1.0
             assert seconds >= 0.2 * floor  # the fastest bare chain is the floor (timings vary run to run)

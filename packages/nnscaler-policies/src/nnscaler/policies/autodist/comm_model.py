@@ -1,15 +1,24 @@
 """Communication time per collective and group size, from measurements.
 
-A profile is ``{"backend": ..., "format": 5, "collectives": {name: {key: entry}}}``, the key a
+A profile is ``{"backend": ..., "format": 6, "collectives": {name: {key: entry}}}``, the key a
 group size ``"n"`` (measured alone) or ``"n/P"`` (n in a job of P local processes, P / n groups
 at once: `profile_key`), where an
 entry is ``[latency_s, bytes_per_s]`` (a straight line: ``latency + wire / bandwidth``) or
-``[latency_s, bytes_per_s, [[wire, seconds], ...]]`` with the measured points. Bytes are the
+``[latency_s, bytes_per_s, [[wire, seconds], ...], cpu_share]`` with the measured points and the
+share of a collective's time its process spends on a CPU (gloo's threads copying, reducing and
+handing messages over). Bytes are the
 ring algorithm's wire bytes per rank (`nnscaler.ir.COST_MODELS["ring"]`). With points, a time
 is read off the measured curve (linear between points, the last segment's slope beyond the
 largest): gloo's time is not one line over four decades of sizes (a fitted line missed a 4 MB
 all-reduce by 40 %, bench/autodist.py). `comm_profile.measure` takes the points on real local
 processes; group sizes not measured are priced with the nearest measured size.
+
+Measured beside nothing but collectives, that CPU share had the cores to itself. In a job whose
+local processes outnumber the cores the others compute meanwhile, and the collective's CPU part
+runs as slowly as their compute: ``load`` times (the measured slowdown of a rank beside the job's
+other processes, `cpu_sharing`). A time is then ``measured x (1 + cpu_share x (load - 1))``:
+4 processes on 2 cores (load 2.2, all-reduce share 0.37) x 1.45 (bench/autodist.py: a GPT's data-
+parallel step over 4 ranks priced 20 % under its measured time without it).
 """
 from __future__ import annotations
 
@@ -49,9 +58,12 @@ def monotone_points(points) -> List[Tuple[float, float]]:
 @dataclass
 class CommModel:
     """`profile`'s times; `world`: the job's local processes, so a group of n < world is priced
-    as measured with world / n groups at once (key ``"n/world"``) where the profile has it."""
+    as measured with world / n groups at once (key ``"n/world"``) where the profile has it;
+    `load`: how much slower the job's compute runs than a process alone (1: a device each), which
+    slows a collective's CPU part (module docstring)."""
     profile: dict = field(default_factory=lambda: DEFAULT_PROFILE)
     world: int = 0
+    load: float = 1.0
 
     def _entry(self, collective: str, n: int) -> list:
         table: Dict[str, list] = self.profile["collectives"].get(collective) or self.profile["collectives"]["all_reduce"]
@@ -68,16 +80,27 @@ class CommModel:
             return monotone_points(entry[2])
         return None
 
+    def cpu_share(self, collective: str, n: int) -> float:
+        """The measured share of a `collective` over `n` ranks spent on a CPU (0 if not measured)."""
+        entry = self._entry(collective, n)
+        return float(entry[3]) if len(entry) > 3 and entry[3] is not None else 0.0
+
+    def _loaded(self, collective: str, n: int) -> float:
+        return 1.0 + self.cpu_share(collective, n) * max(0.0, self.load - 1.0)
+
     def latency(self, collective: str, n: int) -> float:
         """The fixed seconds of one `collective` over `n` ranks (0 for n <= 1): the smallest
-        measured message's time, or the line's intercept."""
+        measured message's time, or the line's intercept (under the job's `load`)."""
         if n <= 1:
             return 0.0
         pts = self._points(collective, n)
-        return pts[0][1] if pts else float(self._entry(collective, n)[0])
+        return (pts[0][1] if pts else float(self._entry(collective, n)[0])) * self._loaded(collective, n)
 
     def wire_time(self, collective: str, wire: float, n: int) -> float:
-        """Seconds of `wire` bytes per rank of `collective` over `n` ranks."""
+        """Seconds of `wire` bytes per rank of `collective` over `n` ranks (under the job's `load`)."""
+        return self._measured(collective, wire, n) * self._loaded(collective, n)
+
+    def _measured(self, collective: str, wire: float, n: int) -> float:
         pts = self._points(collective, n)
         if pts is None:
             lat, bw = self._entry(collective, n)[:2]

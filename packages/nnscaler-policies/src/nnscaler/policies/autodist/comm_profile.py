@@ -19,7 +19,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from .op_profile import cache_dir, device_key
 __all__ = ["measured_comm_model", "measure"]
 
 _SIZES = (1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24)  # full tensor bytes: latency- to bandwidth-bound
-_FORMAT = 5  # in-program costs (`_in_program`), p2p with the receive posted ahead
+_FORMAT = 6  # in-program costs (`_in_program`), p2p with the receive posted ahead, CPU shares
 _WORK_MATMULS = 16  # the work before each collective of a chain (about 0.7 ms on one CPU core)
 _CHAIN = 6  # collectives per timed chain
 _REPEATS = 5  # timed chains of each kind per size (after one warm-up)
@@ -61,14 +61,15 @@ def _worker(rank: int, world: int, port: int, backend: str, n: int, out_dir: str
         result: Dict[str, list] = {}
         work = torch.randn(128, 128, device=device)
         for coll in COLLECTIVES:
-            points = []
+            points, shares = [], []
             for full in _SIZES:
                 elems = max(n, full // 4 // n * n)
                 x = torch.ones(elems, device=device)
-                seconds = _in_program(dist, coll, x, n, rank - base, base, group, work, backend)
+                seconds, share = _in_program(dist, coll, x, n, rank - base, base, group, work, backend)
                 wire = elems * 4 if coll == "p2p" else COST_MODELS["ring"](coll, elems * 4, n)
                 points.append((wire, seconds))
-            result[coll] = [*_fit(points), [list(p) for p in points]]
+                shares.append(share)
+            result[coll] = [*_fit(points), [list(p) for p in points], statistics.median(shares)]
         if rank == 0:
             Path(out_dir, "comm.json").write_text(json.dumps(result))
         dist.barrier()
@@ -76,15 +77,19 @@ def _worker(rank: int, world: int, port: int, backend: str, n: int, out_dir: str
         dist.destroy_process_group()
 
 
-def _in_program(dist, coll: str, x, n: int, rank: int, base: int, group, work, backend: str) -> float:
-    """Seconds one `coll` on `x` adds to a running program: a chain of (a short work, the
+def _in_program(dist, coll: str, x, n: int, rank: int, base: int, group, work, backend: str) -> Tuple[float, float]:
+    """(Seconds one `coll` on `x` adds to a running program, the share of a bare collective's time
+    its process spends on a CPU: gloo's threads copy, reduce and hand messages over; 0 on NCCL).
+    The seconds: a chain of (a short work, the
     collective) timed against the same work alone, the medians' difference, and at least the
     fastest chain of the collective alone. Right after a barrier a collective is cheaper than in
     a program: there the ranks arrive apart, a rank that waited has to be woken, and on an
     oversubscribed CPU the others' work takes its core (2 cores: a 16 KiB all-gather over 2
     ranks, 0.2 ms after a barrier, 0.8 ms in a chain). A point-to-point message goes as the
     pipeline runtime sends it, its receive posted before the work: a blocking send and receive
-    waited for the sender's gloo thread, 3.2 ms for 16 KiB with 4 processes on 2 cores."""
+    waited for the sender's gloo thread, 3.2 ms for 16 KiB with 4 processes on 2 cores. The CPU
+    share is the process's CPU time (all its threads) over the bare chains' time, averaged over
+    the group."""
     def chain(with_work: bool, with_coll: bool) -> float:
         dist.barrier(group=group)
         t = time.perf_counter()
@@ -111,15 +116,23 @@ def _in_program(dist, coll: str, x, n: int, rank: int, base: int, group, work, b
 
     chain(True, True)  # warm-up
     both, alone, bare = [], [], []
+    cpu = 0.0
     for _ in range(_REPEATS):
         both.append(chain(True, True))
         alone.append(chain(True, False))
+        c = time.process_time()
         bare.append(chain(False, True))
+        cpu += time.process_time() - c
+    # a message's CPU part already ran beside the others' work above (its send completes during the
+    # sender's next work); a collective's ranks arrive together, so its CPU part had the cores
+    share = min(1.0, cpu / _CHAIN / max(sum(bare), 1e-12)) if backend == "gloo" and coll != "p2p" else 0.0
     mine = torch.tensor([statistics.median(both) - statistics.median(alone), min(bare)], dtype=torch.float64,
                         device=x.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)  # the program goes at the slowest rank's pace
+    shared = torch.tensor([share], dtype=torch.float64, device=x.device)
+    dist.all_reduce(shared, group=group)
     cost, floor = (float(v) for v in mine.cpu())
-    return max(cost, floor)
+    return max(cost, floor), float(shared) / n
 
 
 def _fit(points):
@@ -207,14 +220,15 @@ def _measure_world(world: int, n: int, backend: str, timeout: float) -> dict:
 
 
 def measured_comm_model(sizes: Iterable[int], device: str = "cpu", re_profile: bool = False,
-                        given: dict = None, world: Optional[int] = None) -> CommModel:
-    """A CommModel for groups of `sizes` in a job of `world` local processes: `given` profile,
-    else cached, else measured now."""
+                        given: dict = None, world: Optional[int] = None, load: float = 1.0) -> CommModel:
+    """A CommModel for groups of `sizes` in a job of `world` local processes whose compute runs
+    `load` times slower than a process alone (`CommModel.load`): `given` profile, else cached,
+    else measured now."""
     if given is not None:
-        return CommModel(given, world=world or 0)
+        return CommModel(given, world=world or 0, load=load)
     sizes = sorted({int(s) for s in sizes if s > 1})
     if not sizes:
-        return CommModel(DEFAULT_PROFILE)
+        return CommModel(DEFAULT_PROFILE, load=load)
     path = cache_dir() / "autodist" / f"comm-{device_key(device)}.json"
     cached = {}
     if path.is_file() and not re_profile:
@@ -234,7 +248,7 @@ def measured_comm_model(sizes: Iterable[int], device: str = "cpu", re_profile: b
         cached = {"backend": fresh["backend"], "format": _FORMAT, "collectives": merged}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(cached, sort_keys=True).encode())
-    return CommModel(cached, world=world or 0)
+    return CommModel(cached, world=world or 0, load=load)
 
 
 if __name__ == "__main__":

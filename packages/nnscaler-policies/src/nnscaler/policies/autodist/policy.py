@@ -164,7 +164,7 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
         stage_counts = [k for k in stage_counts if k == 1 or len([c for c in leads if c > 0]) >= k - 1]
     maxdeg = cfg.max_partition_degree or n
     sizes = {n // k for k in stage_counts} | {cfg.dp_size, cfg.runtime_ngpus} | ({2} if leads else set())
-    comm = measured_comm_model(sizes, s.device, cfg.re_profile, cfg.comm_profile, world=s.procs)
+    comm = measured_comm_model(sizes, s.device, cfg.re_profile, cfg.comm_profile, world=s.procs, load=s.scale)
     limit = cfg.mem_limit_bytes
     best = None  # (step time, nstages, problem, solution, stage plan)
     smallest = []  # (bytes per device, how) of the least-memory plans that did not fit
