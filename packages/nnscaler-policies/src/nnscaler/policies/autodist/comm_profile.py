@@ -123,9 +123,7 @@ def _in_program(dist, coll: str, x, n: int, rank: int, base: int, group, work, b
         c = time.process_time()
         bare.append(chain(False, True))
         cpu += time.process_time() - c
-    # a message's CPU part already ran beside the others' work above (its send completes during the
-    # sender's next work); a collective's ranks arrive together, so its CPU part had the cores
-    share = min(1.0, cpu / _CHAIN / max(sum(bare), 1e-12)) if backend == "gloo" and coll != "p2p" else 0.0
+    share = min(1.0, cpu / _CHAIN / max(sum(bare), 1e-12)) if backend == "gloo" else 0.0
     mine = torch.tensor([statistics.median(both) - statistics.median(alone), min(bare)], dtype=torch.float64,
                         device=x.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)  # the program goes at the slowest rank's pace
