@@ -17,11 +17,11 @@ Measured beside nothing but collectives, that CPU share had the cores to itself.
 local processes outnumber the cores the others compute meanwhile, and the collective's CPU part
 runs as slowly as their compute: ``load`` times (the measured slowdown of a rank beside the job's
 other processes, `cpu_sharing`). A collective's time is then ``measured x (1 + cpu_share x (load -
-1))``; a point-to-point message was timed beside the work already (its send completes during
-the sender's next work, `comm_profile._in_program`; adding its CPU share to the pipeline stages'
-work priced a 4-stage GPT 12 % over its measured step):
-4 processes on 2 cores (load 2.2, all-reduce share 0.37) x 1.45 (bench/autodist.py: a GPT's data-
-parallel step over 4 ranks priced 20 % under its measured time without it).
+1))``: x 1.45 for an all-reduce share of 0.37 at load 2.2 (4 processes on 2 cores), where a GPT's
+data-parallel step over 4 ranks was priced 20 % under its measured time without it
+(bench/autodist.py). A point-to-point message is priced as measured: it was timed beside the
+work already (its send completes during the sender's next work, `comm_profile._in_program`), and
+adding its CPU share to the pipeline stages' work priced a 4-stage GPT 12 % over its step.
 """
 from __future__ import annotations
 
