@@ -85,7 +85,7 @@ TARGET_RATIO = 1.05
 TARGET_ESTIMATE = 0.20
 TARGET_SEARCH_32 = 2.0
 ZERO_MARGIN = 0.05
-PRUNE_AFTER, PRUNE_FACTOR = 2, 2.0  # after 2 rounds, plans over 2x the fastest are timed no more
+PRUNE_AFTER, PRUNE_FACTOR = 2, 2.0  # after 2 rounds, plans over 2x the slowest of autodist's picks are timed no more
 PIVOT = {"gpt": "Block", "llama": "LlamaDecoderLayer"}
 
 
