@@ -40,11 +40,17 @@ def merge(src: Path = typer.Argument(..., help="A sharded or deduped checkpoint 
           dst: Path = typer.Argument(..., help="The merged checkpoint directory to create."),
           max_shard_size: str = typer.Option("5GB", help="Largest model file: 100KB, 64MB, 5GB or bytes."),
           model_only: bool = typer.Option(False, "--model-only", help="Leave out the optimizer and RNG states."),
-          overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists.")) -> None:
+          overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it is an earlier merge output "
+                                         "(never a directory holding anything else, SRC or part of it); atomic.")) -> None:
     """Merge a checkpoint into the Hugging Face layout (model.safetensors ...), streaming."""
     from .merge import merge as merge_
-    _run(lambda: _with_progress("merging", lambda p: merge_(src, dst, max_shard_size=max_shard_size,
-                                                           model_only=model_only, overwrite=overwrite, progress=p)))
+    from .replace_guard import check_merge_destination
+
+    def work() -> None:
+        check_merge_destination(dst.absolute(), overwrite, [src.absolute()])  # before the progress bar shows
+        _with_progress("merging", lambda p: merge_(src, dst, max_shard_size=max_shard_size, model_only=model_only,
+                                                   overwrite=overwrite, progress=p))
+    _run(work)
     typer.echo(f"merged {src} -> {dst}")
 
 
@@ -93,7 +99,8 @@ def convert(src: Path = typer.Argument(..., help="A torch state_dict file, a .sa
                                                  "model directory."),
             dst: Path = typer.Argument(..., help="The merged checkpoint directory to create."),
             max_shard_size: str = typer.Option("5GB", help="Largest model file: 100KB, 64MB, 5GB or bytes."),
-            overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists.")) -> None:
+            overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it is an earlier merge or "
+                                           "convert output (never a directory holding anything else).")) -> None:
     """Convert weights (torch file read with weights_only=True, or Hugging Face) into a merged checkpoint."""
     from .convert import convert as convert_
     _run(lambda: _with_progress("converting", lambda p: convert_(src, dst, max_shard_size=max_shard_size,

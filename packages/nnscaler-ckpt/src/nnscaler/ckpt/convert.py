@@ -18,9 +18,10 @@ from safetensors import safe_open
 
 from nnscaler.ir import NnScalerWarning
 
-from .commit import StagingDir, check_destination, new_token
+from .commit import StagingDir, new_token
 from .errors import CheckpointError
 from .merge import Progress, merged_manifest, write_model
+from .replace_guard import check_merge_destination
 from .sizes import parse_size
 
 __all__ = ["convert", "PickleReadWarning"]
@@ -107,11 +108,12 @@ _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfl
 
 
 def convert(src, dst, *, max_shard_size="5GB", overwrite: bool = False, progress: Progress = None) -> Path:
-    """Write the weights at `src` as a merged checkpoint at `dst` (see the module docstring)."""
+    """Write the weights at `src` as a merged checkpoint at `dst` (see the module docstring);
+    `dst` and `overwrite` as for `merge` (only an earlier merge output is ever replaced)."""
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if not src.exists():
         raise CheckpointError(f"{src} does not exist: pass a weights file or a Hugging Face model directory")
-    check_destination(dst, overwrite)
+    check_merge_destination(dst, overwrite, [src])
     metas, fetch = _sources(src)
     groups: Dict[object, List[str]] = {}
     for name, (_, _, key) in metas.items():
@@ -126,6 +128,7 @@ def convert(src, dst, *, max_shard_size="5GB", overwrite: bool = False, progress
         files, model = write_model(stage, plan, parse_size(max_shard_size),
                                    lambda names, shape, dtype: fetch(names[0]).to(getattr(torch, dtype)).contiguous(),
                                    [0], sum(p[4] for p in plan), progress)
+        check_merge_destination(dst, overwrite, [src])  # still safe to replace
         stage.commit(merged_manifest(plan, files, model, world_size=1, plan_identity=None,
                                      source={"kind": "converted", "path": str(src)}))
     except BaseException:

@@ -29,6 +29,7 @@ from .commit import StagingDir, new_token
 from .manifest import read_manifest
 from .names import (FORMAT, FORMAT_VERSION, MERGED_INDEX, MERGED_MODEL, MERGED_OPTIMIZER, MERGED_RNG,
                     merged_shard)
+from .replace_guard import check_merge_destination
 from .reshard import model_region, model_segments, optimizer_region
 from .safetensors_file import SafetensorsWriter, dtype_name, write_record
 from .sizes import parse_size
@@ -201,8 +202,12 @@ def merge(src, dst, *, max_shard_size="5GB", model_only: bool = False, overwrite
     """Merge checkpoint `src` into a new merged checkpoint `dst` (see the module docstring).
     Every source file is checked at level `verify` (`checksums`; default ``"fast"``: size and
     chunked CRC-32) by a helper thread while the merge runs; nothing is committed unless every
-    file passes. Returns `dst`."""
+    file passes. `dst` must not exist; with `overwrite` it may also be an empty directory or an
+    earlier merge output (a ``merged`` manifest and only its files), which is then replaced
+    atomically; a `dst` equal to, inside or containing `src` is refused (`replace_guard`).
+    Returns `dst`."""
     src_root, dst = Path(src).absolute(), Path(dst).absolute()
+    check_merge_destination(dst, overwrite, [src_root])
     manifest = read_manifest(src_root)
     level = verify_level(verify)
     max_bytes = parse_size(max_shard_size)
@@ -240,6 +245,7 @@ def _merge_into(stage, src_root: Path, manifest, max_bytes: int, model_only: boo
             more, ranks = _write_rng(source, stage, manifest)
             files.update(more)
     checked.result()  # every source file passed its check
+    check_merge_destination(stage.dest, stage.overwrite, [src_root])  # still safe to replace
     stage.commit(merged_manifest(plan, files, model, world_size=manifest["world_size"], plan_identity=manifest.get(
         "plan"), source={"kind": manifest["kind"], "path": str(src_root)},
         optimizer=None if model_only else manifest.get("optimizer"), optimizer_state=optimizer_state, ranks=ranks))
