@@ -41,14 +41,36 @@ SESSION_VAR = "NNSCALER_TEST_SESSION"
 SESSION = f"{os.getpid()}-{time.time_ns()}"
 os.environ[SESSION_VAR] = SESSION
 
-# autodist caches op profiles and measured collectives (nnscaler.policies.autodist): the session
-# gets its own cache directory, shared by its workers, removed at exit.
+# Tests never read or write the user's caches: autodist's op profiles and measured collectives
+# (nnscaler.policies.autodist, NNSCALER_CACHE_DIR) and every library cache that defaults to
+# ~/.cache or ~/.config (XDG, Hugging Face, torch hub/inductor/triton, W&B, matplotlib) point into
+# one per-session temporary directory, shared by the session's workers, removed at exit. A
+# profile measured on a loaded machine therefore never leaks into later runs, and a stale one
+# from an earlier run never decides a test.
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
-_CACHE = tempfile.mkdtemp(prefix="nnscaler-test-cache-")
-os.environ["NNSCALER_CACHE_DIR"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, True)
+_SESSION_TMP = tempfile.mkdtemp(prefix="nnscaler-test-session-")
+_CACHE = os.path.join(_SESSION_TMP, "nnscaler")
+CACHE_VARS = {
+    "NNSCALER_CACHE_DIR": _CACHE,
+    "XDG_CACHE_HOME": os.path.join(_SESSION_TMP, "xdg-cache"),
+    "XDG_CONFIG_HOME": os.path.join(_SESSION_TMP, "xdg-config"),
+    "HF_HOME": os.path.join(_SESSION_TMP, "huggingface"),
+    "TORCH_HOME": os.path.join(_SESSION_TMP, "torch"),
+    "TORCHINDUCTOR_CACHE_DIR": os.path.join(_SESSION_TMP, "inductor"),
+    "TRITON_CACHE_DIR": os.path.join(_SESSION_TMP, "triton"),
+    "WANDB_DIR": os.path.join(_SESSION_TMP, "wandb"),
+    "WANDB_CACHE_DIR": os.path.join(_SESSION_TMP, "wandb-cache"),
+    "WANDB_CONFIG_DIR": os.path.join(_SESSION_TMP, "wandb-config"),
+    "WANDB_DATA_DIR": os.path.join(_SESSION_TMP, "wandb-data"),
+    "MPLCONFIGDIR": os.path.join(_SESSION_TMP, "matplotlib"),
+}
+for _var, _path in CACHE_VARS.items():
+    os.makedirs(_path, exist_ok=True)
+    os.environ[_var] = _path
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: tiny configs only
+atexit.register(shutil.rmtree, _SESSION_TMP, True)
 # autodist measures how the job's processes share the CPU by forking peers that run the model
 # (nnscaler.policies.autodist.cpu_sharing): the fast tier starts no process, so the suite uses the
 # plain division of the cores; tests/policies/test_autodist_cpu_sharing.py measures for real.

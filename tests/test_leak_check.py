@@ -73,3 +73,19 @@ def test_new_files_count_unless_people_write_them(conftest):
         assert str(probe) in conftest._tree(set()) - before
     finally:
         probe.unlink()
+
+
+def test_the_session_never_touches_the_users_caches(conftest):
+    """Every cache a test could fill (autodist's profiles, Hugging Face, torch, W&B, XDG) points
+    into the session's temporary directory, not under the user's home."""
+    from nnscaler.policies.autodist.op_profile import cache_dir
+
+    home = Path.home().resolve()
+    session = Path(conftest._SESSION_TMP).resolve()
+    for var, path in conftest.CACHE_VARS.items():
+        resolved = Path(os.environ[var]).resolve()
+        assert resolved == Path(path).resolve(), var
+        assert session in resolved.parents, (var, resolved)
+        assert home not in resolved.parents or home in session.parents, (var, resolved)
+    assert session in cache_dir().resolve().parents
+    assert os.environ["HF_HUB_OFFLINE"] == "1"

@@ -39,7 +39,11 @@ def test_ckpt_cli_from_a_fresh_environment_with_only_its_packages(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)  # no system site-packages: none of this checkout's installs
     py = env_dir / "bin" / "python"
-    _run([py, "-m", "pip", "install", "-q", TORCH, *sorted(wheels.glob("*.whl"))])
+    lock = tmp_path / "constraints.txt"  # the repository's lock, as tools/install.sh applies it
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    lock.write_text("\n".join(l for l in lines if not l.lower().startswith(("torch==", "nvidia-", "triton=="))
+                              or "NNSCALER_TORCH_SPEC" not in os.environ) + "\n")
+    _run([py, "-m", "pip", "install", "-q", "-c", lock, TORCH, *sorted(wheels.glob("*.whl"))])
     listed = _run([py, "-m", "pip", "list", "--format=json"]).stdout
     ours = sorted(p["name"] for p in json.loads(listed) if p["name"].startswith("nnscaler"))
     assert ours == ["nnscaler-ckpt", "nnscaler-cli", "nnscaler-ir"]  # nothing else of ours came with them
