@@ -93,3 +93,21 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_not_a_parallelized_module(tmp_path):
     with pytest.raises(CheckpointError, match="not a parallelized module.*nnscaler.parallelize"):
         save(tmp_path / "ck", torch.nn.Linear(2, 2))
+
+
+def test_files_are_committed_and_listed_with_the_checkpoint(tmp_path):
+    pm, opt = trained()
+    save(tmp_path / "ck", pm, opt, files={"train_config.yaml": "seed: 0\n", "notes.bin": b"\x00\x01"})
+    assert (tmp_path / "ck" / "train_config.yaml").read_text() == "seed: 0\n"
+    m = verify(tmp_path / "ck")  # hashed like the rank files
+    assert set(m["files"]) == {RANK0, "train_config.yaml", "notes.bin"}
+    pm2, opt2 = trained(seed=9, steps=1)
+    load(tmp_path / "ck", pm2, opt2)  # loading ignores them
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "a/b.yaml", ".hidden", "x.safetensors", ""])
+def test_files_with_a_reserved_name_are_refused_before_anything_is_written(tmp_path, name):
+    pm, opt = trained()
+    with pytest.raises(CheckpointError, match="is not a usable file name"):
+        save(tmp_path / "ck", pm, opt, files={name: b"x"})
+    assert list(tmp_path.iterdir()) == []

@@ -10,16 +10,18 @@ and leaves no checkpoint behind.
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 
+from .checksums import bytes_record
 from .collectives import all_gather_json, broadcast_json, rank_and_world
 from .commit import StagingDir, new_token
 from .errors import CheckpointError, describe
 from .module_tensors import plan_identity
-from .names import FORMAT, FORMAT_VERSION, rank_file
+from .names import FORMAT, FORMAT_VERSION, MANIFEST, is_staging, rank_file
 from .optimizer_tensors import hyper_parameters, optimizer_class
 from .rank_state import collect, keep_only, optimizer_piece_id
 from .safetensors_file import write_record
@@ -51,10 +53,37 @@ def _tensor_table(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     return table
 
 
+def _checked_files(files: Optional[Mapping[str, Union[bytes, str]]]) -> Dict[str, bytes]:
+    """`files` as name -> bytes, each name a plain file name the checkpoint does not use itself."""
+    out: Dict[str, bytes] = {}
+    for name, data in (files or {}).items():
+        if (not isinstance(name, str) or not name or name != os.path.basename(name) or name.startswith(".")
+                or name == MANIFEST or is_staging(name) or name.endswith(".safetensors")):
+            raise CheckpointError(f"save(files=...): {name!r} is not a usable file name: give a plain name (no "
+                                  f"directory, not hidden, not {MANIFEST} nor a .safetensors file), e.g. "
+                                  f"'train_config.yaml'")
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        if not isinstance(data, (bytes, bytearray)):
+            raise CheckpointError(f"save(files=...): {name!r} holds a {type(data).__name__}; give bytes or str")
+        out[name] = bytes(data)
+    return out
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-         kind: str = "sharded", extra: Optional[Dict[str, Any]] = None, overwrite: bool = False) -> Path:
+         kind: str = "sharded", extra: Optional[Dict[str, Any]] = None, overwrite: bool = False,
+         files: Optional[Mapping[str, Union[bytes, str]]] = None) -> Path:
     """Write a checkpoint of `module` (and `optimizer`, `extra`) to directory `path`. COLLECTIVE:
-    every rank calls it with the same `path` and `kind`. Returns the path."""
+    every rank calls it with the same `path`, `kind` and `files`. `files` (name -> bytes or str)
+    are small files of the caller (a run's config), written by rank 0 into the same directory,
+    listed with their hashes in the manifest and committed with it. Returns the path."""
     if kind not in ("sharded", "deduped"):
         raise CheckpointError(f"save(kind={kind!r}): kind must be 'sharded' or 'deduped' (merge a checkpoint "
                               f"offline with nnscaler.ckpt.merge)")
@@ -62,7 +91,10 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     dest = Path(path).absolute()
     error: Optional[str] = None
     st = None
+    small: Dict[str, bytes] = {}
+    small_records: Dict[str, Any] = {}
     try:
+        small = _checked_files(files)
         st = collect(module, optimizer, extra, rank)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
         error = describe(e, rank)
@@ -87,6 +119,10 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
                               {"format": "pt", "nnscaler": f"{kind} checkpoint, rank {rank} of {world}"})
         info.update(record=record, model=st.model, optimizer_state=st.optimizer_state, rng=st.rng,
                     extra=st.extra)
+        if rank == 0:
+            for small_name, data in small.items():
+                _write_small(staging.file(small_name), data)
+            small_records = {n: bytes_record(d) for n, d in small.items()}
     except OSError as e:
         info["error"] = f"rank {rank} could not write {staging.file(name)} ({e}); the previous checkpoint is intact"
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
@@ -98,7 +134,7 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
             "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "world_size": world,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "plan": plan_identity(module),
-            "files": {i["file"]: i["record"] for i in ranks},
+            "files": {**{i["file"]: i["record"] for i in ranks}, **small_records},
             "tensors": _tensor_table(ranks),
             "optimizer": None if optimizer is None else {"class": optimizer_class(optimizer),
                                                           "param_groups": hyper_parameters(optimizer)},
