@@ -22,6 +22,7 @@ from .kept_functions import keep_functions, settle_grad_modes
 from .guards import is_guard, warn_guards
 from .example_inputs import check_trace_inputs
 from .modes import annotate_modes, mode_name
+from .python_randomness import watch_python_randomness
 from .recorder import Tracer, _RecordingMode
 from .trace_device import ExecutionDevice
 from .trace_state import (SavedState, TraceError, TracingWarning, buffer_updates_of, function_grad_mode,
@@ -162,7 +163,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
     try:
         # grad on, as in a training forward: the ops record the user's own torch.no_grad() regions
         with torch.enable_grad(), tracing_context.activate(tracer), keep_functions(tracer), \
-                function_grad_mode(tracer), _RecordingMode(tracer):
+                function_grad_mode(tracer), watch_python_randomness(module), _RecordingMode(tracer):
             out = module(**call_kwargs)
         settle_grad_modes(tracer)
         rebound = saved.rebound()
