@@ -44,7 +44,12 @@ def read_manifest(path) -> Dict[str, Any]:
                               f"for the save to finish, or delete it and use the previous checkpoint")
     if not path.exists():
         left = abandoned_siblings(path)
-        hint = (f"; a save into it did not finish ({left[0].name} is its partial copy, delete it)" if left else "")
+        whole = [p for p in left if (p / MANIFEST).is_file()]
+        if whole:  # a replacement was cut between its renames (no RENAME_EXCHANGE here): nothing was lost
+            hint = (f"; a replacement of it was interrupted and {whole[0].name} beside it holds a complete checkpoint:"
+                    f" rename it to {path.name}")
+        else:
+            hint = f"; a save into it did not finish ({left[0].name} is its partial copy, delete it)" if left else ""
         raise CheckpointError(f"{path} does not exist{hint}: pass the directory of a saved checkpoint")
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a checkpoint directory: pass the directory save() wrote "
