@@ -9,11 +9,16 @@ float argument may come in another float dtype (a precision plugin such as ``bf1
 inputs before the forward); integer and bool arguments must have the traced dtype.
 
 With constant folding off, sizes are recomputed from the runtime tensors; what stays fixed is the
-rank (the code unpacks ``a, b, c = x.size()`` and splits tensors by dim index), so only the number
-of dims is checked and other batch sizes and lengths keep working.
+rank (the code unpacks ``a, b, c = x.size()`` and splits tensors by dim index) and whether the dtype
+is floating-point (ids given as floats would fail deep inside ``embedding()``), so only those are
+checked and other batch sizes and lengths keep working.
 
-The check is one comparison of ``tensor.shape`` with a tuple per tensor argument: about 0.3 µs each
-(0.05-0.15 µs for the rank check without folding; ``python tools/input_check_cost.py``).
+Every argument: a tensor where a tensor was traced (a float or a list is named, not sent into
+``linear()``); and where the program computed with a Python scalar (``scale=2.0`` given, or a default
+used), that value, since it is a constant of the code (another one used to be ignored silently).
+
+Each check is one or two comparisons: about 0.2-0.3 µs per argument on the 2-core CPU box, with or
+without folding (``python tools/input_check_cost.py``).
 """
 from __future__ import annotations
 
@@ -48,15 +53,39 @@ def input_checks(graph: IRGraph) -> List[str]:
                         f"schema only. Pass inputs of the traced shape, or use constant_folding=False (sizes "
                         f"are then recomputed from the inputs) and generate again")
             else:
-                lines.append(f"if not isinstance({expr}, torch.Tensor) or {expr}.dim() != {len(shape)}:")
-                tail = (f", but the model was traced with {len(shape)} dim(s) (shape {shape}): the generated "
-                        f"code unpacks and splits its dims by position. Pass a tensor with {len(shape)} dims, "
-                        f"or trace with such an input")
+                floating = value.dtype in _FLOATS
+                kind_ok = (f" or {'not ' if floating else ''}{expr}.is_floating_point()"
+                           if value.dtype in _DTYPES and not value.dtype.startswith("complex") else "")
+                kind = "a floating-point" if floating else "an integer/bool"
+                lines.append(f"if not isinstance({expr}, torch.Tensor) or {expr}.dim() != {len(shape)}{kind_ok}:")
+                tail = (f", but the model was traced with {len(shape)} dim(s) (shape {shape}) of {kind} dtype "
+                        f"({value.dtype}): the generated code unpacks and splits its dims by position and runs "
+                        f"the ops traced for that dtype. Pass such a tensor, or trace with such an input")
             lines.append(f"    raise ValueError({f'argument {expr} has '!r} + {_describe(expr)} + {tail!r})")
+    for inp in graph.inputs:
+        if inp.constant is not None:
+            lines += _constant_check(inp.name, inp.constant[0], inp.traced)
     return lines
+
+
+def _constant_check(name: str, value, traced: bool) -> List[str]:
+    """Refuse another value where the program computed with a Python scalar (a constant of its code)."""
+    if value is None or isinstance(value, bool):
+        test = f"{name} is not {value!r}"
+    elif isinstance(value, (int, float)):
+        test = f"type({name}) not in (int, float) or {name} != {value!r}"
+    else:
+        test = f"type({name}) is not str or {name} != {value!r}"
+    how = "traced with" if traced else "traced without it in dummy_forward_args, so with its default"
+    tail = (f", but the model was {how} {name}={value!r}: a Python value (not a tensor) is a constant of the "
+            f"generated code, which computed with {value!r}. Pass {name}={value!r}, or pass the value as a tensor "
+            f"(torch.tensor(...)) in dummy_forward_args and in every call, so that it is an input of the "
+            f"program, and generate again")
+    return [f"if {test}:",
+            f"    raise ValueError({f'argument {name} is '!r} + repr({name})[:80] + {tail!r})"]
 
 
 def _describe(expr: str) -> str:
     """A generated expression describing what the call passed (its shape and dtype, or its type)."""
     return (f"('shape ' + str(tuple({expr}.shape)) + ', dtype ' + str({expr}.dtype).replace('torch.', '') "
-            f"if isinstance({expr}, torch.Tensor) else 'type ' + type({expr}).__name__)")
+            f"if isinstance({expr}, torch.Tensor) else 'type ' + type({expr}).__name__ + ', not a tensor')")

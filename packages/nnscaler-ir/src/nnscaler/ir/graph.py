@@ -116,6 +116,9 @@ class InputSpec:
     default: Any = None  # encoded constant (only when has_default)
     traced: bool = False  # True when a dummy value was given for it
     leaves: List[tuple] = field(default_factory=list)  # (access path, Ref): tensors and ints in it
+    # [value] when the program computed with a Python scalar here (the dummy value, or the default
+    # when none was given: bool, int, float, str or None): a constant of the generated code
+    constant: Optional[list] = None
 
 
 @dataclass
@@ -183,7 +186,8 @@ class IRGraph:
             "module_types": dict(self.module_types),
             "inputs": [{"name": i.name, "kind": i.kind, "has_default": i.has_default,
                         "default": i.default, "traced": i.traced,
-                        "leaves": [[encode(p), r.id] for p, r in i.leaves]} for i in self.inputs],
+                        "leaves": [[encode(p), r.id] for p, r in i.leaves],
+                        **({"constant": i.constant} if i.constant is not None else {})} for i in self.inputs],
             "params": [_spec_json(s) for s in self.params.values()],
             "buffers": [_spec_json(s) for s in self.buffers.values()],
             "constants": [_spec_json(s) for s in self.constants.values()],
@@ -213,7 +217,8 @@ class IRGraph:
                       autocast=n.get("autocast"), branch=n.get("branch"),
                       branch_args=decode(n.get("branch_args", []))) for n in data["nodes"]]
         inputs = [InputSpec(i["name"], i["kind"], i["has_default"], i["default"], i["traced"],
-                            [(decode(p), Ref(r)) for p, r in i["leaves"]]) for i in data["inputs"]]
+                            [(decode(p), Ref(r)) for p, r in i["leaves"]], i.get("constant"))
+                  for i in data["inputs"]]
         return cls(data["module_class"], inputs,
                    {s["name"]: _spec_from(s) for s in data["params"]},
                    {s["name"]: _spec_from(s) for s in data["buffers"]},

@@ -43,6 +43,7 @@ from nnscaler.ir import map_tensors
 
 from . import failures
 from .backward_watch import watch_backward
+from .call_arguments import call_error
 from .device import default_device
 from .errors import GenerationError, NnScalerError, PlanMismatchError
 from .full_map import FullMapMixin
@@ -129,8 +130,11 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
             with self.rng_scope():  # the module's random stream (runtime/random.py)
                 out = self._forward_impl(*args, **kwargs)
         except Exception as exc:
-            note_source(self, exc)
-            failures.report(exc, "forward")  # peers waiting in a collective raise with it
+            bad_call = call_error(self, exc, args, kwargs)  # arguments that do not fit forward's signature
+            note_source(self, bad_call or exc)
+            failures.report(bad_call or exc, "forward")  # peers waiting in a collective raise with it
+            if bad_call is not None:
+                raise bad_call from None
             raise
         watch_backward(out)  # a backward pass through `out` that raises is reported too (backward_watch.py)
         return out

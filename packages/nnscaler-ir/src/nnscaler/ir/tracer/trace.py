@@ -148,6 +148,10 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                          pname in dummy_forward_args)
         if pname in dummy_forward_args:
             call_kwargs[pname] = _input_leaves(tracer, dummy_forward_args[pname], (), pname, spec.leaves)
+            if _is_scalar(dummy_forward_args[pname]):  # a constant of the program: calls are checked against it
+                spec.constant = [dummy_forward_args[pname]]
+        elif param.default is not param.empty and param.default is not None and _is_scalar(param.default):
+            spec.constant = [param.default]
         elif param.default is param.empty and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise TypeError(f"dummy_forward_args is missing {pname!r}, a required parameter of "
                             f"{type(module).__qualname__}.forward")
@@ -189,6 +193,13 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                   f"updates in a buffer (register_buffer) instead", TracingWarning)
     _eliminate_dead_code(graph)
     return graph
+
+
+def _is_scalar(obj) -> bool:
+    """A Python scalar the generated code checks calls against (finite floats only: nan != nan)."""
+    if type(obj) is float:
+        return obj == obj and obj not in (float("inf"), float("-inf"))
+    return obj is None or type(obj) in (bool, int, str)
 
 
 def _encodable(obj) -> bool:
