@@ -1,4 +1,5 @@
-"""ComputeConfig settings that are valid but do nothing: each warns, naming the key and the fix."""
+"""ComputeConfig settings that are valid but do nothing: each warns, naming the key and the fix (or, for
+zero_ngroups without use_zero, is refused)."""
 from __future__ import annotations
 
 import warnings
@@ -14,8 +15,6 @@ from .models import Small
 
 
 @pytest.mark.parametrize("kwargs, key, fix", [
-    (dict(plan_ngpus=1, runtime_ngpus=4, zero_ngroups=2), "zero_ngroups=2 has no effect without use_zero=True",
-     "set use_zero=True"),
     (dict(plan_ngpus=1, runtime_ngpus=4, zero_use_reduce_scatter=True),
      "zero_use_reduce_scatter=True has no effect without use_zero=True", "set use_zero=True"),
     (dict(plan_ngpus=2, runtime_ngpus=2, use_zero=True), "use_zero=True shards nothing",
@@ -36,6 +35,15 @@ def test_setting_that_does_nothing_is_named(kwargs, key, fix):
 ])
 def test_effective_settings_are_quiet(kwargs):
     assert ineffective_settings(ComputeConfig(**kwargs)) == []
+
+
+def test_zero_ngroups_without_use_zero_is_refused():
+    """Issue 26: it was accepted (a warning at parallelize only); nothing was sharded."""
+    from nnscaler.ir import ConfigError
+    with pytest.raises(ConfigError, match=r"^ComputeConfig.zero_ngroups=2 needs use_zero=True.*Set use_zero=True "
+                                          r"to shard the optimizer state, or leave zero_ngroups at 1"):
+        ComputeConfig(1, 4, zero_ngroups=2)
+    assert ComputeConfig(1, 4, use_zero=True, zero_ngroups=2).zero_ngroups == 2
 
 
 def test_parallelize_warns_at_the_users_call(tmp_path):

@@ -98,7 +98,6 @@ def test_validation_errors_name_field_and_fix(kwargs, words):
 @pytest.mark.parametrize("kwargs", [
     dict(plan_ngpus=3, runtime_ngpus=12),
     dict(plan_ngpus=1, runtime_ngpus=6, use_zero=True, zero_ngroups=3),
-    dict(plan_ngpus=1, runtime_ngpus=6, use_zero=False, zero_ngroups=4),  # only checked with zero on
     dict(plan_ngpus=1, runtime_ngpus=1, reducer_bucket_cap_mb=1),
     dict(plan_ngpus=1, runtime_ngpus=1, reducer_bucket_cap_mb=0.5),
     dict(plan_ngpus=1, runtime_ngpus=1, pas_config=None, user_config=None),

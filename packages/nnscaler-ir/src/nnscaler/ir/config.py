@@ -112,6 +112,11 @@ class ComputeConfig:
             raise ConfigError(
                 f"ComputeConfig.reducer_bucket_cap_mb must be > 0 (MB per gradient bucket), "
                 f"got {self.reducer_bucket_cap_mb}")
+        if not self.use_zero and self.zero_ngroups > 1:  # issue 26: was accepted (a warning at parallelize)
+            raise ConfigError(
+                f"ComputeConfig.zero_ngroups={self.zero_ngroups} needs use_zero=True: it splits ZeRO's "
+                f"optimizer-state sharding into groups, and without use_zero nothing is sharded. Set "
+                f"use_zero=True to shard the optimizer state, or leave zero_ngroups at 1")
         if self.use_zero:
             dp = self.runtime_ngpus // self.plan_ngpus
             if dp % self.zero_ngroups:

@@ -1,7 +1,8 @@
 """ComputeConfig settings that are valid but do nothing: said with a `ConfigWarning`.
 
 A setting that silently has no effect is a wrong belief about the run (a user who sets
-``zero_ngroups=2`` without ``use_zero`` thinks the optimizer state is sharded). `parallelize()`
+``zero_use_reduce_scatter`` without ``use_zero`` thinks ZeRO reduces the gradients; ``zero_ngroups``
+without ``use_zero`` is refused outright by ComputeConfig). `parallelize()`
 warns (once, on rank 0, at the user's call) for each one, naming the key and the fix.
 """
 from __future__ import annotations
@@ -22,11 +23,7 @@ def ineffective_settings(cfg) -> List[str]:
     """One message per setting of ``cfg`` (a ComputeConfig) that has no effect, with the fix."""
     out = []
     dp = cfg.dp_size
-    if not cfg.use_zero:
-        if cfg.zero_ngroups > 1:
-            out.append(f"ComputeConfig.zero_ngroups={cfg.zero_ngroups} has no effect without use_zero=True (it "
-                       f"splits ZeRO's optimizer-state sharding into groups): set use_zero=True to shard the "
-                       f"optimizer state, or leave zero_ngroups at 1")
+    if not cfg.use_zero:  # (zero_ngroups > 1 without use_zero is refused by ComputeConfig itself)
         if cfg.zero_use_reduce_scatter:
             out.append("ComputeConfig.zero_use_reduce_scatter=True has no effect without use_zero=True (it "
                        "changes how ZeRO reduces gradients): set use_zero=True, or leave it False")
