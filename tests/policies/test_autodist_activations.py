@@ -54,12 +54,13 @@ def real_bytes(model, batch) -> float:
     return float(sum(seen.values()))
 
 
-def _hf(name):
+def _hf(name, mask=False):
+    """Without `mask` transformers 5 decides in Python whether the position ids pack several
+    sequences, with one whether the mask pads anything: either way both branches are traced (a
+    second SDPA call with a 4-D mask), and only one of them runs."""
     model = hf_models.make(name, dtype=torch.float32)
     batch = hf_models.batch(name, 0, 4, dtype=torch.float32)
-    # no attention_mask: with one, HF's mask decision is traced both ways and the estimate counts
-    # the ops of both branches (conservative, docs/autodist.md)
-    return model, {k: v for k, v in batch.items() if k != "attention_mask"}
+    return model, {k: v for k, v in batch.items() if mask or k != "attention_mask"}
 
 
 def _gpt():
@@ -68,7 +69,8 @@ def _gpt():
     return gpt.GPT(cfg).train(), gpt.random_batch(0, 4, cfg)
 
 
-@pytest.mark.parametrize("build", [_gpt, lambda: _hf("llama"), lambda: _hf("llama64")], ids=["gpt", "llama", "llama64"])
+@pytest.mark.parametrize("build", [_gpt, lambda: _hf("llama"), lambda: _hf("llama64"), lambda: _hf("llama", mask=True)],
+                         ids=["gpt", "llama", "llama64", "llama-mask"])
 def test_activation_estimate_matches_what_autograd_keeps(build):
     model, batch = build()
     est, real = estimated_bytes(model, batch), real_bytes(model, batch)
@@ -112,6 +114,34 @@ def test_each_rule_matches_autograd(model, batch):
     est, real = estimated_bytes(model, batch), real_bytes(model, batch)
     # sdpa also keeps its softmax's log-sum-exp: 1/head_dim of its output (1/8 here), not an op output
     assert est == pytest.approx(real, rel=0.07), (est, real)
+
+
+class TwoWays(torch.nn.Module):
+    """A decision on a tensor's value: the tracer keeps both branches, a step runs one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.mean() > 0:
+            h = torch.exp(h)  # keeps one output
+        else:
+            h = torch.exp(torch.exp(h) * 2)  # keeps two
+        return h.sum()
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["traced-light", "traced-heavy"])
+def test_a_traced_branch_counts_the_heavier_side_only(sign):
+    torch.manual_seed(0)
+    model = TwoWays()
+    light, heavy = {"x": torch.rand(8, 16) + 1}, {"x": -torch.rand(8, 16) - 1}
+    graph = trace(model, light if sign > 0 else heavy)
+    assert any(node.branch is not None for node in graph.nodes)  # both branches are in the graph
+    assert real_bytes(model, light) < real_bytes(model, heavy)
+    # whichever branch the trace took, the estimate is the heavier branch's, not the sum of both
+    assert estimated_bytes(model, light if sign > 0 else heavy) == real_bytes(model, heavy)
 
 
 class TwoLinears(torch.nn.Module):

@@ -11,8 +11,8 @@ the all-reduce latency once per reducer bucket. Times
 are per micro-batch (a step runs `nmicros` of them). Memory per device:
 parameters, gradients and optimizer state (fp32 states, fp32 master weights under fp16/bf16
 unless memory-efficient, ZeRO dividing the optimizer part) of the local shard, and the local
-outputs autograd keeps for backward (`activations.py`; none inside recomputed modules) and the
-converted copies a consumer keeps (edge memory).
+outputs autograd keeps for backward (`activations.py`; none inside recomputed modules; of a traced
+decision's two branches, the heavier) and the converted copies a consumer keeps (edge memory).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 from nnscaler.ir import IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
 
 from ..plan import tensor_inputs, tensor_outputs
-from .activations import direct_keeps, saved_for_backward
+from .activations import counted_branches, direct_keeps, runs_in, saved_for_backward
 from .choices import Choice, is_shape_query, node_choices
 from .comm_model import CommModel
 from .config import AutodistConfig
@@ -207,8 +207,9 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
     produced: Dict[int, Tuple[int, int]] = {}
     consumers: Dict[int, List[Tuple[int, int]]] = {}
     problem = Problem(n, ops, [], index=index)
-    kept = saved_for_backward(graph)
-    keeps = {node.id: direct_keeps(graph, node) for node in graph.nodes}
+    branches = counted_branches(graph)  # a step runs one side of a traced decision: the heavier counts
+    kept = saved_for_backward(graph, branches)
+    keeps = {node.id: direct_keeps(graph, node) for node in graph.nodes if runs_in(node, branches)}
     for node in graph.nodes:
         ins, outs = tensor_inputs(graph, node), tensor_outputs(graph, node)
         if (not ins and not outs) or is_shape_query(node):
