@@ -11,6 +11,8 @@ from . import sync_batchnorm  # batch statistics over data-parallel replicas (nr
 from .device import default_backend, default_device
 from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
 from .failures import PeerFailedError, StepRefusedError  # a failed step reaches every rank (failures.py)
+from . import uncaught as _uncaught
+_uncaught.install()  # a process ended by an uncaught exception tells its peers why (uncaught.py)
 from . import guards  # run-time checks of the trace's decisions on tensor values (nr.guards.check)
 from .guards import GuardError
 from .driver.gen_dir import ReuseType

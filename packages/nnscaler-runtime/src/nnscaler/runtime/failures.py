@@ -58,8 +58,8 @@ import torch.distributed as dist
 from .device import is_distributed
 from .errors import NnScalerError
 
-__all__ = ["PeerFailedError", "StepRefusedError", "POLL_S", "enabled", "arm", "report", "check_step", "wait", "run",
-           "failed", "reset"]
+__all__ = ["PeerFailedError", "StepRefusedError", "POLL_S", "enabled", "arm", "report", "post", "check_step", "wait",
+           "run", "lost_peer", "is_connection_error", "failed", "reset"]
 
 POLL_S = 0.25  # seconds between two looks at the store while a collective is pending
 # False turns the protocol off in this process (plain waits, no notices, no hooks): for
@@ -166,6 +166,14 @@ def report(exc: BaseException, phase: str) -> None:
     _post(state, f"rank {dist.get_rank()} failed in {phase}: {text}")
 
 
+def post(reason: str) -> None:
+    """Post `reason` ("rank R ...") as this rank's failure notice (the first one this rank posts
+    stands) and refuse later steps here; nothing without peers. Used for an uncaught exception
+    that ends the process (uncaught.py)."""
+    if _multi_rank():
+        _post(_state(), reason)
+
+
 def _post(state: _State, reason: str) -> None:
     if state.broken is None:
         state.broken = reason
@@ -242,18 +250,20 @@ def _peer_failed(state: _State, rank: int, reason: str, what: str) -> PeerFailed
     return PeerFailedError(f"{reason}; this rank stopped waiting for it in {what}", rank, reason, died=False)
 
 
-def _connection_lost(state: _State, store, group, what: str, exc: BaseException) -> Optional[PeerFailedError]:
+def _connection_lost(state: _State, store, group, what: str, exc: BaseException,
+                     ranks: Optional[Sequence[int]] = None) -> Optional[PeerFailedError]:
+    ranks = tuple(ranks) if ranks is not None else _group_ranks(group)
     if store is not None:
         try:
             found = _notice(store)
             if found is not None:  # the rank failed, posted its notice, then exited
                 return _peer_failed(state, found[0], found[1], what)
-            dead, unknown = _dead(store, _group_ranks(group))
+            dead, unknown = _dead(store, ranks)
             for _ in range(20):  # the connection drops while the killed process is still exiting
-                if dead or len(unknown) == len(_group_ranks(group)) - 1:
+                if dead or len(unknown) == len([r for r in ranks if r != dist.get_rank()]):
                     break
                 time.sleep(0.05)
-                dead, unknown = _dead(store, _group_ranks(group))
+                dead, unknown = _dead(store, ranks)
         except Exception:  # noqa: BLE001 - the store itself is gone with its host process
             dead, unknown = [], None
     else:
@@ -264,7 +274,6 @@ def _connection_lost(state: _State, store, group, what: str, exc: BaseException)
                   f"the out-of-memory killer, or crashed)")
         state.broken = state.broken or reason
         return PeerFailedError(f"{reason}; this rank stopped waiting for it in {what}", dead[0], None, died=True)
-    ranks = _group_ranks(group)
     text = str(exc).lower()
     if unknown is not None and not any(w in text for w in ("connection", "closed", "reset", "broken pipe")):
         return None  # not a lost peer (e.g. the process group's own timeout): gloo's error stands
@@ -280,6 +289,27 @@ def _connection_lost(state: _State, store, group, what: str, exc: BaseException)
     state.broken = state.broken or reason
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return PeerFailedError(f"{reason} (backend: {first[:200]})", None, None, died=True)
+
+
+_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether `exc` is the backend's report of a lost connection to a peer (gloo's "Connection
+    closed by peer", "Connection reset by peer", a broken pipe)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _LOST)
+
+
+def lost_peer(exc: BaseException, what: str, ranks: Optional[Sequence[int]] = None) -> Optional[PeerFailedError]:
+    """The `PeerFailedError` that the backend error `exc`, raised from a blocking operation with
+    `ranks` (default: every rank) in `what` ("the pipeline's receive from rank 1"), stands for
+    when it is a lost connection: naming the rank and the error it reported (its failure notice,
+    e.g. an uncaught exception), or that it died. None for any other error, or without peers."""
+    if not _multi_rank() or not is_connection_error(exc):
+        return None
+    ranks = tuple(ranks) if ranks is not None else tuple(range(dist.get_world_size()))
+    return _connection_lost(_state(), _store(), None, what, exc, ranks)
 
 
 def _polled(tensor: Optional[torch.Tensor]) -> bool:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nnscaler.ir.contracts import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, gencode_file
 from nnscaler.ir import policy_name
 
+from .agreement import ArgumentAgreement
 from .broadcast import broadcast_files, check_strategy
 from .load_check import load_on_every_rank
 from ..errors import ConfigError, GenerationError
@@ -67,14 +68,19 @@ def parallelize(
 
     Deliberate errors (bad input, a refused reuse, a failed trace or plan) are raised with the
     traceback cut at this call, so what is shown is the user's code and the message.
+
+    An error on one rank only (its own arguments) is raised on every rank: the others raise
+    `PeerFailedError` naming that rank and its error (runtime/driver/agreement.py).
     """
+    agreement = ArgumentAgreement()
     try:
         return _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute_config,
                             gen_savedir=gen_savedir, reuse=reuse, instance_name=instance_name,
                             load_module=load_module, module_fn=module_fn,
                             init_module_params=init_module_params, broadcast_strategy=broadcast_strategy,
-                            verbose=verbose)
+                            verbose=verbose, agreement=agreement)
     except Exception as e:
+        e = agreement.error_for(e)  # the other ranks learn this rank's error, not gloo's (agreement.py)
         if is_deliberate(e):  # one message; an internal error keeps its traceback (runtime/driver/error_display.py)
             raise e.with_traceback(None) from None
         raise
@@ -82,7 +88,7 @@ def parallelize(
 
 def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute_config, *, gen_savedir,
                  reuse, instance_name, load_module, module_fn, init_module_params, broadcast_strategy,
-                 verbose=False):
+                 verbose=False, agreement: Optional[ArgumentAgreement] = None):
     from nnscaler.ir import ComputeConfig
 
     if not isinstance(compute_config, ComputeConfig):
@@ -118,6 +124,8 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
 
     identity = Identity(class_path, compute_config.to_dict(), policy_name(pas_policy),
                         _input_schema(dummy_forward_args), generator_identity() if rank == 0 else None)
+    if agreement is not None:  # every rank's checks are done: one that failed is raised on all (agreement.py)
+        agreement.passed()
     error = action = None
     if rank == 0:
         try:

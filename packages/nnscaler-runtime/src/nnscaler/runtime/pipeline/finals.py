@@ -14,9 +14,12 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import failures
 from .p2p import HEADER_LEN, empty_from_header, tensor_header
 
 __all__ = ["broadcast_finals"]
+
+_WHAT = "the broadcast of the pipeline step's outputs"
 
 
 def broadcast_finals(items: Sequence[Tuple[int, int, int, bool]], mine: Callable[[int, int], Any], rank: int,
@@ -45,7 +48,7 @@ def _from(src: int, entries: List[Tuple[int, int, bool]], mine, rank: int, group
                 t = value.detach().contiguous()
                 headers[i] = tensor_header(t).to(device)
                 payload.append(t.reshape(-1).view(torch.uint8))
-    dist.broadcast(headers, src=src, group=group)
+    failures.run(dist.broadcast, headers, src=src, group=group, what=_WHAT)  # a dead peer: PeerFailedError
     rows = headers.tolist()
     empties = {} if rank == src else {i: empty_from_header(torch.tensor(rows[i]), device).requires_grad_(False)
                                       for i, (_, _, is_int) in enumerate(entries) if not is_int}
@@ -55,7 +58,7 @@ def _from(src: int, entries: List[Tuple[int, int, bool]], mine, rank: int, group
         nbytes = sum(t.numel() * t.element_size() for t in empties.values())
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if buf.numel():
-        dist.broadcast(buf, src=src, group=group)
+        failures.run(dist.broadcast, buf, src=src, group=group, what=_WHAT)
     out, offset = {}, 0
     for i, (m, vid, is_int) in enumerate(entries):
         if is_int:

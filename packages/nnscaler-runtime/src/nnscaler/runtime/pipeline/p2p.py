@@ -23,15 +23,22 @@ under ``3t + 2``. The receiver (`post`) posts the header and the agreed payload 
 them, so the common message is written by the sender at once. Only on a backend that matches
 messages by tag (gloo, ``post_ahead``); NCCL matches them in issue order, and there a tensor is
 its header and its payload (``3t + 2``), each received when needed, in the sender's order.
+
+**A peer that died.** A peer process that exits (killed, or ended by an uncaught exception) makes
+gloo fail the pending send or receive with "Connection closed by peer" / "Connection reset by
+peer"; every send and receive here turns that into the `PeerFailedError` the data-parallel
+collectives raise (failures.py): the rank, and the error it reported before exiting or that it died.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .. import failures
 from ..errors import NnScalerError
 
 __all__ = ["Mailbox", "PeerFailure", "HEADER_LEN", "MAX_DIMS", "tensor_header", "empty_from_header"]
@@ -58,6 +65,20 @@ class PeerFailure(NnScalerError):
         super().__init__(f"pipeline rank {src} failed{where} (its own error says why); this rank stopped waiting "
                          f"for it")
         self.src = src
+
+
+@contextmanager
+def _peer_lost(peer: int, what: str):
+    """gloo's lost-connection error from a message with `peer` as `PeerFailedError` (failures.py)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, NnScalerError):  # a poison (PeerFailure) or an error of ours: not gloo's
+            raise
+        lost = failures.lost_peer(exc, f"the pipeline's {what} rank {peer}", ranks=(peer,))
+        if lost is None:
+            raise
+        raise lost from None
 
 
 def tensor_header(x: torch.Tensor) -> torch.Tensor:
@@ -127,13 +148,18 @@ class Mailbox:
         sender's ``isend`` writes it at once (only with `post_ahead`; else nothing)."""
         if not self.post_ahead or src == self.rank or (src, tag) in self._posted:
             return
-        self._posted[(src, tag)] = self._irecv_header(src, tag, is_int)
+        with _peer_lost(src, "receive from"):
+            self._posted[(src, tag)] = self._irecv_header(src, tag, is_int)
 
     def recv_tensor(self, src: int, tag: int) -> torch.Tensor:
         """The tensor sent to this rank with `tag` (detached; requires_grad as the sender's)."""
         if src == self.rank:
             x = self._local.pop(tag)
             return x.detach().requires_grad_(x.requires_grad)
+        with _peer_lost(src, "receive from"):
+            return self._recv_tensor(src, tag)
+
+    def _recv_tensor(self, src: int, tag: int) -> torch.Tensor:
         posted = self._posted.pop((src, tag), None) or self._irecv_header(src, tag, False)
         posted.header_work.wait()
         header = posted.header
@@ -172,8 +198,9 @@ class Mailbox:
     def recv_int(self, src: int, tag: int) -> int:
         if src == self.rank:
             return self._local.pop(tag)
-        posted = self._posted.pop((src, tag), None) or self._irecv_header(src, tag, True)
-        posted.header_work.wait()
+        with _peer_lost(src, "receive from"):
+            posted = self._posted.pop((src, tag), None) or self._irecv_header(src, tag, True)
+            posted.header_work.wait()
         value = int(posted.header.item())
         if value == _INT_POISON:
             raise PeerFailure(src)
@@ -208,7 +235,9 @@ class Mailbox:
     # -- bookkeeping --------------------------------------------------------------------------
     def _isend(self, x: torch.Tensor, dst: int, tag: int, key: Any) -> None:
         self.sent_keys.add((dst, key))
-        self._pending.append((dist.isend(x, dst=dst, tag=tag), x, dst, key))
+        with _peer_lost(dst, "send to"):
+            work = dist.isend(x, dst=dst, tag=tag)
+        self._pending.append((work, x, dst, key))
         self.messages += 1
         self.held_bytes += x.numel() * x.element_size()
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
@@ -220,7 +249,8 @@ class Mailbox:
         for entry in self._pending:
             work, x, dst, key = entry
             if key is not None and delivered(dst, key):
-                work.wait()
+                with _peer_lost(dst, "send to"):
+                    work.wait()
                 self.held_bytes -= x.numel() * x.element_size()
             else:
                 keep.append(entry)
@@ -228,8 +258,9 @@ class Mailbox:
 
     def wait_sends(self) -> None:
         """Wait for every send issued so far (their buffers are released afterwards)."""
-        for work, *_ in self._pending:
-            work.wait()
+        for work, _, dst, _ in self._pending:
+            with _peer_lost(dst, "send to"):
+                work.wait()
         self._pending.clear()
         self.held_bytes = 0
         if self._local:  # pragma: no cover - an executor bug, not a user error
