@@ -83,3 +83,44 @@ def test_resume_from_merged_and_missing_last(tmp_path):
     assert len(losses) == 2  # counters restored: steps 5 and 6 only
     fresh, _, _ = run(tmp_path / "n", max_train_steps=2, **{"checkpoint.resume_from": "last"})
     assert len(fresh) == 2  # 'last' absent: a fresh start, no error
+
+
+def test_each_checkpoint_keeps_the_config_of_the_run_that_wrote_it(tmp_path):
+    import yaml
+    run(tmp_path, max_train_steps=4, **{"checkpoint.every_n_train_steps": 2})
+    root = tmp_path / "ckpt"
+    first = (root / "0000-0004" / "train_config.yaml").read_text()
+    assert yaml.safe_load(first)["max_train_steps"] == 4
+    assert "train_config.yaml" in ckpt.verify(root / "0000-0004")["files"]  # committed and hashed with it
+    assert not (root / "train_config.yaml").exists()  # no shared copy a later run could overwrite
+    run(tmp_path, max_train_steps=6, **{"checkpoint.every_n_train_steps": 2, "checkpoint.resume_from": "last"})
+    assert yaml.safe_load((root / "0001-0006" / "train_config.yaml").read_text())["max_train_steps"] == 6
+    assert (root / "0000-0004" / "train_config.yaml").read_text() == first
+
+
+def test_a_step_directory_never_holds_two_runs_and_last_never_moves_back(tmp_path):
+    from nnscaler.trainer import CheckpointConfig, TrainerError
+    from nnscaler.trainer.checkpointing import CheckpointManager
+    (tmp_path / "0000-0004").mkdir()
+    os.symlink("0000-0004", tmp_path / "last")
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+    for step in (4, 2):  # the same step, or an older one (last would move back to it)
+        with pytest.raises(TrainerError, match=rf"cannot save step {step} in .*: it holds 0000-0004 from another run"):
+            manager.check_step(step)
+    assert manager.check_step(6) is True
+    manager.resumed_at(4)  # the checkpoint this run continues from: saved already, not refused
+    assert manager.check_step(4) is False
+
+
+def test_a_resumed_run_takes_the_lr_scheduler_arguments_of_its_config(tmp_path):
+    import loop_helpers
+
+    def cosine(t_max):
+        return {"type": "torch.optim.lr_scheduler.CosineAnnealingLR", "args": {"T_max": t_max, "eta_min": 0.001},
+                "interval": "step"}
+    hook = {"before_log_train_metrics": "loop_helpers.record_lr"}
+    run(tmp_path, max_train_steps=4, lr_scheduler=cosine(4), hook=hook, **{"checkpoint.every_n_train_steps": 4})
+    loop_helpers.LRS.clear()
+    run(tmp_path, max_train_steps=8, lr_scheduler=cosine(8), hook=hook, **{"checkpoint.resume_from": "last"})
+    # the schedule reached eta_min at step 4 and stays there: it does not climb back up (T_max 4 would)
+    assert loop_helpers.LRS == pytest.approx([0.001] * 4)

@@ -41,6 +41,59 @@ def test_print_config_is_only_yaml(tmp_path, capsys):
     assert data["compute_config"]["use_end2end"] is True and data["gen_reuse"] == "auto"
 
 
+def test_print_config_prints_the_values_training_uses(tmp_path, capsys):
+    from nnscaler.trainer.cli import main
+    cfg = write(tmp_path)
+    assert main(["-f", cfg, "--print-config", "--optimizer.args.lr", "0.05", "--model.args.nlayers", "4",
+                 "--model.args.name", "'7'"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert data["optimizer"]["args"]["lr"] == 0.05 and data["model"]["args"]["nlayers"] == 4  # not '0.05', '4'
+    assert data["model"]["args"]["name"] == {"__value_type": "str", "value": "7"}  # the string '7', kept a string
+
+
+def _no_launch(monkeypatch):
+    import importlib
+    cli_main = importlib.import_module("nnscaler.trainer.cli.main")  # the module (the package exports main)
+
+    def launch(nproc, argv):
+        raise AssertionError("a worker was started")
+    monkeypatch.setattr(cli_main, "_launch", launch)
+
+
+def _trained(tmp_path):
+    from nnscaler.trainer.cli import main
+    cfg = write(tmp_path, **{"checkpoint.no_save": False, "checkpoint.every_n_train_steps": 2, "max_train_steps": 4})
+    assert main(["-f", cfg]) == 0  # one process, in this one
+    return cfg
+
+
+def test_the_launcher_refuses_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    from nnscaler.trainer.cli import main
+    cfg = _trained(tmp_path)
+    _no_launch(monkeypatch)
+    capsys.readouterr()
+    config_before = (tmp_path / "ckpt" / "0000-0004" / "train_config.yaml").read_bytes()
+    assert main(["-f", cfg, "--nproc", "1", "--checkpoint.resume_from", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err == (f"error: checkpoint.resume_from: '{tmp_path}/missing' does not exist; give a "
+                                       f"checkpoint directory, 'last', 'best' or 'auto'\n")
+    assert main(["-f", cfg, "--nproc", "1"]) == 2  # a fresh start into a save_dir that holds checkpoints
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path}/ckpt already holds checkpoints" in err
+    assert "--checkpoint.resume_from auto" in err and "new or empty save_dir" in err
+    assert (tmp_path / "ckpt" / "0000-0004" / "train_config.yaml").read_bytes() == config_before
+
+
+def test_a_finished_run_rerun_starts_no_worker_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    from nnscaler.trainer.cli import main
+    cfg = _trained(tmp_path)
+    _no_launch(monkeypatch)
+    before = sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    capsys.readouterr()
+    assert main(["-f", cfg, "--nproc", "1", "--checkpoint.resume_from", "auto"]) == 0
+    assert capsys.readouterr().out.startswith(f"nothing to train: {tmp_path}/ckpt/0000-0004 is at step 4")
+    assert sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+
+
 def test_bad_config_is_one_line(tmp_path, capsys):
     from nnscaler.trainer.cli import main
     cfg = write(tmp_path)

@@ -65,8 +65,8 @@ def test_references_keys_env_and_cycles(monkeypatch):
 def test_yaml_with_overrides_and_references(cfg, tmp_path):
     a = TrainerArgs.from_yaml(cfg, ["--max_epochs", "3", "--vars.dim=4", "--log.0.args.root_dir", "other",
                                     "--checkpoint.save_dir!"])
-    assert a.max_epochs == 3 and a.model.args["dim"] == "4"  # kept as given; guessed when built:
-    assert build_args(a.model.args, "model.args") == {"dim": 4} and a.dataset.train_args["dim"] == "4"
+    assert a.max_epochs == 3 and a.model.args["dim"] == 4  # typed as it will be built (and printed)
+    assert build_args(a.model.args, "model.args") == {"dim": 4} and a.dataset.train_args["dim"] == 4
     assert a.optimizer.args["lr"] == 0.5 and a.log[0].args["root_dir"] == "other"
     assert a.checkpoint.save_dir == "./checkpoints"  # removed: back to the default
     assert load_config(cfg, [])["checkpoint"]["save_dir"] == f"{tmp_path}/ckpt"

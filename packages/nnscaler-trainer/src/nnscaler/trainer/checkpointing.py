@@ -5,10 +5,17 @@ committed atomically by nnscaler.ckpt), ``<save_dir>/last`` and ``<save_dir>/bes
 or copies with ``symlink_best_and_last: false``). The Trainer's own state (counters, data
 position, LR scheduler, grad scaler, every rank's RNG states) travels in the checkpoint's
 ``extra`` under ``"nnscaler_trainer"`` as JSON data; ``on_save_checkpoint`` hooks may add
-keys of their own to the same dict.
+keys of their own to the same dict. Each checkpoint directory also holds ``train_config.yaml``,
+the resolved config of the run that wrote it, committed with it.
+
+One run per step directory: a run never writes a step that exists (it skips the steps it saved or
+resumed from itself, and refuses any other), and never saves a step older than a checkpoint in
+save_dir, so ``last`` never moves back. The launcher's pre-checks (`nnscaler.trainer.prechecks`)
+refuse such runs before any worker starts; the checks here hold for every other way in.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -18,9 +25,11 @@ import torch.distributed as dist
 
 from .errors import TrainerError
 
-__all__ = ["CheckpointManager", "ckpt_backend", "TRAINER_KEY"]
+__all__ = ["CheckpointManager", "ckpt_backend", "TRAINER_KEY", "CONFIG_FILE", "list_checkpoints", "checkpoint_step",
+           "checkpoint_state", "resolve_resume"]
 
 TRAINER_KEY = "nnscaler_trainer"
+CONFIG_FILE = "train_config.yaml"  # in every checkpoint directory: the config of the run that wrote it
 _NAME = re.compile(r"^(\d+)-(\d+)$")
 
 BACKEND = None  # tests may set a stand-in module with save / load / merge; None: nnscaler.ckpt
@@ -49,13 +58,72 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def list_checkpoints(save_dir: str) -> List[Tuple[int, int, str]]:
+    """(epoch, step, path) of every numbered checkpoint directory in `save_dir`, oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = []
+    for name in os.listdir(save_dir):
+        m = _NAME.match(name)
+        if m and os.path.isdir(os.path.join(save_dir, name)):
+            found.append((int(m.group(1)), int(m.group(2)), os.path.join(save_dir, name)))
+    return sorted(found, key=lambda t: (t[1], t[0]))
+
+
+def checkpoint_state(path: str) -> Optional[Dict[str, Any]]:
+    """The Trainer state (step, epoch, ...) a checkpoint's manifest records, read without loading
+    anything; None when it has none (not the Trainer's, or unreadable)."""
+    try:
+        with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
+            ranks = json.load(f).get("ranks") or []
+        state = ranks[0]["extra"][TRAINER_KEY]["state"]
+        return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def checkpoint_step(path: str) -> Optional[int]:
+    """The training step a checkpoint holds: from its name (``<epoch>-<step>``), else from the
+    Trainer state its manifest records; None when neither says."""
+    m = _NAME.match(os.path.basename(os.path.realpath(path)))
+    if m:
+        return int(m.group(2))
+    state = checkpoint_state(path)
+    return state["step"] if state else None
+
+
+def resolve_resume(resume_from: Optional[str], save_dir: str) -> Optional[str]:
+    """The checkpoint directory `resume_from` names, or None (a fresh start): ``last`` / ``best``
+    (save_dir's links; None when absent, as the seed says), ``auto`` (the newest checkpoint in
+    save_dir: what ``last`` points to, or a newer numbered one a crash left before ``last`` moved;
+    None when there is none), or a path, which must exist."""
+    if not resume_from:
+        return None
+    if resume_from in ("last", "best"):
+        link = os.path.join(save_dir, resume_from)
+        return os.path.realpath(link) if os.path.exists(link) else None
+    if resume_from == "auto":
+        link = os.path.join(save_dir, "last")
+        found = [(s, p) for _, s, p in list_checkpoints(save_dir)]
+        if os.path.exists(link):
+            found.append((checkpoint_step(link), os.path.realpath(link)))
+        found = [(s, p) for s, p in found if s is not None]
+        return max(found, key=lambda t: t[0])[1] if found else None
+    if not os.path.exists(resume_from):
+        raise TrainerError(f"checkpoint.resume_from: {resume_from!r} does not exist; give a checkpoint "
+                           f"directory, 'last', 'best' or 'auto'")
+    return resume_from
+
+
 class CheckpointManager:
     """Saves and finds the checkpoints of one run (see the module docstring)."""
 
-    def __init__(self, config):
+    def __init__(self, config, config_yaml: Optional[str] = None):
         self.config = config
         self.save_dir = config.save_dir
+        self.config_yaml = config_yaml
         self.rank, self.world = _rank_world()
+        self._own_steps: set = set()  # steps this run saved, or resumed from: saved already
 
     # -- naming -------------------------------------------------------------------------------
     def path_for(self, epoch: int, step: int) -> str:
@@ -63,26 +131,46 @@ class CheckpointManager:
 
     def saved(self) -> List[Tuple[int, int, str]]:
         """(epoch, step, path) of every numbered checkpoint, oldest first."""
-        if not os.path.isdir(self.save_dir):
-            return []
-        found = []
-        for name in os.listdir(self.save_dir):
-            m = _NAME.match(name)
-            if m and os.path.isdir(os.path.join(self.save_dir, name)):
-                found.append((int(m.group(1)), int(m.group(2)), os.path.join(self.save_dir, name)))
-        return sorted(found)
+        return list_checkpoints(self.save_dir)
 
     def has_step(self, step: int) -> bool:
         return any(s == step for _, s, _ in self.saved())
 
+    def resumed_at(self, step: int) -> None:
+        """This run continues from a checkpoint of `step`: that step counts as saved."""
+        self._own_steps.add(step)
+
+    def check_step(self, step: int) -> bool:
+        """False when this run saved (or resumed from) `step` already: nothing to write. Raises
+        when save_dir holds another run's checkpoint of this step or of a later one."""
+        if step in self._own_steps:
+            return False
+        taken = [p for _, s, p in self.saved() if s >= step]
+        for name in ("last", "best"):
+            link = os.path.join(self.save_dir, name)
+            later = checkpoint_step(link) if os.path.exists(link) else None
+            if later is not None and later >= step and not os.path.islink(link):
+                taken.append(link)
+        if taken:
+            raise TrainerError(f"checkpoint: cannot save step {step} in {self.save_dir}: it holds "
+                               f"{', '.join(os.path.basename(p) for p in taken)} from another run (a step directory "
+                               f"never holds two runs, and last never moves back); resume that run "
+                               f"(checkpoint.resume_from: auto), or use a new or empty checkpoint.save_dir")
+        return True
+
     # -- saving -------------------------------------------------------------------------------
     def save(self, trainer, epoch: int, step: int, val_loss: Optional[float], extra: Dict[str, Any]) -> Optional[str]:
-        """Save (collective) unless a checkpoint of this step exists; update last / best; prune."""
-        if self.has_step(step):
+        """Save (collective) unless this run saved this step already; update last / best; prune.
+        Refuses (TrainerError, nothing written) a step another run's checkpoint holds."""
+        if not self.check_step(step):
             return None
+        os.makedirs(self.save_dir, exist_ok=True)
         _barrier()  # every rank has seen the same listing before anyone writes
         path = self.path_for(epoch, step)
-        ckpt_backend().save(path, trainer.model, trainer.optimizer, kind=self.config.save_type, extra=extra)
+        files = {CONFIG_FILE: self.config_yaml} if self.config_yaml is not None else None
+        ckpt_backend().save(path, trainer.model, trainer.optimizer, kind=self.config.save_type, extra=extra,
+                            files=files)
+        self._own_steps.add(step)
         if self.rank == 0:
             if self.config.save_last:
                 self._point("last", path)
@@ -125,17 +213,8 @@ class CheckpointManager:
 
     # -- resuming -----------------------------------------------------------------------------
     def resolve(self, resume_from: Optional[str]) -> Optional[str]:
-        """The directory to resume from: ``last`` / ``best`` under save_dir (None when absent,
-        as the seed says), or the given path (which must exist)."""
-        if not resume_from:
-            return None
-        if resume_from in ("last", "best"):
-            path = os.path.join(self.save_dir, resume_from)
-            return os.path.realpath(path) if os.path.exists(path) else None
-        if not os.path.exists(resume_from):
-            raise TrainerError(f"checkpoint.resume_from: {resume_from!r} does not exist; give a checkpoint "
-                               f"directory, 'last' or 'best'")
-        return resume_from
+        """The directory to resume from (see `resolve_resume`)."""
+        return resolve_resume(resume_from, self.save_dir)
 
     def load(self, trainer, path: str) -> Dict[str, Any]:
         """Load model and optimizer (collective, resharding as nnscaler.ckpt does); returns extra."""

@@ -12,8 +12,8 @@ __all__ = ["save_checkpoint", "trainer_extra"]
 
 def save_checkpoint(trainer, val_loss: Optional[float] = None) -> Optional[str]:
     """See `Trainer.save_checkpoint`."""
-    if trainer.checkpoints.has_step(trainer.state.step):
-        return None  # a finished run re-run rewrites nothing
+    if not trainer.checkpoints.check_step(trainer.state.step):
+        return None  # saved (or resumed from) by this run: a finished run re-run rewrites nothing
     if val_loss is None:
         val_loss = trainer.validate()
     if val_loss is None:

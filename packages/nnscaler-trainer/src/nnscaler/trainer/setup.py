@@ -232,12 +232,7 @@ def build_config_hooks(args) -> List[Any]:
 
 
 def build_loggers(args) -> List[Any]:
-    """Rank 0's loggers, set up with the resolved config (also saved beside the checkpoints)."""
-    from .config.loading import dump_yaml
-    if not args.checkpoint.no_save:
-        os.makedirs(args.checkpoint.save_dir, exist_ok=True)
-        with open(os.path.join(args.checkpoint.save_dir, "train_config.yaml"), "w", encoding="utf-8") as f:
-            f.write(dump_yaml(args.to_dict()))
+    """Rank 0's loggers, set up with the resolved config (each checkpoint keeps its own copy)."""
     loggers = []
     for i, log in enumerate(args.log):
         logger = instantiate(resolve_object(log.type, f"log.{i}.type"), build_args(log.args, f"log.{i}.args"),

@@ -55,6 +55,8 @@ class Trainer:
         """Compile (``run_mode: compile``) or set up and train; always tears down what it built."""
         ok = False
         try:
+            from .prechecks import check_paths
+            check_paths(self.train_args)  # before anything is written, on every rank
             if self.train_args.run_mode == "compile":
                 self._compile()
             else:
@@ -144,7 +146,8 @@ class Trainer:
         members = [m for m in (original, self.optimizer, self.lr_scheduler) if isinstance(m, TrainHook)]
         members += build.build_config_hooks(self.train_args)
         self.hooks = HookChain(members)
-        self.checkpoints = CheckpointManager(args.checkpoint)
+        from .config.loading import dump_yaml
+        self.checkpoints = CheckpointManager(args.checkpoint, config_yaml=dump_yaml(args.to_dict()))
         self._setup_loggers()
 
     def _setup_loggers(self) -> None:

@@ -1,6 +1,6 @@
-"""The command's body: validate the config before any process starts, print it, or run
-(in this process under torchrun, or on ``--nproc N`` local processes started through torch's
-own launcher, ``torch.distributed.run``)."""
+"""The command's body: validate the config (and what it says about the disk, `prechecks`) before
+any process starts, print it, or run (in this process under torchrun, or on ``--nproc N`` local
+processes started through torch's own launcher, ``torch.distributed.run``)."""
 from __future__ import annotations
 
 import os
@@ -53,11 +53,19 @@ def main(argv: Optional[List[str]] = None, run_mode: Optional[str] = None) -> in
         if parsed.print_config:
             sys.stdout.write(dump_yaml(args.to_dict()))
             return 0
-        if parsed.nproc is not None and "RANK" not in os.environ:
-            if parsed.nproc != args.compute_config.runtime_ngpus:
-                raise TrainerConfigError("compute_config.runtime_ngpus",
-                                         f"is {args.compute_config.runtime_ngpus} but --nproc is {parsed.nproc}: make "
-                                         f"them equal (e.g. --compute_config.runtime_ngpus {parsed.nproc})")
+        launcher = parsed.nproc is not None and "RANK" not in os.environ
+        if launcher and parsed.nproc != args.compute_config.runtime_ngpus:
+            raise TrainerConfigError("compute_config.runtime_ngpus",
+                                     f"is {args.compute_config.runtime_ngpus} but --nproc is {parsed.nproc}: make "
+                                     f"them equal (e.g. --compute_config.runtime_ngpus {parsed.nproc})")
+        from ..prechecks import check_paths, nothing_to_train
+        check_paths(args)  # paths, resume_from, save_dir: before any worker starts or anything is written
+        note = nothing_to_train(args)
+        if note is not None:  # a finished run re-run: no worker starts, nothing is written
+            if os.environ.get("RANK", "0") == "0":
+                print(note)
+            return 0
+        if launcher:
             if args.run_mode == "run" or args.broadcast_strategy != "none":
                 forwarded = _without_nproc(argv) + ([f"--run_mode={run_mode}"] if run_mode else [])
                 return _launch(parsed.nproc, forwarded)

@@ -120,7 +120,7 @@ class CheckpointConfig:
     every_n_epochs: Optional[int] = None
     keep_last_n_checkpoints: Optional[int] = None
 
-    resume_from: str = None  # last | best | a checkpoint directory (sharded, deduped or merged)
+    resume_from: str = None  # last | best | auto (last if save_dir holds one, else a fresh start) | a directory
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Union
 from nnscaler.ir import ComputeConfig, ConfigError, OptionalComputeConfig
 
 from ..errors import TrainerConfigError
-from .values import guess_value
+from .values import guess_value, typed_value
 
 __all__ = ["from_data", "to_data", "unknown_key_error"]
 
@@ -100,6 +100,8 @@ def from_data(tp: Any, value: Any, key: str) -> Any:
             return {}
         if not isinstance(value, dict):
             raise TrainerConfigError(key, f"expected a mapping, got {type(value).__name__} {value!r}")
+        if typing.get_args(tp)[1:] == (Any,):  # component arguments: typed as they will be used
+            return {k: typed_value(v) for k, v in value.items()}
         return dict(value)
     if tp is ComputeConfig or tp is OptionalComputeConfig:
         return _compute_config(tp, value, key)

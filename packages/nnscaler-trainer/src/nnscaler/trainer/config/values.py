@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict
 
 from ..errors import TrainerConfigError
 
-__all__ = ["resolve_object", "guess_value", "build_value", "build_args", "instantiate"]
+__all__ = ["resolve_object", "guess_value", "typed_value", "build_value", "build_args", "instantiate"]
 
 TYPE_KEY = "__type"
 VALUE_TYPE_KEY = "__value_type"
@@ -73,6 +73,45 @@ def guess_value(text: str) -> Any:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text
+
+
+def typed_value(value: Any) -> Any:
+    """`value` with every string read as `build_value` reads it (``'0.05'`` -> 0.05), as plain data
+    that `build_value` turns into the same object: a string read as a string that would be read
+    again differently (``"'1'"`` -> ``'1'``) becomes ``{__value_type: str, value: '1'}``; one read
+    as something YAML has no plain form for (a tuple, a set, bytes) stays the string it was.
+    ``__type`` names and ``__value_type`` dicts stay as they are."""
+    if isinstance(value, dict):
+        if VALUE_TYPE_KEY in value:
+            return value
+        return {k: (v if k == TYPE_KEY else typed_value(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(typed_value(v) for v in value)
+    if isinstance(value, str):
+        read = guess_value(value)
+        return _kept(read) if _plain(read) else value
+    return value
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and k != TYPE_KEY and _plain(v) for k, v in value.items())
+    return False
+
+
+def _kept(value: Any) -> Any:
+    """A value literal_eval produced, with its strings protected from a second reading."""
+    if isinstance(value, str):
+        return {VALUE_TYPE_KEY: "str", "value": value} if guess_value(value) != value else value
+    if isinstance(value, list):
+        return [_kept(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _kept(v) for k, v in value.items()}
+    return value
 
 
 def build_value(value: Any, key: str) -> Any:
