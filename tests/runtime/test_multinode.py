@@ -107,20 +107,19 @@ def test_two_nodes_each_with_its_own_gen_savedir(tmp_path):
     assert manifest["received"]["strategy"] == "code"
     assert "fullmodel.safetensors" in manifest["received"]["omitted"]
 
-    # none, code missing on node 1: every rank fails within seconds with the same clear error
+    # none, code missing on node 1: every rank fails with the same clear error (not a collective's
+    # timeout: that raises another error type; a hang is caught by TIMEOUT_S)
     missing = [res["none_missing"] for res in first]
     assert all(m.get("error") == "GenerationError" for m in missing), missing
     assert len({m["message"] for m in missing}) == 1
     assert "node 1 (ranks 2-3" in missing[0]["message"] and "broadcast_strategy='all'" in missing[0]["message"]
     assert str(instance_dir(node_b, "m")) in missing[0]["message"]
-    assert max(m["seconds"] for m in missing) < 10
 
     # none, stale code of an earlier model (relu -> tanh) on node 1: refused, node and field named
     stale = [res["stale"] for res in first]
     assert all(s.get("error") == "PlanMismatchError" for s in stale), stale
     assert "node 1 (ranks 2-3" in stale[0]["message"] and "graph_fingerprint" in stale[0]["message"]
     assert str(instance_dir(node_b, "s")) in stale[0]["message"]
-    assert max(s["seconds"] for s in stale) < 10
 
     # relaunch with the node ranks swapped: node B's received copy is rank 0's now
     swapped = _torchrun("swapped", [node_b, node_a], tmp_path / "out")
