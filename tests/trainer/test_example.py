@@ -34,6 +34,38 @@ def test_gpt_char_example_trains_and_resumes(tmp_path):
     assert "resumed from" in r.stdout and len(losses(r.stdout)) == 2
 
 
+def lrs(stdout):
+    return [float(m.group(1)) for m in re.finditer(r"^epoch \d+ step \d+/\d+ \| .*\| lr ([0-9.e+-]+) \|", stdout, re.M)]
+
+
+def files(root):
+    return sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*") if not p.is_symlink()) + \
+        sorted((str(p), os.readlink(p)) for p in root.rglob("*") if p.is_symlink())
+
+
+def test_readme_commands_rerun_and_train_on(tmp_path):
+    # the README's first command twice, then its follow-up (examples/trainer/gpt_char.yaml: resume_from auto,
+    # T_max ${max_train_steps}), on a shorter run
+    first = ["train", "-f", EXAMPLE, "--nproc", "2", "--max_train_steps", "8", "--val_every_n_train_steps", "4",
+             "--checkpoint.every_n_train_steps", "4", "--enable_progress_bar", "false"]
+    r = nnscaler(*first, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lr_first = lrs(r.stdout)
+    ckpts = tmp_path / "runs" / "gpt_char" / "checkpoints"
+    before = files(tmp_path / "runs")
+    r = nnscaler(*first, cwd=tmp_path)  # trains nothing, writes nothing, starts no worker
+    assert r.returncode == 0 and r.stdout.startswith("nothing to train: ./runs/gpt_char/checkpoints/0000-0008 is at step 8"), r.stderr
+    assert files(tmp_path / "runs") == before
+    r = nnscaler(*first, "--checkpoint.resume_from!", cwd=tmp_path)  # without auto: refused before any worker
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "already holds checkpoints" in r.stderr, r.stderr
+    assert files(tmp_path / "runs") == before
+    r = nnscaler(*first, "--max_train_steps", "12", cwd=tmp_path)  # the follow-up: train on (the last value wins)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and len(lrs(r.stdout)) == 4
+    assert max(lrs(r.stdout)) <= min(lr_first)  # the cosine schedule does not climb back up
+    assert os.readlink(ckpts / "last") == "0000-0012"
+
+
 def test_seed_example_config_on_4_processes(tmp_path):
     # pas_policy as the seed has it: autodist (searching a plan over plan_ngpus=4)
     r = nnscaler("train", "-f", os.path.join(HERE, "seed_example.yaml"), "--nproc", "4",
