@@ -29,6 +29,9 @@ The protocol (CPU / gloo collectives; see "Why a side channel" below):
   pending collective within a second ("Connection closed by peer"). The waiter then looks up the
   processes of the collective's ranks (host and pid, registered when the module was built) and
   raises `PeerFailedError` saying which rank died, instead of gloo's message.
+* **Exits, unpolled waits.** An uncaught exception posts a notice before the process exits
+  (uncaught.py). Waits not polled (pipeline sends / receives, parallelize) see the connection
+  close: `lost_peer` makes gloo's error there the same `PeerFailedError`.
 * **Broken state.** After a failure (its own or a peer's) a process refuses later steps with
   `StepRefusedError`: the ranks' collectives are out of step, nothing can be trusted but a restart.
 
@@ -167,9 +170,8 @@ def report(exc: BaseException, phase: str) -> None:
 
 
 def post(reason: str) -> None:
-    """Post `reason` ("rank R ...") as this rank's failure notice (the first one this rank posts
-    stands) and refuse later steps here; nothing without peers. Used for an uncaught exception
-    that ends the process (uncaught.py)."""
+    """Post `reason` ("rank R ...") as this rank's failure notice (its first stands) and refuse later
+    steps here; nothing without peers. For an uncaught exception ending the process (uncaught.py)."""
     if _multi_rank():
         _post(_state(), reason)
 
@@ -291,7 +293,7 @@ def _connection_lost(state: _State, store, group, what: str, exc: BaseException,
     return PeerFailedError(f"{reason} (backend: {first[:200]})", None, None, died=True)
 
 
-_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
+_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")  # gloo's texts
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -302,10 +304,9 @@ def is_connection_error(exc: BaseException) -> bool:
 
 
 def lost_peer(exc: BaseException, what: str, ranks: Optional[Sequence[int]] = None) -> Optional[PeerFailedError]:
-    """The `PeerFailedError` that the backend error `exc`, raised from a blocking operation with
-    `ranks` (default: every rank) in `what` ("the pipeline's receive from rank 1"), stands for
-    when it is a lost connection: naming the rank and the error it reported (its failure notice,
-    e.g. an uncaught exception), or that it died. None for any other error, or without peers."""
+    """The `PeerFailedError` for the backend error `exc` from a blocking operation with `ranks`
+    (default: all) in `what` when it is a lost connection: the rank and the error it posted (e.g.
+    an uncaught exception), or that it died. None for any other error, or without peers."""
     if not _multi_rank() or not is_connection_error(exc):
         return None
     ranks = tuple(ranks) if ranks is not None else tuple(range(dist.get_world_size()))

@@ -94,7 +94,11 @@ def _report(exc: Optional[BaseException]) -> None:
     import torch.distributed as dist
     reason = f"rank {dist.get_rank()} raised {summary(exc)} (uncaught: it ends that process)"
     poster = threading.Thread(target=failures.post, args=(reason,), daemon=True, name="nnscaler-exit-notice")
-    poster.start()
+    try:
+        poster.start()
+    except RuntimeError:  # no new thread at interpreter shutdown (the atexit fallback): post here
+        failures.post(reason)
+        return
     poster.join(POST_S)
 
 
