@@ -126,3 +126,46 @@ def test_internal_error_in_a_builtin_policy_keeps_its_traceback():
     with pytest.raises(RuntimeError, match="^internal$") as info:
         call_policy(boom, None, None, "boom")
     assert info.value.__traceback__ is not None and info.value.__cause__ is None
+
+
+# -- pas_config keys the policy does not read (issue 26: {'sed': 3} was accepted silently) ----------------
+@pytest.mark.parametrize("policy, pas, unknown, hint, known", [
+    ("tp", {"sed": 3}, "'sed'", "Did you mean 'seed' for 'sed'?", "recompute_modules, seed"),
+    ("dp", {"seed": 3}, "'seed'", None, "recompute_modules"),
+    ("data", {"colum": ["fc"]}, "'colum'", None, "recompute_modules"),
+    ("megatron", {"colum": ["fc"], "rows": ["x"]}, "'colum', 'rows'",
+     "Did you mean 'column' for 'colum', 'row' for 'rows'?", "column, heads, recompute_modules, row"),
+    ("autodist", {"mem_constriant": 8}, "'mem_constriant'", "Did you mean 'mem_constraint' for 'mem_constriant'?",
+     "mem_constraint"),
+])
+def test_unknown_pas_config_keys_are_refused_with_the_known_ones(policy, pas, unknown, hint, known):
+    from nnscaler.ir import ConfigError
+    graph = trace(Even(), {"x": torch.randn(4, 4)}, both_modes=False)
+    with pytest.raises(ConfigError) as info:
+        apply_policy(graph, ComputeConfig(2, 2, pas_config=pas), policy)
+    msg = str(info.value)
+    assert msg.startswith(f"pas_policy '{policy}' does not know pas_config key(s) {unknown}")
+    assert (hint in msg) if hint else "Did you mean" not in msg
+    assert known in msg and "prefix your own keys with '_'" in msg
+
+
+def test_known_common_and_private_keys_are_accepted():
+    graph = trace(Even(), {"x": torch.randn(4, 4)}, both_modes=False)
+    apply_policy(graph, ComputeConfig(2, 2, pas_config={"seed": 2, "_note": "mine"}), "tp")
+    apply_policy(graph, ComputeConfig(1, 1, pas_config={"recompute_modules": "Linear"}), "dp")
+    apply_policy(graph, ComputeConfig(1, 1, pas_config={"anything": 1}), lambda g, cfg: _plan_dp(g, cfg))
+
+
+def _plan_dp(graph, cfg):
+    from nnscaler.policies import get_policy
+    return get_policy("dp")(graph, cfg)
+
+
+def test_parallelize_refuses_a_typo_before_writing_code(tmp_path):
+    from nnscaler import parallelize
+    from nnscaler.ir import ConfigError
+    with pytest.raises(ConfigError, match=r"^pas_policy 'tp' does not know pas_config key\(s\) 'sed'"):
+        parallelize(Even(), {"x": torch.randn(4, 4)}, "tp", ComputeConfig(1, 1, pas_config={"sed": 3},
+                                                                           trace_strategy="cpu"),
+                    gen_savedir=tmp_path)
+    assert not any(p.name.startswith("gencode") for p in tmp_path.rglob("*"))

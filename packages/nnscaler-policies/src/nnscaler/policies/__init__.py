@@ -7,7 +7,7 @@ from .plan import Piece, PlanError, validate_plan
 from .primitives import assign, partition, replicate, select
 from .pipeline import cut_stages, pivot_leads, schedule, stage, stage_devices
 from .recompute import recompute, recompute_modules
-from .registry import available_policies, get_policy, policy_name, register_policy
+from .registry import available_policies, check_pas_config, get_policy, policy_keys, policy_name, register_policy
 from .user_policy import call_policy
 from . import builtin as _builtin  # noqa: F401  (registers dp, ...)
 from .builtin._nothing_split import PolicyWarning
@@ -17,6 +17,7 @@ from .builtin.megatron import MegatronPatternWarning
 def apply_policy(graph, compute_config, policy):
     """Run `policy` (a name or a callable) on `graph` and check the result is a complete plan."""
     fn = get_policy(policy)
+    check_pas_config(policy, compute_config.pas_config)  # keys the policy does not read: refused
     result = call_policy(fn, graph, compute_config, policy_name(policy))  # user errors name the user's line
     modules = compute_config.pas_config.get("recompute_modules")
     if modules:  # the config key works with every policy
@@ -30,6 +31,6 @@ def apply_policy(graph, compute_config, policy):
     return result
 
 
-__all__ = ["Piece", "PlanError", "PolicyWarning", "MegatronPatternWarning", "apply_policy", "assign", "available_policies", "get_policy", "partition",
+__all__ = ["Piece", "PlanError", "PolicyWarning", "MegatronPatternWarning", "apply_policy", "assign", "available_policies", "check_pas_config", "get_policy", "policy_keys", "partition",
            "policy_name", "cut_stages", "pivot_leads", "schedule", "stage", "stage_devices", "recompute", "recompute_modules", "register_policy", "replicate", "select",
            "validate_plan"]

@@ -1,19 +1,27 @@
 """Built-in policies by name; a user's callable works the same as a name."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Union
+import difflib
+from typing import Callable, Dict, FrozenSet, Iterable, Mapping, Optional, Union
 
-from nnscaler.ir import policy_name  # noqa: F401  (re-exported: the manifest's policy name)
+from nnscaler.ir import ConfigError, policy_name  # noqa: F401  (policy_name re-exported: the manifest's policy name)
 
 Policy = Callable  # (graph, compute_config) -> graph
 
 _POLICIES: Dict[str, Policy] = {}
+_KEYS: Dict[str, Optional[FrozenSet[str]]] = {}  # name -> the pas_config keys it reads (None: not declared)
+
+# pas_config keys every policy accepts: apply_policy reads them itself
+COMMON_KEYS = frozenset({"recompute_modules"})
 
 
-def register_policy(name: str, *, override: bool = False):
+def register_policy(name: str, *, keys: Optional[Iterable[str]] = None, override: bool = False):
     """Decorator registering a policy function under `name`. A name registered before (a built-in
     policy, or another function) is refused unless ``override=True``; registering the same
-    function again (a re-imported module) is allowed."""
+    function again (a re-imported module) is allowed.
+
+    `keys`: the ``pas_config`` keys the policy reads. When given, `check_pas_config` refuses
+    other keys (besides `COMMON_KEYS` and keys starting with ``_``, which are the user's own)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"register_policy needs a policy name (a non-empty string), got {name!r}")
 
@@ -23,8 +31,39 @@ def register_policy(name: str, *, override: bool = False):
             raise ValueError(f"register_policy({name!r}): the name is already registered for "
                              f"{policy_name(old)}; pass override=True to replace it, or choose another name")
         _POLICIES[name] = fn
+        _KEYS[name] = frozenset(keys) if keys is not None else None
         return fn
     return deco
+
+
+def policy_keys(name: str) -> Optional[FrozenSet[str]]:
+    """The pas_config keys registered policy `name` reads (with `COMMON_KEYS`), or None when it did not
+    declare them."""
+    keys = _KEYS.get(name)
+    return None if keys is None else keys | COMMON_KEYS
+
+
+def check_pas_config(policy, pas_config: Mapping) -> None:
+    """Refuse pas_config keys the named policy does not read (a typo such as ``{'sed': 3}`` for
+    ``seed`` used to be ignored), naming the known keys and the closest one. Keys starting with ``_``
+    are the user's own; a policy passed as a function, or one that declared no keys, is not checked."""
+    if not isinstance(policy, str) or policy not in _POLICIES:
+        return
+    known = policy_keys(policy)
+    if known is None:
+        return
+    unknown = sorted(str(k) for k in pas_config if not str(k).startswith("_") and k not in known)
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        if close:
+            hints.append(f"{close[0]!r} for {key!r}")
+    mean = f" Did you mean {', '.join(hints)}?" if hints else ""
+    raise ConfigError(f"pas_policy {policy!r} does not know pas_config key(s) {', '.join(map(repr, unknown))}; "
+                      f"its keys are {', '.join(sorted(known))} (prefix your own keys with '_').{mean} A key the "
+                      f"policy does not read would have no effect")
 
 
 def available_policies() -> list:

@@ -19,7 +19,7 @@ from ..pipeline import pivot_leads, schedule, stage
 from ..recompute import recompute_modules
 from ..registry import register_policy
 from .comm_profile import measured_comm_model
-from .config import AutodistConfig
+from .config import KEYS, AutodistConfig
 from .constraints import load_constraints
 from .cost_model import Problem, build_problem
 from .cpu_sharing import cpu_scale, shared_cores
@@ -271,7 +271,7 @@ def _check_obeys(graph: IRGraph, record: PlanRecord, cfg: AutodistConfig) -> Non
                              + ". Search again with the constraints (drop load_plan_path), or change the constraints")
 
 
-@register_policy("autodist")
+@register_policy("autodist", keys=KEYS)
 def autodist(graph: IRGraph, compute_config) -> IRGraph:
     cfg = AutodistConfig.from_compute_config(compute_config)
     if cfg.use_apex_fused_adam_v2 and importlib.util.find_spec("apex") is None:

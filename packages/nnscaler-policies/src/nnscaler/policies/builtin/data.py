@@ -10,7 +10,7 @@ from ._nothing_split import warn_if_nothing_split
 from ._spread import split_batch_or_replicate
 
 
-@register_policy("data")
+@register_policy("data", keys=())
 def data(graph, compute_config):
     devices = list(range(compute_config.plan_ngpus))
     for node in graph.nodes:

@@ -7,7 +7,7 @@ from ..primitives import assign, replicate
 from ..registry import register_policy
 
 
-@register_policy("dp")
+@register_policy("dp", keys=())
 def dp(graph, compute_config):
     if compute_config.plan_ngpus != 1:
         raise PlanError(f"the 'dp' policy needs plan_ngpus == 1 (data parallelism only), got "

@@ -59,7 +59,7 @@ def _matches(path: str, globs) -> bool:
     return any(fnmatch.fnmatchcase(path, g) for g in globs)
 
 
-@register_policy("megatron")
+@register_policy("megatron", keys=("column", "row", "heads"))
 def megatron_policy(graph, compute_config):
     n = compute_config.plan_ngpus
     pas = compute_config.pas_config

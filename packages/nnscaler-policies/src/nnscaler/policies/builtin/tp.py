@@ -13,7 +13,7 @@ from ._nothing_split import warn_if_nothing_split
 from ._spread import replicate_over_unit, split_over_unit, splittable
 
 
-@register_policy("tp")
+@register_policy("tp", keys=("seed",))
 def tp(graph, compute_config):
     n = compute_config.plan_ngpus
     rng = random.Random(compute_config.pas_config.get("seed", 1))
