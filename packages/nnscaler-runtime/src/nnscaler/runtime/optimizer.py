@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import failures
-from .errors import ConfigError
+from .errors import ConfigError, NnScalerError
 from .grid import RankGrid
 from nnscaler.ir.contracts import FullMapEntry
 
@@ -191,6 +191,8 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
             entry = pm.fullmap.get(name)
             replicas[id(p)] = entry.replicas if entry is not None else 1
     params = [p for p in module.parameters() if p.requires_grad]
+    if not params and all(pm.PIPELINE is None for pm in pms):  # every rank holds every parameter: none trains
+        _refuse_nothing_to_train(module)
     ordinary = [p for p in params if id(p) not in replicas]
     for p in ordinary:
         replicas[id(p)] = grid.plan_ngpus
@@ -215,6 +217,19 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
     optimizer._nnscaler_replicas = replicas
     optimizer._nnscaler_zero = zero
     return optimizer
+
+
+def _refuse_nothing_to_train(module: torch.nn.Module) -> None:
+    """build_optimizer on a model without trainable parameters (issue 26: it was accepted, and the
+    optimizer updated nothing). Not checked for a pipelined module: one stage may hold only frozen
+    layers while another trains."""
+    frozen = sum(1 for _ in module.parameters())
+    what = (f"all its {frozen} parameter tensor(s) have requires_grad=False" if frozen
+            else "it has no parameters")
+    raise NnScalerError(f"build_optimizer: {type(module).__name__} has no trainable parameters ({what}), so the "
+                        f"optimizer would update nothing. Set requires_grad=True on the parameters to train before "
+                        f"parallelize() (the generated module keeps each parameter's flag), or do not build an "
+                        f"optimizer for a module that only runs forward")
 
 
 def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: List[torch.nn.Parameter],
