@@ -85,6 +85,8 @@ class Identity:
     policy: str
     input_schema: dict
     generator: Optional[str] = None  # hash of the compile-time packages (None: not installed)
+    # name -> [shape, dtype] of the instance's parameters and buffers (None: a class was given)
+    state_schema: Optional[dict] = None
 
     def graph_part(self) -> dict:
         cfg = self.compute_config
@@ -103,7 +105,58 @@ def read_manifest(directory: Path) -> Optional[dict]:
     if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
         raise ReuseError(f"{path} is not an nnscaler manifest of format {FORMAT_VERSION}; delete {directory} "
                          f"or use reuse='override'")
+    problem = _schema_problem(data)
+    if problem:  # issue 26: was KeyError: 'compute_config' from deep inside parallelize
+        raise ReuseError(f"the manifest {path} does not have the gen_savedir manifest's schema: {problem}. It was "
+                         f"not written by this nnscaler's parallelize (or was edited); delete {directory} or use "
+                         f"reuse='override' to generate the code again")
     return data
+
+
+# key -> accepted types of a gen_savedir manifest (format 1); "sources" and "state_schema" are optional
+_MANIFEST_KEYS = {"module_class": str, "class_name": str, "compute_config": dict, "policy": str,
+                  "input_schema": dict, "graph_fingerprint": str, "files": dict, "generator": (str, type(None))}
+
+
+def _schema_problem(data: dict) -> Optional[str]:
+    """What is wrong with a manifest's keys, or None."""
+    missing = [k for k in _MANIFEST_KEYS if k not in data]
+    if missing:
+        return f"key(s) {', '.join(map(repr, missing))} missing"
+    for key, kind in _MANIFEST_KEYS.items():
+        if not isinstance(data[key], kind):
+            return f"{key!r} is a {type(data[key]).__name__}"
+    for name, meta in data["files"].items():
+        if not (isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and isinstance(meta.get("size"), int)):
+            return f"files[{name!r}] is not {{'sha256': str, 'size': int}}"
+    for key in ("constant_folding", "user_config"):
+        if key not in data["compute_config"]:
+            return f"compute_config has no {key!r}"
+    if not isinstance(data.get("state_schema", {}), dict):
+        return "'state_schema' is not a dict"
+    return None
+
+
+def state_schema(module) -> dict:
+    """name -> [shape, dtype] of a module's parameters and buffers (what the generated code was made for)."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return {name: [list(t.shape), str(t.dtype).replace("torch.", "")] for name, t in named}
+
+
+def stale_state(old: dict, new: Identity) -> Optional[str]:
+    """How the instance's parameters/buffers differ from those the code was generated for, or None
+    (also when either side is unknown: a class was given, or an older manifest)."""
+    recorded = old.get("state_schema")
+    if new.state_schema is None or recorded is None or recorded == new.state_schema:
+        return None
+    out = []
+    for name in sorted(set(recorded) | set(new.state_schema)):
+        then, now = recorded.get(name), new.state_schema.get(name)
+        if then != now:
+            show = (lambda v: "absent" if v is None else f"shape {tuple(v[0])} {v[1]}")
+            out.append(f"{name}: {show(then)} then, {show(now)} now")
+    more = f" and {len(out) - 3} more" if len(out) > 3 else ""
+    return "; ".join(out[:3]) + more
 
 
 def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_name: str,
@@ -119,6 +172,8 @@ def write_manifest(directory: Path, identity: Identity, fingerprint: str, class_
             "graph_fingerprint": fingerprint, "files": files}
     if sources is not None:  # the model's source files (nnscaler.runtime.driver.model_sources)
         data["sources"] = sources
+    if identity.state_schema is not None:  # the instance's parameter/buffer shapes: stale-code check
+        data["state_schema"] = identity.state_schema
     atomic_write(directory / MANIFEST, json.dumps(data, indent=1, sort_keys=True))
     return data
 
@@ -153,6 +208,9 @@ def differences(old: dict, new: Identity) -> Dict[str, tuple]:
     # machine without them (runtime only) cannot tell and trusts the files.
     if new.generator is not None and old.get("generator") != new.generator:
         diffs["generator"] = (old.get("generator"), new.generator)
+    stale = stale_state(old, new)
+    if stale:
+        diffs["model parameters/buffers"] = stale
     return diffs
 
 
@@ -185,6 +243,13 @@ def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -
     diffs = differences(manifest, identity)
     from .model_sources import SourceChangedWarning, changed_sources, describe_changes
     if reuse is ReuseType.MATCH:
+        stale = diffs.pop("model parameters/buffers", None)
+        if stale:  # issue 26: was a shape mismatch while loading the weights, not saying why
+            raise ReuseError(
+                f"reuse='match' refuses the code in {directory}: it is stale, generated for a model whose "
+                f"parameters/buffers differ from this one's ({stale}), e.g. a model of another width. Use "
+                f"reuse='override' (or 'moo') to generate it again, delete {directory}, or pass another "
+                f"instance_name to keep both.")
         if diffs:
             listing = "; ".join(f"{k}: existing {a!r}, now {b!r}" for k, a, b in
                                 ((k, *v) for k, v in diffs.items()))
@@ -218,7 +283,8 @@ def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -
                       "user_config": manifest["compute_config"].get("user_config")}
     graph_files = [n for n in (GRAPH_FILE, CONSTANTS_FILE, WEIGHTS_FILE) if n in manifest["files"]]
     held = {GRAPH_FILE, WEIGHTS_FILE} <= set(graph_files)  # a copy received without them (broadcast.py)
-    if held and old_graph_part == identity.graph_part() and not corrupt_files(directory, manifest, graph_files):
+    if held and old_graph_part == identity.graph_part() and not stale_state(manifest, identity) \
+            and not corrupt_files(directory, manifest, graph_files):
         return ReuseDecision.REUSE_GRAPH
     return ReuseDecision.GENERATE
 

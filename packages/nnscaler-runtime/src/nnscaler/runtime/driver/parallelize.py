@@ -24,6 +24,7 @@ from .plan_report import report_plan
 from .error_display import is_deliberate
 from .savedir import savedir_error
 from .gen_dir import (ReuseDecision, Identity, ReuseType, decide, generator_identity, instance_dir, read_manifest, staging_dir,
+                      state_schema,
                       swap_in, write_manifest)
 from .model_sources import collect_sources
 
@@ -123,7 +124,8 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
             f"and call torch.distributed.init_process_group() first, or pass load_module=False to only generate")
 
     identity = Identity(class_path, compute_config.to_dict(), policy_name(pas_policy),
-                        _input_schema(dummy_forward_args), generator_identity() if rank == 0 else None)
+                        _input_schema(dummy_forward_args), generator_identity() if rank == 0 else None,
+                        state_schema=None if is_class else state_schema(module_or_module_class))
     if agreement is not None:  # every rank's checks are done: one that failed is raised on all (agreement.py)
         agreement.passed()
     error = action = None
