@@ -21,6 +21,7 @@ from .gradients import (AggregatedOutputs, aggregate_outputs, clear_grads, count
 from .class_mixin import mix_into, rewrap_scheduler_step
 from .grid import RankGrid
 from .module import ParallelModule
+from .call_arguments import ForwardArgumentError  # a call that does not fit the model's forward
 from .optimizer import build_optimizer
 from .driver.parallelize import load_generated_class, parallelize
 from .driver.plan_report import PlanWarning
@@ -37,5 +38,5 @@ __all__ = [
     "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "GuardError", "guards", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
     "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm",
-    "PeerFailedError", "StepRefusedError",
+    "PeerFailedError", "StepRefusedError", "ForwardArgumentError",
 ]
