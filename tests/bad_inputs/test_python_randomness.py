@@ -126,3 +126,28 @@ def test_standard_library_draws_are_not_the_models():
             return self.fc(x).sum()
 
     trace(Temp(), X)
+
+
+def test_seeded_numpy_generator_and_other_threads_are_not_refused():
+    """default_rng(seed) gives the same numbers on every call (baking them is right); a draw on
+    another thread while the forward is traced (a data loader) is not the forward's."""
+    import threading
+
+    drawn = []
+
+    class Seeded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            scale = float(np.random.default_rng(0).random())
+            worker = threading.Thread(target=lambda: drawn.append(random.random()))
+            worker.start()
+            worker.join()
+            return self.fc(x).sum() * scale
+
+    trace(Seeded(), X)
+    assert drawn  # the thread drew, nothing was refused
+    with pytest.raises(TraceError, match=r"numpy.random.default_rng\(\)"):
+        trace(StochasticDepth(lambda: np.random.default_rng().random()), X)

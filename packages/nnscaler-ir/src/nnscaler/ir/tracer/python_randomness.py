@@ -24,6 +24,7 @@ import datetime as _datetime
 import functools
 import random as _random
 import sys
+import threading
 import time as _time
 import warnings
 from typing import Callable, Dict, List, Tuple
@@ -36,8 +37,8 @@ from .guards import _loc, _ours
 _RANDOM_NAMES = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample", "shuffle", "gauss",
                  "normalvariate", "lognormvariate", "expovariate", "vonmisesvariate", "gammavariate",
                  "betavariate", "paretovariate", "weibullvariate", "triangular", "getrandbits", "randbytes",
-                 "binomialvariate", "seed")
-_NUMPY_SKIP = {"get_state", "set_state", "Generator", "RandomState", "SeedSequence", "MT19937", "Philox", "PCG64",
+                 "binomialvariate")
+_NUMPY_SKIP = {"seed", "get_state", "set_state", "Generator", "RandomState", "SeedSequence", "MT19937", "Philox", "PCG64",
                "PCG64DXSM", "SFC64", "BitGenerator"}
 _CLOCK_NAMES = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
                 "process_time", "process_time_ns")
@@ -85,8 +86,11 @@ class _Watch:
     def __init__(self, training: bool):
         self.training = training
         self.warned = set()
+        self.thread = threading.get_ident()
 
     def hit(self, what: str, kind: str) -> None:
+        if threading.get_ident() != self.thread:
+            return  # another thread of the program (a data loader): not the forward being traced
         frame = sys._getframe(2)  # the caller of the watched function
         if _ours(frame.f_code.co_filename):
             return  # torch, nnscaler or the standard library drawing for itself
@@ -100,9 +104,12 @@ class _Watch:
             warnings.warn_explicit(message, TracingWarning, loc.file, loc.line)
 
     def wrap(self, fn: Callable, what: str, kind: str) -> Callable:
+        seeded = what == "numpy.random.default_rng()"  # default_rng(seed) is deterministic: fine to bake
+
         @functools.wraps(fn)
         def watched(*args, **kwargs):
-            self.hit(what, kind)
+            if not (seeded and (args[:1] != (None,) and args or kwargs.get("seed") is not None)):
+                self.hit(what, kind)
             return fn(*args, **kwargs)
         watched.__nnscaler_watched__ = fn
         return watched
