@@ -8,8 +8,9 @@ import platform
 import shlex
 import socket
 import statistics
-import time
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -84,6 +85,24 @@ def write_json(name: str, data: Dict[str, object]) -> Path:
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def parse_args(parser, smoke: Dict[str, object], name: str):
+    """`parser.parse_args()` plus ``--smoke``: the script's smallest configuration (`smoke` becomes
+    the defaults; flags given still win), run by tests/bench/test_bench_scripts.py to keep every
+    script working. Its results go to ``--out`` or a fresh temporary directory (file `name`), never
+    to bench/results/."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest configuration (seconds); results to --out or a temporary directory")
+    args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**smoke, out=None)
+        args = parser.parse_args()
+        if args.out is None:
+            args.out = str(Path(tempfile.mkdtemp(prefix="nnscaler-bench-smoke-")) / name)
+        elif Path(args.out).resolve().parent == RESULTS_DIR.resolve():
+            parser.error("--smoke results never go to bench/results/: pass another --out")
+    return args
 
 
 def median(values: Sequence[float]) -> float:

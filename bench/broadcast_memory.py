@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_bytes, run_header, save_results, spawn_gloo, table  # noqa: E402
+from _common import fmt_bytes, parse_args, run_header, save_results, spawn_gloo, table  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -86,7 +86,7 @@ def main():
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--per-node", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "broadcast_memory.json"))
-    args = ap.parse_args()
+    args = parse_args(ap, {"mib": 1, "nodes": 2, "per_node": 1}, "broadcast_memory.json")
     world = args.nodes * args.per_node
     out = {**run_header(), "config": vars(args), "variants": {}}
     rows = []

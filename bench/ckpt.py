@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import cpu_count, loadavg, run_header, save_results, spawn_gloo, table  # noqa: E402
+from _common import cpu_count, loadavg, parse_args, run_header, save_results, spawn_gloo, table  # noqa: E402
 
 
 LEVELS = ("fast", "sha256", "size")
@@ -160,14 +160,15 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement (medians are reported)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    ap.add_argument("--hash-mib", type=int, default=256, help="buffer of the one-core hash rates, MiB")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "ckpt.json"))
-    args = ap.parse_args()
+    args = parse_args(ap, {"gib": 0.004, "tensors": 2, "ranks": 2, "repeat": 1, "hash_mib": 4}, "ckpt.json")
     cols = 4096
     rows = int(args.gib * 2**30 / 4 / args.tensors / cols) // args.ranks * args.ranks
     tensor_bytes = rows * cols * 4
     total = tensor_bytes * args.tensors
     load_before = loadavg()  # I/O and hashing figures swing with what else the machine runs
-    rates = hash_rates()
+    rates = hash_rates(args.hash_mib * 2**20)
     root = Path(tempfile.mkdtemp(prefix="nnscaler-bench-ckpt-", dir=args.workdir))
     try:
         per_rank, _ = spawn_gloo(_ranks, (args.ranks, rows, cols, args.tensors, str(root), args.repeat), args.ranks,

@@ -317,7 +317,8 @@ def main() -> None:
     p.add_argument("--zero-dp", type=int, nargs="*", default=[2, 4],
                    help="data-parallel degrees of the ZeRO part (default 2 4; none: skip)")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "comm.json"))
-    args = p.parse_args()
+    args = _common.parse_args(p, {"tp": [2], "policies": ["megatron"], "zero_dp": [2], "layers": 1, "embd": 16,
+                                  "heads": 2, "block_size": 8, "vocab": 32, "batch": 2}, "comm.json")
     if any(n < 2 for n in args.zero_dp):
         p.error("--zero-dp degrees must be >= 2")
     if any(t < 2 for t in args.tp):

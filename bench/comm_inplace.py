@@ -38,7 +38,8 @@ def _time(fn, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=str(_common.RESULTS_DIR / "comm_inplace.json"))
+    args = _common.parse_args(ap, {"reps": 2}, "comm_inplace.json")
     torch.set_num_threads(1)
     stacked = torch.randn(2, 64, 128)
     reshape = lambda: stacked.reshape(128, 128)  # noqa: E731
@@ -53,7 +54,7 @@ def main() -> None:
         rows.append([f"grad_all_reduce fwd clone {mib} MiB", f"{t_clone * 1e3:.3f} ms "
                      f"({mib / 1024 / t_clone:.1f} GB/s)", f"memcpy {t_copy * 1e3:.3f} ms"])
     print(_common.table(["what", "time", "reference"], rows))
-    _common.save_results(str(_common.RESULTS_DIR / "comm_inplace.json"), {**_common.run_header(), "reps": args.reps,
+    _common.save_results(args.out, {**_common.run_header(), "reps": args.reps,
                                                "own_s": t_own - t_view, "reshape_s": t_view, "clones": clones})
 
 

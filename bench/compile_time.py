@@ -112,7 +112,8 @@ def main() -> None:
                    help="torch intra-op threads (default 1; 0: torch's default, which on a small shared "
                         "machine adds random stalls to the traced forward)")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "compile_time.json"))
-    args = p.parse_args()
+    args = _common.parse_args(p, {"layers": [1, 2], "repeats": 1, "embd": 16, "block_size": 8, "vocab": 16},
+                              "compile_time.json")
     layers = sorted(set(args.layers))
     if len(layers) < 2 or layers[0] < 1 or args.repeats < 1:
         p.error("need at least two distinct positive --layers and --repeats >= 1")

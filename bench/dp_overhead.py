@@ -214,7 +214,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "dp_overhead.json"))
-    args = p.parse_args()
+    args = _common.parse_args(p, {"layers": 1, "embd": 16, "heads": 2, "block_size": 8, "vocab": 32, "batch": 2,
+                                  "steps": 2, "block": 1, "warmup": 1, "distinct_batches": 2}, "dp_overhead.json")
     if args.nproc < 2:
         p.error("--nproc must be >= 2 (data parallelism needs more than one process)")
     if args.warmup < 1 or args.steps < 1 or args.block < 1:

@@ -135,7 +135,9 @@ def main() -> None:
     p.add_argument("--collective-rounds", type=int, default=15)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", default=None, help="results file (default bench/results/failure_overhead.json)")
-    args = p.parse_args()
+    args = _common.parse_args(p, {"layers": 1, "embd": 16, "heads": 2, "block_size": 8, "vocab": 32, "batch": 2,
+                                  "steps": 2, "block": 1, "warmup": 1, "collective_calls": 2,
+                                  "collective_rounds": 1}, "failure_overhead.json")
     with tempfile.TemporaryDirectory() as tmp:
         args.gen_dir = tmp
         result, seconds = _common.spawn_gloo(_run, (args,), args.nproc, os.path.join(tmp, "result.json"),

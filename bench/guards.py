@@ -234,7 +234,8 @@ def main():
     parser.add_argument("--batch", type=int, default=8, help="per rank")
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--out", default=str(_common.RESULTS_DIR / "guards.json"))
-    args = parser.parse_args()
+    args = _common.parse_args(parser, {"ranks": [2, 1], "steps": 2, "block": 1, "warmup": 1, "micro": 5, "dim": 16,
+                                       "seq": 8, "batch": 2}, "guards.json")
     load_before = _common.loadavg()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

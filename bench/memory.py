@@ -346,7 +346,8 @@ def main() -> None:
                    help=f"ZeRO/dp cases (default all: {' '.join(ZERO_CASES)}; none: empty)")
     p.add_argument("--no-act", dest="act", action="store_false", help="skip the activation (recompute) part")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "memory.json"))
-    args = p.parse_args()
+    args = _common.parse_args(p, {"tp": [2], "zero_cases": ["zero-dp2"], "layers": 1, "embd": 16, "heads": 2,
+                                  "block_size": 8, "vocab": 32, "batch": 2}, "memory.json")
     bad = [c for c in args.zero_cases if c not in ZERO_CASES]
     if bad:
         p.error(f"unknown --zero-cases {bad}; known: {list(ZERO_CASES)}")

@@ -296,7 +296,8 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="timed steps (after the warm-up and the activation step)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = _common.parse_args(ap, {"ranks": 2, "layers": 4, "width": 32, "micro_batch": 4, "steps": 1, "warmup": 1,
+                                   "nmicros": 4}, "pipeline_r2.json")
     args.schedules = list(dict.fromkeys(args.schedules or SCHEDULES[args.ranks]))
     args.threads = args.threads or _common.threads_per_rank(args.ranks)
     name = "pipeline.json" if args.ranks == 4 else f"pipeline_r{args.ranks}.json"

@@ -98,7 +98,7 @@ def main():
     parser.add_argument("--block", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", default=str(_common.RESULTS_DIR / "random_streams.json"))
-    args = parser.parse_args()
+    args = _common.parse_args(parser, {"layers": 1, "steps": 2, "block": 1, "warmup": 1}, "random_streams.json")
     torch.set_num_threads(1)
     results = {}
     with tempfile.TemporaryDirectory() as gen_dir:

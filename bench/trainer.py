@@ -1,6 +1,6 @@
 """Steps/s of the nnscaler Trainer against a plain torch DDP loop and Lightning's DDP strategy.
 
-    python bench/trainer.py [--steps 40] [--warmup 5] [--rounds 3]
+    python bench/trainer.py [--steps 40] [--warmup 5] [--rounds 3] [--out FILE] [--smoke]
 
 Same model, data and batch for all three, 2 gloo CPU processes each (started by
 torch.distributed.run; every rank gets max(1, cores // 2) intra-op threads): the character GPT of
@@ -17,7 +17,8 @@ the end of the last step on rank 0 gives steps/s. Variants alternate for --round
 median is reported) so slow drift of the machine hits all alike. The nnscaler run also times one
 checkpoint save (sharded, through nnscaler.ckpt) after training, reported as a share of a step.
 
-Writes bench/results/trainer.json.
+Writes bench/results/trainer.json (``--out``; ``--smoke``: the smallest run, results in a temporary
+directory).
 """
 from __future__ import annotations
 
@@ -170,7 +171,7 @@ def launch(variant, steps, warmup, tmp, round_):
     threads = max(1, (os.cpu_count() or 1) // NPROC)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           os.path.abspath(__file__), "--worker", variant, "--out", out, "--steps", str(steps),
+           os.path.abspath(__file__), "--worker", variant, "--worker-out", out, "--steps", str(steps),
            "--warmup", str(warmup), "--workdir", workdir]
     for _ in range(2):  # a gloo teardown can abort a finished run (seen once with DDP): run it again
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=workdir)
@@ -188,16 +189,18 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--worker", choices=sorted(WORKERS))
-    p.add_argument("--out")
+    p.add_argument("--worker-out", help="(internal) a worker's result file")
     p.add_argument("--workdir")
-    a = p.parse_args()
-    if a.worker:
+    p.add_argument("--out", default=os.path.join(HERE, "results", "trainer.json"))
+    if "--worker" in sys.argv:
+        a = p.parse_args()
         import torch
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // NPROC))
-        WORKERS[a.worker](a.out, a.steps, a.warmup, a.workdir)
+        WORKERS[a.worker](a.worker_out, a.steps, a.warmup, a.workdir)
         return
     sys.path.insert(0, HERE)
-    from _common import command_line, machine_info, median, timestamp, write_json
+    from _common import command_line, machine_info, median, parse_args, save_results, timestamp
+    a = parse_args(p, {"steps": 2, "warmup": 1, "rounds": 1}, "trainer.json")
     runs = {v: [] for v in WORKERS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
@@ -228,10 +231,9 @@ def main():
         "checkpoint_save_s": save_s,
         "checkpoint_save_share_of_step": save_s * sps["nnscaler"],
     }
-    path = write_json("trainer.json", result)
+    save_results(a.out, result)
     print(json.dumps({k: result[k] for k in ("steps_per_s", "ratios", "paired_ratios", "checkpoint_save_s",
                                              "checkpoint_save_share_of_step")}, indent=1))
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from nnscaler.ir.schedules import (SCHEDULES, Action, ChimeraDirect, ExplicitSch
 
 def _bench_module(name):
     """A bench/ script as a module, loaded by path: bench/ never goes on sys.path, where its file
-    names (bench/lightning.py) would shadow installed packages for every later test."""
+    names would shadow modules of the same name for every later test."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"nnscaler_bench_{name}", path)

@@ -1,7 +1,7 @@
 """Step time of nnscaler's Lightning strategy (NnScalerStrategy, dp) against Lightning's own
 DDPStrategy, same model, data and Trainer settings, in the same run.
 
-    python bench/lightning.py [--steps 60] [--warmup 10] [--rounds 3] [--layers 6] [--hidden 512] [--batch 64]
+    python bench/lightning_strategy.py [--steps 60] [--warmup 10] [--rounds 3] [--layers 6] [--hidden 512] [--batch 64]
 
 2 gloo CPU processes (torch.multiprocessing.spawn; each rank gets max(1, cores // 2) intra-op
 threads) run both strategies one after the other, alternating which goes first per round, so
@@ -11,7 +11,8 @@ per rank per step. The step time is the median interval between consecutive
 `on_train_batch_end` calls on rank 0 after --warmup steps; the ratio is nnscaler / DDP per round,
 then the median of the rounds.
 
-Writes bench/results/lightning.json.
+Writes bench/results/lightning_strategy.json (``--out``; ``--smoke``: the smallest run, results in
+a temporary directory).
 """
 from __future__ import annotations
 
@@ -22,12 +23,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, HERE)  # no file in bench/ is named like an installed package (tests/bench checks)
 
-from _common import median, run_header, save_results, spawn_gloo, threads_per_rank  # noqa: E402
-
-# this file is named lightning.py: with bench/ on the path, `import lightning` would find it
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+from _common import median, parse_args, run_header, save_results, spawn_gloo, threads_per_rank  # noqa: E402
 
 WORLD, CLASSES = 2, 8
 
@@ -115,8 +113,9 @@ def main():
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "lightning.json"))
-    a = p.parse_args()
+    p.add_argument("--out", default=os.path.join(HERE, "results", "lightning_strategy.json"))
+    a = parse_args(p, {"steps": 2, "warmup": 1, "rounds": 1, "layers": 1, "hidden": 16, "batch": 4},
+                   "lightning_strategy.json")
     args = dict(steps=a.steps, warmup=a.warmup, rounds=a.rounds, layers=a.layers, hidden=a.hidden, batch=a.batch)
     with tempfile.TemporaryDirectory() as tmp:
         runs, _ = spawn_gloo(worker, (args, tmp), WORLD, os.path.join(tmp, "result.json"), gather=False,
