@@ -160,8 +160,9 @@ def test_the_whole_graph_runs_and_calibrates_the_ops(tmp_path):
         assert (factor, why) == (pytest.approx(ratio), None)
     else:
         assert factor == 1.0 and "outside" in why
-    # cached: the stored time is used, not measured again
-    db.entries[key] = {"seconds": 1.5 * sum(f + b for f, b in times.values())}
+    assert stored[key]["ops_seconds"] == pytest.approx(sum(f + b for f, b in times.values()))
+    # cached: the stored factor is used, not measured again
+    db.entries[key] = {"seconds": 1.5, "ops_seconds": 1.0}
     assert calibration(graph, times, db, "cpu") == (pytest.approx(1.5), None)
 
 
@@ -207,9 +208,13 @@ def test_the_optimizer_rate_is_measured_on_the_models_own_shapes(tmp_path):
     db = ProfileDB(tmp_path / "p.json")
     small = optimizer_rate(db, shapes=[(256, 64), (64,)] * 8)
     default = optimizer_rate(db)
-    rates = [k for k in db.entries if k.startswith("__optimizer__:")]
-    assert len(rates) == 2 and small > 0 and default > 0  # one entry per set of shapes
+    shapes = [k for k in db.entries if k.startswith("__optimizer_shape__:")]
+    assert len(shapes) == 2 and small > 0 and default > 0  # one entry per distinct shape
     assert optimizer_rate(ProfileDB(tmp_path / "p.json"), shapes=[(256, 64), (64,)] * 8) == small  # cached
+    # the same shapes, 4x as many tensors (a deeper model): the same rate, nothing measured
+    deeper = ProfileDB(tmp_path / "p.json")
+    assert optimizer_rate(deeper, shapes=[(256, 64), (64,)] * 32) == pytest.approx(small)
+    assert not deeper.dirty and set(deeper.entries) == set(db.entries)
     # too large to measure on its own shapes: the default tensors' rate
     assert optimizer_rate(db, shapes=[(1 << 25,)]) == default
 

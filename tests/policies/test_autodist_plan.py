@@ -162,18 +162,21 @@ def test_profile_cache_is_reused_and_re_profile_measures_again(tmp_path, monkeyp
     assert db.is_file()
     entries = json.loads(db.read_text())["ops"]
     ops = [k for k in entries if not k.startswith("__")]  # and the optimizer's costs, the graph's calibration
-    assert first["profiled_ops"] == len(ops) > 0 and len(entries) == len(ops) + 3
+    assert first["profiled_ops"] == len(ops) > 0
     assert any(k.startswith("__graph__:") for k in entries) and first["compute_calibration"] > 0
     assert first["cached_ops"] > 0  # the second layer repeats the first one's ops
     second = autodist(gpt_graph()).autodist_plan.estimate
     assert second["profiled_ops"] == 0
     assert second["cached_ops"] == first["profiled_ops"] + first["cached_ops"]
     again = autodist(gpt_graph(), re_profile=True).autodist_plan.estimate
-    assert again["profiled_ops"] == first["profiled_ops"] + first["cached_ops"] and again["cached_ops"] == 0
+    # every distinct op measured again, once: its copies reuse the new measurement
+    assert again["profiled_ops"] == first["profiled_ops"] and again["cached_ops"] == first["cached_ops"]
     assert set(json.loads(db.read_text())["ops"]) == set(entries)
     # a deeper model of the same layer shapes reuses every entry
     deeper = autodist(gpt_graph(n_layer=4)).autodist_plan.estimate
     assert deeper["profiled_ops"] == 0 and deeper["cached_ops"] > second["cached_ops"]
+    assert set(json.loads(db.read_text())["ops"]) == set(entries)  # nor the graph's or the optimizer's
+    assert deeper["compute_calibration"] == again["compute_calibration"]  # the factor measured last (re_profile)
 
 
 def test_damaged_profile_cache_is_measured_again(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from .user_policy import call_policy
 from . import builtin as _builtin  # noqa: F401  (registers dp, ...)
 from .builtin._nothing_split import PolicyWarning
 from .builtin.megatron import MegatronPatternWarning
+from .autodist.progress import ProfileProgress, progress_hook, set_progress_hook
 
 
 def apply_policy(graph, compute_config, policy):
@@ -31,6 +32,6 @@ def apply_policy(graph, compute_config, policy):
     return result
 
 
-__all__ = ["Piece", "PlanError", "PolicyWarning", "MegatronPatternWarning", "apply_policy", "assign", "available_policies", "check_pas_config", "get_policy", "policy_keys", "partition",
+__all__ = ["Piece", "PlanError", "PolicyWarning", "ProfileProgress", "progress_hook", "set_progress_hook", "MegatronPatternWarning", "apply_policy", "assign", "available_policies", "check_pas_config", "get_policy", "policy_keys", "partition",
            "policy_name", "cut_stages", "pivot_leads", "schedule", "stage", "stage_devices", "recompute", "recompute_modules", "register_policy", "replicate", "select",
            "validate_plan"]

@@ -27,6 +27,7 @@ from nnscaler.ir import COST_MODELS, atomic_write
 
 from .comm_model import COLLECTIVES, CommModel, DEFAULT_PROFILE, profile_key
 from .op_profile import cache_dir, device_key
+from .progress import task
 
 __all__ = ["measured_comm_model", "measure"]
 
@@ -179,11 +180,14 @@ def measure(sizes: Iterable[int], device: str = "cpu", timeout: float = 300.0, w
     sizes = sorted({int(s) for s in sizes if s > 1})
     backend = "nccl" if device.startswith("cuda") else "gloo"
     collectives: Dict[str, Dict[str, list]] = {}
-    for n in sizes:
-        key = profile_key(n, world)
-        got = _measure_world(world if "/" in key else n, n, backend, timeout)
-        for coll, entry in got.items():
-            collectives.setdefault(coll, {})[key] = entry
+    with task("collectives", len(sizes)) as progress:
+        for n in sizes:
+            key = profile_key(n, world)
+            procs = world if "/" in key else n
+            progress.advance(f"{backend} collectives on groups of {n} ({procs} processes)")
+            got = _measure_world(procs, n, backend, timeout)
+            for coll, entry in got.items():
+                collectives.setdefault(coll, {})[key] = entry
     return {"backend": backend, "format": _FORMAT, "collectives": collectives}
 
 

@@ -7,8 +7,8 @@ slower than alone, not 2x (caches and memory bandwidth are shared too, and a pro
 out loses its cache). So `cpu_scale` times the traced graph (graph_timing's program) alone and
 again while ``procs x threads - threads`` one-thread peers run the same program (forked from
 this process, so they need nothing of the user's script), over blocks of back-to-back runs, and
-takes the ratio; cached in the profile database by the graph's
-fingerprint and the process layout. Where it cannot measure, the division of the cores is
+takes the ratio; cached in the profile database by the graph's op mix (`op_profile.mix_key`:
+a deeper model of the same layer shapes reuses it) and the process layout. Where it cannot measure, the division of the cores is
 used, and the estimate says why (`cpu_scale_note`). ``NNSCALER_AUTODIST_CPU_SHARING=plain`` uses
 the division without starting any process (the test suite's fast tier does).
 """
@@ -26,7 +26,8 @@ import torch
 from nnscaler.ir import IRGraph
 
 from .graph_timing import _execute, _inputs, _program, block_runs, block_seconds
-from .op_profile import ProfileDB
+from .op_profile import ProfileDB, mix_key
+from .progress import task
 
 __all__ = ["cpu_scale", "shared_cores", "ENV"]
 
@@ -60,8 +61,14 @@ def cpu_scale(graph: IRGraph, db: ProfileDB, device: str, procs: int, threads: i
         return 1.0, None
     if os.environ.get(ENV, "measure") == "plain":
         return plain, f"{ENV}=plain: the division of the cores, not measured"
-    key = f"__cpu_sharing__:{_BLOCKS}:{graph.fingerprint()}:{procs}x{threads}on{cores}"
-    entry = db.cached(key, lambda: dict(zip(("alone", "busy"), _alone_and_busy(graph, device, peers))), re_profile)
+    key = f"__cpu_sharing__:{_BLOCKS}:{mix_key(graph)}:{procs}x{threads}on{cores}"
+
+    def measure() -> dict:
+        with task("cpu sharing", 1) as progress:
+            progress.advance(f"the whole graph alone and beside {peers} peer processes")
+            return dict(zip(("alone", "busy"), _alone_and_busy(graph, device, peers)))
+
+    entry = db.cached(key, measure, re_profile)
     if "busy" not in entry:
         return plain, entry.get("error", "not measured")
     factor = float(entry["busy"]) / float(entry["alone"])

@@ -7,8 +7,9 @@ counted. The sum was 4-15 % under the model's eager time (bench/autodist.py, mor
 per-rank batches). `graph_seconds` runs the traced graph once as a program (parameters and
 inputs made from their shapes, as the profiler does) and times it; the search multiplies every
 op's profiled time by measured / profiled sum (measured back to back, as training runs: the
-factor also turns the ops' fastest times into typical ones). The result is cached in the profile database
-by the graph's fingerprint. A graph that cannot run whole (an input we cannot rebuild, a traced
+factor also turns the ops' fastest times into typical ones). The factor is cached in the profile
+database by `op_profile.mix_key`, the set of the graph's distinct ops: a deeper model of the same
+layer shapes reuses the factor of the first one measured. A graph that cannot run whole (an input we cannot rebuild, a traced
 branch on a tensor's value) or would not fit on the device is not calibrated (factor 1), and
 the estimate says why.
 """
@@ -26,7 +27,8 @@ import torch
 from nnscaler.ir import IRGraph, Ref, is_guard, iter_refs, resolve_target
 
 from .int_values import substitute
-from .op_profile import ProfileDB, _make, _sync
+from .op_profile import ProfileDB, _make, _sync, mix_key
+from .progress import task
 
 __all__ = ["graph_seconds", "calibration", "calibration_key"]
 
@@ -173,26 +175,30 @@ def block_seconds(graph: IRGraph, steps: list, device: str, runs: int) -> float:
 
 
 def calibration_key(graph: IRGraph) -> str:
-    """The profile database's key of the graph's whole-graph time."""
-    return f"__graph__:median:{graph.fingerprint()}"  # ("median": the fastest run was kept before)
+    """The profile database's key of the graph's calibration (its op mix, not its depth)."""
+    return f"__graph__:mix:{mix_key(graph)}"
 
 
 def calibration(graph: IRGraph, op_times: Dict[int, Tuple[float, float]], db: ProfileDB, device: str,
                 re_profile: bool = False) -> Tuple[float, Optional[str]]:
     """(factor, why not calibrated or None): measured whole-graph seconds over the sum of the
-    profiled op times, cached in `db` under the graph's fingerprint."""
+    profiled op times, cached in `db` under the graph's op mix (`calibration_key`)."""
     profiled = sum(f + b for f, b in op_times.values())
     if profiled <= 0:
         return 1.0, "no profiled ops"
-    def measure() -> dict:
-        if profiled > _MAX_SECONDS:
-            raise RuntimeError(f"the profiled ops take {profiled:.1f} s, over {_MAX_SECONDS} s")
-        return {"seconds": graph_seconds(graph, device)}
+    key = calibration_key(graph)
+    if (re_profile or key not in db.entries) and profiled > _MAX_SECONDS:  # not stored: a smaller model may run
+        return 1.0, f"the profiled ops take {profiled:.1f} s, over {_MAX_SECONDS} s"
 
-    entry = db.cached(calibration_key(graph), measure, re_profile)
+    def measure() -> dict:
+        with task("graph", 1) as progress:
+            progress.advance(f"the whole graph, forward + backward ({len(op_times)} ops)")
+            return {"seconds": graph_seconds(graph, device), "ops_seconds": profiled}
+
+    entry = db.cached(key, measure, re_profile)
     if "seconds" not in entry:
         return 1.0, entry.get("error", "not measured")
-    factor = float(entry["seconds"]) / profiled
+    factor = float(entry["seconds"]) / float(entry.get("ops_seconds", profiled))
     if not _BOUNDS[0] <= factor <= _BOUNDS[1]:
         return 1.0, f"the whole graph took {factor:.2f}x its ops' sum, outside {_BOUNDS}"
     return factor, None

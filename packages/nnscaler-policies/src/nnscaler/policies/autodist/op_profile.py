@@ -5,10 +5,14 @@ recomputed from the shapes, `int_values`): forward, then backward when an input 
 gradient; the fastest of at least `repeats` runs after a warm-up (more runs, up to 20, while
 they take under 5 ms in all): the minimum is the least disturbed by other processes sharing
 the machine. Results are cached in
-``<cache>/autodist/profile-<device>.json`` keyed by the op's signature (target, argument shapes,
-dtypes and constants), so copies of a layer, re-traces and later runs reuse them; ``re_profile``
-measures again. An op that cannot run alone (an argument we cannot rebuild) is estimated from
-the bytes it reads and writes at the measured memory bandwidth, and marked ``estimated``.
+``<cache>/autodist/profile-<device>.json`` (`cache_dir`; ``<device>``: the device type, the CPU or
+GPU model and the thread count) keyed by the op's signature (target, argument shapes, dtypes and
+constants, grad mode; never its name, module path or position), so the copies of a layer are
+measured once, and re-traces, deeper models of the same layer shapes and later runs reuse them;
+``re_profile`` measures again. An op that cannot run alone (an argument we cannot rebuild) is
+estimated from the bytes it reads and writes at the measured memory bandwidth, and marked
+``estimated``. The measurements of the graph as a whole (calibration, CPU sharing) are keyed by
+`mix_key`, the set of its distinct op signatures, so they carry over to a deeper model too.
 """
 from __future__ import annotations
 
@@ -28,8 +32,10 @@ from nnscaler.ir import IRGraph, Node, Ref, atomic_write, iter_refs, resolve_tar
 from ..plan import tensor_inputs, tensor_outputs
 from .choices import is_shape_query
 from .int_values import int_values, substitute
+from .progress import task
 
-__all__ = ["ProfileDB", "cache_dir", "device_key", "profile_graph", "optimizer_rate", "optimizer_tensor_cost"]
+__all__ = ["ProfileDB", "cache_dir", "device_key", "profile_graph", "mix_key", "op_label", "optimizer_rate",
+           "optimizer_tensor_cost"]
 
 
 def cache_dir() -> Path:
@@ -99,6 +105,25 @@ def _key(graph: IRGraph, node: Node, known) -> str:
             return ["slice", enc(x.start), enc(x.stop), enc(x.step)]
         return repr(x)
     return json.dumps([node.target, enc(node.args), enc(node.kwargs), node.grad_enabled], sort_keys=True)
+
+
+def _profiled(graph: IRGraph, node: Node) -> bool:
+    return not is_shape_query(node) and bool(tensor_inputs(graph, node) or tensor_outputs(graph, node))
+
+
+def mix_key(graph: IRGraph) -> str:
+    """A digest of the set of `graph`'s distinct op signatures: not of how many of each, nor of
+    their names or order, so a deeper model of the same layer shapes has the same key (the cache
+    key of the whole-graph measurements: calibration, CPU sharing)."""
+    known = int_values(graph)
+    signatures = sorted({_key(graph, node, known) for node in graph.nodes if _profiled(graph, node)})
+    return hashlib.sha1(json.dumps(signatures).encode()).hexdigest()[:20]
+
+
+def op_label(graph: IRGraph, node: Node) -> str:
+    """What is profiled, for progress reports: the op's kind and its tensor arguments' shapes."""
+    args = ", ".join(f"{tuple(graph.value(r).shape or ())} {graph.value(r).dtype}" for r in tensor_inputs(graph, node))
+    return f"{node.short_name}({args})"
 
 
 def _make(v, device):
@@ -203,14 +228,15 @@ def profile_graph(graph: IRGraph, *, device: str = "cpu", re_profile: bool = Fal
     """node id -> (forward s, backward s) for every op with tensors, from the cache or measured."""
     db = ProfileDB(Path(db_path) if db_path else cache_dir() / "autodist" / f"profile-{device_key(device)}.json")
     known = int_values(graph)
-    times: Dict[int, Tuple[float, float]] = {}
+    keys = {node.id: _key(graph, node, known) for node in graph.nodes if _profiled(graph, node)}
+    todo: Dict[str, Node] = {}  # signature -> its first op: identical ops are measured once
     for node in graph.nodes:
-        if is_shape_query(node) or not (tensor_inputs(graph, node) or tensor_outputs(graph, node)):
-            continue
-        key = _key(graph, node, known)
-        entry = None if re_profile else db.entries.get(key)
-        if entry is None:
-            db.misses += 1
+        key = keys.get(node.id)
+        if key is not None and key not in todo and (re_profile or key not in db.entries):
+            todo[key] = node
+    with task("op", len(todo)) as progress:
+        for key, node in todo.items():
+            progress.advance(op_label(graph, node))
             try:
                 fwd, bwd = _measure(graph, node, known, device, repeats)
                 entry = {"fwd": fwd, "bwd": bwd, "estimated": False}
@@ -219,16 +245,17 @@ def profile_graph(graph: IRGraph, *, device: str = "cpu", re_profile: bool = Fal
                 entry = {"fwd": fwd, "bwd": bwd, "estimated": True, "why": f"{type(e).__name__}: {e}"[:200]}
             db.entries[key] = entry
             db.dirty = True
-        else:
-            db.hits += 1
-        times[node.id] = (float(entry["fwd"]), float(entry["bwd"]))
+    db.misses += len(todo)
+    db.hits += len(keys) - len(todo)
+    times = {nid: (float(db.entries[key]["fwd"]), float(db.entries[key]["bwd"])) for nid, key in keys.items()}
     db.save()
     return times, db
 
 
 _OPTIMIZER_KEY = "__optimizer__:torch.optim.Adam:float32"
 _OPTIMIZER_TENSOR_KEY = "__optimizer_per_tensor__:torch.optim.Adam:float32"
-_OPTIMIZER_MAX_NUMEL = 1 << 24  # measure the optimizer on the model's own shapes up to this size
+_OPTIMIZER_SHAPE_KEY = "__optimizer_shape__:torch.optim.Adam:float32"  # seconds per tensor of a shape
+_OPTIMIZER_MAX_NUMEL = 1 << 24  # measure the optimizer on the model's own shapes up to this size (each)
 
 
 def _adam_seconds(params, device: str) -> float:
@@ -259,17 +286,45 @@ def optimizer_tensor_cost(db: ProfileDB, device: str = "cpu", re_profile: bool =
 
 def optimizer_rate(db: ProfileDB, device: str = "cpu", re_profile: bool = False, shapes=None) -> float:
     """Seconds per parameter element of an Adam step (fp32, torch's default implementation), the
-    per-tensor cost (`optimizer_tensor_cost`) apart, cached in `db`. Measured on tensors of the
-    model's parameter `shapes` (the fastest of 5 steps after a warm-up) when given and at most
-    `_OPTIMIZER_MAX_NUMEL` elements in all, else on 1M elements in 16 tensors. The rate depends
-    on the tensors' sizes: a 1M-element tensor (16 MB of Adam state, out of cache) took 4.3 ns
-    per element here, 64K-element tensors 1.0 ns."""
-    shapes = [tuple(int(d) for d in sh) for sh in shapes or ()]
-    numel = sum(math.prod(sh) for sh in shapes)
-    if not shapes or numel > _OPTIMIZER_MAX_NUMEL or numel == 0:
-        shapes = [(1 << 16,)] * 16
-        numel = 1 << 20
+    per-tensor cost (`optimizer_tensor_cost`) apart, cached in `db`. Each distinct shape of the
+    model's parameter `shapes` is measured once (a step over up to 8 copies of it, 64K elements if
+    small; the fastest of 5 steps after a warm-up) and weighted by how many tensors
+    have it, so a deeper model of the same layer shapes measures nothing new; a shape over
+    `_OPTIMIZER_MAX_NUMEL` elements, and a model given no shapes, use the rate of 1M elements in
+    16 tensors. The rate depends on the tensors' sizes: a 1M-element tensor (16 MB of Adam state,
+    out of cache) took 4.3 ns per element here, 64K-element tensors 1.0 ns."""
+    counts: Dict[tuple, int] = {}
+    for sh in shapes or ():
+        sh = tuple(int(d) for d in sh)
+        if 0 < math.prod(sh) <= _OPTIMIZER_MAX_NUMEL:
+            counts[sh] = counts.get(sh, 0) + 1
+    large = [tuple(int(d) for d in sh) for sh in shapes or () if math.prod(sh) > _OPTIMIZER_MAX_NUMEL]
+    if not counts:
+        return _default_rate(db, device, re_profile)
+    per_tensor = optimizer_tensor_cost(db, device, re_profile)
+    keys = {sh: f"{_OPTIMIZER_SHAPE_KEY}:{list(sh)}" for sh in counts}
+    todo = [sh for sh in counts if re_profile or keys[sh] not in db.entries]
+    with task("optimizer", len(todo)) as progress:
+        for sh in todo:
+            progress.advance(f"Adam step on {sh}")
+            copies = max(1, min(8, (1 << 16) // math.prod(sh)))  # a few copies of a small tensor: a step to time
+            params = [torch.nn.Parameter(torch.randn(sh, device=device)) for _ in range(copies)]
+            db.entries[keys[sh]] = {"seconds": _adam_seconds(params, device) / copies}
+            db.dirty = True
+    db.save()
+    seconds = sum(n * max(float(db.entries[keys[sh]]["seconds"]) - per_tensor,
+                          0.1 * float(db.entries[keys[sh]]["seconds"])) for sh, n in counts.items())
+    numel = sum(n * math.prod(sh) for sh, n in counts.items())
+    if large:  # too large to measure alone: the default tensors' rate
+        big = sum(math.prod(sh) for sh in large)
+        return (seconds + big * _default_rate(db, device, re_profile)) / (numel + big)
+    return seconds / numel
+
+
+def _default_rate(db: ProfileDB, device: str, re_profile: bool) -> float:
+    shapes, numel = [(1 << 16,)] * 16, 1 << 20
     digest = hashlib.sha1(json.dumps(sorted(shapes)).encode()).hexdigest()[:16]
+
     def measure() -> dict:
         per_tensor = optimizer_tensor_cost(db, device, re_profile)
         params = [torch.nn.Parameter(torch.randn(sh, device=device)) for sh in shapes]
