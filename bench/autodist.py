@@ -639,7 +639,7 @@ def main() -> None:
     p.add_argument("--cache-dir", default=None, help="NNSCALER_CACHE_DIR (default: a fresh temporary directory)")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "autodist.json"))
     args = _common.parse_args(p, {"models": ["gpt"], "ranks": [2], "layers": 2, "embd": 32, "seq": 16, "micro_batch": 4,
-                                  "rounds": 1, "warmup": 1, "settle": 0, "depths": [2], "search_repeats": 1,
+                                  "rounds": 1, "warmup": 1, "settle": 0, "depths": [2, 4], "search_repeats": 1,
                                   "pipe_embd": 32, "pipe_seq": 8}, "autodist.json")
     start = time.perf_counter()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="nnscaler_bench_autodist_")

@@ -1,6 +1,7 @@
 """Every bench/ script runs: each one (a file with a ``__main__`` block) in its smallest
 configuration (``--smoke``) exits 0 and writes a well-formed results file where ``--out`` says,
-leaving bench/results/ alone; and no file in bench/ is named like an importable module
+leaving bench/results/ alone (the scripts with a test of their own, which runs ``--smoke`` and
+checks what they report, are not run twice); and no file in bench/ is named like an importable module
 (``python bench/x.py`` puts bench/ first on sys.path, where bench/lightning.py once hid the
 ``lightning`` package). The figures are the benchmarks' business: no timing is checked."""
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _scripts():
 
 
 SCRIPTS = _scripts()
+OWN_TEST = {"autodist": "test_autodist_bench.py", "guards": "test_guards_bench.py", "pipeline": "test_pipeline_bench.py"}
 
 
 def test_no_bench_file_shadows_an_importable_module():
@@ -46,6 +48,10 @@ def test_no_bench_file_shadows_an_importable_module():
 def test_the_scripts_are_found():
     assert {"ckpt", "lightning_strategy", "trainer", "autodist", "pipeline"} <= set(SCRIPTS)
     assert "lightning" not in SCRIPTS
+    for script, test in OWN_TEST.items():  # those run by their own test, in the same configuration
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), test)) as f:
+            text = f.read()
+        assert f'"{script}.py"), "--smoke"' in text, (script, test)
 
 
 def _results_state():
@@ -54,7 +60,7 @@ def _results_state():
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s not in OWN_TEST])
 def test_script_runs_in_its_smallest_configuration(script, tmp_path):
     out = tmp_path / "out" / f"{script}.json"
     (tmp_path / "tmp").mkdir()
