@@ -8,8 +8,8 @@ out loses its cache). So `cpu_scale` times the traced graph (graph_timing's prog
 again while ``procs x threads - threads`` one-thread peers run the same program (forked from
 this process, so they need nothing of the user's script), over blocks of back-to-back runs, and
 takes the ratio; cached in the profile database by the graph's op mix (`op_profile.mix_key`:
-a deeper model of the same layer shapes reuses it) and the process layout. Where it cannot measure, the division of the cores is
-used, and the estimate says why (`cpu_scale_note`). ``NNSCALER_AUTODIST_CPU_SHARING=plain`` uses
+a deeper model of the same layer shapes reuses it) and the process layout. Where it cannot
+measure, the division of the cores is used, and the estimate says why (`cpu_scale_note`). ``NNSCALER_AUTODIST_CPU_SHARING=plain`` uses
 the division without starting any process (the test suite's fast tier does).
 """
 from __future__ import annotations

@@ -9,9 +9,9 @@ inputs made from their shapes, as the profiler does) and times it; the search mu
 op's profiled time by measured / profiled sum (measured back to back, as training runs: the
 factor also turns the ops' fastest times into typical ones). The factor is cached in the profile
 database by `op_profile.mix_key`, the set of the graph's distinct ops: a deeper model of the same
-layer shapes reuses the factor of the first one measured. A graph that cannot run whole (an input we cannot rebuild, a traced
-branch on a tensor's value) or would not fit on the device is not calibrated (factor 1), and
-the estimate says why.
+layer shapes reuses the factor of the first one measured. A graph that cannot run whole (an
+input we cannot rebuild, a traced branch on a tensor's value) or would not fit on the device is
+not calibrated (factor 1), and the estimate says why.
 """
 from __future__ import annotations
 
