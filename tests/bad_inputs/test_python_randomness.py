@@ -54,6 +54,7 @@ class LayerDrop(StochasticDepth):
 
 StochasticDepth.__module__ = TorchDepth.__module__ = LayerDrop.__module__ = __name__
 X = {"x": torch.randn(4, 8)}
+EPOCH = dt_class(2020, 1, 1)
 
 
 def _cfg():
@@ -141,7 +142,8 @@ def test_seeded_numpy_generator_and_other_threads_are_not_refused():
             self.fc = nn.Linear(8, 8)
 
         def forward(self, x):
-            scale = float(np.random.default_rng(0).random())
+            scale = float(np.random.default_rng(0).random()) + float(np.random.default_rng(seed=1).random())
+            assert isinstance(EPOCH, datetime.datetime) and isinstance(EPOCH, dt_class)  # made before the swap
             worker = threading.Thread(target=lambda: drawn.append(random.random()))
             worker.start()
             worker.join()

@@ -108,7 +108,8 @@ class _Watch:
 
         @functools.wraps(fn)
         def watched(*args, **kwargs):
-            if not (seeded and (args[:1] != (None,) and args or kwargs.get("seed") is not None)):
+            seed = args[0] if args else kwargs.get("seed")
+            if not (seeded and seed is not None):
                 self.hit(what, kind)
             return fn(*args, **kwargs)
         watched.__nnscaler_watched__ = fn
@@ -117,7 +118,14 @@ class _Watch:
     def wrap_datetime(self, cls):
         hit = self.hit
 
-        class datetime(cls):  # noqa: N801  (shown as datetime.datetime)
+        class _Meta(type):  # datetimes made before the swap are still instances of datetime.datetime
+            def __instancecheck__(klass, obj):
+                return isinstance(obj, cls)
+
+            def __subclasscheck__(klass, sub):
+                return issubclass(sub, cls)
+
+        class datetime(cls, metaclass=_Meta):  # noqa: N801  (shown as datetime.datetime)
             @classmethod
             def now(klass, tz=None):
                 hit("datetime.now()", "clock")
