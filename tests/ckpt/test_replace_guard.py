@@ -146,3 +146,28 @@ def test_convert_into_the_directory_of_its_source_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="lies inside the source"):
         convert(hf, hf, overwrite=True)
     assert _snapshot(hf) == before
+
+
+def test_save_overwrite_replaces_only_a_checkpoint(run_dir, tmp_path):
+    """`save(..., overwrite=True)` (what the Lightning strategies call) may replace an earlier
+    checkpoint or an empty directory, never a directory holding anything else."""
+    pm, opt = trained()
+    before = _snapshot(run_dir)
+    with pytest.raises(CheckpointError, match=r"run is not the output of an earlier checkpoint save .*overwrite=True "
+                                              r"replaces only such a directory; choose a new destination"):
+        save(run_dir, pm, opt, overwrite=True)
+    assert _snapshot(run_dir) == before
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["run"]  # no staging directory either
+
+    last = run_dir / "checkpoints" / "last"
+    (last / "mine.txt").write_text("keep me\n")
+    with pytest.raises(CheckpointError, match=r"holds mine.txt, which no checkpoint save wrote"):
+        save(last, pm, opt, overwrite=True)
+    (last / "mine.txt").unlink()
+
+    save(last, pm, opt, extra={"step": 3}, overwrite=True)  # an earlier checkpoint is replaced
+    verify(last)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save(empty, pm, opt, overwrite=True)
+    verify(empty)

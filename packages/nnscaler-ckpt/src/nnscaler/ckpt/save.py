@@ -19,6 +19,7 @@ import torch
 from .checksums import bytes_record
 from .collectives import all_gather_json, broadcast_json, rank_and_world
 from .commit import StagingDir, new_token
+from .replace_guard import check_save_destination
 from .errors import CheckpointError, describe
 from .module_tensors import plan_identity
 from .names import FORMAT, FORMAT_VERSION, MANIFEST, is_staging, rank_file
@@ -106,6 +107,7 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     staging = StagingDir(dest, broadcast_json(new_token() if rank == 0 else None), overwrite)
     if rank == 0:
         try:
+            check_save_destination(dest, overwrite)
             staging.create()
         except (CheckpointError, OSError) as e:
             error = str(e) if isinstance(e, CheckpointError) else f"{dest}: cannot create the checkpoint ({e})"
@@ -143,6 +145,7 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
             "ranks": [{"file": i["file"], "rng": i["rng"], "extra": i["extra"]} for i in ranks],
         }
         try:
+            check_save_destination(dest, overwrite)  # still safe to replace
             staging.commit(manifest)
         except (CheckpointError, OSError) as e:
             failed.append(str(e) if isinstance(e, CheckpointError) else f"{dest}: the commit failed ({e}); the "
