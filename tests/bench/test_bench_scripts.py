@@ -30,7 +30,8 @@ def _scripts():
 
 
 SCRIPTS = _scripts()
-OWN_TEST = {"autodist": "test_autodist_bench.py", "guards": "test_guards_bench.py", "pipeline": "test_pipeline_bench.py"}
+OWN_TEST = {"autodist": "test_autodist_bench.py", "guards": "test_guards_bench.py", "pipeline": "test_pipeline_bench.py",
+            "gpu": "test_gpu_bench.py"}
 
 
 def test_no_bench_file_shadows_an_importable_module():
