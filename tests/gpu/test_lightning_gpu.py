@@ -6,8 +6,6 @@ GPU. Whether the offload copies sit in pinned memory is a separate, strict-xfail
 offload does not pin them yet (nnscaler.lightning.offload allocates with torch.empty)."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -18,14 +16,10 @@ from launch import run_workers
 pytestmark = [*gpu, pytest.mark.multiprocess]
 
 
-@functools.lru_cache(maxsize=1)
-def _fit(root):
-    return run_workers(lightning_workers.fit, 1, root, timeout=400)[0]
-
-
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    return _fit(str(tmp_path_factory.mktemp("lightning_gpu")))
+    """One worker process runs all three fits (spawning costs seconds)."""
+    return run_workers(lightning_workers.fit, 1, str(tmp_path_factory.mktemp("lightning_gpu")), timeout=400)[0]
 
 
 def _same(got, want, what):
