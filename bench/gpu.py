@@ -7,20 +7,26 @@ attention, SwiGLU, untied head): dim 2048, 16 layers, 16 heads (no GQA by defaul
 SwiGLU 5632, vocab 32000, 953 M parameters (888 M without the token embedding), bf16 parameters,
 gradients and AdamW states (pure bf16, no fp32 master weights; fused AdamW on CUDA), sequence 2048,
 micro-batch 8 (16,384 tokens a step), no activation recomputation. All variants start from the
-same initial weights (seed 0) and train on the same batches (`_llama.RandomTokens`, seed 0), in
-this order, in one run:
+same initial weights (seed 0) and train on the same batches (`_llama.RandomTokens`, seed 0), so
+their losses agree (`max_abs_loss_diff_vs_eager`); in this order, in one run:
 
 * ``eager``                : the model, `torch.optim.AdamW`, a plain loop (zero_grad, forward,
                              backward, step)
 * ``nnscaler_parallelize`` : `parallelize(model, ..., 'dp', ComputeConfig(1, 1, use_end2end=True,
                              trace_strategy='cuda'))` on a one-rank process group (HashStore, no
                              port) + `build_optimizer(AdamW)`; the loop calls `train_step([batch])`
-* ``torch_compile``        : `torch.compile(model)` (`--compile-backend`, inductor), same loop as eager
 * ``nnscaler_train``       : `python -m nnscaler.trainer -f CFG.yaml --nproc 1` (= `nnscaler train`,
                              without needing the console script), a YAML generated into a
-                             temporary directory: policy dp, precision bf16, the same model, data
-                             (no shuffling), batch and optimizer; a hook (bench/_step_timer.py)
-                             records each step's end time
+                             temporary directory: policy dp, precision bf16 (applied after the
+                             fp32 trace), the same model, data (no shuffling), batch and optimizer;
+                             a hook (bench/_step_timer.py) records each step's end time
+* ``torch_compile``        : the eager loop with every decoder block under `torch.compile`
+                             (`--compile-scope blocks`, as torchtitan does: one compilation reused by
+                             all layers; `model` compiles the whole model, slower to compile),
+                             backend `--compile-backend` (inductor). Last: the slowest to set up.
+
+The results file is rewritten after every variant (`"complete": false` until the end), so a run
+cut short still leaves the figures it has.
 
 **Timing.** Every step ends with `torch.cuda.synchronize()` and a `perf_counter` reading (the
 Trainer's hook does the same in `on_step_end`). After `--warmup` steps (compilation, autotuning,
@@ -43,10 +49,12 @@ null with the reason. Beside it, torchtitan's published Llama 3.1 8B figures on 
 Target: both nnscaler variants >= 0.98 x the eager loop's tokens/s (`target_met`). Budget: about
 4 minutes on one H100 / H200 with the defaults, compilation and tracing included.
 
-Without CUDA the script refuses (exit 2) unless `--smoke`: a ~2.6 M-parameter model, sequence 64,
-2 steps after 1 warm-up, fp32, `torch.compile` with the `aot_eager` backend (no C++ toolchain
-needed), on the CPU in well under a minute; results to `--out` or a temporary directory. Writes
-bench/results/gpu.json by default.
+Without CUDA the script refuses (exit 2, one line) unless `--smoke`: a 2.5 M-parameter model
+(dim 256, 2 layers, GQA 4/2 heads), sequence 64, batch 2, 2 steps after 1 warm-up, bf16 (the CPU
+runs it), `torch.compile` with the `aot_eager` backend (no C++ toolchain needed): every variant on
+the CPU in about 30 s; results to `--out` or a temporary directory. Writes bench/results/gpu.json
+by default. A failed variant is reported (`errors`, its traceback on stderr) and the others still
+run; the exit status is then 1.
 """
 from __future__ import annotations
 
@@ -65,7 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 TARGET_RATIO = 0.98
-VARIANTS = ("eager", "nnscaler_parallelize", "torch_compile", "nnscaler_train")
+VARIANTS = ("eager", "nnscaler_parallelize", "nnscaler_train", "torch_compile")  # the order they run in
 
 # dense bf16 tensor-core peak, TFLOP/s (no sparsity), matched on torch.cuda.get_device_name();
 # the first matching key wins, so the more specific names come first
@@ -133,7 +141,12 @@ def _plain(base, batches, args, device, dtype, compiled):
     t0 = time.perf_counter()
     model = copy.deepcopy(base).to(device=device, dtype=dtype)
     opt = _optimizer(model.parameters(), args, device)
-    fwd = torch.compile(model, backend=args.compile_backend) if compiled else model
+    fwd = model
+    if compiled and args.compile_scope == "blocks":  # as torchtitan: one compiled block, reused by every layer
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, backend=args.compile_backend)
+    elif compiled:
+        fwd = torch.compile(model, backend=args.compile_backend)
 
     def step(batch):
         opt.zero_grad(set_to_none=True)
@@ -256,6 +269,8 @@ def main() -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
+                   help="torch.compile each decoder block (default; compiles once, as torchtitan) or the whole model")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--trainer-timeout", type=int, default=300, help="seconds for the nnscaler train process")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "gpu.json"))
@@ -293,6 +308,9 @@ def main() -> None:
           f"batch {args.batch} x seq {args.seq}, {args.warmup} warm-up + {args.steps} timed steps, "
           f"device {device_name or 'cpu'}", flush=True)
 
+    ctx = {"args": args, "cfg": cfg, "device_name": device_name, "peak_tf": peak_tf, "mfu_reason": mfu_reason,
+           "n_params": n_params, "n_flop": n_flop, "flops_tok": flops_tok, "tokens_per_step": tokens_per_step,
+           "cuda": device.type == "cuda", "cuda_version": torch.version.cuda}
     results, errors = {}, {}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nnscaler_bench_gpu_") as tmp:
@@ -308,12 +326,13 @@ def main() -> None:
                 else:
                     *out, logged = _trainer(args, cfg, device, os.path.join(tmp, name))
                     extra["logged_step_ms"] = [s * 1e3 if s is not None else None for s in logged]
-                results[name] = {**_summary(*out, args, tokens_per_step, flops_tok, peak_tf), **extra}
+                results[name] = {**_summary(*out, args, tokens_per_step, flops_tok, peak_tf), **extra,
+                                 "variant_seconds": time.perf_counter() - t0}
                 r = results[name]
                 print(f"{name:21s} {r['tokens_per_s']:12,.0f} tokens/s  {r['ms_per_step_median']:9.1f} ms/step  "
                       f"MFU {'-' if r['mfu'] is None else format(r['mfu'], '.1%')}  peak "
                       f"{'-' if r['peak_memory_gib'] is None else format(r['peak_memory_gib'], '.1f') + ' GiB'}  "
-                      f"(setup {r['setup_seconds']:.1f} s, {time.perf_counter() - t0:.1f} s in all)", flush=True)
+                      f"(setup {r['setup_seconds']:.1f} s, {r['variant_seconds']:.1f} s in all)", flush=True)
             except Exception as exc:  # noqa: BLE001 - one failed variant must not lose the others' figures
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 print(f"{name}: FAILED\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -321,59 +340,72 @@ def main() -> None:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    wall = time.perf_counter() - t_start
+            # after every variant: a run cut short by a timeout still leaves what it measured
+            data = _report(ctx, results, errors, time.perf_counter() - t_start, complete=False)
+            _common.save_results(args.out, data)
+    data = _report(ctx, results, errors, time.perf_counter() - t_start, complete=True)
+    _common.save_results(args.out, data)
+    _print(data)
+    if errors:
+        raise SystemExit(1)
 
+
+def _report(ctx, results, errors, wall, complete):
+    """The results file's content."""
+    args, cfg = ctx["args"], ctx["cfg"]
     eager = results.get("eager")
     ratios = {n: r["tokens_per_s"] / eager["tokens_per_s"] for n, r in results.items() if eager and n != "eager"}
     needed = [n for n in ("nnscaler_parallelize", "nnscaler_train") if n in args.variants]
-    target_met = bool(needed) and all(n in ratios and ratios[n] >= TARGET_RATIO for n in needed)
-    step0 = {n: r["losses"][0] for n, r in results.items()}
     # same initial weights, same batches: every variant's losses should track the eager loop's
     loss_diff = {n: max(abs(a - b) for a, b in zip(r["losses"], eager["losses"]))
                  for n, r in results.items() if eager and n != "eager"}
-    data = {
+    return {
         **_common.run_header(),
-        "device": {"name": device_name or "cpu", "peak_bf16_tflops": peak_tf,
-                   "cuda": torch.version.cuda, "mfu_reason": mfu_reason},
-        "config": {"model": {**cfg.as_dict(), "params": n_params, "params_for_flops": n_flop,
+        "complete": complete,
+        "device": {"name": ctx["device_name"] or "cpu", "peak_bf16_tflops": ctx["peak_tf"],
+                   "cuda": ctx["cuda_version"], "mfu_reason": ctx["mfu_reason"]},
+        "config": {"model": {**cfg.as_dict(), "params": ctx["n_params"], "params_for_flops": ctx["n_flop"],
                              "layout": "bench/_llama.py: RMSNorm, RoPE, SDPA causal (GQA when n_kv_heads < n_heads), "
                                        "SwiGLU, untied head, no biases"},
-                   "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens_per_step,
-                   "optimizer": f"AdamW(lr={args.lr}, weight_decay=0.1{', fused' if device.type == 'cuda' else ''}), "
+                   "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "tokens_per_step": ctx["tokens_per_step"],
+                   "optimizer": f"AdamW(lr={args.lr}, weight_decay=0.1{', fused' if ctx['cuda'] else ''}), "
                                 f"states in the parameter dtype",
                    "activation_recomputation": False, "warmup_steps": args.warmup, "timed_steps": args.steps,
-                   "compile_backend": args.compile_backend, "trace_strategy": args.trace_strategy,
-                   "variants": [v for v in VARIANTS if v in args.variants],
+                   "compile_backend": args.compile_backend, "compile_scope": args.compile_scope,
+                   "trace_strategy": args.trace_strategy, "variants": [v for v in VARIANTS if v in args.variants],
                    "timing": "wall time from the end of the last warm-up step to the end of the last step, "
                              "torch.cuda.synchronize() at every step's end (the Trainer: in its on_step_end hook)"},
-        "flops_per_token": flops_tok,
+        "flops_per_token": ctx["flops_tok"],
         "flops_formula": "6*N + 12*L*H*Q*T (PaLM appendix B, as torchtitan's get_num_flop_per_token): N params "
                          "without the token embedding, causal sparsity not discounted, no recomputation",
         "variants": results,
         "errors": errors,
         "ratio_vs_eager": ratios,
         "target": {"ratio": TARGET_RATIO, "of": "nnscaler_parallelize and nnscaler_train tokens/s vs eager"},
-        "target_met": target_met,
-        "step0_loss": step0,
+        "target_met": bool(needed) and all(n in ratios and ratios[n] >= TARGET_RATIO for n in needed),
+        "step0_loss": {n: r["losses"][0] for n, r in results.items()},
         "max_abs_loss_diff_vs_eager": loss_diff,
         "reference": REFERENCE,
         "wall_seconds": wall,
         "smoke": bool(args.smoke),
     }
-    _common.save_results(args.out, data)
-    rows_ = [[n, f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step_median']:.1f}",
-              "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
-              "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}",
-              f"{ratios[n]:.3f}" if n in ratios else "1.000" if n == "eager" else "-"] for n, r in results.items()]
-    print(_common.table(["variant", "tokens/s", "ms/step", "MFU", "peak GiB", "vs eager"], rows_))
-    print("step-0 loss: " + ", ".join(f"{n} {v:.6f}" for n, v in step0.items())
-          + "; max |loss - eager loss|: " + ", ".join(f"{n} {v:.2e}" for n, v in loss_diff.items()))
-    print(f"target nnscaler >= {TARGET_RATIO} x eager: {'met' if target_met else 'NOT met'}; "
-          f"MFU {'vs ' + str(peak_tf) + ' TFLOP/s' if peak_tf else 'n/a: ' + mfu_reason}; "
+
+
+def _print(data):
+    results, ratios = data["variants"], data["ratio_vs_eager"]
+    rows = [[n, f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step_median']:.1f}",
+             "-" if r["mfu"] is None else f"{r['mfu']:.1%}",
+             "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}",
+             f"{ratios[n]:.3f}" if n in ratios else "1.000" if n == "eager" else "-"] for n, r in results.items()]
+    print(_common.table(["variant", "tokens/s", "ms/step", "MFU", "peak GiB", "vs eager"], rows))
+    print("step-0 loss: " + ", ".join(f"{n} {v:.6f}" for n, v in data["step0_loss"].items())
+          + "; max |loss - eager loss|: "
+          + ", ".join(f"{n} {v:.2e}" for n, v in data["max_abs_loss_diff_vs_eager"].items()))
+    peak, reason = data["device"]["peak_bf16_tflops"], data["device"]["mfu_reason"]
+    print(f"target nnscaler >= {TARGET_RATIO} x eager: {'met' if data['target_met'] else 'NOT met'}; "
+          f"MFU {'vs ' + str(peak) + ' TFLOP/s' if peak else 'n/a: ' + reason}; "
           f"torchtitan Llama 3.1 8B on 8 H100 (FSDP, bf16): 33-39% MFU ({REFERENCE['source']}); "
-          f"wall {wall:.0f} s")
-    if errors:
-        raise SystemExit(1)
+          f"wall {data['wall_seconds']:.0f} s")
 
 
 if __name__ == "__main__":
