@@ -86,7 +86,8 @@ PEAK_BF16_TFLOPS = (
 REFERENCE = {
     "source": "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md",
     "what": "torchtitan team, end of 2024: Llama 3.1 8B, 1D parallelism (FSDP), 8 H100 (SXM, HBM2e, 500 W), "
-            "local batch 2, global batch 16, sequence 8192, selective activation checkpointing, bf16",
+            "local batch 2, global batch 16, selective activation checkpointing, bf16 (the rows without Float8); "
+            "the page does not state the sequence length",
     "tokens_per_s_per_gpu": {"FSDP": 5762, "FSDP + torch.compile": 6667, "FSDP + torch.compile + Float8": 8532},
     "peak_memory_gib": {"FSDP": 82.4, "FSDP + torch.compile": 77.0, "FSDP + torch.compile + Float8": 76.8},
     "mfu": "33% to 39% without Float8, with or without torch.compile (8 or 128 GPUs), computed against the "
