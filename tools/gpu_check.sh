@@ -71,11 +71,15 @@ step() {
   local shown="$*"
   [ "${shown%%$'\n'*}" != "$shown" ] && shown="${shown%%$'\n'*}..."
   say "step $name: $shown (timeout ${limit} s)"
-  local t0=$SECONDS rc=0
+  local t0=$SECONDS rc=0 from
+  from=$(wc -l < "$LOG")
   timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1 || rc=$?
-  local took=$((SECONDS - t0)) status=passed reason=""
+  local took=$((SECONDS - t0)) status=passed reason="" shown_lines=0
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=failed; reason="timed out after ${limit} s"
   elif [ "$rc" != 0 ]; then status=failed; reason="exit status $rc"; fi
+  # the end of what the step printed, on stdout too (a caller that sees only stdout sees why)
+  if [ "$status" = failed ]; then shown_lines=80; elif [ "$name" = gpu_tests ] || [ "$name" = bench ]; then shown_lines=20; fi
+  if [ "$shown_lines" -gt 0 ]; then tail -n +"$((from + 1))" "$LOG" | tail -n "$shown_lines" | sed 's/^/  | /'; fi
   say "step $name: $status${reason:+ ($reason)} after ${took} s"
   printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$took" "$reason" >> "$STEPS_FILE"
 }
@@ -156,7 +160,10 @@ done
 
 # -- the gpu test tier ---------------------------------------------------------------------------
 JUNIT="$OUT/gpu_tests.xml"
-mapfile -t GPU_FILES < <(grep -rlE "mark\.gpu|pytest\.mark\.gpu" tests --include='test_*.py' | sort)
+# tests/gpu/ whole (its modules mark themselves through gpu_support), and elsewhere every test
+# file that names the marker
+mapfile -t GPU_FILES < <({ [ -d tests/gpu ] && echo tests/gpu;
+                           grep -rlE "mark\.gpu" tests --include='test_*.py' | grep -v '^tests/gpu/'; } | sort)
 if [ "${#GPU_FILES[@]}" = 0 ]; then
   skip gpu_tests "no test file with a gpu-marked test"
 else

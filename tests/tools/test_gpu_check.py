@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,11 @@ def test_gpu_check_without_cuda_skips_the_cuda_parts_and_exits_0(tmp_path):
     assert {n: steps[n]["status"] for n in ("env", "imports", "cli", "gpu_tests")} == dict.fromkeys(
         ("env", "imports", "cli", "gpu_tests"), "passed")
     assert steps["bench"]["status"] == "skipped" and steps["bench"]["reason"]
+    # every module of the tier was collected (and skipped), and the gpu tests elsewhere too
+    cases = ET.parse(out / "gpu_tests.xml").getroot().iter("testcase")
+    modules = {c.get("classname").split(".")[2] for c in cases if c.get("classname", "").startswith("tests.gpu.")}
+    assert modules == {p.stem for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
+    assert "tests/ir/test_trace_device.py" in log
     counts = summary["pytest"]
     assert counts["skipped"] > 0 and counts["passed"] == counts["failed"] == counts["errors"] == 0
     # every package came from this checkout's sources, the distributions from the generated dist-info
@@ -61,3 +67,26 @@ def test_gpu_check_without_cuda_skips_the_cuda_parts_and_exits_0(tmp_path):
     assert f"nnscaler-trainer 0.1.0: {tmp_path}" in log and "nnscaler_trainer-0.1.0.dist-info" in log
     assert "Plug-in commands" in log or "plug-in commands" in log
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpu_check.")]  # its temp dir removed
+
+
+@pytest.mark.multiprocess
+def test_gpu_check_fails_when_a_step_fails(tmp_path):
+    """A step that fails (here the CLI, through an interpreter that refuses `-m nnscaler.cli`) makes
+    the summary not ok and the exit status 1, with the step's output on stdout; the other steps
+    still run (pytest and the benchmark are refused too, to keep this cheap)."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    'case " $* " in *" -m nnscaler.cli "*|*" -m pytest "*|*" bench/gpu.py "*) echo "refused: $*" >&2; exit 3;; esac\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), GPU_CHECK_PYTHON=str(fake), TMPDIR=str(tmp_path))
+    r = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    steps = summary["steps"]
+    assert not summary["ok"]
+    assert steps["cli"] == {"status": "failed", "seconds": steps["cli"]["seconds"], "reason": "exit status 3"}
+    assert steps["gpu_tests"]["status"] == "failed" and steps["imports"]["status"] == "passed"
+    assert "  | refused: -m nnscaler.cli --help" in r.stdout  # the failing step's output, shown
+    assert "a step failed" in r.stdout
