@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from ..graph import Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode
 from ..ops.op_names import op_name
 from .guards import record_value_read
+from .identity_results import distinct_alias, returned_unchanged, traced_inputs
 from .symbolic_int import TracedInt
 from .trace_device import ExecutionDevice
 from .trace_state import SavedState, TraceError, autocast_region
@@ -152,14 +153,20 @@ class Tracer:
         e.g. a reentrant torch.utils.checkpoint), the mode the Function was called in."""
         return self._function_grad[-1][1] if self._function_grad else torch.is_grad_enabled()
 
-    def _wrap_outputs(self, result, hint: str, inplace_target=None):
-        """Give every tensor (and traced int) in `result` a fresh value; return (refs, result)."""
+    def _wrap_outputs(self, result, hint: str, inputs=None):
+        """Give every tensor (and traced int) in `result` a fresh value; return (refs, result).
+
+        `inputs` (``traced_inputs`` of a call that is not in place): a tensor of `result` that is
+        one of them, returned unchanged (``x.float()`` on float32), is handed back as a distinct
+        alias, so ``x`` keeps its own value (nnscaler.ir.tracer.identity_results)."""
         if isinstance(result, torch.Tensor):
             ref = self.new_value(result, hint)
+            if inputs and returned_unchanged(result, inputs):
+                result = distinct_alias(result)
             self.bind_tensor(result, ref)
             return ref, result
         if isinstance(result, (tuple, list)) and not isinstance(result, torch.Size):
-            pairs = [self._wrap_outputs(r, hint) for r in result]
+            pairs = [self._wrap_outputs(r, hint, inputs) for r in result]
             refs = [p[0] for p in pairs]
             objs = [p[1] for p in pairs]
             if isinstance(result, list):
@@ -181,7 +188,7 @@ class Tracer:
             if attr == "shape" and not self.constant_folding:
                 return self._record_size(args[0], real, "getattr", (args[0], "shape"))
             if isinstance(real, torch.Tensor):
-                refs, real = self._wrap_outputs(real, attr.strip("_"))
+                refs, real = self._wrap_outputs(real, attr.strip("_"), traced_inputs(self, args))  # x.real is x
                 self._add_node("getattr", (self._to_refs(args[0]), attr), {}, refs)
             return real
         if name in _FOLDED_ATTRS:
@@ -207,6 +214,7 @@ class Tracer:
                    or kwargs.get("out") is not None or kwargs.get("inplace") is True)
         if inplace and self.saved is not None:  # the trace must leave the user's weights as they were
             self.saved.before_write(kwargs.get("out", args[0] if args else None))
+        inputs = None if inplace else traced_inputs(self, args, kwargs)  # x.float() may return x itself
         try:
             real = self.device.run(func, args, kwargs)
         except Exception as e:
@@ -219,7 +227,7 @@ class Tracer:
                 self._add_node(target, arg_refs, kwarg_refs, None, inplace=True)
             return real
         hint = name.strip("_") or "out"
-        refs, result = self._wrap_outputs(real, hint)
+        refs, result = self._wrap_outputs(real, hint, inputs)
         annotation = self._annotation(func, args, kwargs, annotation_fn)
         if annotation is not None:  # a register_op annotation of a torch function is checked like a custom op's
             from ..ops.registry import REGISTRY
@@ -262,9 +270,10 @@ class Tracer:
         wrapper = getattr(fn, "__nnscaler_wrapper__", fn)
         annotation = REGISTRY.lookup(wrapper, args, kwargs) or REGISTRY.lookup(fn, args, kwargs)
         arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
+        inputs = traced_inputs(self, args, kwargs)  # an input returned unwritten is a new value, not x's
         real = self.device.run(fn, args, kwargs, mode_off=True)
         REGISTRY.check_call(wrapper, fn, annotation, args, kwargs, real)  # the annotation fits and splits right
-        refs, result = self._wrap_outputs(real, qualname.rsplit(".", 1)[-1])
+        refs, result = self._wrap_outputs(real, qualname.rsplit(".", 1)[-1], inputs)
         self._add_node(f"{module}.{qualname}", arg_refs, kwarg_refs, refs, annotation)
         return result
 
