@@ -12,7 +12,7 @@
   (or in the working directory when it is outside the repository). Files that people add while
   tests run are not counted: anything in a package's `src/` or in bench/results/ (benchmark
   figures; the bench tests write theirs under tmp_path), and `.py`/`.md`/`.rst`/`.toml`/`.txt`/
-  `.yaml`/`.yml`/`.cfg`/`.ini` files under tests/, docs/, examples/, bench/, tools/ and src/
+  `.yaml`/`.yml`/`.cfg`/`.ini`/`.sh` files under tests/, docs/, examples/, bench/, tools/ and src/
   (but never `gencode*.py`). Whatever leaked is cleaned
   up (processes killed, groups destroyed, registry emptied; files are left for inspection) so
   that the next test starts clean, and the test fails with what was found.
@@ -81,7 +81,7 @@ PROCESS_GRACE_S = 10.0  # how long a test's processes get to exit once the test 
 # whole session by design (not a test's leftovers).
 _MP_HELPERS = ("from multiprocessing.resource_tracker import main", "from multiprocessing.forkserver import main")
 _SOURCE_TREES = {"tests", "docs", "examples", "bench", "tools", "src"}
-_SOURCE_SUFFIXES = (".py", ".md", ".rst", ".toml", ".txt", ".yaml", ".yml", ".cfg", ".ini")
+_SOURCE_SUFFIXES = (".py", ".md", ".rst", ".toml", ".txt", ".yaml", ".yml", ".cfg", ".ini", ".sh")
 _SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 
 # -- which tests start processes -----------------------------------------------------------------

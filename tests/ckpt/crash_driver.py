@@ -17,29 +17,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from crash_events import FileEvents  # noqa: E402
 from fake_modules import FakeParallel  # noqa: E402
 
 import nnscaler.ckpt as ckpt  # noqa: E402
 from nnscaler.ckpt import safetensors_file  # noqa: E402
 
-EVENTS = 0  # file events seen by this process
-
-
-def _count_events(kill_at):
-    """Wrap the file operations a save performs; SIGKILL this process at event `kill_at`."""
-    def wrap(owner, name):
-        original = getattr(owner, name)
-
-        def hooked(*args, **kwargs):
-            global EVENTS
-            EVENTS += 1
-            if EVENTS == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(*args, **kwargs)
-        setattr(owner, name, hooked)
-    for owner, name in ((os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"),
-                        (safetensors_file.SafetensorsWriter, "_emit")):
-        wrap(owner, name)
+_TARGETS = ((os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (safetensors_file.SafetensorsWriter, "_emit"))
 
 
 def _rank(rank, port, path, seed, kill_rank, kill_at, report_fd):
@@ -47,10 +31,10 @@ def _rank(rank, port, path, seed, kill_rank, kill_at, report_fd):
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    _count_events(kill_at if rank == kill_rank else 0)
+    events = FileEvents(kill_at if rank == kill_rank else 0, _TARGETS)
     ckpt.save(path, FakeParallel(seed=seed), overwrite=True,
               extra={"seed": seed})
-    os.write(report_fd, json.dumps({"rank": rank, "events": EVENTS}).encode() + b"\n")
+    os.write(report_fd, json.dumps({"rank": rank, "events": events.count}).encode() + b"\n")
     dist.destroy_process_group()
     os._exit(0)
 

@@ -19,29 +19,14 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from crash_events import FileEvents  # noqa: E402
 from fake_modules import trained  # noqa: E402
 
 import nnscaler.ckpt as ckpt  # noqa: E402
 from nnscaler.ckpt import commit, safetensors_file  # noqa: E402
 
-EVENTS = 0
-
-
-def _count_events(kill_at):
-    def wrap(owner, name):
-        original = getattr(owner, name)
-
-        def hooked(*args, **kwargs):
-            global EVENTS
-            EVENTS += 1
-            if EVENTS == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(*args, **kwargs)
-        setattr(owner, name, hooked)
-    for owner, name in ((os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "copy_file_range"),
-                        (commit, "exchange_paths"), (shutil, "rmtree"),
-                        (safetensors_file.SafetensorsWriter, "_emit")):
-        wrap(owner, name)
+_TARGETS = ((os, "fsync"), (os, "rename"), (os, "replace"), (os, "mkdir"), (os, "copy_file_range"),
+            (commit, "exchange_paths"), (shutil, "rmtree"), (safetensors_file.SafetensorsWriter, "_emit"))
 
 
 def merge_in_child(src, dst, kill_at, exchange):
@@ -53,9 +38,9 @@ def merge_in_child(src, dst, kill_at, exchange):
         try:
             if not exchange:
                 commit.exchange_paths = lambda a, b: False
-            _count_events(kill_at)
+            events = FileEvents(kill_at, _TARGETS)
             ckpt.merge(src, dst, overwrite=True)
-            os.write(w, str(EVENTS).encode())
+            os.write(w, str(events.count).encode())
             os._exit(0)
         finally:
             os._exit(1)

@@ -221,6 +221,13 @@ def test_the_optimizer_rate_is_measured_on_the_models_own_shapes(tmp_path):
 
 def _search(use_zero, tmp_path, monkeypatch):
     monkeypatch.setenv("NNSCALER_CACHE_DIR", str(tmp_path))
+    # the optimizer's and the copies' measured rates held fixed: what is compared below is the
+    # model's arithmetic, not how fast this machine happened to be (a loaded machine's slow
+    # optimizer once made dp's step-level time exceed ZeRO's)
+    import nnscaler.policies.autodist.policy as policy
+    monkeypatch.setattr(policy, "optimizer_rate", lambda *a, **k: 1e-9)
+    monkeypatch.setattr(policy, "optimizer_tensor_cost", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(policy, "memory_bandwidth", lambda *a, **k: 1e10)
     cc = ComputeConfig(1, 4, use_zero=use_zero,
                        pas_config={"_comm_profile": {"backend": "t", "collectives": LINE}, "_profile_repeats": 1})
     s = _Search(gpt_graph(), AutodistConfig.from_compute_config(cc))
