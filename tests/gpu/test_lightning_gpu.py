@@ -2,8 +2,7 @@
 `dp` plan trains the classifier of tests/lightning like Lightning's DDPStrategy on the one GPU (the
 reference tests/lightning uses) (SGD with momentum, TF32 off: per-step losses and weights within 1e-5), its module on CUDA;
 with `cpu_offload=True` the same numbers, the optimizer's state on the CPU and the module on the
-GPU. Whether the offload copies sit in pinned memory is a separate, strict-xfail test: the
-offload does not pin them yet (nnscaler.lightning.offload allocates with torch.empty)."""
+GPU, and the offload copies (values and gradients) in pinned memory."""
 from __future__ import annotations
 
 import pytest
@@ -46,7 +45,6 @@ def test_cpu_offload_on_one_gpu_matches_lightning(fitted):
 
 
 @cuda_only
-@pytest.mark.xfail(strict=True, reason="the cpu_offload copies are not pinned yet (issue 27)")
 def test_cpu_offload_copies_are_pinned(fitted):
     pinned = fitted["offload"]["copies_pinned"]
     assert pinned and all(pinned)
