@@ -47,9 +47,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # one op (float32 inside for bf16 inputs), not x.float() ... .type_as(x): on fp32 x, .float()
-        # returns x itself, so the trace binds later uses of x to it and the generated code, run in
-        # bf16 after the Trainer's post-trace cast (`precision: bf16`), keeps float32 activations
+        # one fused op (float32 inside for bf16 inputs); the x.float() ... .type_as(x) spelling
+        # traces right too since the tracer keeps x's own value after a cast that returns x
+        # (docs/tracing.md, "Casts that change nothing")
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
