@@ -127,3 +127,24 @@ def test_automatic_arguments_are_ignored_with_a_warning():
 def test_train_hook_lists_every_hook_of_the_map():
     names = {f.name for f in dataclasses.fields(HookMapConfig)}
     assert names == {n for n in vars(TrainHook) if not n.startswith("_")}
+
+
+def test_pipeline_rules_come_from_the_policy_registry():
+    # autodist may pipeline (the registry says so): pipeline_nmicros must match update_freq
+    e = error_of(base(**{"pas_policy": "autodist", "compute_config.pas_config": {"pipeline_nmicros": 3}}))
+    assert e.key == "compute_config.pas_config.pipeline_nmicros", str(e)
+    # ...but it does not need the whole model: a parallel module may use it
+    TrainerArgs.from_dict(base(**{"model.parallel_modules": [
+        {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
+         "pas_policy": "autodist"}]}))
+    # a user's registered policy declaring whole_model is refused for a parallel module
+    from nnscaler.policies import register_policy, registry
+    try:
+        register_policy("_whole_model_test", whole_model=True, pipelines=True)(lambda graph, cfg: graph)
+        e = error_of(base(**{"model.parallel_modules": [
+            {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
+             "pas_policy": "_whole_model_test"}]}))
+        assert e.key == "model.parallel_modules.0.pas_policy" and "cannot be pipelined" in str(e), str(e)
+    finally:
+        for table in (registry._POLICIES, registry._KEYS, registry._CAPS):
+            table.pop("_whole_model_test", None)

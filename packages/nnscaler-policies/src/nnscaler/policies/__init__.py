@@ -7,7 +7,8 @@ from .plan import Piece, PlanError, validate_plan
 from .primitives import assign, partition, replicate, select
 from .pipeline import cut_stages, pivot_leads, schedule, stage, stage_devices
 from .recompute import recompute, recompute_modules
-from .registry import available_policies, check_pas_config, get_policy, policy_keys, policy_name, register_policy
+from .registry import (PolicyInfo, UnknownPolicyError, available_policies, check_pas_config, get_policy, policy_keys,
+                       policy_name, register_policy, resolve_policy)
 from .user_policy import call_policy
 from . import builtin as _builtin  # noqa: F401  (registers dp, ...)
 from .builtin._nothing_split import PolicyWarning
@@ -32,6 +33,6 @@ def apply_policy(graph, compute_config, policy):
     return result
 
 
-__all__ = ["Piece", "PlanError", "PolicyWarning", "ProfileProgress", "progress_hook", "set_progress_hook", "MegatronPatternWarning", "apply_policy", "assign", "available_policies", "check_pas_config", "get_policy", "policy_keys", "partition",
+__all__ = ["Piece", "PolicyInfo", "UnknownPolicyError", "resolve_policy", "PlanError", "PolicyWarning", "ProfileProgress", "progress_hook", "set_progress_hook", "MegatronPatternWarning", "apply_policy", "assign", "available_policies", "check_pas_config", "get_policy", "policy_keys", "partition",
            "policy_name", "cut_stages", "pivot_leads", "schedule", "stage", "stage_devices", "recompute", "recompute_modules", "register_policy", "replicate", "select",
            "validate_plan"]

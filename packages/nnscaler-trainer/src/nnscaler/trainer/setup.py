@@ -171,7 +171,11 @@ def parallelize_model(args, model: torch.nn.Module, dummy: Any, load_module: boo
 
 
 def _policy(policy: Any) -> Any:
-    return resolve_object(policy, "pas_policy") if isinstance(policy, str) and "." in policy else policy
+    """What parallelize gets: a registered name as is (it is recorded in the manifest), else the
+    function (nnscaler.policies.resolve_policy)."""
+    from nnscaler.policies import resolve_policy
+    info = resolve_policy(policy)
+    return info.name if info.builtin else info.function
 
 
 def parallelize_submodules(args, model: torch.nn.Module, load_module: bool) -> List[str]:

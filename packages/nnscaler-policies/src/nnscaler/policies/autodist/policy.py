@@ -271,7 +271,7 @@ def _check_obeys(graph: IRGraph, record: PlanRecord, cfg: AutodistConfig) -> Non
                              + ". Search again with the constraints (drop load_plan_path), or change the constraints")
 
 
-@register_policy("autodist", keys=KEYS)
+@register_policy("autodist", keys=KEYS, pipelines=True)
 def autodist(graph: IRGraph, compute_config) -> IRGraph:
     cfg = AutodistConfig.from_compute_config(compute_config)
     if cfg.use_apex_fused_adam_v2 and importlib.util.find_spec("apex") is None:

@@ -102,7 +102,7 @@ def _pipeline(graph, cfg, nstages: int, pp_size: int, nmicros: int, scheduler: s
     schedule(graph, nmicros, scheduler, pp_size, ngpus // pp_size)
 
 
-@register_policy("hybrid", keys=COMMON_KEYS)
+@register_policy("hybrid", keys=COMMON_KEYS, pipelines=True, whole_model=True)
 def hybrid(graph, cfg):
     pas, nmicros, scheduler = _common("hybrid", cfg)
     ngpus = cfg.plan_ngpus
@@ -136,7 +136,7 @@ def hybrid(graph, cfg):
     return graph
 
 
-@register_policy("pp", keys=COMMON_KEYS)
+@register_policy("pp", keys=COMMON_KEYS, pipelines=True, whole_model=True)
 def pp(graph, cfg):
     pas, nmicros, scheduler = _common("pp", cfg)
     ngpus = cfg.plan_ngpus

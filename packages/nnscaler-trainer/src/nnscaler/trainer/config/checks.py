@@ -18,7 +18,6 @@ __all__ = ["validate", "AUTO_SAMPLER_ARGS", "AUTO_DATALOADER_ARGS", "ignored_arg
 
 AUTO_SAMPLER_ARGS = ("dataset", "num_replicas", "rank")
 AUTO_DATALOADER_ARGS = ("dataset", "batch_size", "sampler")
-PIPELINE_POLICIES = ("pp", "hybrid")
 
 
 def _one_of(key: str, value: Any, allowed: Iterable[str]) -> None:
@@ -58,11 +57,11 @@ def validate(args) -> None:
     _one_of("run_mode", args.run_mode, RUN_MODES)
     _one_of("gen_reuse", args.gen_reuse, REUSE_VALUES)
     _one_of("broadcast_strategy", args.broadcast_strategy, BROADCAST_STRATEGIES)
-    _check_policy("pas_policy", args.pas_policy)
+    policy = _check_policy("pas_policy", args.pas_policy)
     _check_precision("precision", args.precision)
     _check_batches(args)
     nmicros = args.compute_config.pas_config.get("pipeline_nmicros")
-    if args.pas_policy in PIPELINE_POLICIES and nmicros is not None and nmicros != args.update_freq:
+    if policy.pipelines and nmicros is not None and nmicros != args.update_freq:
         raise TrainerConfigError("compute_config.pas_config.pipeline_nmicros",
                                  f"is {nmicros} but a step has {args.update_freq} micro-batches per rank "
                                  f"(grad_accumulation_steps); make them equal")
@@ -92,15 +91,16 @@ def validate(args) -> None:
     _check_hook(args.hook)
 
 
-def _check_policy(key: str, policy: Any) -> None:
-    if callable(policy) or (isinstance(policy, str) and "." in policy):
-        resolve_object(policy, key)
-        return
-    from nnscaler.policies import available_policies
-    names = available_policies()
-    if policy not in names:
-        raise TrainerConfigError(key, f"unknown policy {policy!r}; use one of {', '.join(names)} "
-                                      f"or the fully qualified name of a policy function")
+def _check_policy(key: str, policy: Any):
+    """The policy's `PolicyInfo` (nnscaler.policies.resolve_policy: names and capabilities)."""
+    from nnscaler.policies import UnknownPolicyError, resolve_policy
+    try:
+        return resolve_policy(policy)
+    except UnknownPolicyError as e:
+        raise TrainerConfigError(key, f"unknown policy {policy!r}; use one of {', '.join(e.known)} "
+                                      f"or the fully qualified name of a policy function") from None
+    except (ValueError, TypeError) as e:
+        raise TrainerConfigError(key, str(e)) from None
 
 
 def _check_precision(key: str, precision: Any) -> None:
@@ -157,10 +157,9 @@ def _check_model(args) -> None:
             raise TrainerConfigError(f"{key}.type", f"{pm.type!r} is parallelized twice; parallelization is per "
                                                     f"module type: subclass it under another name (an alias)")
         seen.add(pm.type)
-        policy = pm.pas_policy or args.pas_policy
-        _check_policy(f"{key}.pas_policy", policy)
-        if policy in PIPELINE_POLICIES:
-            raise TrainerConfigError(f"{key}.pas_policy", f"{policy!r} makes a pipeline, which needs the whole "
+        policy = _check_policy(f"{key}.pas_policy", pm.pas_policy or args.pas_policy)
+        if policy.whole_model:
+            raise TrainerConfigError(f"{key}.pas_policy", f"{policy.name!r} makes a pipeline, which needs the whole "
                                                           f"model end to end; parallel_modules cannot be pipelined: "
                                                           f"use dp / tp, or parallelize the whole model")
         _one_of(f"{key}.gen_reuse", pm.gen_reuse or "auto", REUSE_VALUES)
