@@ -10,17 +10,29 @@ it: later consumers convert again.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import Dict, List, Protocol
 
 from nnscaler.ir import Node, iter_refs
 
+from .conversions import Adapter
 from .lines import Lines
+from .naming import Naming
 from .render import python_name
 
-if TYPE_CHECKING:
-    from .body import BodyEmitter
-
 __all__ = ["emit_recompute", "read_refs"]
+
+
+class BodyState(Protocol):
+    """What a recompute group reads and updates of the body it is emitted in (body.BodyEmitter)."""
+
+    names: Dict[int, str]
+    naming: Naming
+    adapter: Adapter
+    keep: set
+    defined: set
+    last_use: Dict[int, List[int]]
+
+    def node_lines(self, idx: int, node: Node, out: Lines, with_dels: bool) -> None: ...
 
 
 def read_refs(node: Node) -> list:
@@ -28,7 +40,7 @@ def read_refs(node: Node) -> list:
     return node.input_refs() + list(iter_refs([(t, f) for _, _, _, t, f in node.branch_args]))
 
 
-def emit_recompute(ctx: "BodyEmitter", nodes: List[Node], start: int, end: int, body: Lines) -> None:
+def emit_recompute(ctx: BodyState, nodes: List[Node], start: int, end: int, body: Lines) -> None:
     """Append ops ``nodes[start:end]`` (one recompute group) to `body` as a checkpointed function."""
     names, adapt = ctx.names, ctx.adapter
     group = nodes[start].recompute

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 
 from nnscaler.ir.layout import Partial, Placement, Replicate, Shard
 
-from .annotation import ELLIPSIS, AnnotationError, OpAnnotation, _flat
+from .annotation_specs import ELLIPSIS, AnnotationError, _flat
+
+if TYPE_CHECKING:
+    from .annotation import OpAnnotation
 
 __all__ = ["BoundAnnotation"]
 

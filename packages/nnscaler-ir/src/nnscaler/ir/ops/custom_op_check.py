@@ -27,8 +27,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .annotation import AnnotationError, BoundAnnotation, parse_annotation
+from ..errors import TraceError
 from ..layout import Partial, Replicate, Shard, TensorLayout
-from ..tracer.trace_state import TraceError
 from ..tree import replace_tensors
 
 __all__ = ["check_custom_op", "clear_cache", "TOLERANCES"]

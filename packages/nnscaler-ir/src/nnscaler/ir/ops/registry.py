@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
+from nnscaler.ir.errors import TraceError
 from nnscaler.ir.ops.annotation import AnnotationError, parse_annotation
 from nnscaler.ir.ops.builtin_ops import register_builtins
 from nnscaler.ir.tracer.tracing_context import current_tracer
@@ -81,7 +82,6 @@ class OpRegistry:
             text = anno(*args, **(kwargs or {}))
         except Exception as e:
             if fn in self._user:  # a user's annotation function that fails is not a silent replication
-                from nnscaler.ir.tracer.trace_state import TraceError
                 raise TraceError(f"the annotation function {getattr(anno, '__qualname__', anno)!r} of custom op "
                                  f"{entry.name} raised {type(e).__name__}: {e}; it must return the annotation "
                                  f"string of the call (or None to run the op replicated)") from e

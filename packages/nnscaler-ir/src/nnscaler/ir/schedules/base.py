@@ -1,39 +1,14 @@
-"""The schedule model: `Action` (a forward or backward of one stage and micro-batch) and the
-`Schedule` base class (per-device action lists, placement, validation)."""
+"""The `Schedule` base class (per-device action lists, placement, validation); `Action` and the
+schedule errors live in actions.py."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import ConfigError
-from ..errors import NnScalerError
+from .actions import Action, ScheduleDeadlockError, ScheduleError
+from .timeline import simulate
 
 __all__ = ["Action", "Schedule", "ScheduleError", "ScheduleDeadlockError"]
-
-
-class ScheduleError(NnScalerError, ValueError):
-    """A schedule's action lists are malformed (missing, duplicated or misplaced actions)."""
-
-
-class ScheduleDeadlockError(ScheduleError):
-    """The devices' action orders can never all complete: some device waits forever."""
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One step of a pipeline schedule: forward (``'F'``) or backward (``'B'``) of micro-batch
-    ``micro`` on stage ``stage``."""
-
-    kind: str
-    stage: int
-    micro: int
-
-    def __post_init__(self):
-        if self.kind not in ("F", "B"):
-            raise ScheduleError(f"Action.kind must be 'F' (forward) or 'B' (backward), got {self.kind!r}")
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.micro}@s{self.stage}"
 
 
 def _check_int(name: str, value, minimum: int = 1) -> int:
@@ -110,7 +85,6 @@ class Schedule:
         at some time no device is running and none can start its next action.
         """
         if self._timeline is None:
-            from .timeline import simulate
             self._timeline = simulate(self)
         return [list(row) for row in self._timeline]
 

@@ -2,9 +2,21 @@
 schedule that deadlocks. Measuring and drawing timelines is bench/schedule_report.py."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple
 
-from .base import Action, Schedule, ScheduleDeadlockError
+from .actions import Action, ScheduleDeadlockError
+
+
+class Schedule(Protocol):
+    """What the simulation reads of a `nnscaler.ir.schedules.Schedule`."""
+
+    ndevices: int
+
+    def actions(self, device: int) -> List[Action]: ...
+
+    def deps(self, a: Action) -> List[Tuple[str, int, int]]: ...
+
+    def cost(self, action: Action) -> int: ...
 
 __all__ = ["simulate"]
 

@@ -197,7 +197,7 @@ def tolerance(dtype: Optional[str]) -> float:
 def warn_guards(graph: IRGraph) -> None:
     """One TracingWarning per user line that reads a tensor's value, saying what the program does."""
     import warnings
-    from .trace_state import TracingWarning
+    from ..errors import TracingWarning
     seen = set()
     for node in guards_of(graph):
         key = (node.source.file, node.source.line) if node.source else None

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, List
 import torch
 
 from . import tracing_context
-from .trace_state import TraceError
+from ..errors import TraceError
 from ..tree import iter_tensors as _tensors
 
 if TYPE_CHECKING:

@@ -34,6 +34,7 @@ from nnscaler.ir import TMP_SUFFIX, atomic_write, exchange_paths
 from nnscaler.ir.contracts import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE
 
 from ..errors import ReuseError
+from .file_digest import sha256_file
 
 FORMAT_VERSION = 1
 
@@ -66,14 +67,6 @@ class ReuseDecision(enum.Enum):
 
 def instance_dir(gen_savedir, module_class: str, instance_name: Optional[str]) -> Path:
     return Path(gen_savedir) / module_class / (instance_name or "_")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass

@@ -24,7 +24,8 @@ from .broadcast import all_gather_json, local_world_size, node_of
 from ..errors import GenerationError, NnScalerError, PlanMismatchError
 from nnscaler.ir.contracts import CONSTANTS_FILE, gencode_file, is_gencode_file
 
-from .gen_dir import read_manifest, sha256_file
+from .file_digest import sha256_file
+from .gen_dir import read_manifest
 
 IDENTITY_FIELDS = ("module_class", "class_name", "graph_fingerprint", "policy", "compute_config", "input_schema")
 _INFORMATIONAL = ("plan_report",)  # files that describe the plan but are not part of the program

@@ -31,7 +31,7 @@ import torch
 
 from nnscaler.ir import NnScalerWarning
 
-from .gen_dir import sha256_file
+from .file_digest import sha256_file
 
 __all__ = ["SourceChangedWarning", "collect_sources", "changed_sources", "describe_changes"]
 

@@ -11,10 +11,14 @@ from typing import Any, Dict, Iterable, Tuple
 
 from ..errors import TrainerConfigError, TrainerConfigWarning
 from .components import HookConfig, HookMapConfig
-from .trainer_args import BROADCAST_STRATEGIES, REUSE_VALUES, RUN_MODES
 from .values import resolve_object
 
-__all__ = ["validate", "AUTO_SAMPLER_ARGS", "AUTO_DATALOADER_ARGS", "ignored_args"]
+__all__ = ["validate", "AUTO_SAMPLER_ARGS", "AUTO_DATALOADER_ARGS", "ignored_args", "RUN_MODES", "REUSE_VALUES",
+           "BROADCAST_STRATEGIES"]
+
+RUN_MODES = ("run", "compile")
+REUSE_VALUES = ("auto", "match", "override", "moo", "graph")
+BROADCAST_STRATEGIES = ("none", "all", "no_weights", "code")
 
 AUTO_SAMPLER_ARGS = ("dataset", "num_replicas", "rank")
 AUTO_DATALOADER_ARGS = ("dataset", "batch_size", "sampler")

@@ -8,14 +8,12 @@ from nnscaler.ir import ComputeConfig
 
 from .components import (CheckpointConfig, DataloaderConfig, DatasetConfig, DatasetSamplerConfig, HookConfig,
                          HookMapConfig, LogConfig, LRSchedulerConfig, ModelConfig, OptimizerConfig, PrecisionSetting)
+from .values import local_name
 
-__all__ = ["TrainerArgs", "RUN_MODES", "REUSE_VALUES", "BROADCAST_STRATEGIES"]
-
-RUN_MODES = ("run", "compile")
-REUSE_VALUES = ("auto", "match", "override", "moo", "graph")
-BROADCAST_STRATEGIES = ("none", "all", "no_weights", "code")
+__all__ = ["TrainerArgs"]
 
 
+@local_name
 @dataclass
 class TrainerArgs:
     """Every setting of a training run; components by fully qualified name plus arguments.

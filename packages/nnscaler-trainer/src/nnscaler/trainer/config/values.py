@@ -8,6 +8,7 @@ import importlib
 from typing import Any, Callable, Dict
 
 from ..errors import TrainerConfigError
+from . import components
 
 __all__ = ["resolve_object", "guess_value", "typed_value", "build_value", "build_args", "instantiate"]
 
@@ -15,11 +16,19 @@ TYPE_KEY = "__type"
 VALUE_TYPE_KEY = "__value_type"
 
 
+_LOCAL_NAMES: Dict[str, Any] = {}  # what `local_name` added (TrainerArgs, defined above this module)
+
+
+def local_name(cls):
+    """Class decorator: configs may name ``cls`` unqualified, like the classes of components.py."""
+    _LOCAL_NAMES[cls.__name__] = cls
+    return cls
+
+
 def _local_names() -> Dict[str, Any]:
     """Unqualified names a config may use: the Trainer's own config classes."""
-    from . import components, trainer_args
     names = {n: getattr(components, n) for n in components.__all__}
-    names["TrainerArgs"] = trainer_args.TrainerArgs
+    names.update(_LOCAL_NAMES)
     return names
 
 
