@@ -214,3 +214,36 @@ def test_reducer_two_ranks():
         assert launched_early >= 2 and total == buckets == 6
         assert out[("abort", False)] == (0, True)
         assert out[("abort", True)][0] >= 2 and out[("abort", True)][1]
+
+
+def _no_sync_job(rank, world):
+    a, b = _Model(), _Model()
+    ra = Reducer(a.parameters(), group=dist.group.WORLD)
+    rb = Reducer(b.parameters(), group=dist.group.WORLD)
+    out = {}
+    # one module's pause leaves the other synchronising
+    with ra.no_sync():
+        a(_x(rank, 1), rank).backward()
+        b(_x(rank, 1), rank).backward()
+    out["a_local"] = _close(a, _local_grads(rank, 1)) and ra.stats.allreduce_calls == 0
+    out["b_synced"] = _close(b, _mean_grads(world, 1)) and rb.stats.synced_passes == 1
+    a(_x(rank, 2), rank).backward()  # a's next synchronising pass averages the accumulated sum
+    out["a_accumulated"] = _close(a, _mean_grads(world, 1, 2))
+    # the process-wide function pauses both
+    a.zero_grad()
+    b.zero_grad()
+    with sync_grad_when(False):
+        a(_x(rank, 1), rank).backward()
+        b(_x(rank, 1), rank).backward()
+    out["both_local"] = _close(a, _local_grads(rank, 1)) and _close(b, _local_grads(rank, 1))
+    out["after"] = ra.sync_enabled and rb.sync_enabled
+    ra.remove()
+    rb.remove()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_no_sync_pauses_one_reducer_only():
+    for rank, out in enumerate(run_workers(_no_sync_job, 2)):
+        assert out == {"a_local": True, "b_synced": True, "a_accumulated": True, "both_local": True,
+                       "after": True}, (rank, out)

@@ -51,7 +51,7 @@ from .gradients import scaled_loss
 from .grid import RankGrid
 from .pipeline_grads import PipelineGradSync
 from .random import RandomStreamsMixin
-from .reducer import Reducer, sync_grad_when
+from .reducer import Reducer
 from .source_notes import note_source
 from .weight_loading import WeightLoadingMixin
 
@@ -158,6 +158,13 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         """Add a note to `exc` naming the user's line of the deepest generated frame."""
         note_source(self, exc)
 
+    def no_sync(self):
+        """Context manager: backward passes inside only accumulate this module's gradients locally
+        (DDP's ``model.no_sync()``; for a pipelined module `train_step` leaves them
+        unsynchronised); other modules keep synchronising. The next synchronising backward (or
+        `train_step`) averages the accumulated sum."""
+        return self.sync_grad_when(False)
+
     def sync_grad_when(self, cond: bool):
         """Inside `sync_grad_when(False)`, backward only accumulates this module's gradients
         (for a pipelined module: `train_step` leaves them unsynchronised)."""
@@ -197,7 +204,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
             return self._executor().run(samples, training=True, scale_fn=scale_fn)
         outputs = []
         for i, sample in enumerate(samples):
-            with sync_grad_when(i == len(samples) - 1):
+            with self.sync_grad_when(i == len(samples) - 1):
                 out = self._call_sample(sample)
                 loss = out[0] if isinstance(out, (tuple, list)) else out
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -3,7 +3,8 @@
 A pipeline step accumulates gradients over its micro-batches and synchronises them once, at the
 end: the data-parallel reducer, plus one reducer per group of pipeline devices that hold the same
 tensor (a tied weight used by two stages, a Chimera stage's weights), which sums their gradients.
-`sync_grad_when(False)` on the module pauses that sync (gradient accumulation over steps).
+`no_sync()` on the module (or the process-wide `sync_grad_when(False)`) pauses that sync
+(gradient accumulation over steps).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from .reducer import Reducer
+from .reducer import Reducer, pausable
 
 __all__ = ["PipelineGradSync"]
 
@@ -29,6 +30,7 @@ class PipelineGradSync:
             if params and training:
                 self.reducers.append(Reducer(params, group=group, bucket_cap_mb=bucket_cap_mb,
                                              divisor=module.grid.dp_size))
+        pausable(self)
 
     def shared_parameters(self) -> set:
         """ids of the parameters the shared reducers sync (the data-parallel reducer skips them)."""
@@ -60,6 +62,19 @@ class PipelineGradSync:
     def paused(self) -> bool:
         """Inside the module's ``sync_grad_when(False)``."""
         return self._paused > 0
+
+    def no_sync(self):
+        """This module's end-of-step sync paused (the module's ``no_sync()``)."""
+        return self.pause(False)
+
+    def hold(self) -> contextlib.ExitStack:
+        """Inside a pipeline step: this module's reducers only accumulate (the step syncs once,
+        at its end); other modules' reducers are left alone."""
+        stack = contextlib.ExitStack()
+        reducer = self.module.reducer
+        for r in ([reducer] if reducer is not None else []) + self.reducers:
+            stack.enter_context(r.no_sync())
+        return stack
 
     @contextlib.contextmanager
     def pause(self, cond: bool):

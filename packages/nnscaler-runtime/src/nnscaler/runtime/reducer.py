@@ -20,7 +20,9 @@ single-device training (optimizers such as Adam skip it instead of stepping on a
 one flag per parameter travels in the bucket buffer for that, no extra collective. (A single-rank
 group does no communication and leaves `.grad` untouched.)
 
-`sync_grad_when(cond)` (module-level: every reducer; or `Reducer.sync_grad_when` for one): a
+`Reducer.no_sync()` (or `Reducer.sync_grad_when(False)`) pauses one reducer, as DDP's
+`model.no_sync()`; the process-wide `sync_grad_when(cond)` is a thin wrapper entering `no_sync()`
+of every reducer (and pipelined module) alive when the block starts. A
 backward pass that starts inside a `False` block only accumulates locally; the next synchronising
 pass all-reduces the accumulated gradients. Whether a pass synchronises is decided when its first
 gradient arrives, so put the `backward()` call inside the block. Several backward passes per step
@@ -39,6 +41,7 @@ whose end would trigger the sync too early; use `use_reentrant=False`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional
 
@@ -54,29 +57,30 @@ _WHAT = "the data-parallel gradient all-reduce"
 __all__ = ["Reducer", "ReducerStats", "sync_grad_when", "DEFAULT_BUCKET_CAP_MB"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0
-_NOSYNC_DEPTH = 0  # > 0 inside a module-level sync_grad_when(False) block (process-wide)
+# Objects with a `no_sync()` context (live Reducers, pipelined modules' PipelineGradSync): only
+# a list of who to pause; each keeps its own pause count.
+_PAUSABLE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def pausable(obj):
+    """Register `obj` (it has a ``no_sync()`` context manager) with `sync_grad_when`."""
+    _PAUSABLE.add(obj)
+    return obj
 
 
 @contextlib.contextmanager
 def sync_grad_when(cond: bool) -> Iterator[None]:
-    """Inside `sync_grad_when(False)`, backward passes only accumulate gradients locally (for
-    every Reducer in the process); `True` changes nothing. Nested `False` blocks stay local."""
-    global _NOSYNC_DEPTH
+    """Inside `sync_grad_when(False)`, backward passes only accumulate gradients locally, for
+    every reducer and pipelined module alive when the block starts (the function takes no module,
+    so it pauses them all): it enters each one's ``no_sync()``. `True` changes nothing. Nested
+    `False` blocks stay local. To pause one module only, use ``module.no_sync()``."""
     if cond:
         yield
         return
-    _NOSYNC_DEPTH += 1
-    try:
+    with contextlib.ExitStack() as stack:
+        for target in list(_PAUSABLE):
+            stack.enter_context(target.no_sync())
         yield
-    finally:
-        _NOSYNC_DEPTH -= 1
-
-
-def sync_requested() -> bool:
-    """False inside a ``sync_grad_when(False)`` block (gradient accumulation): process-wide, as
-    the seed's ``nnscaler.sync_grad_when`` takes no module; every Reducer and the pipeline
-    executor ask here."""
-    return _NOSYNC_DEPTH == 0
 
 
 def _graph_task_id() -> int:
@@ -178,6 +182,7 @@ class Reducer:
         self._pass_sync = False
         self._next_launch = 0
         self._handles = []
+        pausable(self)
         if self.group_size > 1:
             for bucket in self._buckets:
                 for p in bucket.params:
@@ -211,6 +216,11 @@ class Reducer:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    def no_sync(self):
+        """Backward passes inside only accumulate this reducer's gradients locally (DDP's
+        ``no_sync``); the next synchronising pass all-reduces the sum."""
+        return self.sync_grad_when(False)
+
     @contextlib.contextmanager
     def sync_grad_when(self, cond: bool) -> Iterator[None]:
         """Like the module-level `sync_grad_when`, for this reducer only."""
@@ -226,7 +236,7 @@ class Reducer:
     @property
     def sync_enabled(self) -> bool:
         """Whether a backward pass starting now would synchronise."""
-        return sync_requested() and self._local_nosync == 0
+        return self._local_nosync == 0
 
     def sync_grads(self) -> None:
         """All-reduce the current gradients now (outside backward), e.g. after accumulating
@@ -241,6 +251,7 @@ class Reducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        _PAUSABLE.discard(self)
 
     # -- backward pass --------------------------------------------------------------------------
     def _hook(self, bucket: _Bucket):

@@ -23,9 +23,9 @@ samples cast to the input dtype, stage forwards under autocast, outputs fp32 in 
 other forward hooks on the module are refused. `scale_fn` (train_step) turns the loss into what
 backward seeds (loss scaling).
 
-Gradients accumulate locally over the step (every backward runs inside
-``sync_grad_when(False)``); at the end the module's reducers synchronise once -- unless the
-caller is inside ``sync_grad_when(False)`` itself (accumulating over several ``train_step``
+Gradients accumulate locally over the step (every backward runs with this module's reducers
+paused, `PipelineGradSync.hold`; other modules' are left alone); at the end the module's reducers
+synchronise once -- unless the caller is inside ``module.no_sync()`` or ``sync_grad_when(False)`` (accumulating over several ``train_step``
 calls), in which case they stay local until a synchronising call. The forward's
 outputs of every micro-batch are broadcast over the unit, so every rank returns the same list.
 `last_timeline` keeps (action, start, end) in seconds of the last step, for measurements.
@@ -46,7 +46,6 @@ from .. import failures
 from ..errors import NnScalerError
 from ..gradients import scaled_loss
 from ..precision.casting import autocast, cast_inputs, cast_outputs, get_precision
-from ..reducer import sync_grad_when
 from .finals import broadcast_finals
 from .inbox import OrderedInbox, acks_between, sends_between
 from .p2p import Mailbox, PeerFailure
@@ -139,7 +138,7 @@ class PipelineExecutor:
                                 f"the job (every rank raised in that step)")
         self._check_step(samples, name)
         self.precision = get_precision(self.module)  # apply_precision may come after parallelize
-        sync = training and _sync_requested() and not self.module.pipeline_grads.paused
+        sync = training and not self.module.pipeline_grads.paused
         if training:
             self.module.pipeline_grads.unshare()
         self.inbox = self._inbox(training)
@@ -155,7 +154,7 @@ class PipelineExecutor:
         self.mailbox.sent_keys.clear()
         a = None
         try:
-            with sync_grad_when(False), torch.set_grad_enabled(training):
+            with self.module.pipeline_grads.hold(), torch.set_grad_enabled(training):
                 for i, a in enumerate(actions):
                     t0 = time.perf_counter()
                     for ahead in actions[i:i + POST_AHEAD]:
@@ -384,10 +383,6 @@ def _matches_by_tag() -> bool:
     return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
-def _sync_requested() -> bool:
-    """False inside a module-level ``sync_grad_when(False)`` block (gradient accumulation)."""
-    from ..reducer import sync_requested
-    return sync_requested()
 
 
 def _as_call(sample: Any) -> Tuple[tuple, dict]:
