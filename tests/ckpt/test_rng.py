@@ -29,3 +29,13 @@ def test_capture_and_restore():
     got = (torch.rand(2), np.random.rand(2), random.random())
     assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
     assert torch.equal(stream.loaded["cpu"], stream.state["cpu"])
+
+
+def test_snapshot_sets_the_states_again():
+    from nnscaler.ckpt import restore_rng_snapshot, rng_snapshot
+    snapshot = rng_snapshot(None)
+    expected = (torch.rand(2), np.random.rand(2), random.random())
+    torch.rand(5), np.random.rand(5), random.random()
+    restore_rng_snapshot(snapshot, None)
+    got = (torch.rand(2), np.random.rand(2), random.random())
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]

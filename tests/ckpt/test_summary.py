@@ -18,3 +18,4 @@ def test_inspect_sharded_and_merged(tmp_path):
     merged = inspect(tmp_path / "m")
     assert merged["kind"] == "merged" and merged["parameters"] == info["parameters"]
     assert sorted(merged["files"]) == ["model.safetensors", "optimizer.safetensors", "rng.safetensors"]
+    assert info["rng_ranks"] == [0] and merged["rng_ranks"] == [0]  # the ranks whose RNG states load restores

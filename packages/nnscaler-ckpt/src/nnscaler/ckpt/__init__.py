@@ -5,7 +5,11 @@
 - `merge(src, dst, *, max_shard_size="5GB", model_only=False)`: offline, streaming, the Hugging
   Face layout;
 - `verify(path)`, `inspect(path)`: offline checks and summaries;
-- `convert(src, dst)`: a torch ``state_dict`` file or a Hugging Face directory -> merged.
+- `convert(src, dst)`: a torch ``state_dict`` file or a Hugging Face directory -> merged;
+- `encode_extra(value)` / `decode_extra(data)`: tuples, dtypes, non-string keys and non-finite
+  floats through an ``extra`` and back;
+- `rng_snapshot(module)` / `restore_rng_snapshot(snapshot, module)`: the RNG states a checkpoint
+  holds, kept in memory to set again later (the Trainer, right before training starts).
 
 A checkpoint is a directory committed atomically, with a ``manifest.json`` written last; tensors
 live in safetensors files, everything else in JSON. Nothing is ever unpickled on load.
@@ -18,5 +22,8 @@ from .verify import verify
 from .summary import inspect
 from .merge import merge
 from .convert import convert
+from .extra import decode_extra, encode_extra
+from .rng import restore_rng_snapshot, rng_snapshot
 
-__all__ = ["save", "load", "merge", "verify", "inspect", "convert", "CheckpointError", "FORMAT_VERSION", "KINDS"]
+__all__ = ["save", "load", "merge", "verify", "inspect", "convert", "CheckpointError", "FORMAT_VERSION", "KINDS",
+           "encode_extra", "decode_extra", "rng_snapshot", "restore_rng_snapshot"]

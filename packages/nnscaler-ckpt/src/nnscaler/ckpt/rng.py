@@ -1,14 +1,17 @@
 """Random-number states of one rank as plain tensors and JSON: torch CPU, every CUDA device,
 NumPy's global generator, Python's ``random``, and each parallelized module's own stream
-(``pm.rng_state()``). Restored only where the saving rank's world size matches."""
+(``pm.rng_state()``). Restored only where the saving rank's world size matches.
+
+`rng_snapshot` / `restore_rng_snapshot` hold the same states in memory, e.g. to set them again
+right before training starts after a ``load``."""
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["capture_rng", "restore_rng", "rng_keys", "PREFIX"]
+__all__ = ["capture_rng", "restore_rng", "rng_keys", "rng_snapshot", "restore_rng_snapshot", "PREFIX"]
 
 PREFIX = "rng/"
 
@@ -67,3 +70,23 @@ def rng_keys(info: Dict[str, Any]) -> List[str]:
         keys.append(f"{PREFIX}numpy")
     keys += [f"{PREFIX}module/{p}/{k}" for p, ks in info.get("modules", {}).items() for k in ks]
     return keys
+
+
+def _streams(module: Optional[torch.nn.Module]) -> Dict[str, Any]:
+    if module is None:
+        return {}
+    return {path: m for path, m in module.named_modules() if hasattr(m, "fullmap") and hasattr(m, "rng_state")}
+
+
+def rng_snapshot(module: Optional[torch.nn.Module]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+    """(JSON, tensors) of this process's RNG states now, those of `module`'s parallelized modules
+    included; `restore_rng_snapshot` sets them again."""
+    tensors, info = capture_rng(_streams(module))
+    return info, {k: v.clone() for k, v in tensors.items()}
+
+
+def restore_rng_snapshot(snapshot: Tuple[Dict[str, Any], Dict[str, torch.Tensor]],
+                         module: Optional[torch.nn.Module]) -> None:
+    """Set the states `rng_snapshot` took."""
+    info, tensors = snapshot
+    restore_rng(info, tensors.__getitem__, {p: m for p, m in _streams(module).items() if hasattr(m, "load_rng_state")})

@@ -18,7 +18,8 @@ def _itemsize(dtype: str) -> int:
 
 def inspect(path) -> Dict[str, Any]:
     """Kind, format version, world size, plan, optimizer, files and, per full tensor: shape,
-    dtype, number of stored pieces and their bytes; plus totals. Reads only the manifest."""
+    dtype, number of stored pieces and their bytes; plus totals; ``rng_ranks``: the ranks whose
+    RNG states it holds (`load` restores them on the same world size). Reads only the manifest."""
     root = Path(path)
     m = read_manifest(root)
     tensors: Dict[str, Dict[str, Any]] = {}
@@ -41,4 +42,5 @@ def inspect(path) -> Dict[str, Any]:
         "tensors": sorted(tensors.values(), key=lambda t: t["name"]),
         "parameters": sum(t["numel"] for t in tensors.values()),
         "model_bytes": sum(t["bytes"] for t in tensors.values()),
+        "rng_ranks": [i for i, r in enumerate(m.get("ranks", [])) if r.get("rng")],
     }

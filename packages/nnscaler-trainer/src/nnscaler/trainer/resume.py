@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import warnings
 
-from .checkpointing import TRAINER_KEY
+from nnscaler.ckpt import decode_extra, rng_snapshot
+
+from .checkpointing import TRAINER_KEY, ckpt_backend
 from .config.values import build_args
 from .errors import TrainerConfigWarning
-from .state import TrainState, from_jsonable
+from .state import TrainState
 
 __all__ = ["resume"]
 
@@ -25,13 +27,13 @@ def resume(trainer) -> bool:
     if ours:
         trainer.state = TrainState.from_dict(ours["state"])
         if trainer.lr_scheduler is not None and ours.get("lr_scheduler") is not None:
-            trainer.lr_scheduler.load_state_dict(from_jsonable(ours["lr_scheduler"]))
+            trainer.lr_scheduler.load_state_dict(decode_extra(ours["lr_scheduler"]))
             changed = _config_wins(trainer)
         if ours.get("precision"):
-            trainer.precision.load_state_dict(from_jsonable(ours["precision"]))
-        rng = (ours.get("rng") or {}).get(str(trainer.rank))
-        if rng is not None and ours.get("world_size") == trainer.world_size:
-            trainer._pending_rng = rng
+            trainer.precision.load_state_dict(decode_extra(ours["precision"]))
+        saved = ckpt_backend().inspect(path)
+        if saved["world_size"] == trainer.world_size and trainer.rank in saved["rng_ranks"]:
+            trainer._pending_rng = rng_snapshot(trainer.model)  # nnscaler.ckpt.load restored them; again at start
         else:
             warnings.warn(f"checkpoint.resume_from: {path} was saved by {ours.get('world_size')} processes, this run "
                           f"has {trainer.world_size}: random states start afresh (the run is not bitwise the "

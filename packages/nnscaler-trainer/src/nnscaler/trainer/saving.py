@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from nnscaler.ckpt import encode_extra
+
 from .checkpointing import TRAINER_KEY
-from .state import capture_rng, jsonable
 
 __all__ = ["save_checkpoint", "trainer_extra"]
 
@@ -28,7 +29,8 @@ def save_checkpoint(trainer, val_loss: Optional[float] = None) -> Optional[str]:
 
 
 def trainer_extra(trainer, val_loss: Optional[float]) -> Dict[str, Any]:
-    """Counters, data position, LR scheduler, grad scaler and this rank's RNG states, as JSON."""
+    """Counters, data position, LR scheduler and grad scaler, as JSON with tensors (nnscaler.ckpt
+    saves each rank's RNG states itself)."""
     state = trainer.state.to_dict()
     best = state["best_val_loss"]
     if val_loss is not None and (best is None or val_loss <= best):
@@ -36,6 +38,5 @@ def trainer_extra(trainer, val_loss: Optional[float]) -> Dict[str, Any]:
     state["last_val_loss"] = val_loss
     scheduler = trainer.lr_scheduler
     return {"state": state, "world_size": trainer.world_size,
-            "lr_scheduler": jsonable(scheduler.state_dict()) if scheduler is not None else None,
-            "precision": jsonable(trainer.precision.state_dict()),
-            "rng": {str(trainer.rank): capture_rng(trainer.model)}}
+            "lr_scheduler": encode_extra(scheduler.state_dict()) if scheduler is not None else None,
+            "precision": encode_extra(trainer.precision.state_dict())}

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from nnscaler.ckpt import restore_rng_snapshot
 
 from . import setup as build
 from .checkpointing import CheckpointManager, ckpt_backend
@@ -25,7 +26,7 @@ from .errors import TrainerError
 from .hooks import HookChain, TrainHook
 from .loggers.console import ConsoleReporter
 from .metrics import TrainStepMetrics, ValMetrics
-from .state import TrainState, restore_rng
+from .state import TrainState
 from .step import aggregate, train_step, val_step
 
 __all__ = ["Trainer"]
@@ -46,7 +47,7 @@ class Trainer:
         self.hooks = HookChain([])
         self.rank, self.world_size = 0, 1
         self._owns_group = False
-        self._pending_rng: Optional[Dict[str, Any]] = None
+        self._pending_rng: Optional[tuple] = None  # nnscaler.ckpt.rng.rng_snapshot of a resume
         self.aggregate_outputs_fn = None
         self._val_step: Optional[int] = None
 
@@ -191,7 +192,7 @@ class Trainer:
         from .resume import resume
         resume(self)
         if self._pending_rng is not None:  # right before training starts, as the seed says
-            restore_rng(self._pending_rng, self.model)
+            restore_rng_snapshot(self._pending_rng, self.model)
             self._pending_rng = None
         self.console.set_completed(self.state.step)
         self.hooks.on_train_start(self)
