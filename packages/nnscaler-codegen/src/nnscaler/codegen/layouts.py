@@ -40,9 +40,6 @@ class UnitPlan:
     needs: Dict[int, List[Need]] = field(default_factory=dict)  # node id -> tensor input needs
     stored: Dict[str, object] = field(default_factory=dict)  # param/buffer/constant name -> placement
 
-    def piece_of(self, node: Node, device: int) -> Piece:
-        return next(p for p in node.pieces if p.device == device)
-
 
 def plan_unit(graph: IRGraph, plan_ngpus: int) -> UnitPlan:
     """Layouts of all values for a plan where every op covers the whole unit (or its stage)."""
@@ -143,7 +140,3 @@ def local_slices(shape: tuple, placement, index: int, n: int) -> Tuple[tuple, tu
         slices[dim] = (index * step, (index + 1) * step)
     local = tuple(b - a for a, b in slices)
     return local, tuple(slices)
-
-
-def shard_dim(placement) -> Optional[int]:
-    return placement.dim if isinstance(placement, Shard) else None

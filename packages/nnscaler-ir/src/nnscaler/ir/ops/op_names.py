@@ -52,15 +52,6 @@ def op_name(func: Callable) -> str:
     raise TypeError(f"cannot give an importable name to {func!r}")
 
 
-def importable(path: str) -> bool:
-    """Whether `path` resolves by importing its module and walking attributes."""
-    try:
-        resolve(path)
-        return True
-    except Exception:
-        return False
-
-
 def policy_name(policy) -> str:
     """A stable name for a policy, a name or a function (recorded in the gen_savedir manifest)."""
     if isinstance(policy, str):

@@ -38,7 +38,6 @@ KEYS: Dict[str, Tuple[str, Any]] = {
     "max_partition_degree": ("int >= 1 (default plan_ngpus)", None),
     "transient_mem_coef": ("number >= 0", 2.0),
 }
-PRIVATE = {"_comm_profile", "_solver_time_limit", "_profile_repeats", "_optimizer_states"}
 
 
 @dataclass

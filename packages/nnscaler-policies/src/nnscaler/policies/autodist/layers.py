@@ -8,14 +8,11 @@ layer 0 of their list are left untied.
 """
 from __future__ import annotations
 
-import re
 from typing import Dict, List, Optional, Tuple
 
 from .cost_model import Problem
 
 __all__ = ["tie_layers"]
-
-_INDEX = re.compile(r"^(.*?(?:^|\.))(\d+)(\..*|)$")
 
 
 def _layer_of(path: str) -> Optional[Tuple[str, int, str]]:
