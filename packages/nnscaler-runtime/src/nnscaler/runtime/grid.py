@@ -4,9 +4,12 @@ A *unit* is `plan_ngpus` consecutive ranks holding one whole copy of the model; 
 plan device `r % plan_ngpus` in unit (= data-parallel rank) `r // plan_ngpus`. Ranks with the same
 plan device hold identical shards and form the gradient-sync group.
 
-This module is the only place in nnscaler that calls `torch.distributed.new_group`. Groups are
-cached by their (sorted) rank tuple in a module-level registry, so two grids or two callers
-asking for the same ranks share one group. `new_group` is collective over the default group:
+This module is the only place in a training job that calls `torch.distributed.new_group`, and
+its registry is the only cache of groups (the collectives of `comm` look groups up here on every
+call). Groups are cached by their (sorted) rank tuple, so two grids or two callers asking for
+the same ranks share one group. (The autodist profiler, `nnscaler.policies.autodist.comm_profile`,
+makes groups in processes of its own, with a default group of its own that it destroys: it is
+below the runtime and may not import it, and none of its groups outlive its measurement.) `new_group` is collective over the default group:
 every rank must ask for the same groups in the same order, including ranks that are not members.
 `RankGrid` does that for its own groups (all sync groups by plan device, then all unit groups by
 unit index); callers of `RankGrid.group()` must do the same.
@@ -32,7 +35,7 @@ from nnscaler.ir import ComputeConfig
 
 from .errors import ConfigError
 
-__all__ = ["RankGrid", "process_group", "is_current"]
+__all__ = ["RankGrid", "process_group"]
 
 _GRIDS: Dict[Tuple[int, int], "RankGrid"] = {}
 _GROUPS: Dict[Tuple[int, ...], object] = {}
@@ -86,13 +89,6 @@ def process_group(ranks: Iterable[int], create: bool = True):
             raise LookupError(f"no process group exists yet for ranks {key}")
         _GROUPS[key] = dist.new_group(list(key))
     return _GROUPS[key]
-
-
-def is_current(ranks: Tuple[int, ...], group) -> bool:
-    """Whether `group` is still the registry's group of the sorted rank tuple `ranks` (a group
-    destroyed by `RankGrid.destroy_all()` or a replaced default group make it stale)."""
-    _check_owner()
-    return _GROUPS.get(ranks) is group
 
 
 class RankGrid:

@@ -48,7 +48,11 @@ def _port() -> int:
 
 def _worker(rank: int, world: int, port: int, backend: str, n: int, out_dir: str) -> None:
     """One of `world` processes, in world / n groups of n consecutive ranks, each group timing the
-    collectives at once; rank 0 writes its group's points."""
+    collectives at once; rank 0 writes its group's points.
+
+    It makes its process group and sub-groups itself rather than through `nnscaler.runtime.grid`
+    (the owner of a job's groups): nnscaler.policies may not import the runtime, and these are
+    throw-away processes whose default group is destroyed at the end, taking every group along."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"

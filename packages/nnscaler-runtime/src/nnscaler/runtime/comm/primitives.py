@@ -12,7 +12,7 @@ autograd functions of `collectives` return it as is, and autograd lets in-place 
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from nnscaler.ir import LayoutError
 from ..device import is_distributed
 from ..errors import NnScalerError
 from .. import failures
-from ..grid import is_current, process_group
+from ..grid import process_group
 from . import fallbacks
 from .flat import all_gather_flat, reduce_scatter_rows
 from .stats import record
@@ -77,10 +77,6 @@ class RankSet:
         self.to_group, self.to_piece = to_group, to_piece
 
 
-_RESOLVED: Dict[Tuple[int, ...], RankSet] = {}
-_RESOLVED_OWNER: Optional[object] = None
-
-
 def as_ranks(ranks) -> Tuple[int, ...]:
     if isinstance(ranks, int):
         raise CommError(f"ranks must be a tuple of runtime ranks, got the int {ranks!r}")
@@ -93,16 +89,10 @@ def as_ranks(ranks) -> Tuple[int, ...]:
 
 
 def resolve(ranks: Tuple[int, ...], op: str) -> RankSet:
-    """Resolve a rank tuple of length >= 2 for this process (cached per default group)."""
-    global _RESOLVED_OWNER
-    owner = dist.group.WORLD if is_distributed() else None
-    if owner is not _RESOLVED_OWNER:
-        _RESOLVED.clear()
-        _RESOLVED_OWNER = owner
-    found = _RESOLVED.get(ranks)
-    if found is not None and (found.is_world or is_current(found.key, found.group)):
-        return found  # (a sub-group destroyed by RankGrid.destroy_all() is looked up afresh)
-    if owner is None:
+    """Resolve a rank tuple of length >= 2 for this process. The group is looked up in
+    `nnscaler.runtime.grid`'s registry each time (the one cache of groups: a group destroyed by
+    `RankGrid.destroy_all()` or a replaced default group is never used stale)."""
+    if not is_distributed():
         raise CommError(
             f"nnscaler.runtime.comm.{op} over ranks {ranks} needs torch.distributed: launch "
             f"{max(ranks) + 1} or more processes and call torch.distributed.init_process_group() first")
@@ -118,10 +108,8 @@ def resolve(ranks: Tuple[int, ...], op: str) -> RankSet:
     if ordered != ranks:
         to_group = torch.tensor([ranks.index(r) for r in ordered])
         to_piece = torch.tensor([ordered.index(r) for r in ranks])
-    found = RankSet(ranks, ranks.index(rank), group_for(ordered, create=False),
-                    ordered == tuple(range(world)), to_group, to_piece)
-    _RESOLVED[ranks] = found
-    return found
+    return RankSet(ranks, ranks.index(rank), group_for(ordered, create=False),
+                   ordered == tuple(range(world)), to_group, to_piece)
 
 
 def normalize_dim(dim: int, ndim: int, op: str, what: str = "dim") -> int:
