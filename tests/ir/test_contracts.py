@@ -80,3 +80,13 @@ def test_runtime_module_declares_from_the_contract():
     from nnscaler.runtime import ParallelModule
     assert issubclass(ParallelModule, GeneratedAttrs)
     assert all(hasattr(ParallelModule, name) for name in GENERATED_ATTR_NAMES)
+
+
+
+def test_zero_layout_is_a_zero_geometry_and_round_trips():
+    import dataclasses
+    from nnscaler.ir.contracts import ZeroGeometry, ZeroShardLayout
+    assert len(dataclasses.fields(ZeroGeometry)) == 9 and issubclass(ZeroShardLayout, ZeroGeometry)
+    layout = ZeroShardLayout(1, 4, 2, 2, 1, (1, 3), 0, 0, (1,), version=1, reduce_scatter=True, buckets=(), pieces=())
+    assert ZeroShardLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+    assert layout.group_size == 2

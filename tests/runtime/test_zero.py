@@ -539,3 +539,15 @@ def test_zero_parity(world, tmp_path):
         assert [len(t["layout"]["pieces"]) for t in tiny] == [1, 1, 0, 0]
         assert [t["n_opt_params"] for t in tiny] == [1, 1, 1, 1]  # an empty placeholder where nothing is owned
         assert tiny[2]["exp_avg"] == {}
+
+
+def test_zero_groups_share_the_layout_geometry():
+    import dataclasses
+    from nnscaler.ir.contracts import ZeroGeometry, ZeroShardLayout
+    from nnscaler.runtime.zero_groups import ZeroGroups
+    assert issubclass(ZeroGroups, ZeroGeometry)
+    groups = ZeroGroups(1, 4, 2, 2, 1, (1, 3), 0, 0, (1,), (0, 1, 2, 3))
+    layout = ZeroShardLayout(**groups.geometry(), version=1, reduce_scatter=True, buckets=(), pieces=())
+    names = [f.name for f in dataclasses.fields(ZeroGeometry)]
+    assert [getattr(layout, n) for n in names] == [getattr(groups, n) for n in names]
+    assert groups.size == layout.group_size == 2

@@ -18,6 +18,8 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from .tree import iter_leaves
+
 
 @dataclass(frozen=True)
 class Ref:
@@ -268,16 +270,7 @@ def _spec_from(d: dict) -> TensorSpec:
 
 def iter_refs(obj) -> Iterator[Ref]:
     """Every Ref inside a nested structure of tuples, lists, dicts and slices."""
-    if isinstance(obj, Ref):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from iter_refs(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from iter_refs(x)
-    elif isinstance(obj, slice):
-        yield from iter_refs((obj.start, obj.stop, obj.step))
+    return iter_leaves(obj, Ref, into_slices=True)
 
 
 def map_refs(obj, fn):

@@ -6,19 +6,27 @@ from typing import Any, Callable, Iterable, Iterator, List
 
 import torch
 
-__all__ = ["iter_tensors", "tensor_leaves", "map_tensors", "replace_tensors"]
+__all__ = ["iter_leaves", "iter_tensors", "tensor_leaves", "map_tensors", "replace_tensors"]
+
+
+def iter_leaves(obj: Any, kind: type, into_slices: bool = False) -> Iterator[Any]:
+    """The instances of `kind` in ``obj`` in order (depth first through lists and tuples, dict
+    values in insertion order, and with `into_slices` a slice's start, stop and step)."""
+    if isinstance(obj, kind):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from iter_leaves(x, kind, into_slices)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from iter_leaves(x, kind, into_slices)
+    elif into_slices and isinstance(obj, slice):
+        yield from iter_leaves((obj.start, obj.stop, obj.step), kind, into_slices)
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors in ``obj`` in order (depth first; dict values in insertion order)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from iter_tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from iter_tensors(x)
+    return iter_leaves(obj, torch.Tensor)
 
 
 def tensor_leaves(obj: Any) -> List[torch.Tensor]:

@@ -263,9 +263,9 @@ class ZeroEngine:
                                         e.full_name, tuple(e.full_shape), tuple(tuple(s) for s in e.slices),
                                         tuple(e.value_split), int(e.replicas), tuple(zp.param.shape),
                                         piece.start, piece.stop, bi, piece.bucket_offset))
-        self.layout = ZeroShardLayout(LAYOUT_VERSION, g.rank, g.world_size, g.plan_ngpus, g.dp_size, g.ngroups,
-                                      g.group_ranks, g.group_index, g.group_id, g.cross_ranks,
-                                      any(b.reduce for b in self._buckets), buckets, tuple(pieces))
+        self.layout = ZeroShardLayout(**g.geometry(), version=LAYOUT_VERSION,
+                                      reduce_scatter=any(b.reduce for b in self._buckets), buckets=buckets,
+                                      pieces=tuple(pieces))
         return self.layout
 
     # -- gradients ----------------------------------------------------------------------------

@@ -4,26 +4,21 @@ zero group) and the norm group (the units of a zero group, where the gradient no
 See `nnscaler.runtime.zero` for how the engine uses them."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Sequence, Tuple
+
+from nnscaler.ir.contracts import ZeroGeometry
 
 __all__ = ["ZeroGroups", "make_zero_groups"]
 
 
 @dataclass(frozen=True)
-class ZeroGroups:
+class ZeroGroups(ZeroGeometry):
     """This rank's zero group, cross group and norm group (ranks and process groups; a group of
-    one rank is None and never communicated over)."""
+    one rank is None and never communicated over). The ranks are a `ZeroGeometry` (nnscaler.ir),
+    the record the layout shares."""
 
-    rank: int
-    world_size: int
-    plan_ngpus: int
-    dp_size: int
-    ngroups: int
-    group_ranks: Tuple[int, ...]
-    group_index: int
-    group_id: int
-    cross_ranks: Tuple[int, ...]
     norm_ranks: Tuple[int, ...]  # the units of this zero group: where the gradient norm is summed
     group: Any = None
     cross_group: Any = None
@@ -31,7 +26,11 @@ class ZeroGroups:
 
     @property
     def size(self) -> int:
-        return len(self.group_ranks)
+        return self.group_size
+
+    def geometry(self) -> Dict[str, Any]:
+        """The `ZeroGeometry` fields, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ZeroGeometry)}
 
 
 def make_zero_groups(grid, ngroups: int) -> ZeroGroups:

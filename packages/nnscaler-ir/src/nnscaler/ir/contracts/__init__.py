@@ -15,8 +15,8 @@ from .full_map import FullMapEntry
 from .generated_module import GENERATED_ATTR_NAMES, GENERATED_ATTRS, GeneratedAttr, GeneratedAttrs
 from .piece import Piece
 from .pipeline_meta import PipelineMeta
-from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroPiece, ZeroShardLayout
+from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroGeometry, ZeroPiece, ZeroShardLayout
 
 __all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", "gencode_file", "is_gencode_file",
            "FullMapEntry", "GENERATED_ATTR_NAMES", "GENERATED_ATTRS", "GeneratedAttr", "GeneratedAttrs", "Piece",
-           "PipelineMeta", "LAYOUT_VERSION", "ZeroBucket", "ZeroPiece", "ZeroShardLayout"]
+           "PipelineMeta", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]

@@ -11,7 +11,34 @@ from typing import Any, Dict, Mapping, Tuple
 
 LAYOUT_VERSION = 1
 
-__all__ = ["LAYOUT_VERSION", "ZeroBucket", "ZeroPiece", "ZeroShardLayout"]
+__all__ = ["LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]
+
+
+@dataclass(frozen=True)
+class ZeroGeometry:
+    """Which ranks share one rank's optimizer state (the runtime's zero groups and the layout
+    record both are this geometry).
+
+    rank, world_size, plan_ngpus, dp_size: the run. group_ranks: the zero group (global ranks,
+    ascending), the ranks that together hold one copy of the optimizer state of this plan device's
+    tensors; group_index: this rank's index in it (= the shard it owns in every bucket); ngroups:
+    zero_ngroups; group_id: which of the ngroups zero groups of this plan device this one is;
+    cross_ranks: the ranks holding the same shard index in every zero group of this plan device
+    (this rank included)."""
+
+    rank: int
+    world_size: int
+    plan_ngpus: int
+    dp_size: int
+    ngroups: int
+    group_ranks: Tuple[int, ...]
+    group_index: int
+    group_id: int
+    cross_ranks: Tuple[int, ...]
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group_ranks)
 
 
 # -- public metadata --------------------------------------------------------------------------------
@@ -80,15 +107,10 @@ class ZeroBucket:
 
 
 @dataclass(frozen=True)
-class ZeroShardLayout:
+class ZeroShardLayout(ZeroGeometry):
     """How the optimizer state of one rank is sharded (ZeRO stage 1). Public, versioned.
 
-    version: LAYOUT_VERSION. rank, world_size, plan_ngpus, dp_size: the run.
-    group_ranks: the zero group (global ranks, ascending), the ranks that together hold one copy
-        of the optimizer state of this plan device's tensors; group_index: this rank's index in
-        it (= the shard it owns in every bucket); ngroups: zero_ngroups; group_id: which of the
-        ngroups zero groups of this plan device this one is; cross_ranks: the ranks holding the
-        same shard index in every zero group of this plan device (this rank included).
+    The `ZeroGeometry` fields (rank ... cross_ranks), then: version: LAYOUT_VERSION.
     reduce_scatter: whether gradients of ParallelModule tensors are reduce-scattered by ZeRO
         (zero_use_reduce_scatter with more than one data-parallel replica).
     buckets: the flat buckets (`ZeroBucket`); pieces: the owned pieces (`ZeroPiece`), in
@@ -106,22 +128,9 @@ class ZeroShardLayout:
     """
 
     version: int
-    rank: int
-    world_size: int
-    plan_ngpus: int
-    dp_size: int
-    ngroups: int
-    group_ranks: Tuple[int, ...]
-    group_index: int
-    group_id: int
-    cross_ranks: Tuple[int, ...]
     reduce_scatter: bool
     buckets: Tuple[ZeroBucket, ...]
     pieces: Tuple[ZeroPiece, ...]
-
-    @property
-    def group_size(self) -> int:
-        return len(self.group_ranks)
 
     @property
     def flat_numel(self) -> int:
@@ -173,8 +182,8 @@ class ZeroShardLayout:
                                  tuple(p["full_shape"]), tuple(tuple(s) for s in p["slices"]),
                                  tuple(p["value_split"]), p["replicas"], tuple(p["local_shape"]), p["start"],
                                  p["stop"], p["bucket"], p["bucket_offset"]) for p in data["pieces"])
-        return cls(data["version"], data["rank"], data["world_size"], data["plan_ngpus"], data["dp_size"],
-                   data["ngroups"], tuple(data["group_ranks"]), data["group_index"], data["group_id"],
-                   tuple(data["cross_ranks"]), data["reduce_scatter"], buckets, pieces)
+        return cls(data["rank"], data["world_size"], data["plan_ngpus"], data["dp_size"], data["ngroups"],
+                   tuple(data["group_ranks"]), data["group_index"], data["group_id"], tuple(data["cross_ranks"]),
+                   version=data["version"], reduce_scatter=data["reduce_scatter"], buckets=buckets, pieces=pieces)
 
 
