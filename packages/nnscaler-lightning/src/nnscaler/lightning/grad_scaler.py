@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from .offload import step_gradients
+from nnscaler.runtime import step_gradients
 
 __all__ = ["NnScalerGradScaler", "default_scaler"]
 

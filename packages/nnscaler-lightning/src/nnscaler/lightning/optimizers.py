@@ -13,10 +13,9 @@ from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from nnscaler.runtime import build_optimizer, mix_into, rewrap_scheduler_step
+from nnscaler.runtime import build_optimizer, mix_into, offload_optimizer, rewrap_scheduler_step
 
 from .errors import NnScalerLightningError
-from .offload import offload_optimizer
 
 __all__ = ["user_optimizer", "check_optimizer", "rebuild"]
 
@@ -62,7 +61,7 @@ def rebuild(opt: torch.optim.Optimizer, pm: torch.nn.Module,
             offload_device: Optional[Union[str, torch.device]] = None) -> torch.optim.Optimizer:
     """`opt` itself, re-pointed at `pm`'s trainable parameters (or this rank's ZeRO shards) and
     given nnscaler's methods (``clip_gnorm``, ...); its state is empty. With `offload_device`
-    it steps on fp32 copies there (offload.py: ``cpu_offload=True``). An LR scheduler already
+    it steps on fp32 copies there (``nnscaler.runtime.offload_optimizer``: ``cpu_offload=True``). An LR scheduler already
     bound to it keeps working (its step wrapper is re-pointed at the new class's step)."""
 
     def same_optimizer(params, **_):

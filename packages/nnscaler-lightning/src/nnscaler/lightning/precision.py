@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, Generator, Optional, Union
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
+from nnscaler.runtime import step_gradients
 
 from .errors import NnScalerLightningError
 from .grad_scaler import NnScalerGradScaler
-from .offload import step_gradients
 
 __all__ = ["NnScalerPrecision", "SUPPORTED_PRECISIONS", "PrecisionKind", "adopt_precision_plugin"]
 

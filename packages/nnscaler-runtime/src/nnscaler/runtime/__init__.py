@@ -23,6 +23,7 @@ from .grid import RankGrid
 from .module import ParallelModule
 from .call_arguments import ForwardArgumentError  # a call that does not fit the model's forward
 from .optimizer import build_optimizer
+from .offload import OffloadedOptimizer, offload_optimizer, step_gradients  # optimizer state on another device
 from .driver.parallelize import load_generated_class, parallelize
 from .driver.plan_report import PlanWarning
 from .driver.model_sources import SourceChangedWarning  # reuse='match' of code from an edited model
@@ -39,4 +40,5 @@ __all__ = [
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
     "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm",
     "PeerFailedError", "StepRefusedError", "ForwardArgumentError",
+    "OffloadedOptimizer", "offload_optimizer", "step_gradients",
 ]
