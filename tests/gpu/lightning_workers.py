@@ -1,4 +1,4 @@
-"""The worker of test_lightning_gpu.py: Lightning on the one GPU, in a one-rank process."""
+"""The worker of test_gpu_lightning.py: Lightning on the one GPU, in a one-rank process."""
 from __future__ import annotations
 
 import os

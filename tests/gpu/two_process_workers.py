@@ -1,4 +1,4 @@
-"""The workers of test_two_processes.py: two ranks on the one GPU, gloo over CUDA tensors."""
+"""The workers of test_gpu_two_processes.py: two ranks on the one GPU, gloo over CUDA tensors."""
 from __future__ import annotations
 
 import os

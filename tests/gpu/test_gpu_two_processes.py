@@ -7,7 +7,7 @@ multi-rank NCCL stays unrun on a one-GPU machine).
 - the random streams on CUDA: rng_mode="exact" at dp 2 with dropout reproduces one process
   seeded alike (float64, the masks drawn from the CUDA generator): losses and weights within 1e-10.
 Pipeline stages over gloo would send CUDA tensors point to point, which gloo does not do; pp on
-CUDA is in test_plans.py (two stages in one process).
+CUDA is in test_gpu_plans.py (two stages in one process).
 """
 from __future__ import annotations
 

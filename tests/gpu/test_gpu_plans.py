@@ -2,7 +2,7 @@
 off, within 1e-5): `dp`, and `pp` with two stages on the one device (1f1b_interleaved, both
 stages' activations and gradients passed on CUDA through the pipeline executor), each under the
 seed's default trace strategy. Plans over two processes (dp 2, tp 2, megatron 2) are in
-test_two_processes.py."""
+test_gpu_two_processes.py."""
 from __future__ import annotations
 
 import torch
