@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 __all__ = ["capture_rng", "restore_rng", "rng_keys", "rng_snapshot", "restore_rng_snapshot", "PREFIX"]
@@ -28,13 +29,9 @@ def capture_rng(streams: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[
             tensors[f"{PREFIX}cuda/{i}"] = s
     version, state, gauss = random.getstate()
     info["python"] = {"version": version, "state": list(state), "gauss": gauss}
-    try:
-        import numpy as np
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        tensors[f"{PREFIX}numpy"] = torch.from_numpy(keys.astype("int64"))
-        info["numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
-    except ImportError:
-        pass
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors[f"{PREFIX}numpy"] = torch.from_numpy(keys.astype("int64"))
+    info["numpy"] = {"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
     for path, module in streams.items():
         keys = []
         for key, value in module.rng_state().items():
@@ -54,7 +51,6 @@ def restore_rng(info: Dict[str, Any], read: Callable[[str], torch.Tensor], strea
     if py:
         random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     if info.get("numpy"):
-        import numpy as np
         n = info["numpy"]
         np.random.set_state((n["name"], read(f"{PREFIX}numpy").numpy().astype("uint32"), n["pos"],
                              n["has_gauss"], n["cached"]))

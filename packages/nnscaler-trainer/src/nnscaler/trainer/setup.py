@@ -7,6 +7,7 @@ import os
 import random
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,11 +40,7 @@ def seed_everything(seed: int) -> None:
     """The same seed for Python, NumPy and torch on every rank (same initial weights)."""
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % (2 ** 32))
-    except ImportError:
-        pass
+    np.random.seed(seed % (2 ** 32))
 
 
 def _without(args: Dict[str, Any], auto: Tuple[str, ...]) -> Dict[str, Any]:

@@ -29,6 +29,7 @@ import time as _time
 import warnings
 from typing import Callable, Dict, List, Tuple
 
+import numpy.random as _npr
 import torch
 
 from ..errors import TraceError, TracingWarning
@@ -54,13 +55,8 @@ def _targets() -> List[Tuple[object, str, str, str]]:
     """(owner, attribute, text shown, kind) of every function watched."""
     out = [(_random, n, f"random.{n}()", "random") for n in _RANDOM_NAMES if hasattr(_random, n)]
     out += [(_time, n, f"time.{n}()", "clock") for n in _CLOCK_NAMES if hasattr(_time, n)]
-    try:
-        import numpy.random as npr
-    except ImportError:  # numpy is optional
-        npr = None
-    if npr is not None:
-        out += [(npr, n, f"numpy.random.{n}()", "random") for n in npr.__all__
-                if n not in _NUMPY_SKIP and callable(getattr(npr, n, None))]
+    out += [(_npr, n, f"numpy.random.{n}()", "random") for n in _npr.__all__
+            if n not in _NUMPY_SKIP and callable(getattr(_npr, n, None))]
     return out
 
 

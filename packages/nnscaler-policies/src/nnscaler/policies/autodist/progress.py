@@ -91,7 +91,7 @@ def _default_renderer() -> Iterator[Hook]:
         try:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        except ImportError:
+        except ImportError:  # rich comes with the `cli` extra only: plain lines then
             pass
         else:
             bar = Progress(TextColumn("autodist: profiling {task.fields[kind]}"), BarColumn(), MofNCompleteColumn(),
