@@ -1,8 +1,8 @@
 """ComputeConfig: the compute environment and code-generation switches of one parallelization.
 
-Fields and defaults follow the user's specification (native-trainer.rst, "Appendix:
-ComputeConfig") plus the optional fields of `OptionalComputeConfig` (`use_async_reducer`,
-`reducer_bucket_cap_mb`, `zero_use_reduce_scatter`). Every value is checked on construction and a
+The fields and defaults users set (docs/trainer.md lists them) plus the optional fields of
+`OptionalComputeConfig` (`use_async_reducer`, `reducer_bucket_cap_mb`,
+`zero_use_reduce_scatter`). Every value is checked on construction and a
 bad one raises `ConfigError` naming the field and what to do.
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ class ComputeConfig:
             raise ConfigError(
                 f"ComputeConfig.reducer_bucket_cap_mb must be > 0 (MB per gradient bucket), "
                 f"got {self.reducer_bucket_cap_mb}")
-        if not self.use_zero and self.zero_ngroups > 1:  # issue 26: was accepted (a warning at parallelize)
+        if not self.use_zero and self.zero_ngroups > 1:  # refused, not only warned about at parallelize
             raise ConfigError(
                 f"ComputeConfig.zero_ngroups={self.zero_ngroups} needs use_zero=True: it splits ZeRO's "
                 f"optimizer-state sharding into groups, and without use_zero nothing is sharded. Set "

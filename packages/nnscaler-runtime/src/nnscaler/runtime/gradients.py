@@ -1,7 +1,7 @@
 """Loss and gradient reduction over micro-batches and data-parallel replicas.
 
-The seed's `OptimizerConfig` semantics, as functions the Trainer (and a user's loop) calls after
-`train_step` ran the micro-batches of one step:
+The semantics of the Trainer's `OptimizerConfig` (docs/trainer.md), as functions the Trainer (and a
+user's loop) calls after `train_step` ran the micro-batches of one step:
 
 - ``loss_reduction``: ``mean`` — the reported loss is the mean over all micro-batches of all
   replicas; ``sum`` — their sum.
@@ -29,7 +29,7 @@ GRAD_REDUCTIONS = ("mean", "sum", "per-token-mean")
 
 @dataclass
 class AggregatedOutputs:
-    """What `aggregate_outputs` returns (the seed's definition)."""
+    """What `aggregate_outputs` returns: one step's summed loss and micro-batch (and token) counts."""
 
     loss_sum: float = None  # the losses of all micro-batches of all replicas, summed
     num_batches: int = None  # micro-batches of all replicas

@@ -220,8 +220,8 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
 
 
 def _refuse_nothing_to_train(module: torch.nn.Module) -> None:
-    """build_optimizer on a model without trainable parameters (issue 26: it was accepted, and the
-    optimizer updated nothing). Not checked for a pipelined module: one stage may hold only frozen
+    """build_optimizer on a model without trainable parameters is refused: the optimizer would
+    update nothing. Not checked for a pipelined module: one stage may hold only frozen
     layers while another trains."""
     frozen = sum(1 for _ in module.parameters())
     what = (f"all its {frozen} parameter tensor(s) have requires_grad=False" if frozen

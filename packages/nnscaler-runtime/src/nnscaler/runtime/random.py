@@ -1,4 +1,4 @@
-"""Random streams of the generated forward (issue 11; user guide: docs/tracing.md "Random numbers").
+"""Random streams of the generated forward (user guide: docs/tracing.md "Random numbers").
 
 Every random op the generated code runs (dropout, rand_like, bernoulli_, ...) draws from a stream
 the runtime owns, not from how the user seeded each rank:

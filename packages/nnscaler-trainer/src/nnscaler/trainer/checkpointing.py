@@ -94,9 +94,9 @@ def checkpoint_step(path: str) -> Optional[int]:
 
 def resolve_resume(resume_from: Optional[str], save_dir: str) -> Optional[str]:
     """The checkpoint directory `resume_from` names, or None (a fresh start): ``last`` / ``best``
-    (save_dir's links; None when absent, as the seed says), ``auto`` (the newest checkpoint in
-    save_dir: what ``last`` points to, or a newer numbered one a crash left before ``last`` moved;
-    None when there is none), or a path, which must exist."""
+    (save_dir's links; None when absent: a first run starts fresh with the same command), ``auto``
+    (the newest checkpoint in save_dir: what ``last`` points to, or a newer numbered one a crash
+    left before ``last`` moved; None when there is none), or a path, which must exist."""
     if not resume_from:
         return None
     if resume_from in ("last", "best"):

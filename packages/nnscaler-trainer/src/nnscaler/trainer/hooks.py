@@ -1,6 +1,6 @@
 """Hooks: the `TrainHook` class and the chain the Trainer calls.
 
-Order (the seed's): the model, the optimizer and the LR scheduler when they are TrainHooks, then
+Order (docs/trainer.md): the model, the optimizer and the LR scheduler when they are TrainHooks, then
 the hook of ``TrainerArgs.hook`` (a `HookConfig` class or a `HookMapConfig` of functions).
 """
 from __future__ import annotations

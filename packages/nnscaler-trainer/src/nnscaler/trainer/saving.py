@@ -18,7 +18,7 @@ def save_checkpoint(trainer, val_loss: Optional[float] = None) -> Optional[str]:
     if val_loss is None:
         val_loss = trainer.validate()
     if val_loss is None:
-        val_loss = trainer.state.last_train_loss  # no validation data: the seed's fallback
+        val_loss = trainer.state.last_train_loss  # no validation data: the train loss ranks checkpoints
     extra = {TRAINER_KEY: trainer_extra(trainer, val_loss)}
     trainer.hooks.on_save_checkpoint(trainer, extra)
     path = trainer.checkpoints.save(trainer, trainer._current_epoch(), trainer.state.step, val_loss, extra)

@@ -1,4 +1,4 @@
-"""One optimizer step and one validation step, with the hooks in the seed's order.
+"""One optimizer step and one validation step, with the hooks in the order docs/trainer.md documents.
 
 Train: before_zero_grad, zero_grad, after_zero_grad, on_train_step_start, forward/backward of
 every micro-batch (gradients accumulate locally), before_sync_grad, the gradient sync,

@@ -191,7 +191,7 @@ class Trainer:
         args = self.train_args
         from .resume import resume
         resume(self)
-        if self._pending_rng is not None:  # right before training starts, as the seed says
+        if self._pending_rng is not None:  # last: set-up's random draws must not shift the streams
             restore_rng_snapshot(self._pending_rng, self.model)
             self._pending_rng = None
         self.console.set_completed(self.state.step)

@@ -1,6 +1,6 @@
 """autodist: the automatic plan search (cost model, SPMD solver, pipeline solver).
 
-``pas_policy="autodist"`` with the seed's `pas_config` keys (`AutodistConfig`). docs/autodist.md
+``pas_policy="autodist"`` with its `pas_config` keys (`AutodistConfig`). docs/autodist.md
 describes the cost model, the solvers and every key.
 """
 from .config import AutodistConfig

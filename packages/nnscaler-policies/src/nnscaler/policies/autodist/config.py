@@ -1,6 +1,6 @@
 """`AutodistConfig`: every `pas_config` key of the `autodist` policy, checked once.
 
-The keys are the seed's (native-trainer.rst, "PAS Policies"); keys starting with ``_`` are the
+The keys are the documented autodist `pas_config` keys (docs/autodist.md); keys starting with ``_`` are the
 user's own (they change the generated code's identity, nothing else) or autodist's private
 knobs (``_comm_profile``, ``_solver_time_limit``, ``_profile_repeats``).
 """

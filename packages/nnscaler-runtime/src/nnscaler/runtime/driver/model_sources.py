@@ -1,6 +1,6 @@
 """The model's source files in the manifest, and what changed since generation.
 
-A reuse *match* is defined by the configuration (native-trainer.rst, "ReuseType"), not by the
+A reuse *match* is defined by the configuration (`ReuseType` in gen_dir.py), not by the
 model's code, so an edited ``forward`` with the same config would silently run the program traced
 from the old code. Generation therefore records, in ``manifest.json`` under ``"sources"``, the
 path and SHA-256 of

@@ -1,4 +1,4 @@
-"""Precision settings: PrecisionConfig and parse_precision (the seed's values and Lightning's names)."""
+"""Precision settings: PrecisionConfig and parse_precision (the Trainer's values and Lightning's names)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,7 +1,8 @@
 """Whole-config validation of TrainerArgs, run before any worker process starts.
 
-Every rule of the seed, each a `TrainerConfigError` naming the key path and the fix. Dotted
-names are imported here, so a typo fails at once on the launching machine, not in N workers.
+Every rule a config must follow, each a `TrainerConfigError` naming the key path and the fix.
+Dotted names are imported here, so a typo fails at once on the launching machine, not in N
+workers.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The component configs of TrainerArgs, as the seed (native-trainer.rst) defines them.
+"""The component configs of TrainerArgs (docs/trainer.md describes each).
 
 Each component is given by a fully qualified type (or factory) name plus its arguments; the
 Trainer creates it. Argument values go through `nnscaler.trainer.config.values.build_value`
@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from nnscaler.ir import OptionalComputeConfig
 
-# the seed's _TENSOR_TYPE / _PRECISION_TYPE: 'param' | 'buffer' | 'input' -> 'fp32' | 'fp16' | 'bf16' | 'none'
+# one precision for every tensor type, or a map 'param' | 'buffer' | 'input' -> 'fp32' | 'fp16' | 'bf16' | 'none'
 PrecisionSetting = Union[str, Dict[str, str], None]
 
 __all__ = [

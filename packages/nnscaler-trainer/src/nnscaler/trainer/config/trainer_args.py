@@ -1,4 +1,4 @@
-"""TrainerArgs: every setting of a run (the seed's definition), with the values derived from it."""
+"""TrainerArgs: every setting of a run (docs/trainer.md lists them), with the values derived from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,7 +85,7 @@ class TrainerArgs:
         return to_data(self)
 
     def validate(self) -> "TrainerArgs":
-        """Check the whole config (every rule the seed states); raises TrainerConfigError."""
+        """Check the whole config (every rule of config/checks.py); raises TrainerConfigError."""
         from .checks import validate
         validate(self)
         return self

@@ -116,7 +116,7 @@ def _fits(cls: type, value: Dict[str, Any]) -> bool:
 
 
 def _scalar(tp: type, value: Any, key: str) -> Any:
-    if value is None and tp in (str, int, float):  # the seed's `name: str = None` fields
+    if value is None and tp in (str, int, float):  # fields declared `name: str = None` (unset)
         return None
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

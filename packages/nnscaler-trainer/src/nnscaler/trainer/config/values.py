@@ -1,5 +1,5 @@
 """Turning config values into objects: dotted names, ``__type``, ``__value_type`` + ``value``, and
-``ast.literal_eval`` guessing of strings (the seed's rules for component arguments)."""
+``ast.literal_eval`` guessing of strings (how component arguments are read, docs/trainer.md)."""
 from __future__ import annotations
 
 import ast
