@@ -3,18 +3,44 @@ device, `plan_ngpus` consecutive ranks per data-parallel unit, one data shard pe
 collectives over all of them (barrier, broadcast)."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.distributed import (_distributed_is_initialized,
+                                                    _get_default_process_group_backend_for_device,
+                                                    _init_dist_connection)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 __all__ = ["ProcessLayout"]
 
 
 class ProcessLayout:
-    """Mixed in before Lightning's ParallelStrategy; the strategy sets ``self._num_nodes`` and
-    ``self.compute_config`` (None: data parallel over every process)."""
+    """Mixed in before Lightning's ParallelStrategy; the strategy sets ``self._num_nodes``,
+    ``self.compute_config`` (None: data parallel over every process), ``self._start_method``,
+    ``self._timeout``, ``self._process_group_backend`` and `_LAUNCHERS`, the (script, spawn)
+    launcher classes of its Lightning flavour (Fabric's or the Trainer's)."""
+
+    _LAUNCHERS: Tuple[type, type]
+
+    def _configure_launcher(self) -> None:
+        script, spawn = self._LAUNCHERS
+        if self._start_method == "popen":
+            self._launcher = script(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = spawn(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _init_process_group(self, **kwargs: Any) -> None:
+        """The default process group over every process (the strategy's backend, or the device's)."""
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **kwargs)
 
     @property
     def root_device(self) -> torch.device:

@@ -26,14 +26,12 @@ from typing import Any, Callable, Dict, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (_get_default_process_group_backend_for_device,
-                                                    _init_dist_connection, _sync_ddp_if_available)
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from nnscaler.ir import ComputeConfig
 from nnscaler.runtime import ReuseType, parallelize, sync_grad_when
 
@@ -121,29 +119,13 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+    _LAUNCHERS = (_SubprocessScriptLauncher, _MultiProcessingLauncher)  # ProcessLayout._configure_launcher
 
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        kwargs: Dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        self._init_process_group(**({"device_id": self.root_device} if self.root_device.type != "cpu" else {}))
 
     # -- precision -------------------------------------------------------------------------------
     @property

@@ -22,9 +22,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (_get_default_process_group_backend_for_device,
-                                                    _init_dist_connection, _sync_ddp_if_available)
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from nnscaler.ir import ComputeConfig
 from nnscaler.runtime import ParallelModule, ReuseType, parallelize, sync_grad_when
 
@@ -83,20 +81,12 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
     def precision(self, plugin) -> None:
         self._precision = adopt_precision_plugin(plugin, NnScalerPrecision, "the nnscaler Fabric strategy", "Fabric")
 
-    def _configure_launcher(self) -> None:
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+    _LAUNCHERS = (_SubprocessScriptLauncher, _MultiProcessingLauncher)  # ProcessLayout._configure_launcher
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.set_world_ranks()
+        self._init_process_group()
 
     # -- model and optimizer ---------------------------------------------------------------------
     def _parallelize(self, module: torch.nn.Module) -> ParallelModule:
