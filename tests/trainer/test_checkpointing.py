@@ -63,6 +63,22 @@ def test_exact_resume_bitwise_and_rng_matters(tmp_path):
     assert third != straight[10:]
 
 
+def test_a_checkpoint_with_the_former_trainer_rng_resumes_bitwise(tmp_path):
+    """Checkpoints written before nnscaler.ckpt alone kept the RNG states also held them, as JSON
+    lists, in the Trainer's extra: they still resume bitwise (from nnscaler.ckpt's copy)."""
+    straight, _, _ = run(tmp_path / "a", max_train_steps=14, **{"checkpoint.no_save": True})
+    run(tmp_path / "b", max_train_steps=7, **{"checkpoint.every_n_train_steps": 7})
+    mpath = os.path.join(os.path.realpath(tmp_path / "b" / "ckpt" / "last"), "manifest.json")
+    with open(mpath) as f:
+        manifest = json.load(f)
+    for entry in manifest["ranks"]:
+        entry["extra"]["nnscaler_trainer"]["rng"] = {"0": {"torch": [0] * 8, "python": [3, [1, 2], None]}}
+    with open(mpath, "w") as f:
+        json.dump(manifest, f)
+    second, _, _ = run(tmp_path / "b", max_train_steps=14, **{"checkpoint.resume_from": "last"})
+    assert second == straight[7:]
+
+
 def test_finished_run_trains_and_rewrites_nothing(tmp_path):
     run(tmp_path, max_train_steps=4, **{"checkpoint.every_n_train_steps": 2})
     last = os.path.realpath(tmp_path / "ckpt" / "last")
