@@ -295,6 +295,9 @@ def _rank_world():
 
 
 def _check_policy_argument(policy) -> None:
+    """The argument's shape only: parallelize runs pre-generated code without nnscaler.policies
+    (the compile extra), so a name is validated and resolved there (`policies.resolve_policy`,
+    through `apply_policy`) when code is generated."""
     if callable(policy):
         try:
             inspect.signature(policy).bind(None, None)
