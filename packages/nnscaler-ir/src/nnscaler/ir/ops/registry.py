@@ -22,6 +22,7 @@ import torch
 from nnscaler.ir.errors import TraceError
 from nnscaler.ir.ops.annotation import AnnotationError, parse_annotation
 from nnscaler.ir.ops.builtin_ops import register_builtins
+from nnscaler.ir.ops.custom_op_check import check_custom_op
 from nnscaler.ir.tracer.tracing_context import current_tracer
 from nnscaler.ir.tree import tensor_leaves  # noqa: F401  (registry.tensor_leaves: used by callers)
 
@@ -104,7 +105,6 @@ class OpRegistry:
                 return  # a built-in annotation: checked by the tests (tests/ir/test_registry.py)
         except TypeError:  # unhashable
             return
-        from nnscaler.ir.ops.custom_op_check import check_custom_op
         check_custom_op(self.name_of(wrapper), fn, annotation, args, kwargs, result)
 
     def name_of(self, fn: Any) -> str:

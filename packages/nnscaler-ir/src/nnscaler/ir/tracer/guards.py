@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+from ..errors import TracingWarning
 from ..graph import IRGraph, Node, Ref, SourceLoc
 
 if TYPE_CHECKING:
@@ -197,7 +198,6 @@ def tolerance(dtype: Optional[str]) -> float:
 def warn_guards(graph: IRGraph) -> None:
     """One TracingWarning per user line that reads a tensor's value, saying what the program does."""
     import warnings
-    from ..errors import TracingWarning
     seen = set()
     for node in guards_of(graph):
         key = (node.source.file, node.source.line) if node.source else None

@@ -30,6 +30,7 @@ import torch
 
 from . import tracing_context
 from ..errors import TraceError
+from ..ops.registry import REGISTRY
 from ..tree import iter_tensors as _tensors
 
 if TYPE_CHECKING:
@@ -131,7 +132,6 @@ def _forward_signature(cls):
 def _record(tracer: "Tracer", cls, forward, fargs, fkwargs, with_ctx):
     _check_importable(cls)
     args = fargs[1:] if with_ctx else fargs
-    from ..ops.registry import REGISTRY
     qualname = cls.__qualname__
     try:
         arg_refs, kwarg_refs = tracer._to_refs(tuple(args)), tracer._to_refs(dict(fkwargs))

@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..graph import Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode
 from ..ops.op_names import op_name
+from ..ops.registry import REGISTRY
 from .guards import record_value_read
 from .identity_results import distinct_alias, returned_unchanged, traced_inputs
 from .symbolic_int import TracedInt
@@ -230,7 +231,6 @@ class Tracer:
         refs, result = self._wrap_outputs(real, hint, inputs)
         annotation = self._annotation(func, args, kwargs, annotation_fn)
         if annotation is not None:  # a register_op annotation of a torch function is checked like a custom op's
-            from ..ops.registry import REGISTRY
             REGISTRY.check_call(func, func, annotation, args, kwargs, real)
         self._add_node(target, arg_refs, kwarg_refs, refs, annotation, inplace)
         return result
@@ -238,7 +238,6 @@ class Tracer:
     def _annotation(self, func, args, kwargs, annotation_fn):
         # REGISTRY.lookup: None for an unannotated op; a user's broken annotation raises (never a
         # silent replication)
-        from ..ops.registry import REGISTRY
         return REGISTRY.lookup(func, args, kwargs)
 
     def _record_size(self, tensor, real, target, args, kwargs=None):
@@ -266,7 +265,6 @@ class Tracer:
             raise TraceError(
                 f"custom op {qualname or fn!r} must be a module-level function in an importable module "
                 f"(generated code imports it by name); it is defined in {module}.{qualname}")
-        from ..ops.registry import REGISTRY
         wrapper = getattr(fn, "__nnscaler_wrapper__", fn)
         annotation = REGISTRY.lookup(wrapper, args, kwargs) or REGISTRY.lookup(fn, args, kwargs)
         arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))

@@ -10,6 +10,7 @@ import torch
 
 from ..graph import dtype_name
 from ..user_code import warn_user
+from .kept_functions import is_user_function, keep_function
 
 if TYPE_CHECKING:
     from .recorder import Tracer
@@ -23,7 +24,6 @@ def function_grad_mode(tracer: "Tracer"):
     """While tracing, autograd.Function.apply remembers the grad mode it was called in (its
     forward runs with grad off, which is not the user's torch.no_grad()), and a user's Function
     is recorded as one node (nnscaler.ir.tracer.kept_functions)."""
-    from .kept_functions import is_user_function, keep_function
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):

@@ -35,6 +35,7 @@ from nnscaler.ir.contracts import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_
 
 from ..errors import ReuseError
 from .file_digest import sha256_file
+from .model_sources import SourceChangedWarning, changed_sources, describe_changes
 
 FORMAT_VERSION = 1
 
@@ -234,7 +235,6 @@ def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -
     if manifest is None:
         return ReuseDecision.GENERATE
     diffs = differences(manifest, identity)
-    from .model_sources import SourceChangedWarning, changed_sources, describe_changes
     if reuse is ReuseType.MATCH:
         stale = diffs.pop("model parameters/buffers", None)
         if stale:  # say why here, before loading the weights fails on a shape mismatch

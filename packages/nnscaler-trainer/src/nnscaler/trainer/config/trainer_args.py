@@ -6,8 +6,11 @@ from typing import Any, Dict, List, Optional, Union
 
 from nnscaler.ir import ComputeConfig
 
+from .checks import validate as validate_args
 from .components import (CheckpointConfig, DataloaderConfig, DatasetConfig, DatasetSamplerConfig, HookConfig,
                          HookMapConfig, LogConfig, LRSchedulerConfig, ModelConfig, OptimizerConfig, PrecisionSetting)
+from .loading import load_config
+from .typed import from_data, to_data
 from .values import local_name
 
 __all__ = ["TrainerArgs"]
@@ -65,7 +68,6 @@ class TrainerArgs:
     def from_dict(cls, data: Dict[str, Any], validate: bool = True) -> "TrainerArgs":
         """From plain data (a parsed YAML file); a top-level ``vars`` section (values for
         ``${vars.x}`` references) is dropped. Errors name the key path."""
-        from .typed import from_data
         data = {k: v for k, v in (data or {}).items() if k != "vars"}
         args = from_data(cls, data, "")
         if validate:
@@ -76,18 +78,15 @@ class TrainerArgs:
     def from_yaml(cls, path: str, overrides: Optional[List[str]] = None, validate: bool = True) -> "TrainerArgs":
         """Load a YAML file, apply command-line overrides (``['--max_epochs', '2']``), resolve
         ``${...}`` references, and build the args."""
-        from .loading import load_config
         return cls.from_dict(load_config(path, overrides or []), validate=validate)
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain data that `from_dict` turns back into equal args."""
-        from .typed import to_data
         return to_data(self)
 
     def validate(self) -> "TrainerArgs":
         """Check the whole config (every rule of config/checks.py); raises TrainerConfigError."""
-        from .checks import validate
-        validate(self)
+        validate_args(self)
         return self
 
     # -- derived values --------------------------------------------------------------------------
