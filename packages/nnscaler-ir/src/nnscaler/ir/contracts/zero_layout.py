@@ -150,11 +150,6 @@ class ZeroShardLayout(ZeroGeometry):
         """Elements this rank owns, padding included."""
         return sum(b.shard_numel for b in self.buckets)
 
-    def owned_range(self, bucket: int) -> Tuple[int, int]:
-        """``[begin, end)`` of bucket `bucket`'s flat buffer owned by this rank."""
-        s = self.buckets[bucket].shard_numel
-        return self.group_index * s, (self.group_index + 1) * s
-
     def to_dict(self) -> Dict[str, Any]:
         """JSON-able dict (tuples become lists)."""
         out = {k: getattr(self, k) for k in ("version", "rank", "world_size", "plan_ngpus", "dp_size", "ngroups",
