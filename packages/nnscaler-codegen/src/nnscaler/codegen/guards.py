@@ -15,6 +15,7 @@ from typing import List
 from nnscaler.ir import Node
 
 from .render import Renderer
+from .branches import decision_statement
 
 
 def guard_statement(node: Node, renderer: Renderer, pipelined: bool, args=None, kwargs=None,
@@ -24,7 +25,6 @@ def guard_statement(node: Node, renderer: Renderer, pipelined: bool, args=None, 
     args = node.args if args is None else args
     kwargs = dict(node.kwargs if kwargs is None else kwargs)
     if kwargs.get("branches"):  # both branches are in the program: the decision chooses
-        from .branches import decision_statement
         return decision_statement(node, renderer.value(args[0]))
     at = f"{node.source}" if node.source is not None else ""
     parts = [renderer.value(args[0]), renderer.value(kwargs.pop("read")), renderer.value(kwargs.pop("traced"))]

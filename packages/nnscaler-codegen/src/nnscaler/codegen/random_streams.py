@@ -21,6 +21,7 @@ from nnscaler.ir import ComputeConfig, IRGraph, LIKE, MASK, Node, Shard, node_ra
 
 from .errors import GenerationError
 from .render import ModeChoice, RawExpr, Renderer
+from .branches import with_branch_args
 
 
 def count_random_ops(graph: IRGraph) -> int:
@@ -121,7 +122,6 @@ class RandomOps:
     def _exact(self, node: Node, kind: str, renderer: Renderer, shard, batch: bool) -> str:
         args, kwargs = list(node.args), dict(node.kwargs)
         if getattr(node, "branch_args", None):  # arguments that differ between branches (codegen/branches.py)
-            from .branches import with_branch_args
             args, kwargs = with_branch_args(node, args, kwargs)
         for where, key, train, eval_ in node.mode_args:
             (args if where == "args" else kwargs)[key] = ModeChoice(train, eval_)

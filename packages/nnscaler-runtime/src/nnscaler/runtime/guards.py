@@ -22,6 +22,7 @@ import torch.distributed as dist
 from nnscaler.ir import READ_TEXT, guard_values_close as close, guard_digest as digest
 
 from .errors import NnScalerError
+from . import failures
 
 __all__ = ["GuardError", "check"]
 
@@ -75,7 +76,7 @@ def check(value: torch.Tensor, read: str, traced: Any, *, at: str = "", cause: s
     bad_rank = None if ok else rank
     if agree and world > 1:
         flag = torch.tensor([0 if ok else rank + 1], dtype=torch.int64, device=value.device)
-        from . import failures  # a peer that failed before reaching this guard is noticed, not waited for
+        # through failures.run: a peer that failed before reaching this guard is noticed, not waited for
         failures.run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, what=f"the guard at {at or 'a value read'}")
         bad = int(flag.item())
         bad_rank = bad - 1 if bad else None

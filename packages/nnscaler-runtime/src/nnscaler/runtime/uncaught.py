@@ -28,6 +28,7 @@ import atexit
 import sys
 import threading
 from typing import Optional
+from . import failures
 
 __all__ = ["install", "summary", "call_site", "POST_S"]
 
@@ -86,7 +87,6 @@ def _report(exc: Optional[BaseException]) -> None:
     global _done
     if _done or exc is None or isinstance(exc, SystemExit):
         return
-    from . import failures
     if (not failures._multi_rank() or isinstance(exc, (failures.PeerFailedError, failures.StepRefusedError))
             or getattr(exc, "raised_on_every_rank", False) or failures.is_connection_error(exc)):
         return

@@ -15,6 +15,8 @@ from .config.checks import AUTO_DATALOADER_ARGS, AUTO_SAMPLER_ARGS
 from .config.values import build_args, instantiate, resolve_object
 from .errors import TrainerError
 from .state import SkippingSampler
+from .config.components import HookConfig, HookMapConfig
+from .hooks import HookMap
 
 __all__ = ["build_config_hooks", "build_loggers", "init_distributed", "seed_everything", "build_dataset", "build_dataloader", "dummy_batch",
            "parallelize_model", "build_trainer_optimizer", "build_lr_scheduler"]
@@ -222,8 +224,6 @@ def parallelize_submodules(args, model: torch.nn.Module, load_module: bool) -> L
 
 def build_config_hooks(args) -> List[Any]:
     """The hook of ``TrainerArgs.hook``: a HookMap of functions, an instance of the hook class, or none."""
-    from .config.components import HookConfig, HookMapConfig
-    from .hooks import HookMap
     hook = args.hook
     if isinstance(hook, HookMapConfig):
         return [HookMap(hook)]

@@ -29,7 +29,8 @@ import torch
 from .annotation import AnnotationError, BoundAnnotation, parse_annotation
 from ..errors import TraceError
 from ..layout import Partial, Replicate, Shard, TensorLayout
-from ..tree import replace_tensors
+from ..tree import replace_tensors, tensor_leaves
+from ..user_code import is_internal
 
 __all__ = ["check_custom_op", "clear_cache", "TOLERANCES"]
 
@@ -54,7 +55,6 @@ def check_custom_op(name: str, fn: Callable, annotation: Optional[str], args: tu
     registered name (used in messages)."""
     if annotation is None:
         return
-    from ..tree import tensor_leaves
     ins, outs = tensor_leaves((args, kwargs)), tensor_leaves(result)
     key = (fn, annotation, tuple((tuple(t.shape), t.dtype) for t in ins),
            tuple((tuple(t.shape), t.dtype) for t in outs))
@@ -99,7 +99,6 @@ def _check(name, fn, annotation, args, kwargs, ins, outs) -> Optional[str]:
 def _whole_call(fn, args, kwargs, ins, compare_to=None):
     """The op's tensor outputs on copies of the inputs; None when it fails, or when it differs from
     `compare_to` (a nondeterministic op)."""
-    from ..tree import tensor_leaves
     a, k = replace_tensors((args, kwargs), [t.detach().clone() for t in ins])
     try:
         out = tensor_leaves(_run(fn, a, k))
@@ -125,7 +124,6 @@ def _split_problem(fn, args, kwargs, ins, outs, bound: BoundAnnotation, dim: str
             got = _run(fn, a, k)
         except Exception as e:  # the op cannot even run on a piece
             return f"running it on piece {i} of {n} raised {type(e).__name__}: {e}"
-        from ..tree import tensor_leaves
         got = tensor_leaves(got)
         if len(got) != len(outs):
             return f"piece {i} returned {len(got)} tensor(s) instead of {len(outs)}"
@@ -274,7 +272,6 @@ def _argument_labels(fn, args, kwargs) -> List[str]:
 
 def _user_line() -> Optional[str]:
     import sys
-    from ..user_code import is_internal
     frame = sys._getframe(1)
     while frame is not None and is_internal(frame.f_code.co_filename):
         frame = frame.f_back

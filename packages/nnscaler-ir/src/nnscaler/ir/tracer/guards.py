@@ -29,6 +29,7 @@ import torch
 
 from ..errors import TracingWarning
 from ..graph import IRGraph, Node, Ref, SourceLoc
+from ..user_code import _nnscaler_dirs, is_internal
 
 if TYPE_CHECKING:
     from .recorder import Tracer
@@ -94,7 +95,6 @@ def model_frame(tracer: "Tracer", start_depth: int = 2):
 def _ours(filename: str) -> bool:
     """nnscaler, torch or the standard library. Installed libraries (transformers) are not: the
     value is read there on behalf of the model, and the user needs that line too."""
-    from ..user_code import _nnscaler_dirs, is_internal
     if filename.startswith("<") or filename.startswith(_nnscaler_dirs() + (_TORCH_DIR,)):
         return True
     if "site-packages" in filename or "dist-packages" in filename:

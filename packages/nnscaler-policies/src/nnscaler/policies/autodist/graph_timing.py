@@ -29,6 +29,7 @@ from nnscaler.ir import IRGraph, Ref, is_guard, iter_refs, resolve_target
 from .int_values import substitute
 from .op_profile import ProfileDB, _make, _sync, mix_key
 from .progress import task
+from .cost_model import nbytes
 
 __all__ = ["graph_seconds", "calibration", "calibration_key"]
 
@@ -133,7 +134,6 @@ def _free_bytes(device: str) -> float:
 
 
 def _graph_bytes(graph: IRGraph) -> float:
-    from .cost_model import nbytes
     return sum(nbytes(v.shape, v.dtype) for v in graph.values.values() if v.is_tensor)
 
 

@@ -33,6 +33,7 @@ from ..plan import tensor_inputs, tensor_outputs
 from .choices import is_shape_query
 from .int_values import int_values, substitute
 from .progress import task
+from .cost_model import nbytes
 
 __all__ = ["ProfileDB", "cache_dir", "device_key", "profile_graph", "mix_key", "op_label", "optimizer_rate",
            "optimizer_tensor_cost"]
@@ -216,7 +217,6 @@ def memory_bandwidth(device: str = "cpu") -> float:
 
 
 def _estimate(graph: IRGraph, node: Node, device: str) -> Tuple[float, float]:
-    from .cost_model import nbytes
     moved = sum(nbytes(graph.value(r).shape, graph.value(r).dtype)
                 for r in tensor_inputs(graph, node) + tensor_outputs(graph, node))
     t = 2e-6 + moved / memory_bandwidth(device)

@@ -29,7 +29,7 @@ from .op_keys import op_keys
 from .op_profile import memory_bandwidth, optimizer_rate, optimizer_tensor_cost, profile_graph
 from .pipeline_solver import StagePlan, cut_pipeline, shared_across_stages
 from .pipeline_time import PipelineTiming
-from .plan_file import OpRecord, PlanRecord, load_plan, op_shapes, save_plan
+from .plan_file import OpRecord, PlanRecord, StalePlanError, load_plan, op_shapes, save_plan
 from .report import format_plan
 from .spmd_solver import NoPlanFits, Solution, size_text, solve
 
@@ -264,7 +264,6 @@ def _check_obeys(graph: IRGraph, record: PlanRecord, cfg: AutodistConfig) -> Non
     broken = [f"{keys[node.id]} is {by_key[keys[node.id]].choice!r}, allowed {allowed[node.id]}"
               for node in graph.nodes if node.id in allowed and by_key[keys[node.id]].choice not in allowed[node.id]]
     if broken:
-        from .plan_file import StalePlanError
         raise StalePlanError(f"autodist plan {cfg.load_plan_path} breaks the partition constraints "
                              f"{cfg.partition_constraints_path}: {'; '.join(broken[:5])}"
                              + (f" (and {len(broken) - 5} more)" if len(broken) > 5 else "")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import failures
 from ..failures import PeerFailedError
+from ..uncaught import call_site, summary
 
 __all__ = ["ArgumentAgreement"]
 
@@ -63,7 +64,6 @@ class ArgumentAgreement:
 
 
 def _describe(exc: BaseException) -> str:
-    from ..uncaught import call_site, summary
     text = summary(exc, call_site())  # the rank's parallelize() call
     rest = str(exc).strip().splitlines()[1:]
     return text + ("\n" + "\n".join(rest[:20]) if rest else "")

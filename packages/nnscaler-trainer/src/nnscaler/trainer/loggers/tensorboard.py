@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional
 
 from .base import LoggerBase
 from .event_file import EventFileWriter
+from ..config.loading import dump_yaml
 
 __all__ = ["TensorBoardLogger"]
 
@@ -22,7 +23,6 @@ class TensorBoardLogger(LoggerBase):
 
     def setup(self, config: Dict[str, Any]) -> None:
         """Creates the directory and saves the resolved config there (``train_config.yaml``)."""
-        from ..config.loading import dump_yaml
         os.makedirs(self.dir, exist_ok=True)
         with open(os.path.join(self.dir, "train_config.yaml"), "w", encoding="utf-8") as f:
             f.write(dump_yaml(config))
