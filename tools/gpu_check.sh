@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one script for a machine with one CUDA GPU, run on its image as it is (issue 27).
+# The GPU check: one script for a machine with one CUDA GPU, run on its image as it is.
 #
 #   OUT=/some/dir bash tools/gpu_check.sh
 #
@@ -31,7 +31,7 @@ set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 START=$SECONDS
-TOTAL_S=${GPU_CHECK_TOTAL_S:-460}   # hard budget for all steps (the issue's limit is 8 minutes)
+TOTAL_S=${GPU_CHECK_TOTAL_S:-460}   # hard budget for all steps (8 minutes at most, as the lent machine allows)
 read -r -a PY <<< "${GPU_CHECK_PYTHON:-python3}"
 
 OUT="${OUT:-$ROOT/gpu_check_out}"
