@@ -55,18 +55,34 @@ def offload_worker(rank, world):
                           for c, p in zip(copies, params)) and len(copies) == 4
     out["step_gradients"] = step_gradients(opt) == params
     x = torch.randn(5, 4)
-    diffs = []
-    for _ in range(3):
+    diffs, norms = [], []
+
+    def step():
         for m, o in ((pm, opt), (ref, ref_opt)):
             o.zero_grad()
             m(x).square().sum().backward()
+        norm = opt.clip_gnorm(0.5)  # on the module's gradients, before the copy
+        norms.append((norm - torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)).abs().item())
+        out.setdefault("copy_grads_before_step", all(c.grad is None for c in copies))
         opt.step()
         ref_opt.step()
+        out.setdefault("copy_grads_after_step", all(c.grad is None for c in copies))
         diffs.append(max((p.detach() - q.detach()).abs().max().item() for p, q in zip(params, ref.parameters())))
+
+    for _ in range(3):
+        step()
     out["diffs"] = diffs
     states = [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
     out["states"] = len(states)
     out["states_apart"] = not {v.data_ptr() for v in states} & {p.data_ptr() for p in params}
+    opt.zero_grad()
+    out["module_grads_cleared"] = all(p.grad is None for p in params)
+    with torch.no_grad():  # set outside the optimizer (in both): the copy follows at the next step
+        params[0].fill_(0.25)
+        next(ref.parameters()).fill_(0.25)
+    step()
+    out["diff_after_outside_change"] = diffs[-1]
+    out["norm_diffs"] = norms
     return out
 
 
@@ -77,4 +93,8 @@ def test_offloaded_optimizer_trains_as_the_plain_one():
     assert out["same_again"] and "offloaded to cpu already, not meta" in out["other_device"]
     assert out["offloaded"] and out["distinct"] and out["step_gradients"]
     assert max(out["diffs"]) <= 1e-6, out["diffs"]
+    assert max(out["norm_diffs"]) <= 1e-6, out["norm_diffs"]  # clip_gnorm acts on the module's gradients
+    assert out["copy_grads_before_step"] and out["copy_grads_after_step"]  # they reach the copies inside step only
+    assert out["module_grads_cleared"]
+    assert out["diff_after_outside_change"] <= 1e-6  # a parameter set outside the optimizer refreshes its copy
     assert out["states"] == 8 and out["states_apart"]  # Adam's two moments per tensor, on the copies
