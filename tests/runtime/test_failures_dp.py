@@ -222,3 +222,53 @@ def test_a_pipeline_failure_reaches_the_data_parallel_peers(tmp_path):
         ours, kind, msg = results[rank]["failed"]
         assert kind == "PeerFailedError" and "rank 3 failed in train_step" in msg and "out of bounds" in msg, msg
         assert "data-parallel gradient all-reduce" in msg, msg
+
+
+STALL_S = 3  # the default group's timeout in the stall test
+
+
+def _stall_worker(rank, world):
+    """Rank 1 raises in its own loop between forward and backward, catches it and stays alive;
+    rank 0 waits in the gradient all-reduce until the default group's timeout passes."""
+    import torch.distributed as dist
+    from nnscaler.runtime import CollectiveTimeoutError, Reducer
+    from nnscaler.runtime.grid import default_timeout, process_group
+
+    dist.barrier()  # start-up (paced by the shared CPU) ran under the launcher's long timeout
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=STALL_S))
+    groups = [process_group([r]) for r in range(world)]  # collective: every rank makes both
+    mine = groups[rank]._get_backend(torch.device("cpu")).options._timeout
+    out = {"default_s": default_timeout().total_seconds(), "subgroup_s": mine.total_seconds()}
+    store = dist.distributed_c10d._get_default_store()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    reducer = Reducer(model.parameters())
+    loss = model(torch.ones(2, 4)).sum()
+    if rank == 1:
+        try:
+            raise ValueError("the user's loss code failed")
+        except ValueError:
+            pass  # the user's loop logs it and goes on; this process stays alive
+        store.wait(["test/stall/rank0"], timedelta(seconds=60))  # until rank 0 has given up
+    else:
+        try:
+            loss.backward()
+            out["error"] = None
+        except CollectiveTimeoutError as exc:
+            out.update(error=str(exc), missing=exc.missing, what=exc.what)
+        finally:
+            store.set("test/stall/rank0", "1")
+    reducer.remove()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_stalled_rank_is_named_once_the_default_group_timeout_passes():
+    results = run_workers(_stall_worker, 2, timeout=120)
+    assert [r["default_s"] for r in results] == [STALL_S, STALL_S]
+    assert [r["subgroup_s"] for r in results] == [STALL_S, STALL_S]  # grid's groups carry it too
+    out = results[0]
+    assert out["error"] is not None, "rank 0 did not raise"
+    assert out["missing"] == (1,) and "gradient all-reduce" in out["what"], out
+    assert "rank 1 did not arrive" in out["error"] and "gradient all-reduce" in out["error"], out["error"]
+    assert "init_process_group(timeout=...)" in out["error"] and "collective_timeout" in out["error"]

@@ -10,7 +10,7 @@ from . import random  # random streams of generated code (nr.random.*)
 from . import sync_batchnorm  # batch statistics over data-parallel replicas (nr.sync_batchnorm.*)
 from .device import default_backend, default_device
 from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
-from .failures import PeerFailedError, StepRefusedError  # a failed step reaches every rank (failures.py)
+from .failures import CollectiveTimeoutError, PeerFailedError, StepRefusedError  # a failed step reaches every rank (failures.py)
 from . import uncaught as _uncaught
 _uncaught.install()  # a process ended by an uncaught exception tells its peers why (uncaught.py)
 from . import guards  # run-time checks of the trace's decisions on tensor values (nr.guards.check)
@@ -39,6 +39,6 @@ __all__ = [
     "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "GuardError", "guards", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
     "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm",
-    "PeerFailedError", "StepRefusedError", "ForwardArgumentError",
+    "PeerFailedError", "StepRefusedError", "CollectiveTimeoutError", "ForwardArgumentError",
     "OffloadedOptimizer", "offload_optimizer", "step_gradients",
 ]

@@ -32,6 +32,14 @@ The protocol (CPU / gloo collectives; see "Why a side channel" below):
 * **Exits, unpolled waits.** An uncaught exception posts a notice before the process exits
   (uncaught.py). Waits not polled (pipeline sends / receives, parallelize) see the connection
   close: `lost_peer` makes gloo's error there the same `PeerFailedError`.
+* **Stalls.** A rank that stops taking part without failing inside nnscaler (it raised in its own
+  loop between forward and backward and caught the error, a debugger holds it) posts nothing. A
+  wait that outlasts one slice records in the store where this rank waits; once the default
+  process group's timeout (``init_process_group(timeout=...)``, `grid.default_timeout`) has
+  passed since the wait began, it raises `CollectiveTimeoutError` naming the ranks of the
+  collective's group with no such record (they did not arrive) and where this rank waited. The
+  backend's own timeout error (gloo's, at the same limit) becomes the same error. Groups made by
+  grid.py carry the default group's timeout too.
 * **Broken state.** After a failure (its own or a peer's) a process refuses later steps with
   `StepRefusedError`: the ranks' collectives are out of step, nothing can be trusted but a restart.
 
@@ -41,7 +49,8 @@ only its generated code knows which tensor-parallel collective comes next; the s
 rank whatever it waits for, costs one small write on failure and nothing on the fast path.
 
 Not covered: NCCL (device) collectives are not polled (the CPU does not block in them; use
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` and the process-group timeout there); a backward pass that
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` and the process-group timeout there: NCCL's watchdog
+ends the process, without naming the missing ranks); a backward pass that
 fails before it reaches the module's outputs (in the user's loss code) posts no notice; a notice
 left by an earlier process group on the same store is seen by a later one.
 """
@@ -60,8 +69,9 @@ import torch.distributed as dist
 
 from .device import is_distributed
 from .errors import NnScalerError
+from .grid import default_timeout
 
-__all__ = ["PeerFailedError", "StepRefusedError", "POLL_S", "enabled", "arm", "report", "post", "check_step", "wait",
+__all__ = ["PeerFailedError", "StepRefusedError", "CollectiveTimeoutError", "POLL_S", "enabled", "arm", "report", "post", "check_step", "wait",
            "run", "lost_peer", "is_connection_error", "failed", "reset"]
 
 POLL_S = 0.25  # seconds between two looks at the store while a collective is pending
@@ -317,6 +327,65 @@ def _polled(tensor: Optional[torch.Tensor]) -> bool:
     return tensor is None or tensor.device.type == "cpu"
 
 
+class CollectiveTimeoutError(NnScalerError, RuntimeError):
+    """A collective waited longer than the default process group's timeout: `missing` are the
+    ranks of its group that never arrived (alive, but not waiting in any collective of nnscaler),
+    `what` the collective this rank waited in."""
+
+    def __init__(self, message: str, missing: Sequence[int], what: str):
+        super().__init__(message)
+        self.missing, self.what = tuple(missing), what
+
+
+def _arrive(store, what: str) -> Optional[str]:
+    """Record in the store that this rank waits in `what` (only once a wait outlasts a slice);
+    returns the key, None when the store is unreachable."""
+    key = f"{_PREFIX}waiting/{dist.get_rank()}"
+    try:
+        store.set(key, what)
+    except Exception:  # noqa: BLE001 - only a peer's timeout message needs it
+        return None
+    return key
+
+
+def _leave(store, key: Optional[str]) -> None:
+    if key is None:
+        return
+    try:
+        store.delete_key(key)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _stalled(state: _State, store, group, what: str, waited_s: float) -> CollectiveTimeoutError:
+    """The error of a wait in `what` that outlasted the default group's timeout: the ranks of the
+    group with no arrival record did not arrive; ranks waiting in another collective are named."""
+    ranks, me = _group_ranks(group), dist.get_rank()
+    missing, elsewhere = [], {}
+    for r in ranks:
+        if r == me:
+            continue
+        try:
+            key = f"{_PREFIX}waiting/{r}"
+            where = store.get(key).decode() if store is not None and store.check([key]) else None
+        except Exception:  # noqa: BLE001 - store unreachable: count it as not arrived
+            where = None
+        if where is None:
+            missing.append(r)
+        elif where != what:
+            elsewhere[r] = where
+    others = "".join(f"; rank {r} waits in {w} instead" for r, w in elsewhere.items())
+    who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive" if missing
+           else "every rank arrived but the collective did not complete")
+    reason = (f"{what} (ranks {list(ranks)}) timed out after {waited_s:.0f} s: {who}{others}. A rank that does "
+              f"not arrive is alive but outside nnscaler's collectives: it raised in its own loop and caught the "
+              f"error (e.g. between forward and backward), stopped in a debugger, or runs a different sequence of "
+              f"steps. The limit is the default process group's timeout (init_process_group(timeout=...); the "
+              f"Trainer's collective_timeout, {default_timeout().total_seconds():.0f} s here); restart the job")
+    state.broken = state.broken or reason
+    return CollectiveTimeoutError(f"{reason}; this rank stopped waiting in {what}", missing, what)
+
+
 # gloo runs these collectives inside `work.wait()` itself (the work is not started before, and
 # ignores a wait timeout): they are waited for on a helper thread instead.
 _WAIT_RUNS_IT = {f for f in (getattr(dist, "reduce_scatter_tensor", None), getattr(dist, "reduce_scatter_single", None))
@@ -348,48 +417,65 @@ def _wait_on_helper(work) -> Tuple[list, threading.Event]:
 
 def wait(work, what: str, group=None, tensor: Optional[torch.Tensor] = None, runs_in_wait: bool = False) -> None:
     """Wait for the async collective `work` (over `group`) like `work.wait()`, raising
-    `PeerFailedError` as soon as any rank has posted a failure notice or a peer's process died.
+    `PeerFailedError` as soon as any rank has posted a failure notice or a peer's process died,
+    and `CollectiveTimeoutError` once the default process group's timeout has passed.
     `what` names the collective in messages ("the gradient all-reduce"). Device (NCCL) work whose
     `tensor` is not on the CPU is waited for plainly. `runs_in_wait`: the backend runs the
     collective inside `work.wait()` (gloo's reduce-scatter): waited for on a helper thread."""
     if not _polled(tensor) or not _multi_rank():
         work.wait()
         return
-    state, store = _state(), None
+    state, store, waiting = _state(), None, None
     slice_ = timedelta(seconds=POLL_S)
     future = _wait_on_helper(work) if runs_in_wait else None
-    while True:
-        try:
-            if future is None:
-                work.wait(slice_)
-                return
-            if not future[1].wait(POLL_S):
-                raise RuntimeError(_TIMEOUT_TEXT)
-            if future[0]:
-                raise future[0][0]
-            return
-        except RuntimeError as exc:
-            if str(exc).strip() != _TIMEOUT_TEXT:
-                lost = _connection_lost(state, store if store is not None else _store(), group, what, exc)
-                if lost is None:
-                    raise
-                raise lost from None
-        if store is None:
-            store = _store()
-            if store is None:
+    start, limit = time.monotonic(), None
+    try:
+        while True:
+            try:
                 if future is None:
-                    work.wait()
-                else:
-                    future[1].wait()
-                    if future[0]:
-                        raise future[0][0]
-                return
-        try:
-            found = _notice(store)
-        except Exception:  # noqa: BLE001 - store unreachable: keep waiting, gloo reports the dead peer
-            found = None
-        if found is not None:
-            raise _peer_failed(state, found[0], found[1], what)
+                    work.wait(slice_)
+                    break
+                if not future[1].wait(POLL_S):
+                    raise RuntimeError(_TIMEOUT_TEXT)
+                if future[0]:
+                    raise future[0][0]
+                break
+            except RuntimeError as exc:
+                if str(exc).strip() != _TIMEOUT_TEXT:
+                    store = store if store is not None else _store()
+                    lost = _connection_lost(state, store, group, what, exc)
+                    if lost is None and "timed out" in str(exc).lower():  # the backend's own timeout
+                        lost = _stalled(state, store, group, what, time.monotonic() - start)
+                    if lost is None:
+                        raise
+                    raise lost from None
+            if store is None:
+                store = _store()
+                if store is None:  # no side channel: a plain wait (the backend's timeout applies)
+                    if future is None:
+                        work.wait()
+                    else:
+                        future[1].wait()
+                        if future[0]:
+                            raise future[0][0]
+                    return
+            if waiting is None:  # slow path only: say where this rank waits, for a peer's timeout
+                waiting = _arrive(store, what)
+            try:
+                found = _notice(store)
+            except Exception:  # noqa: BLE001 - store unreachable: keep waiting, gloo reports the dead peer
+                found = None
+            if found is not None:
+                raise _peer_failed(state, found[0], found[1], what)
+            limit = limit if limit is not None else default_timeout().total_seconds()
+            if time.monotonic() - start >= limit:
+                raise _stalled(state, store, group, what, time.monotonic() - start)
+    except CollectiveTimeoutError:
+        raise  # the arrival record stays: a peer timing out later still counts this rank as arrived
+    except BaseException:
+        _leave(store, waiting)
+        raise
+    _leave(store, waiting)
 
 
 def run(fn, *args, what: str, group=None, **kwargs):

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import atexit
 import gc
+from datetime import timedelta
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from .device import is_distributed
@@ -35,7 +37,7 @@ from nnscaler.ir import ComputeConfig
 
 from .errors import ConfigError
 
-__all__ = ["RankGrid", "process_group"]
+__all__ = ["RankGrid", "process_group", "default_timeout"]
 
 _GRIDS: Dict[Tuple[int, int], "RankGrid"] = {}
 _GROUPS: Dict[Tuple[int, ...], object] = {}
@@ -87,8 +89,25 @@ def process_group(ranks: Iterable[int], create: bool = True):
     if key not in _GROUPS:
         if not create:
             raise LookupError(f"no process group exists yet for ranks {key}")
-        _GROUPS[key] = dist.new_group(list(key))
+        _GROUPS[key] = dist.new_group(list(key), timeout=default_timeout())
     return _GROUPS[key]
+
+
+def default_timeout() -> timedelta:
+    """The timeout of the default process group (``init_process_group(..., timeout=...)``; the
+    Trainer sets it from ``collective_timeout``). Every group created here gets it (torch's
+    `new_group` would otherwise take the backend's default, 30 minutes for gloo), and the waits of
+    failures.py give up after it. torch keeps the value only in the backend's options
+    (``options._timeout``, checked on torch 2.6 to 2.13); the backend's default when unreadable."""
+    group = dist.group.WORLD
+    for device in getattr(group, "_device_types", None) or (torch.device("cpu"),):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except Exception:  # noqa: BLE001 - a backend without options (mpi, a custom one)
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend())
 
 
 class RankGrid:
