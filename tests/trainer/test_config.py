@@ -86,6 +86,8 @@ def test_values_type_value_type_and_guessing():
     ({"compute_config.use_zer": True}, "compute_config", "'use_zero'"),
     ({"micro_batch_size": "many"}, "micro_batch_size", "expected an integer"),
     ({"enable_progress_bar": 3}, "enable_progress_bar", "true or false"),
+    ({"collective_timeout": 0}, "collective_timeout", "positive number of seconds"),
+    ({"collective_timeout": "soon"}, "collective_timeout", "soon"),
     ({"global_batch_size": 6}, "global_batch_size", "multiple of 4"),
     ({"global_batch_size": 8, "grad_accumulation_steps": 3}, "global_batch_size", "!= micro_batch_size (2) x data-parallel size (2) x grad_accumulation_steps (3)"),
     ({"seed": ...}, "seed", "init_env_fn"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -22,9 +23,10 @@ __all__ = ["build_config_hooks", "build_loggers", "init_distributed", "seed_ever
            "parallelize_model", "build_trainer_optimizer", "build_lr_scheduler"]
 
 
-def init_distributed(world_size: int) -> bool:
-    """Join the process group torchrun describes (if not joined yet); True when this call created
-    it (the Trainer then destroys it at the end). One process without torchrun needs none."""
+def init_distributed(world_size: int, timeout_s: float = 600) -> bool:
+    """Join the process group torchrun describes (if not joined yet), with `timeout_s` seconds as
+    its timeout (``collective_timeout``: nnscaler's collectives give up after it); True when this
+    call created it (the Trainer then destroys it at the end). One process without torchrun needs none."""
     if dist.is_available() and dist.is_initialized():
         return False
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -34,7 +36,7 @@ def init_distributed(world_size: int) -> bool:
                            f"torchrun: run `nnscaler train --nproc {world_size} -f CONFIG` or "
                            f"`torchrun --nproc_per_node {world_size} -m nnscaler.trainer -f CONFIG`")
     from nnscaler.runtime import default_backend
-    dist.init_process_group(default_backend())
+    dist.init_process_group(default_backend(), timeout=timedelta(seconds=timeout_s))
     return True
 
 

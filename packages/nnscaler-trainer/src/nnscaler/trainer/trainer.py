@@ -83,7 +83,7 @@ class Trainer:
     # -- setup ----------------------------------------------------------------------------------
     def _init_env(self) -> None:
         args = self.train_args
-        self._owns_group = build.init_distributed(args.compute_config.runtime_ngpus)
+        self._owns_group = build.init_distributed(args.compute_config.runtime_ngpus, args.collective_timeout)
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.world_size != args.compute_config.runtime_ngpus:

@@ -79,6 +79,9 @@ def validate(args) -> None:
     for name in ("max_epochs", "max_train_steps", "max_val_steps", "val_every_n_train_steps",
                  "val_every_n_epochs"):
         _positive(name, getattr(args, name))
+    timeout = args.collective_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise TrainerConfigError("collective_timeout", f"must be a positive number of seconds, got {timeout!r}")
     _importable("init_env_fn", args.init_env_fn)
     _check_model(args)
     _check_optimizer(args.optimizer)

@@ -62,6 +62,9 @@ class TrainerArgs:
 
     seed: Optional[int] = None
     init_env_fn: str = None
+    # seconds a collective waits for every rank before each waiting rank raises (the default
+    # process group's timeout; 600 is torch's NCCL default)
+    collective_timeout: float = 600
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
