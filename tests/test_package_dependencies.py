@@ -1,9 +1,13 @@
 """Package dependencies point one way (docs/architecture.md, "Dependency rules").
 
-Three checks, each able to fail on its own:
+Four checks, each able to fail on its own:
 - the import graph: every ``.py`` file of a part is parsed with ``ast`` and each import of
   another part must be allowed by ``ALLOWED`` (module level) or ``LAZY_ALLOWED`` (inside a
   function body or an ``if TYPE_CHECKING:`` block only);
+- private names stay in their part: no part imports another part's ``_name`` (a function, a
+  module), reads ``alias._name`` of another part's module or class, or reads a private attribute
+  that only another part sets (``optimizer._nnscaler_zero`` set by the runtime); see
+  `private_access` and its allow-list ``FOREIGN_PRIVATE``;
 - the declared dependencies: each part's ``pyproject.toml`` names only allowed parts, and
   installs every part it imports;
 - the real import: each part imports in a fresh interpreter and loads no part it may not use.
@@ -169,6 +173,114 @@ def violations(part: str, source: str, package: str, filename: str = "<string>")
     return out
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _string_arg(node: ast.Call, i: int) -> str | None:
+    arg = node.args[i] if len(node.args) > i else None
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def private_attributes(source: str) -> tuple[set[str], list[tuple[str, int]]]:
+    """(private attribute names ``source`` sets: ``x._a = ...``, ``setattr(x, "_a", ...)``,
+    ``x.__dict__["_a"] = ...``, private methods and class attributes; (name, line) of each private
+    attribute it reads: ``x._a``, ``getattr(x, "_a")``, ``x.__dict__["_a"]``)."""
+    sets, reads = set(), []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if isinstance(node.ctx, (ast.Store, ast.Del)):
+                sets.add(node.attr)
+            else:
+                reads.append((node.attr, node.lineno))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr"):
+            name = _string_arg(node, 1)
+            if name and _private(name):
+                (sets.add(name) if node.func.id == "setattr" else reads.append((name, node.lineno)))
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr == "__dict__" and isinstance(node.slice, ast.Constant) \
+                and isinstance(node.slice.value, str) and _private(node.slice.value):
+            (sets.add(node.slice.value) if isinstance(node.ctx, ast.Store) else reads.append((node.slice.value, node.lineno)))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+            sets.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else \
+                    [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+                sets.update(t.id for t in targets if isinstance(t, ast.Name) and _private(t.id))
+    return sets, reads
+
+
+# Private attribute names set by one part and read by another that are not nnscaler's: each is
+# the library's own member (or another object's), which both parts use independently.
+FOREIGN_PRIVATE: dict[str, str] = {
+    "_parameters": "torch.nn.Module's parameter dict (codegen and the runtime read the generated module's)",
+    "_buffers": "torch.nn.Module's buffer dict",
+    "_version": "torch.Tensor's in-place version counter",
+    "_fields": "a NamedTuple's / dataclass-like field list",
+    "_device": "unrelated objects of each part that keep a device",
+    "_timeout": "torch's backend options (runtime) and Lightning's strategy attribute (lightning)",
+    "_unscale_grads_": "torch.amp.GradScaler's method: runtime and lightning each subclass torch's scaler",
+}
+
+
+def _part_private_attributes() -> dict[str, tuple[set[str], list[tuple[str, str, int]]]]:
+    out = {}
+    for part in PARTS:
+        sets, reads = set(), []
+        for path, _ in part_sources(part):
+            s, r = private_attributes(path.read_text())
+            sets |= s
+            reads += [(name, str(path.relative_to(ROOT)), line) for name, line in r]
+        out[part] = (sets, reads)
+    return out
+
+
+def private_access(part: str, source: str, package: str, filename: str = "<string>",
+                   others_set: dict[str, set[str]] | None = None) -> list[str]:
+    """Messages for each use in ``source`` (a module of ``part``) of another part's private name:
+    ``from nnscaler.x import _f`` or a module ``nnscaler.x._m``; ``alias._f`` where ``alias`` is
+    another part's module or a name imported from it; ``nnscaler.x._f``; and, with
+    ``others_set`` (part -> private attributes it sets), reading an attribute that another part
+    sets and this one never does (unless `FOREIGN_PRIVATE` says it is not nnscaler's)."""
+    out, aliases = [], {}
+    tree = ast.parse(source, filename)
+    own_sets, reads = private_attributes(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for imp in nnscaler_imports(ast.unparse(node), package):
+                if imp.target not in PARTS or imp.target == part:
+                    continue
+                where = f"{filename}:{node.lineno}"
+                if any(_private(piece) for piece in imp.module.split(".")):
+                    out.append(f"{where}: nnscaler.{part} imports {imp.module}, a private module of nnscaler.{imp.target}")
+                for alias in node.names:
+                    if isinstance(node, ast.ImportFrom) and _private(alias.name):
+                        out.append(f"{where}: nnscaler.{part} imports {alias.name} from {imp.module}, a private "
+                                   f"name of nnscaler.{imp.target}; give it a public name there")
+                    elif isinstance(node, ast.ImportFrom) or alias.asname:
+                        aliases[alias.asname or alias.name] = imp.target
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            base, chain = node.value, []
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if not isinstance(base, ast.Name):
+                continue
+            target = aliases.get(base.id)
+            if base.id == "nnscaler" and chain and chain[-1] in PARTS:
+                target = chain[-1]
+            if target is not None and target != part:
+                out.append(f"{filename}:{node.lineno}: nnscaler.{part} reads {ast.unparse(node)}, a private name of "
+                           f"nnscaler.{target}; give it a public name there")
+    for name, line in reads if others_set else ():
+        owners = sorted(o for o, names in others_set.items() if o != part and name in names)
+        if owners and name not in own_sets and name not in FOREIGN_PRIVATE:
+            out.append(f"{filename}:{line}: nnscaler.{part} reads the private attribute {name}, which "
+                       f"nnscaler.{'/'.join(owners)} sets; ask that part through a public function or property")
+    return out
+
+
 def part_sources(part: str):
     """``(path, package)`` for every module of a part."""
     src = part_dir(part) / "src"
@@ -235,6 +347,33 @@ def test_checker_accepts_allowed_imports(part, source, package):
     assert _check(part, source, package) == []
 
 
+@pytest.mark.parametrize("part, source", [
+    ("lightning", "from nnscaler.runtime import _wait"),
+    ("lightning", "from nnscaler.runtime.comm import _flat"),
+    ("trainer", "import nnscaler.ckpt._records"),
+    ("trainer", "import nnscaler.ckpt as c\nc._encode(x)"),
+    ("trainer", "from nnscaler.runtime import ParallelModule\nParallelModule._fullmap"),
+    ("trainer", "import nnscaler.ckpt.foo\nnnscaler.ckpt.foo._bar(1)"),
+    ("lightning", "def f(opt):\n    return opt._nnscaler_zero"),
+    ("lightning", "def f(opt):\n    return getattr(opt, '_nnscaler_zero', None)"),
+    ("lightning", "def f(m):\n    return m.__dict__['_nnscaler_zero']"),
+])
+def test_private_access_checker_reports(part, source):
+    others = {"runtime": {"_nnscaler_zero"}}
+    assert private_access(part, source, f"nnscaler.{part}", others_set=others), f"not caught: {source!r}"
+
+
+@pytest.mark.parametrize("part, source", [
+    ("runtime", "from ._x import _y\nfrom nnscaler.runtime.failures import _state\nopt._nnscaler_zero = 1"),
+    ("lightning", "def f(m):\n    return m._parameters"),  # torch's (FOREIGN_PRIVATE)
+    ("lightning", "def f(m):\n    m._nnscaler_zero = 1\n    return m._nnscaler_zero"),  # its own as well
+    ("lightning", "from nnscaler.runtime import build_optimizer\nbuild_optimizer.__name__"),
+    ("lightning", "import torch\ntorch._C"),
+])
+def test_private_access_checker_accepts(part, source):
+    assert private_access(part, source, f"nnscaler.{part}", others_set={"runtime": {"_nnscaler_zero"}}) == []
+
+
 def test_checker_messages_name_file_line_and_fix():
     [msg] = _check("runtime", "x = 1\nfrom nnscaler.codegen import emit")
     assert msg.startswith("<string>:2: ")
@@ -252,6 +391,24 @@ def test_imports_follow_dependency_rules(part):
     for path, package in part_sources(part):
         problems += violations(part, path.read_text(), package, str(path.relative_to(ROOT)))
     assert not problems, "\n".join(problems)
+
+
+def test_no_part_uses_another_parts_private_names():
+    attrs = _part_private_attributes()
+    others_set = {part: sets for part, (sets, _) in attrs.items()}
+    problems = []
+    for part in PARTS:
+        for path, package in part_sources(part):
+            problems += private_access(part, path.read_text(), package, str(path.relative_to(ROOT)), others_set)
+    assert not problems, "\n".join(problems)
+
+
+def test_foreign_private_allow_list_is_still_needed():
+    """Each allow-listed name is still read by a part that does not set it while another does."""
+    attrs = _part_private_attributes()
+    used = {name for part, (sets, reads) in attrs.items() for name, _, _ in reads
+            if name not in sets and any(name in s for o, (s, _) in attrs.items() if o != part)}
+    assert set(FOREIGN_PRIVATE) <= used, f"drop from FOREIGN_PRIVATE: {sorted(set(FOREIGN_PRIVATE) - used)}"
 
 
 def _pyproject(path: Path) -> dict:
