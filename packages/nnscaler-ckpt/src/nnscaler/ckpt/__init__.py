@@ -2,8 +2,9 @@
 
 - `save(path, module, optimizer=None, *, kind="sharded"|"deduped", extra=None)`: collective;
 - `load(path, module, optimizer=None) -> extra`: collective, into any plan and world size;
-- `merge(src, dst, *, max_shard_size="5GB", model_only=False)`: offline, streaming, the Hugging
-  Face layout;
+- `merge(src, dst, *, max_shard_size="5GB", model_only=False, hf=False)`: offline, streaming, the
+  Hugging Face layout; with ``hf=True`` a ``from_pretrained`` directory, from the `HFRecord` the
+  run stored in its ``extra`` under `HF_EXTRA_KEY`;
 - `verify(path)`, `inspect(path)`: offline checks and summaries;
 - `convert(src, dst)`: a torch ``state_dict`` file or a Hugging Face directory -> merged;
 - `encode_extra(value)` / `decode_extra(data)`: tuples, dtypes, non-string keys and non-finite
@@ -21,9 +22,10 @@ from .load import load
 from .verify import verify
 from .summary import inspect
 from .merge import merge
+from .hf_export import EXTRA_KEY as HF_EXTRA_KEY, HFRecord
 from .convert import convert
 from .extra import decode_extra, encode_extra
 from .rng import restore_rng_snapshot, rng_snapshot
 
 __all__ = ["save", "load", "merge", "verify", "inspect", "convert", "CheckpointError", "FORMAT_VERSION", "KINDS",
-           "encode_extra", "decode_extra", "rng_snapshot", "restore_rng_snapshot"]
+           "encode_extra", "decode_extra", "rng_snapshot", "restore_rng_snapshot", "HFRecord", "HF_EXTRA_KEY"]

@@ -41,7 +41,9 @@ def merge(src: Path = typer.Argument(..., help="A sharded or deduped checkpoint 
           max_shard_size: str = typer.Option("5GB", help="Largest model file: 100KB, 64MB, 5GB or bytes."),
           model_only: bool = typer.Option(False, "--model-only", help="Leave out the optimizer and RNG states."),
           overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it is an earlier merge output "
-                                         "(never a directory holding anything else, SRC or part of it); atomic.")) -> None:
+                                         "(never a directory holding anything else, SRC or part of it); atomic."),
+          hf: bool = typer.Option(False, "--hf", help="Write a directory AutoModelForCausalLM.from_pretrained loads: "
+                                  "config.json, the model's own tensor names, the run's tokenizer; no optimizer.")) -> None:
     """Merge a checkpoint into the Hugging Face layout (model.safetensors ...), streaming."""
     from .merge import merge as merge_
     from .replace_guard import check_merge_destination
@@ -49,7 +51,7 @@ def merge(src: Path = typer.Argument(..., help="A sharded or deduped checkpoint 
     def work() -> None:
         check_merge_destination(dst.absolute(), overwrite, [src.absolute()])  # before the progress bar shows
         _with_progress("merging", lambda p: merge_(src, dst, max_shard_size=max_shard_size, model_only=model_only,
-                                                   overwrite=overwrite, progress=p))
+                                                   overwrite=overwrite, progress=p, hf=hf))
     _run(work)
     typer.echo(f"merged {src} -> {dst}")
 
@@ -90,7 +92,7 @@ def verify(src: Path = typer.Argument(..., help="A checkpoint directory.")) -> N
 
     def check() -> None:
         m = verify_(src)
-        typer.echo(f"OK: {src} ({m['kind']}, {len(m['files'])} files verified)")
+        typer.echo(f"OK: {src} ({m.kind}, {len(m.files)} files verified)")
     _run(check)
 
 
