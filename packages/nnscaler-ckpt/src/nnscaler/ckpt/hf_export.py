@@ -78,21 +78,36 @@ class HFRecord:
                    generation_config=data.get("generation_config"), tokenizer=files)
 
 
+def _rank_extras(manifest):
+    """(file, extra JSON, tensor key prefix) of each saving rank; a manifest given as its JSON dict
+    or as typed records."""
+    ranks = manifest.get("ranks") if isinstance(manifest, Mapping) else manifest.ranks
+    for info in ranks or []:
+        if isinstance(info, Mapping):
+            yield info["file"], info.get("extra"), info.get("prefix") or ""
+        else:
+            yield info.file, info.extra, info.prefix or ""
+
+
 def read_hf_record(source, manifest) -> HFRecord:
     """The HFRecord a checkpoint holds (the first rank that stored one, with its tokenizer files);
-    a CheckpointError saying what to do when it holds none. `source`: the open `Sources`,
-    `manifest`: its `records.Manifest`."""
-    for info in manifest.ranks:
-        extra = info.extra if isinstance(info.extra, dict) else {}
-        if EXTRA_KEY not in extra:
+    a CheckpointError saying what to do when it holds none. `source`: the open `Sources`."""
+    for file, extra, prefix in _rank_extras(manifest):
+        if not isinstance(extra, Mapping) or EXTRA_KEY not in extra:
             continue
-        prefix = info.prefix or ""  # a merged source keeps each rank's tensors under rank-0000r/
-        data = join_extra(extra[EXTRA_KEY], lambda key: source.read_key(info.file, prefix + key))
+        # a merged source keeps each rank's tensors under its prefix (rank-0000r/)
+        data = join_extra(extra[EXTRA_KEY], lambda key, f=file, p=prefix: _read(source, f, p + key))
         return HFRecord.from_extra(data)
     raise CheckpointError(f"{source.root}: the checkpoint records no Hugging Face config (extra[{EXTRA_KEY!r}]), so "
                           f"--hf cannot write config.json: train with model.type nnscaler.trainer.hf.CausalLM (or "
-                          f"store nnscaler.ckpt.hf_export.HFRecord(...).to_extra() in the checkpoint's extra), or "
-                          f"merge without --hf")
+                          f"store nnscaler.ckpt.HFRecord(...).to_extra() in the checkpoint's extra under "
+                          f"HF_EXTRA_KEY), or merge without --hf")
+
+
+def _read(source, file: str, key: str) -> torch.Tensor:
+    if hasattr(source, "read_key"):
+        return source.read_key(file, key)
+    return source.read({"file": file, "key": key})
 
 
 def hf_plan(plan: List[tuple], record: HFRecord) -> List[tuple]:
