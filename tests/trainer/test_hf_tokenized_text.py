@@ -1,0 +1,89 @@
+"""`nnscaler.trainer.hf.TokenizedText`: .txt / .jsonl / .parquet through `datasets`, tokenized by a
+local tokenizer, packed into blocks; the same blocks from every format and on every build; bad
+input is a TrainerConfigError naming the key and the fix."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from nnscaler.trainer import TrainerConfigError
+from nnscaler.trainer.hf import TokenizedText
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "examples", "trainer", "hf_llama")
+DOCS = ["The Trainer reads a YAML file.\nIt trains on many processes.", "Checkpoints merge into one directory.",
+        "A third document, with more words in it than the others have."]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+    ids = []
+    for doc in DOCS:
+        ids += tok(doc, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return torch.tensor(ids)
+
+
+def write(folder, kind):
+    os.makedirs(folder, exist_ok=True)
+    if kind == "txt":
+        for i, doc in enumerate(DOCS):
+            with open(os.path.join(folder, f"doc{i}.txt"), "w") as f:
+                f.write(doc)
+        return os.path.join(folder, "*.txt")
+    if kind == "jsonl":
+        path = os.path.join(folder, "docs.jsonl")
+        with open(path, "w") as f:
+            f.writelines(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(DOCS))
+        return path
+    path = os.path.join(folder, "docs.parquet")
+    datasets.Dataset.from_dict({"body": DOCS}).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
+def test_blocks_are_the_tokenized_documents(tmp_path, kind, expected):
+    files = write(tmp_path / kind, kind)
+    field = "text" if kind == "txt" else "body"
+    ds = TokenizedText(files, TOKENIZER, block_size=8, split="all", text_field=field, cache_dir=str(tmp_path / "c"))
+    n = len(expected) // 8
+    assert len(ds) == n
+    assert torch.equal(torch.stack([ds[i]["input_ids"] for i in range(n)]).flatten(), expected[:n * 8])
+    assert ds[0]["input_ids"].dtype == torch.long and ds.tokenizer == TOKENIZER
+
+
+def test_train_and_val_split_the_blocks(tmp_path, expected):
+    files = write(tmp_path, "txt")
+    args = dict(block_size=4, val_fraction=0.25, cache_dir=str(tmp_path / "c"))
+    train, val = TokenizedText(files, TOKENIZER, split="train", **args), TokenizedText(files, TOKENIZER, split="val", **args)
+    every = TokenizedText(files, TOKENIZER, split="all", **args)
+    assert len(val) == len(every) // 4 and len(train) + len(val) == len(every)
+    assert torch.equal(torch.cat([train.blocks, val.blocks]), every.blocks)
+    again = TokenizedText(files, TOKENIZER, split="train", **args)
+    assert torch.equal(again.blocks, train.blocks)
+
+
+@pytest.mark.parametrize("case,key,match", [
+    ("missing", "dataset.train_args.files", "matches no file"),
+    ("mixed", "dataset.train_args.files", "files of one kind"),
+    ("tokenizer", "dataset.train_args.tokenizer", "not a directory"),
+    ("field", "dataset.train_args.text_field", "no column 'text'"),
+    ("block", "dataset.train_args", "make no train block"),
+    ("split", "dataset.train_args.split", "use train, val or all"),
+])
+def test_bad_input_names_the_key(tmp_path, case, key, match):
+    txt = write(tmp_path / "t", "txt")
+    jsonl = write(tmp_path / "j", "jsonl")
+    args = dict(files=txt, tokenizer=TOKENIZER, block_size=4, cache_dir=str(tmp_path / "c"))
+    args.update({"missing": dict(files=str(tmp_path / "nope.txt")), "mixed": dict(files=[txt, jsonl]),
+                 "tokenizer": dict(tokenizer=str(tmp_path / "no-tokenizer")), "field": dict(files=jsonl),
+                 "block": dict(block_size=100000), "split": dict(split="test")}[case])
+    with pytest.raises(TrainerConfigError, match=match) as e:
+        TokenizedText(**args)
+    assert e.value.key == key
