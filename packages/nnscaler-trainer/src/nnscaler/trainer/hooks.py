@@ -5,8 +5,9 @@ the hook of ``TrainerArgs.hook`` (a `HookConfig` class or a `HookMapConfig` of f
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 from .config.components import HookMapConfig
 from .config.values import resolve_object
@@ -78,6 +79,13 @@ class HookChain:
                 if fn is not None and fn is not getattr(TrainHook, name):
                     return True
         return False
+
+    @contextlib.contextmanager
+    def around(self, name: str, trainer) -> Iterator[None]:
+        """``before_<name>(trainer)``, the body, ``after_<name>(trainer)`` (not after an error)."""
+        getattr(self, f"before_{name}")(trainer)
+        yield
+        getattr(self, f"after_{name}")(trainer)
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         if name not in HOOK_NAMES:

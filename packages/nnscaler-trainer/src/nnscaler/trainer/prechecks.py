@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from .checkpointing import checkpoint_state, checkpoint_step, list_checkpoints, resolve_resume
+from .checkpoints import checkpoint_state, checkpoint_step, list_checkpoints, resolve_resume
 from .errors import TrainerConfigError
 
 __all__ = ["check_paths", "nothing_to_train"]

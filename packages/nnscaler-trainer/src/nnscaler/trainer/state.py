@@ -25,6 +25,11 @@ class TrainState:
     last_val_loss: Optional[float] = None
     last_train_loss: Optional[float] = None
 
+    @property
+    def current_epoch(self) -> int:
+        """The epoch the last step belongs to (``epoch`` already points past a finished one)."""
+        return self.epoch - 1 if self.idx_in_epoch == 0 and self.epoch > 0 else self.epoch
+
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 

@@ -75,17 +75,34 @@ def _scale_fn(factor: Optional[float], precision) -> Optional[Callable]:
 
 def train_step(trainer, batches: List[Any]) -> Tuple[List[Any], Any, float, Optional[float]]:
     """Returns (outputs, aggregated outputs, reduced loss, gradient norm)."""
-    from nnscaler.runtime import reduce_gradients, reduce_loss, sync_grad_when
+    from nnscaler.runtime import reduce_gradients, reduce_loss
     hooks, optimizer, precision = trainer.hooks, trainer.optimizer, trainer.precision
     opt_cfg = trainer.train_args.optimizer
-    hooks.before_zero_grad(trainer)
-    optimizer.zero_grad()
-    hooks.after_zero_grad(trainer)
+    with hooks.around("zero_grad", trainer):
+        optimizer.zero_grad()
     hooks.on_train_step_start(trainer, batches)
     # mean / sum: the factor is known before backward (1 / micro-batches per rank, or dp), so it
     # scales each loss instead of costing a pass over the gradients afterwards
     factor = {"mean": 1.0 / len(batches), "sum": float(trainer.train_args.dp_size)}.get(opt_cfg.grad_reduction)
-    scale_fn = _scale_fn(factor, precision)
+    outputs = _forward_backward_sync(trainer, batches, _scale_fn(factor, precision))
+    hooks.on_train_step_end(trainer, outputs)
+    agg = aggregate(trainer, outputs)
+    loss = reduce_loss(agg, opt_cfg.loss_reduction)
+    hooks.after_aggregate_train_step_outputs(trainer, agg, loss)
+    if factor is None:  # per-token-mean: known only after aggregation
+        reduce_gradients(optimizer, opt_cfg.grad_reduction, agg, trainer.train_args.dp_size)
+    hooks.before_gnorm_clip(trainer)
+    gnorm = precision.clip_gnorm(optimizer, opt_cfg.clip_gnorm or None)
+    hooks.after_gnorm_clip(trainer, gnorm)
+    with hooks.around("optimizer_step", trainer):
+        precision.step(optimizer)
+    return outputs, agg, loss, float(gnorm) if gnorm is not None else None
+
+
+def _forward_backward_sync(trainer, batches: List[Any], scale_fn: Optional[Callable]) -> List[Any]:
+    """Every micro-batch and the gradient sync, with before_sync_grad / after_sync_grad."""
+    from nnscaler.runtime import sync_grad_when
+    hooks = trainer.hooks
     if hooks.defines("before_sync_grad") and not _is_pipelined(trainer.model):
         with sync_grad_when(False):  # accumulate locally, so the hook runs before the sync
             outputs = _forward_backward(trainer, batches, scale_fn)
@@ -96,19 +113,7 @@ def train_step(trainer, batches: List[Any]) -> Tuple[List[Any], Any, float, Opti
             hooks.before_sync_grad(trainer)
         outputs = _forward_backward(trainer, batches, scale_fn)
     hooks.after_sync_grad(trainer)
-    hooks.on_train_step_end(trainer, outputs)
-    agg = aggregate(trainer, outputs)
-    loss = reduce_loss(agg, opt_cfg.loss_reduction)
-    hooks.after_aggregate_train_step_outputs(trainer, agg, loss)
-    if factor is None:  # per-token-mean: known only after aggregation
-        reduce_gradients(optimizer, opt_cfg.grad_reduction, agg, trainer.train_args.dp_size)
-    hooks.before_gnorm_clip(trainer)
-    gnorm = precision.clip_gnorm(optimizer, opt_cfg.clip_gnorm or None)
-    hooks.after_gnorm_clip(trainer, gnorm)
-    hooks.before_optimizer_step(trainer)
-    precision.step(optimizer)
-    hooks.after_optimizer_step(trainer)
-    return outputs, agg, loss, float(gnorm) if gnorm is not None else None
+    return outputs
 
 
 def val_step(trainer, batches: List[Any]) -> List[Any]:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from nnscaler.ckpt import restore_rng_snapshot
 
 from . import setup as build
-from .checkpointing import CheckpointManager, ckpt_backend
+from .checkpoints import CheckpointManager, ckpt_backend
 from .config.trainer_args import TrainerArgs
 from .config.values import build_args, instantiate, resolve_object
 from .errors import TrainerError
@@ -37,8 +37,7 @@ class Trainer:
 
     def __init__(self, argv: Optional[List[str]] = None, *, train_args: Optional[TrainerArgs] = None):
         if train_args is None:
-            from .cli.arguments import parse_argv
-            train_args = parse_argv(argv or []).train_args
+            train_args = TrainerArgs.from_argv(argv or [])
         self.train_args = train_args.validate()
         self.state = TrainState()
         self.model = self.optimizer = self.lr_scheduler = None
@@ -47,7 +46,6 @@ class Trainer:
         self.hooks = HookChain([])
         self.rank, self.world_size = 0, 1
         self._owns_group = False
-        self._pending_rng: Optional[tuple] = None  # nnscaler.ckpt.rng.rng_snapshot of a resume
         self.aggregate_outputs_fn = None
         self._val_step: Optional[int] = None
 
@@ -181,86 +179,114 @@ class Trainer:
             self._owns_group = False
 
     # -- the loop -------------------------------------------------------------------------------
-    def _done(self) -> bool:
-        args, s = self.train_args, self.state
-        if args.max_train_steps is not None and s.step >= args.max_train_steps:
-            return True
-        return args.max_epochs is not None and s.epoch >= args.max_epochs
-
     def _train(self) -> None:
+        """The algorithm. Each helper below is one operation with its hooks around it."""
         args = self.train_args
-        from .resume import resume
-        resume(self)
-        if self._pending_rng is not None:  # last: set-up's random draws must not shift the streams
-            restore_rng_snapshot(self._pending_rng, self.model)
-            self._pending_rng = None
-        self.console.set_completed(self.state.step)
+        self._resume()
         self.hooks.on_train_start(self)
-        while not self._done():
-            epoch = self.state.epoch
-            self.train_sampler.set_epoch(epoch)
-            self.train_sampler.skip(self.state.idx_in_epoch * args.update_freq * args.micro_batch_size)
-            self._generator.manual_seed((args.seed or 0) * 100003 + epoch)
-            if self.state.idx_in_epoch == 0:
-                self.hooks.on_epoch_start(self, epoch)
-            if not self._train_epoch(epoch):
-                break  # max_train_steps reached inside the epoch
-            self.hooks.on_epoch_end(self, epoch)
-            self.state.epoch, self.state.idx_in_epoch = epoch + 1, 0
-            if self.lr_scheduler is not None and args.lr_scheduler.interval == "epoch":
-                self.lr_scheduler.step()
-            val_loss = None
-            if args.val_every_n_epochs and (epoch + 1) % args.val_every_n_epochs == 0:
-                val_loss = self.validate()
-            every = args.checkpoint.every_n_epochs
-            if every and (epoch + 1) % every == 0:
+        while not self._finished():
+            epoch = self._start_epoch()
+            for idx, batches in self._step_batches():
+                if self._step_limit_reached():
+                    break
+                metrics, agg = self._train_step(epoch, idx, batches)
+                self._lr_step("step")
+                self._log_step(epoch, idx, metrics, agg)
+                val_loss = self._validate_if_due(self.state.step, args.val_every_n_train_steps)
+                if self.checkpoints.due_after_step(self.state.step):
+                    self.save_checkpoint(val_loss)
+            if self._step_limit_reached() and self.state.idx_in_epoch < self.steps_per_epoch:
+                break  # max_train_steps ended the run inside this epoch
+            self._end_epoch(epoch)
+            self._lr_step("epoch")
+            val_loss = self._validate_if_due(epoch + 1, args.val_every_n_epochs)
+            if self.checkpoints.due_after_epoch(epoch + 1):
                 self.save_checkpoint(val_loss)
         self.hooks.on_train_end(self)
-        if self.state.step > 0 and self._checkpointing():
+        if self.checkpoints.due_at_end(self.state.step):
             self.save_checkpoint()  # the final state (nothing when this step is saved already)
+        self.checkpoints.close()
 
-    def _train_epoch(self, epoch: int) -> bool:
-        """Steps of one epoch; False when max_train_steps stopped it early."""
+    def _resume(self) -> None:
+        """Continue from ``checkpoint.resume_from`` when it names a checkpoint: the manager loads
+        it; the counters, on_load_checkpoint and, last, the RNG states (so neither set-up's nor the
+        hooks' random draws shift the streams) are applied here."""
+        resumed = self.checkpoints.resume(self)
+        if resumed is not None:
+            self.state = resumed.state
+            self.hooks.on_load_checkpoint(self, resumed.extra)
+            for line in resumed.messages:
+                self.console.line(line)
+            if resumed.rng is not None:
+                restore_rng_snapshot(resumed.rng, self.model)
+        self.console.set_completed(self.state.step)
+
+    def _finished(self) -> bool:
         args = self.train_args
-        gas, batches, idx = args.update_freq, [], self.state.idx_in_epoch
+        return self._step_limit_reached() or (args.max_epochs is not None and self.state.epoch >= args.max_epochs)
+
+    def _step_limit_reached(self) -> bool:
+        return self.train_args.max_train_steps is not None and self.state.step >= self.train_args.max_train_steps
+
+    def _start_epoch(self) -> int:
+        """Point the data at the next position (mid-epoch after a resume); on_epoch_start when the
+        epoch starts from its beginning. Returns the epoch."""
+        args, epoch = self.train_args, self.state.epoch
+        self.train_sampler.set_epoch(epoch)
+        self.train_sampler.skip(self.state.idx_in_epoch * args.update_freq * args.micro_batch_size)
+        self._generator.manual_seed((args.seed or 0) * 100003 + epoch)
+        if self.state.idx_in_epoch == 0:
+            self.hooks.on_epoch_start(self, epoch)
+        return epoch
+
+    def _step_batches(self) -> Iterator[Tuple[int, List[Any]]]:
+        """(index in the epoch, micro-batches) of each step left in the epoch: ``update_freq``
+        consecutive micro-batches each; an incomplete group at the end is dropped."""
+        gas, batches, idx = self.train_args.update_freq, [], self.state.idx_in_epoch
         for batch in self.train_loader:
             batches.append(batch)
-            if len(batches) < gas:
-                continue
-            if args.max_train_steps is not None and self.state.step >= args.max_train_steps:
-                return False
-            self._one_step(epoch, idx, batches)
-            batches, idx = [], idx + 1
-        return not (args.max_train_steps is not None and self.state.step >= args.max_train_steps
-                    and idx < self.steps_per_epoch)
+            if len(batches) == gas:
+                yield idx, batches
+                batches, idx = [], idx + 1
 
-    def _one_step(self, epoch: int, idx: int, batches: List[Any]) -> None:
-        args = self.train_args
+    def _train_step(self, epoch: int, idx: int, batches: List[Any]) -> Tuple[TrainStepMetrics, Any]:
+        """on_step_start, one optimizer step (`step.train_step`, with its hooks), the counters;
+        returns the step's metrics (the LR it used) and aggregated outputs."""
         self.hooks.on_step_start(self, epoch, idx)
         start = time.perf_counter()
-        outputs, agg, loss, gnorm = train_step(self, batches)
+        _, agg, loss, gnorm = train_step(self, batches)
         elapsed = time.perf_counter() - start
         self.state.step += 1
         self.state.idx_in_epoch = idx + 1
         self.state.last_train_loss = loss
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
-        if self.lr_scheduler is not None and args.lr_scheduler.interval == "step":
-            self.lr_scheduler.step()
-        samples = args.resolved_global_batch_size
-        tokens = getattr(agg, "num_tokens", None)
+        samples, tokens = self.train_args.resolved_global_batch_size, getattr(agg, "num_tokens", None)
         metrics = TrainStepMetrics(epoch=epoch, step=self.state.step, train_loss=loss, lr=lr, gnorm=gnorm,
                                    samples_per_s=samples / elapsed if elapsed > 0 else None,
                                    tokens_per_s=tokens / elapsed if tokens and elapsed > 0 else None,
                                    step_time_s=elapsed, memory_mb=_memory_mb())
+        return metrics, agg
+
+    def _lr_step(self, interval: str) -> None:
+        """Step the LR scheduler when its ``interval`` is this one (``step`` or ``epoch``)."""
+        if self.lr_scheduler is not None and self.train_args.lr_scheduler.interval == interval:
+            self.lr_scheduler.step()
+
+    def _log_step(self, epoch: int, idx: int, metrics: TrainStepMetrics, agg: Any) -> None:
+        """before_log_train_metrics (may edit them), the loggers and the console, on_step_end."""
         self.hooks.before_log_train_metrics(self, metrics, agg)
         self._log(metrics.scalars(), "train")
         self.console.train_step(metrics, self.state.step)
         self.hooks.on_step_end(self, epoch, idx, metrics, agg)
-        every_val = args.val_every_n_train_steps
-        val_loss = self.validate() if every_val and self.state.step % every_val == 0 else None
-        every = args.checkpoint.every_n_train_steps
-        if every and self.state.step % every == 0 and self._checkpointing():
-            self.save_checkpoint(val_loss)
+
+    def _end_epoch(self, epoch: int) -> None:
+        """on_epoch_end; the data position moves to the next epoch's start."""
+        self.hooks.on_epoch_end(self, epoch)
+        self.state.epoch, self.state.idx_in_epoch = epoch + 1, 0
+
+    def _validate_if_due(self, count: int, every: Optional[int]) -> Optional[float]:
+        """The validation loss when `count` (steps or epochs) is a multiple of `every`, else None."""
+        return self.validate() if every and count % every == 0 else None
 
     # -- validation -----------------------------------------------------------------------------
     def validate(self) -> Optional[float]:
@@ -282,7 +308,7 @@ class Trainer:
         agg = aggregate(self, outputs)
         val_loss = agg.loss_sum / agg.num_batches if agg.num_batches else math.nan
         self.hooks.after_aggregate_val_step_outputs(self, agg, val_loss)
-        metrics = ValMetrics(epoch=self._current_epoch(), step=self.state.step, val_loss=val_loss,
+        metrics = ValMetrics(epoch=self.state.current_epoch, step=self.state.step, val_loss=val_loss,
                              num_batches=agg.num_batches or 0)
         self.hooks.before_log_val_metrics(self, metrics)
         self._log(metrics.scalars(), "val")
@@ -293,19 +319,14 @@ class Trainer:
         return val_loss
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def _current_epoch(self) -> int:
-        """The epoch the last step belongs to (state.epoch already points past a finished one)."""
-        s = self.state
-        return s.epoch - 1 if s.idx_in_epoch == 0 and s.epoch > 0 else s.epoch
-
-    def _checkpointing(self) -> bool:
-        return not self.train_args.checkpoint.no_save
-
     def save_checkpoint(self, val_loss: Optional[float] = None) -> Optional[str]:
         """Validate (when no loss is given), then save through nnscaler.ckpt (collective); returns
         the checkpoint directory, or None when this step is saved already."""
-        from .saving import save_checkpoint
-        return save_checkpoint(self, val_loss)
+        saved = self.checkpoints.save(self, val_loss)
+        if saved is None:
+            return None
+        self.state.best_val_loss = saved.best_val_loss
+        return saved.path
 
     def _log(self, scalars: Dict[str, float], tag: str) -> None:
         for logger in self.loggers:

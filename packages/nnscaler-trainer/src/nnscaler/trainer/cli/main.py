@@ -7,9 +7,10 @@ import os
 import sys
 from typing import List, Optional
 
+from ..config.argv import split_argv
 from ..config.loading import dump_yaml
+from ..config.trainer_args import TrainerArgs
 from ..errors import NnScalerError, TrainerConfigError
-from .arguments import parse_argv
 
 __all__ = ["main"]
 
@@ -48,8 +49,8 @@ def main(argv: Optional[List[str]] = None, run_mode: Optional[str] = None) -> in
     """Run the trainer command line; returns the exit code. Errors are one line on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parsed = parse_argv(argv, run_mode)
-        args = parsed.train_args
+        parsed = split_argv(argv)
+        args = TrainerArgs.from_argv(argv, run_mode)
         if parsed.print_config:
             sys.stdout.write(dump_yaml(args.to_dict()))
             return 0

@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from nnscaler.ir import ComputeConfig
 
+from .argv import split_argv
 from .checks import validate as validate_args
 from .components import (CheckpointConfig, DataloaderConfig, DatasetConfig, DatasetSamplerConfig, HookConfig,
                          HookMapConfig, LogConfig, LRSchedulerConfig, ModelConfig, OptimizerConfig, PrecisionSetting)
@@ -82,6 +83,12 @@ class TrainerArgs:
         """Load a YAML file, apply command-line overrides (``['--max_epochs', '2']``), resolve
         ``${...}`` references, and build the args."""
         return cls.from_dict(load_config(path, overrides or []), validate=validate)
+
+    @classmethod
+    def from_argv(cls, argv: List[str], run_mode: Optional[str] = None) -> "TrainerArgs":
+        """From a command line: ``-f CONFIG.yaml`` and overrides (``--max_epochs 2``); the
+        launcher's own ``--nproc`` / ``--print-config`` are accepted and left to the command."""
+        return cls.from_dict(split_argv(argv).config_data(run_mode))
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain data that `from_dict` turns back into equal args."""

@@ -1,32 +1,42 @@
-"""The command line of ``nnscaler train`` / ``nnscaler compile`` / ``python -m nnscaler.trainer``:
-``-f CONFIG`` (``--config``), ``--nproc N``, ``--print-config``, then overrides."""
+"""A command line as the Trainer reads it: ``-f CONFIG`` (``--config``), ``--nproc N``,
+``--print-config``, then overrides (``--key value``). `TrainerArgs.from_argv` builds the args from
+one; the ``nnscaler train`` command also reads the launcher options."""
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
-from ..config.loading import load_config
-from ..config.trainer_args import TrainerArgs
 from ..errors import TrainerConfigError
+from .loading import load_config
 
-__all__ = ["ParsedArgs", "parse_argv", "split_argv"]
+__all__ = ["CommandLine", "split_argv"]
 
 
 @dataclass
-class ParsedArgs:
-    config: Optional[str]
+class CommandLine:
+    """`argv` split into our own options and the config overrides."""
+
+    config: Optional[str] = None
     nproc: Optional[int] = None
     print_config: bool = False
     overrides: List[str] = field(default_factory=list)
-    train_args: Optional[TrainerArgs] = None
+
+    def config_data(self, run_mode: Optional[str] = None) -> Dict[str, Any]:
+        """The config file with the overrides applied (and ``--run_mode`` when given), as plain
+        data; the modules it names resolve from the working directory and the config's one."""
+        if self.config is None:
+            raise TrainerConfigError("", "no config file: pass -f CONFIG.yaml")
+        _importable_from(os.getcwd(), os.path.dirname(os.path.abspath(self.config)))
+        overrides = list(self.overrides) + ([f"--run_mode={run_mode}"] if run_mode is not None else [])
+        return load_config(self.config, overrides)
 
 
-def split_argv(argv: List[str]) -> ParsedArgs:
+def split_argv(argv: List[str]) -> CommandLine:
     """Our own options out of `argv`; everything else is an override."""
-    parsed = ParsedArgs(config=None)
-    i = 0
+    parsed = CommandLine()
+    argv, i = list(argv), 0
     while i < len(argv):
         token = argv[i]
         name, eq, value = token.partition("=")
@@ -55,16 +65,3 @@ def _importable_from(*dirs: str) -> None:
     for d in reversed(dirs):
         if d not in sys.path:
             sys.path.insert(0, d)
-
-
-def parse_argv(argv: List[str], run_mode: Optional[str] = None) -> ParsedArgs:
-    """Split `argv`, load the config with its overrides and build validated TrainerArgs."""
-    parsed = split_argv(list(argv))
-    if parsed.config is None:
-        raise TrainerConfigError("", "no config file: pass -f CONFIG.yaml")
-    _importable_from(os.getcwd(), os.path.dirname(os.path.abspath(parsed.config)))
-    overrides = list(parsed.overrides)
-    if run_mode is not None:
-        overrides += [f"--run_mode={run_mode}"]
-    parsed.train_args = TrainerArgs.from_dict(load_config(parsed.config, overrides))
-    return parsed

@@ -1,0 +1,209 @@
+"""CheckpointManager (nnscaler.trainer.checkpoints): the one "best" rule, what a save records and
+where last / best point, the typed resume result, the schedule; on a stand-in for nnscaler.ckpt
+(one process, no model save)."""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nnscaler.trainer import CheckpointConfig
+from nnscaler.trainer.checkpoints import CheckpointManager, Resumed, TRAINER_KEY, is_better, layout
+from nnscaler.trainer.errors import TrainerConfigWarning
+from nnscaler.trainer.state import TrainState
+
+
+class FakeCkpt:
+    """nnscaler.ckpt's save / load / inspect / merge: a directory with the extra as its manifest."""
+
+    def __init__(self, world_size=1, extra=None):
+        self.world_size, self.extra, self.saves = world_size, extra, []
+
+    def save(self, path, model, optimizer, kind, extra, files):
+        os.makedirs(path)
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            json.dump({"ranks": [{"extra": extra}]}, f)
+        self.saves.append(path)
+
+    def load(self, path, model, optimizer):
+        return self.extra
+
+    def inspect(self, path):
+        return {"world_size": self.world_size, "rng_ranks": [0]}
+
+    def merge(self, src, dst):
+        raise AssertionError("not used")
+
+
+class Hooks:
+    def __init__(self):
+        self.saved = []
+
+    def on_save_checkpoint(self, trainer, checkpoint):
+        checkpoint["mine"] = {"step": trainer.state.step}
+        self.saved.append(checkpoint)
+
+
+class Precision:
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def fake_trainer(val_losses=(), train_loss=1.0, lr_scheduler=None, scheduler_args=None):
+    """The Trainer's public face the manager uses; `validate` returns the next of `val_losses`."""
+    losses = iter(val_losses)
+    trainer = SimpleNamespace(state=TrainState(last_train_loss=train_loss), hooks=Hooks(), model=torch.nn.Linear(2, 2),
+                              optimizer=None, lr_scheduler=lr_scheduler, precision=Precision(), world_size=1, rank=0,
+                              train_args=SimpleNamespace(lr_scheduler=SimpleNamespace(args=scheduler_args or {})))
+    trainer.validate = lambda: next(losses, None)
+    return trainer
+
+
+@pytest.fixture
+def fake_ckpt(monkeypatch):
+    fake = FakeCkpt()
+    monkeypatch.setattr(layout, "BACKEND", fake)
+    return fake
+
+
+def test_is_better_is_the_one_rule():
+    assert is_better(1.0, None)  # the first loss is the best
+    assert is_better(0.5, 1.0) and not is_better(1.5, 1.0)  # the lowest wins
+    assert is_better(1.0, 1.0)  # a tie goes to the newer checkpoint
+    assert not is_better(None, 1.0) and not is_better(None, None)  # no loss never wins
+
+
+def save_at(manager, trainer, step, val_loss=None):
+    trainer.state.step, trainer.state.epoch = step, 0
+    saved = manager.save(trainer, val_loss)
+    if saved is not None:
+        trainer.state.best_val_loss = saved.best_val_loss  # as Trainer.save_checkpoint does
+    return saved
+
+
+def test_save_moves_best_only_when_better_and_records_it(tmp_path, fake_ckpt):
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+    trainer = fake_trainer(val_losses=[2.0, 1.0, 3.0, 1.0])
+    got = [save_at(manager, trainer, step) for step in (1, 2, 3, 4)]
+    assert [s.val_loss for s in got] == [2.0, 1.0, 3.0, 1.0]  # validation ran for each save
+    assert [s.best_val_loss for s in got] == [2.0, 1.0, 1.0, 1.0]
+    assert os.readlink(tmp_path / "last") == "0000-0004"
+    assert os.readlink(tmp_path / "best") == "0000-0004"  # the tie at step 4 took it from step 2
+    records = [h[TRAINER_KEY]["state"] for h in trainer.hooks.saved]
+    assert [(r["last_val_loss"], r["best_val_loss"]) for r in records] == [(2.0, 2.0), (1.0, 1.0), (3.0, 1.0),
+                                                                          (1.0, 1.0)]
+    assert trainer.hooks.saved[0]["mine"] == {"step": 1}  # on_save_checkpoint adds to the saved extra
+    with open(tmp_path / "0000-0003" / "manifest.json") as f:
+        assert json.load(f)["ranks"][0]["extra"]["mine"] == {"step": 3}
+
+
+def test_without_validation_the_train_loss_ranks_and_a_given_loss_skips_validation(tmp_path, fake_ckpt):
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+    trainer = fake_trainer(val_losses=[], train_loss=0.7)
+    assert save_at(manager, trainer, 1).val_loss == 0.7
+    trainer = fake_trainer(val_losses=[9.0])
+    assert save_at(manager, trainer, 2, val_loss=0.1).val_loss == 0.1
+    assert save_at(manager, trainer, 2) is None  # this step is saved: nothing written, nothing validated
+    assert fake_ckpt.saves == [str(tmp_path / "0000-0001"), str(tmp_path / "0000-0002")]
+
+
+def test_keep_last_n_never_deletes_what_best_points_to(tmp_path, fake_ckpt):
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_n_checkpoints=1))
+    trainer = fake_trainer(val_losses=[1.0, 2.0, 3.0])
+    for step in (1, 2, 3):
+        save_at(manager, trainer, step)
+    assert sorted(n for n in os.listdir(tmp_path) if n[0].isdigit()) == ["0000-0001", "0000-0003"]
+
+
+def test_the_schedule():
+    manager = CheckpointManager(CheckpointConfig(every_n_train_steps=2, every_n_epochs=3))
+    assert [s for s in range(1, 7) if manager.due_after_step(s)] == [2, 4, 6]
+    assert [e for e in range(1, 7) if manager.due_after_epoch(e)] == [3, 6]
+    assert manager.due_at_end(5) and not manager.due_at_end(0)
+    off = CheckpointManager(CheckpointConfig(no_save=True, every_n_train_steps=2, every_n_epochs=1))
+    assert not any(off.due_after_step(s) or off.due_after_epoch(s) or off.due_at_end(s) for s in range(1, 5))
+
+
+def record(step=6, epoch=1, idx=2, world_size=1, lr_scheduler=None):
+    state = TrainState(epoch=epoch, idx_in_epoch=idx, step=step, best_val_loss=0.5).to_dict()
+    return {TRAINER_KEY: {"state": state, "world_size": world_size, "lr_scheduler": lr_scheduler, "precision": None},
+            "mine": 1}
+
+
+def test_resume_returns_what_the_trainer_applies_and_writes_nothing_into_it(tmp_path, fake_ckpt):
+    (tmp_path / "0001-0006").mkdir()
+    os.symlink("0001-0006", tmp_path / "last")
+    fake_ckpt.extra = record()
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), resume_from="last"))
+    trainer = fake_trainer()
+    fresh = trainer.state
+    resumed = manager.resume(trainer)
+    assert isinstance(resumed, Resumed)
+    assert resumed.path == os.path.realpath(tmp_path / "0001-0006")
+    assert resumed.state == TrainState(epoch=1, idx_in_epoch=2, step=6, best_val_loss=0.5)
+    assert resumed.extra["mine"] == 1 and resumed.rng is not None
+    assert resumed.messages == (f"resumed from {resumed.path} at epoch 1, step 6",)
+    assert trainer.state is fresh and fresh == TrainState(last_train_loss=1.0)  # the Trainer applies it
+    assert manager.check_step(6) is False  # the step it resumed from counts as saved by this run
+
+
+def test_resume_on_another_world_size_starts_the_random_states_afresh(tmp_path, fake_ckpt):
+    (tmp_path / "0001-0006").mkdir()
+    fake_ckpt.extra, fake_ckpt.world_size = record(world_size=2), 2
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), resume_from=str(tmp_path / "0001-0006")))
+    with pytest.warns(TrainerConfigWarning, match="saved by 2 processes, this run has 1: random states start afresh"):
+        resumed = manager.resume(fake_trainer())
+    assert resumed.rng is None and resumed.state.step == 6
+
+
+def test_resume_names_the_scheduler_arguments_the_config_changes(tmp_path, fake_ckpt):
+    from nnscaler.ckpt import encode_extra
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    saved = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    (tmp_path / "0001-0006").mkdir()
+    fake_ckpt.extra = record(lr_scheduler=encode_extra(saved.state_dict()))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), resume_from="auto"))
+    resumed = manager.resume(fake_trainer(lr_scheduler=scheduler, scheduler_args={"T_max": 8}))
+    assert scheduler.T_max == 8
+    assert resumed.messages[1] == "lr_scheduler: T_max 4 -> 8 (this run's config; the checkpoint had the former)"
+
+
+def test_nothing_to_resume_is_none(tmp_path, fake_ckpt):
+    for resume_from in (None, "last", "auto"):
+        manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), resume_from=resume_from))
+        assert manager.resume(fake_trainer()) is None
+
+
+def test_no_helper_writes_the_trainers_private_attributes():
+    """Helpers get the Trainer's public face; what they produce comes back as a result (Resumed,
+    Saved) that trainer.py applies."""
+    import ast
+    from pathlib import Path
+    import nnscaler.trainer
+    package = Path(nnscaler.trainer.__file__).parent
+    writes = []
+    for path in package.rglob("*.py"):
+        if path.name == "trainer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and t.attr.startswith("_") and isinstance(t.value, ast.Name)
+                        and t.value.id == "trainer"):
+                    writes.append(f"{path.name}: trainer.{t.attr}")
+    assert writes == []
+
+
+def test_no_save_saves_nothing_at_epoch_ends_either(tmp_path):
+    """``no_save: true`` with ``every_n_epochs`` set: no checkpoint (the former loop saved one)."""
+    from loop_helpers import config, run_trainer
+    _, _, calls = run_trainer(config(tmp_path, max_train_steps=..., max_epochs=1, **{
+        "checkpoint.no_save": True, "checkpoint.every_n_epochs": 1}))
+    assert "on_save_checkpoint" not in calls and not (tmp_path / "ckpt").exists()
