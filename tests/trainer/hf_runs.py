@@ -1,0 +1,53 @@
+"""The runs of test_hf_multiprocess (importable by spawned workers): examples/trainer/hf_llama.yaml
+with a tiny Llama or GPT-2 config, 2 steps under dp 2 or tp 2, a checkpoint at step 2."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "trainer", "hf_llama.yaml")
+TOKENIZER = os.path.join(ROOT, "examples", "trainer", "hf_llama")
+PLANS = {"dp2": ["--pas_policy", "dp"], "tp2": ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"]}
+
+
+def write_configs(folder):
+    """Tiny Llama (grouped-query attention, tied) and GPT-2 config directories; {model: dir}."""
+    from transformers import GPT2Config, LlamaConfig
+    configs = {
+        "llama": LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=True, bos_token_id=0, eos_token_id=0),
+        "gpt2": GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                           eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    }
+    out = {}
+    for name, cfg in configs.items():
+        out[name] = os.path.join(folder, name)
+        cfg.save_pretrained(out[name])
+    return out
+
+
+def overrides(run_dir, config_dir, plan, text):
+    return ["--vars.run_dir", run_dir, "--vars.block_size", "16", "--model.args.config", config_dir,
+            "--dataset.train_args.files", text, "--dataset.train_args.tokenizer", TOKENIZER,
+            "--dataset.train_args.cache_dir", os.path.join(run_dir, "datasets"), "--dataset.val_args!",
+            "--micro_batch_size", "4", "--global_batch_size", "8", "--max_train_steps", "2",
+            "--checkpoint.every_n_train_steps", "2", "--enable_progress_bar", "false", *PLANS[plan]]
+
+
+def worker(rank, world, runs):
+    """Each run in turn; per run: (the parallel model's loss on the first 4 blocks, those blocks,
+    this rank's weight pieces)."""
+    from nnscaler.trainer import Trainer, TrainerArgs
+    from trainer_models import full_weights
+    out = {}
+    for label, argv in runs.items():
+        trainer = Trainer(train_args=TrainerArgs.from_yaml(EXAMPLE, argv))
+        trainer.run()
+        batch = trainer.train_dataset.blocks[:4]
+        trainer.model.eval()
+        [loss] = trainer.model.infer_step([({"input_ids": batch},)])
+        out[label] = (float(loss), batch, full_weights(trainer.model))
+    return out

@@ -1,0 +1,43 @@
+"""Hugging Face in and out, on real gloo processes: a tiny Llama and GPT-2 trained 2 steps from
+examples/trainer/hf_llama.yaml under dp 2 and tp 2 (one spawn runs the four), each checkpoint
+merged with `--hf`, loaded by `AutoModelForCausalLM.from_pretrained`: its weights are the parallel
+model's (assembled from the ranks' shards, logits equal) and its loss on the same batch equals the
+parallel model's."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hf_runs import ROOT, overrides, worker, write_configs
+from launch import run_workers
+from nnscaler.ckpt import merge
+from parity import assemble_full
+
+pytestmark = pytest.mark.multiprocess
+transformers = pytest.importorskip("transformers")
+
+
+def test_llama_and_gpt2_dp2_tp2_merge_hf_from_pretrained(tmp_path):
+    configs = write_configs(tmp_path / "configs")
+    text = tmp_path / "text.txt"
+    text.write_text(open(os.path.join(ROOT, "docs", "trainer.md")).read()[:3000])
+    runs = {f"{model}-{plan}": overrides(str(tmp_path / f"{model}-{plan}"), configs[model], plan, str(text))
+            for model in ("llama", "gpt2") for plan in ("dp2", "tp2")}
+    results = run_workers(worker, 2, runs, timeout=600)
+    for label in runs:
+        loss, batch, _ = results[0][label]
+        assert results[1][label][0] == pytest.approx(loss, abs=1e-6), label
+        full = assemble_full(((r, res[label][2]) for r, res in enumerate(results)), label)
+        out = merge(tmp_path / label / "checkpoints" / "last", tmp_path / label / "hf", hf=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        state = model.state_dict()
+        for name, value in full.items():  # the parallel model's weights, under the wrapper's prefix
+            assert torch.equal(state[name.removeprefix("model.")], value), f"{label}: {name}"
+        fresh = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+        fresh.load_state_dict({n.removeprefix("model."): v for n, v in full.items()}, strict=False)
+        with torch.no_grad():
+            assert torch.equal(model(batch).logits, fresh(batch).logits), label
+            hf_loss = model(input_ids=batch, labels=batch).loss.item()
+        assert hf_loss == pytest.approx(loss, rel=1e-5), label
