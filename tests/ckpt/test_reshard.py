@@ -8,6 +8,8 @@ import torch
 from nnscaler.ckpt import CheckpointError
 from nnscaler.ckpt.reshard import intersect, model_region, optimizer_region
 from nnscaler.ckpt.safetensors_file import write_tensors
+from nnscaler.ckpt.names import FORMAT, FORMAT_VERSION
+from nnscaler.ckpt.records import Manifest
 from nnscaler.ckpt.sources import Sources
 
 FULL = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
@@ -27,7 +29,8 @@ def _sources(tmp_path, pieces, optim=()):
                     "rank": i})
     size, digest = write_tensors(tmp_path / "f.safetensors", tensors)
     manifest = {"files": {"f.safetensors": {"size": size, "sha256": digest}}, "model": model, "optimizer_state": opt}
-    return Sources(tmp_path, manifest)
+    return Sources(tmp_path, Manifest.from_json({"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "sharded",
+                                                 "world_size": len(pieces), **manifest}))
 
 
 def test_intersect():

@@ -23,9 +23,10 @@ import queue
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 from .errors import CheckpointError
+from .records import Crc32, FileRecord
 
 __all__ = ["CRC_CHUNK", "LEVELS", "verify_level", "Digests", "crc32_chunks", "file_crc32_chunks", "bytes_record"]
 
@@ -114,7 +115,7 @@ class Digests:
                 self._crcs.append(self._crc)
                 self._crc, self._crc_len = 0, 0
 
-    def finish(self) -> Tuple[str, Dict[str, Any]]:
+    def finish(self) -> Tuple[str, Crc32]:
         for q in self._queues:
             q.put(None)
         for t in self._threads:
@@ -122,7 +123,7 @@ class Digests:
         if self._error is not None:
             raise self._error
         crcs = self._crcs + ([self._crc] if self._crc_len else [])
-        return self._sha.hexdigest(), {"chunk": CRC_CHUNK, "values": crcs}
+        return self._sha.hexdigest(), Crc32(CRC_CHUNK, crcs)
 
 
 def crc32_chunks(buffer, chunk: int = CRC_CHUNK, threads: Optional[int] = None) -> List[int]:
@@ -171,7 +172,6 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def bytes_record(data: bytes) -> Dict[str, Any]:
+def bytes_record(data: bytes) -> FileRecord:
     """The manifest record of a small file holding `data`."""
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "crc32": {"chunk": CRC_CHUNK, "values": crc32_chunks(data, threads=1)}}
+    return FileRecord(len(data), hashlib.sha256(data).hexdigest(), Crc32(CRC_CHUNK, crc32_chunks(data, threads=1)))

@@ -92,7 +92,7 @@ def verify(src: Path = typer.Argument(..., help="A checkpoint directory.")) -> N
 
     def check() -> None:
         m = verify_(src)
-        typer.echo(f"OK: {src} ({m['kind']}, {len(m['files'])} files verified)")
+        typer.echo(f"OK: {src} ({m.kind}, {len(m.files)} files verified)")
     _run(check)
 
 

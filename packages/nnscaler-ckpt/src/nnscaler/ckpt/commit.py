@@ -13,12 +13,13 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from nnscaler.ir import atomic_write, exchange_paths, fsync_dir
 
 from .errors import CheckpointError
 from .names import MANIFEST, STAGING_MARK, is_staging, staging_prefix
+from .records import Manifest
 
 __all__ = ["StagingDir", "check_destination", "new_token"]
 
@@ -54,9 +55,10 @@ class StagingDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def commit(self, manifest: Mapping[str, Any]) -> Path:
-        """Write the manifest last, then move the directory into place."""
-        atomic_write(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    def commit(self, manifest: Union[Manifest, Mapping[str, Any]]) -> Path:
+        """Write the manifest (a `Manifest`, or its JSON) last, then move the directory into place."""
+        data = manifest.to_json() if isinstance(manifest, Manifest) else dict(manifest)
+        atomic_write(self.path / MANIFEST, json.dumps(data, indent=1, sort_keys=False) + "\n")
         fsync_dir(self.path)
         old: Optional[Path] = None
         if self.dest.exists() or self.dest.is_symlink():

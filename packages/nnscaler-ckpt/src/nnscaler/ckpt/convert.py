@@ -21,6 +21,7 @@ from nnscaler.ir import NnScalerWarning
 from .commit import StagingDir, new_token
 from .errors import CheckpointError
 from .merge import Progress, merged_manifest, write_model
+from .records import MergeSource
 from .replace_guard import check_merge_destination
 from .sizes import parse_size
 
@@ -129,8 +130,8 @@ def convert(src, dst, *, max_shard_size="5GB", overwrite: bool = False, progress
                                    lambda names, shape, dtype: fetch(names[0]).to(getattr(torch, dtype)).contiguous(),
                                    [0], sum(p[4] for p in plan), progress)
         check_merge_destination(dst, overwrite, [src])  # still safe to replace
-        stage.commit(merged_manifest(plan, files, model, world_size=1, plan_identity=None,
-                                     source={"kind": "converted", "path": str(src)}))
+        stage.commit(merged_manifest(plan, files, model, world_size=1, plans=None,
+                                     source=MergeSource("converted", str(src))))
     except BaseException:
         stage.discard()
         raise

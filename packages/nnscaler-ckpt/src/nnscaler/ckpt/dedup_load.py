@@ -8,7 +8,7 @@ every earlier transfer they take part in, so the walk cannot deadlock.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,32 +17,32 @@ from .collectives import _device, agree, all_gather_json
 from .errors import CheckpointError
 from .module_tensors import LocalTensor
 from .names import rank_file
+from .records import Manifest
 from .sources import Region, Sources
 
 __all__ = ["DedupSources"]
 
 
-def _needed(manifest: Dict[str, Any], tensors: List[LocalTensor], rank: int) -> List[Tuple[str, int]]:
+def _needed(manifest: Manifest, tensors: List[LocalTensor], rank: int) -> List[Tuple[str, int]]:
     """("model" | "optimizer_state", record index) of the pieces this rank needs from other ranks."""
     keys = {lt.key for lt in tensors if lt.persistent}
     places = {(lt.full_name, tuple(map(tuple, lt.slices))) for lt in tensors}
-    need = [("model", i) for i, r in enumerate(manifest.get("model", [])) if r["piece"] in keys and r["rank"] != rank]
-    need += [("optimizer_state", i) for i, r in enumerate(manifest.get("optimizer_state", []))
-             if r["key"] is not None and r["rank"] != rank
-             and (r["full_name"], tuple(map(tuple, r["slices"]))) in places]
+    need = [("model", i) for i, r in enumerate(manifest.model) if r.piece in keys and r.rank != rank]
+    need += [("optimizer_state", i) for i, r in enumerate(manifest.optimizer_state)
+             if r.key is not None and r.rank != rank and (r.full_name, r.slices) in places]
     return need
 
 
 class DedupSources(Sources):
     """`Sources` whose pieces stored by other ranks arrive from them (COLLECTIVE to build)."""
 
-    def __init__(self, root, manifest: Dict[str, Any], verify, rank: int, tensors: List[LocalTensor]):
+    def __init__(self, root, manifest: Manifest, verify, rank: int, tensors: List[LocalTensor]):
         super().__init__(root, manifest, verify, prefer_rank=rank)
         self._received: Dict[Tuple[str, int], torch.Tensor] = {}
-        own = rank_file(rank, manifest["world_size"])
+        own = rank_file(rank, manifest.world_size)
         error: Optional[str] = None
         try:
-            if own in manifest["files"]:
+            if own in manifest.files:
                 self.handle(own)
         except CheckpointError as e:
             error = str(e)
@@ -50,21 +50,21 @@ class DedupSources(Sources):
             raise CheckpointError(error or "another rank could not read its file of the deduped checkpoint; see its "
                                            "error")
         needs = all_gather_json(_needed(manifest, tensors, rank))
-        device = _device()
+        device = _device() if any(needs) else None  # no transfer at all (one rank): no process group needed
         for receiver, items in enumerate(needs):
             for kind, index in items:
-                rec = manifest[kind][index]
-                if rec["rank"] == rank:
+                rec = (manifest.model if kind == "model" else manifest.optimizer_state)[index]
+                if rec.rank == rank:
                     dist.send(super().read(rec).contiguous().to(device), dst=receiver)
                 elif receiver == rank:
-                    buf = torch.empty(rec["shape"], dtype=getattr(torch, rec["dtype"]), device=device)
-                    dist.recv(buf, src=rec["rank"])
-                    self._received[(rec["file"], rec["key"])] = buf.cpu()
+                    buf = torch.empty(rec.shape, dtype=getattr(torch, rec.dtype), device=device)
+                    dist.recv(buf, src=rec.rank)
+                    self._received[(rec.file, rec.key)] = buf.cpu()
 
-    def read(self, rec: dict, region: Optional[Region] = None) -> torch.Tensor:
-        got = self._received.get((rec["file"], rec["key"]))
+    def read_key(self, file: str, key: str, region: Optional[Region] = None) -> torch.Tensor:
+        got = self._received.get((file, key))
         if got is None:
-            return super().read(rec, region)
+            return super().read_key(file, key, region)
         if region is None or len(region) == 0:
             return got
         return got[tuple(slice(a, b) for a, b in region)]

@@ -19,8 +19,9 @@ from .collectives import agree, all_gather_json, rank_and_world
 from .errors import CheckpointError, describe
 from .extra import join_extra
 from .manifest import read_manifest
+from .records import Manifest
 from .dedup_load import DedupSources
-from .module_tensors import LocalTensor, local_tensors, parallel_modules, plan_identity
+from .module_tensors import LocalTensor, local_tensors, module_plans, parallel_modules
 from .optimizer_tensors import MASTER, OptimizerSlot, apply_hyper_parameters, optimizer_class, optimizer_slots
 from .reshard import model_region, optimizer_region
 from .rng import restore_rng, rng_keys
@@ -29,16 +30,16 @@ from .sources import Sources
 __all__ = ["load"]
 
 
-def _check_names(root: Path, manifest: Dict[str, Any], tensors: List[LocalTensor], complete: bool) -> None:
+def _check_names(root: Path, manifest: Manifest, tensors: List[LocalTensor], complete: bool) -> None:
     """Names the module needs that the checkpoint lacks (and, when this rank holds the whole model,
     names the checkpoint has that the model lacks), listed with their shapes."""
-    table = manifest.get("tensors", {})
-    known = set(table) | {a for t in table.values() for a in t.get("aliases", [])}
+    table = manifest.tensors
+    known = set(table) | {a for t in table.values() for a in t.aliases}
     missing = [f"{lt.full_name}{list(lt.full_shape)}" for lt in tensors
                if lt.persistent and not ({lt.full_name, *lt.aliases} & known)]
-    shape = [f"{lt.full_name}: {list(table[lt.full_name]['shape'])} in the checkpoint, {list(lt.full_shape)} in the "
-             f"model" for lt in tensors if lt.full_name in table and list(table[lt.full_name]["shape"]) !=
-             list(lt.full_shape)]
+    shape = [f"{lt.full_name}: {list(table[lt.full_name].shape)} in the checkpoint, {list(lt.full_shape)} in the "
+             f"model" for lt in tensors if lt.full_name in table and tuple(table[lt.full_name].shape) !=
+             tuple(lt.full_shape)]
     mine = {n for lt in tensors for n in (lt.full_name, *lt.aliases)}
     unexpected = sorted(n for n in table if n not in mine) if complete else []
     if missing or shape or unexpected:
@@ -68,9 +69,9 @@ def _slot_state(src: Sources, keys: Dict[str, List[str]], slot: OptimizerSlot) -
     name = next((n for n in (slot.local.full_name, *slot.local.aliases) if n in keys), slot.local.full_name)
     for state in keys.get(name, []):
         recs = src.optim[(name, state)]
-        if recs[0]["kind"] == "json":
-            out[state] = recs[0]["value"]
-        elif recs[0]["kind"] == "scalar":
+        if recs[0].kind == "json":
+            out[state] = recs[0].value
+        elif recs[0].kind == "scalar":
             out[state] = optimizer_region(src, name, state, slot.local.slices).clone()
         else:  # a copy: the optimizer keeps it, it must not hold on to a file buffer
             dense = optimizer_region(src, name, state, slot.local.slices)
@@ -79,14 +80,14 @@ def _slot_state(src: Sources, keys: Dict[str, List[str]], slot: OptimizerSlot) -
     return out
 
 
-def _optimizer_state(src: Sources, manifest: Dict[str, Any], module, optimizer, tensors) -> Dict[str, Any]:
+def _optimizer_state(src: Sources, manifest: Manifest, module, optimizer, tensors) -> Dict[str, Any]:
     """The state dict to give `optimizer.load_state_dict` (read, not yet set)."""
-    saved = manifest.get("optimizer")
+    saved = manifest.optimizer
     if saved is None:
         raise CheckpointError(f"{src.root} holds no optimizer state (saved without an optimizer): call load without "
                               f"one, or load a checkpoint saved with it")
-    if saved["class"] != optimizer_class(optimizer):
-        raise CheckpointError(f"{src.root} holds the state of a {saved['class']}, this optimizer is a "
+    if saved.cls != optimizer_class(optimizer):
+        raise CheckpointError(f"{src.root} holds the state of a {saved.cls}, this optimizer is a "
                               f"{optimizer_class(optimizer)}: build the same optimizer, or load the model only")
     keys: Dict[str, List[str]] = {}
     for name, state in src.optim:
@@ -99,7 +100,7 @@ def _optimizer_state(src: Sources, manifest: Dict[str, Any], module, optimizer, 
         if values:
             state[slot.index] = values
     current = optimizer.state_dict()
-    new = {"state": state, "param_groups": apply_hyper_parameters(current["param_groups"], saved["param_groups"])}
+    new = {"state": state, "param_groups": apply_hyper_parameters(current["param_groups"], saved.param_groups)}
     if MASTER in current:
         new[MASTER] = masters
     return new
@@ -133,27 +134,27 @@ def load(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
         error = describe(e, rank)
     _raise_if_any(error)
-    same_world = manifest["world_size"] == world
-    if manifest["kind"] == "deduped" and same_world and manifest.get("plan") == plan_identity(module):
+    same_world = manifest.world_size == world
+    if manifest.kind == "deduped" and same_world and manifest.plan == module_plans(module):
         source = DedupSources(root, manifest, verify, rank, tensors)  # collective
     else:
-        ranks = manifest.get("ranks", [])  # on the same world size this rank's own file is read at once
-        own = [ranks[rank]["file"]] if same_world and manifest["kind"] != "merged" and rank < len(ranks) else []
+        ranks = manifest.ranks  # on the same world size this rank's own file is read at once
+        own = [ranks[rank].file] if same_world and manifest.kind != "merged" and rank < len(ranks) else []
         source = Sources(root, manifest, verify, prefer_rank=rank if same_world else None, whole_files=own)
     result, restore, new_state, values = None, None, None, []
     try:
         with source as src:
             values = _model_values(src, tensors)
             new_state = None if optimizer is None else _optimizer_state(src, manifest, module, optimizer, tensors)
-            ranks = manifest.get("ranks", [])
+            ranks = manifest.ranks
             mine = rank if same_world and rank < len(ranks) else 0
             if ranks:
-                file, prefix = ranks[mine]["file"], ranks[mine].get("prefix", "")
-                read = lambda key: src.read({"file": file, "key": prefix + key}).clone()  # noqa: E731
-                if same_world and ranks[mine].get("rng"):
-                    info = ranks[mine]["rng"]
+                file, prefix = ranks[mine].file, ranks[mine].prefix or ""
+                read = lambda key: src.read_key(file, prefix + key).clone()  # noqa: E731
+                if same_world and ranks[mine].rng:
+                    info = ranks[mine].rng
                     restore = (info, {k: read(k) for k in rng_keys(info)})
-                result = join_extra(ranks[mine].get("extra"), read)
+                result = join_extra(ranks[mine].extra, read)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
         error = describe(e, rank)
     _raise_if_any(error)  # nothing was changed yet

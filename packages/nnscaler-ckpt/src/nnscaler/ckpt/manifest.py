@@ -1,4 +1,5 @@
-"""``manifest.json``: what makes a checkpoint directory valid, and reading it back.
+"""``manifest.json``: what makes a checkpoint directory valid, and reading it back (the disk
+boundary of the typed records, `records.Manifest`; `commit.StagingDir.commit` writes it).
 
 Fields: ``format`` ("nnscaler-checkpoint"), ``format_version``, ``kind`` (sharded, deduped,
 merged), ``world_size``, ``plan`` (per parallelized module: path, graph fingerprint, compute
@@ -13,15 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict
 
 from .commit import abandoned_siblings
 from .errors import CheckpointError
-from .names import FORMAT, FORMAT_VERSION, KINDS, MANIFEST, is_staging
+from .names import MANIFEST, is_staging
+from .records import REQUIRED, Manifest
 
-__all__ = ["read_manifest", "sha256_file", "REQUIRED"]
+__all__ = ["read_manifest", "sha256_file", "REQUIRED", "Manifest"]
 
-REQUIRED = ("format", "format_version", "kind", "world_size", "files")
 _CHUNK = 8 * 2**20
 
 
@@ -35,9 +35,9 @@ def sha256_file(path) -> str:
             h.update(block)
 
 
-def read_manifest(path) -> Dict[str, Any]:
+def read_manifest(path) -> Manifest:
     """The manifest of checkpoint directory `path`, checked for shape and version (not the files:
-    see `verify`). Every refusal names the path and what to do."""
+    see `verify`), as a `Manifest`. Every refusal names the path and what to do."""
     path = Path(path)
     if is_staging(path.name):
         raise CheckpointError(f"{path} is a checkpoint still being written (or abandoned by a crashed save): wait "
@@ -59,19 +59,8 @@ def read_manifest(path) -> Dict[str, Any]:
         raise CheckpointError(f"{mpath} is missing: {path} is not a complete checkpoint (a save did not finish, "
                               f"or it is not a checkpoint); use an earlier checkpoint")
     try:
-        manifest = json.loads(mpath.read_text("utf-8"))
+        data = json.loads(mpath.read_text("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{mpath} is corrupt ({e}): restore it from a copy, or use an earlier checkpoint") \
             from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath} is not an nnscaler checkpoint manifest (no \"format\": \"{FORMAT}\"): "
-                              f"pass a directory written by nnscaler.ckpt.save or merge")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{mpath} has format version {version!r}; this nnscaler-ckpt reads version "
-                              f"{FORMAT_VERSION}: install the nnscaler-ckpt that wrote it (or a newer one)")
-    missing = [k for k in REQUIRED if k not in manifest]
-    if missing or manifest["kind"] not in KINDS or not isinstance(manifest["files"], dict):
-        what = f"lacks {', '.join(missing)}" if missing else f"has kind {manifest['kind']!r} or bad 'files'"
-        raise CheckpointError(f"{mpath} is corrupt ({what}): restore it from a copy, or use an earlier checkpoint")
-    return manifest
+    return Manifest.from_json(data, mpath)

@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -28,8 +28,8 @@ from .checksums import bytes_record, verify_level
 from .commit import StagingDir, new_token
 from .hf_export import hf_plan, read_hf_record, write_hf_files
 from .manifest import read_manifest
-from .names import (FORMAT, FORMAT_VERSION, MERGED_INDEX, MERGED_MODEL, MERGED_OPTIMIZER, MERGED_RNG,
-                    merged_shard)
+from .records import FileRecord, Manifest, MergeSource, ModelPiece, OptimizerPiece, RankRecord, TensorInfo
+from .names import MERGED_INDEX, MERGED_MODEL, MERGED_OPTIMIZER, MERGED_RNG, merged_shard
 from .replace_guard import check_merge_destination
 from .reshard import model_region, model_segments, optimizer_region
 from .safetensors_file import SafetensorsWriter, dtype_name, write_record
@@ -47,19 +47,17 @@ def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def _model_plan(manifest: Dict[str, Any]) -> List[Tuple[str, List[str], Tuple[int, ...], str, int]]:
+def _model_plan(manifest: Manifest) -> List[Tuple[str, List[str], Tuple[int, ...], str, int]]:
     """(stored name, all names, shape, dtype, bytes) of every full tensor, in the order first saved."""
     order: Dict[str, None] = {}
-    for rec in manifest.get("model", []):
-        order.setdefault(rec["full_name"], None)
-    table = manifest.get("tensors", {})
+    for rec in manifest.model:
+        order.setdefault(rec.full_name, None)
     out = []
     for name in order:
-        info = table[name]
-        names = sorted({name, *info.get("aliases", [])})
-        shape = tuple(info["shape"])
-        out.append((names[0], [name, *info.get("aliases", [])], shape, info["dtype"],
-                    math.prod(shape) * _itemsize(info["dtype"])))
+        info = manifest.tensors[name]
+        names = sorted({name, *info.aliases})
+        shape = tuple(info.shape)
+        out.append((names[0], [name, *info.aliases], shape, info.dtype, math.prod(shape) * _itemsize(info.dtype)))
     return out
 
 
@@ -104,9 +102,9 @@ def write_model(stage: StagingDir, plan, max_bytes: int, fetch: Callable[[list, 
                         if progress:
                             progress(done[0], total, name)
                         weight_map[name] = fname
-                        model.append({"file": fname, "key": name, "full_name": name, "full_shape": list(shape),
-                                      "slices": [[0, d] for d in shape], "value_split": [0, 1], "dtype": dtype,
-                                      "aliases": [n for n in names if n != name]})
+                        model.append(ModelPiece(file=fname, key=name, full_name=name, full_shape=tuple(shape),
+                                                slices=tuple((0, d) for d in shape), value_split=(0, 1), dtype=dtype,
+                                                aliases=[n for n in names if n != name]))
                 except BaseException:
                     writer.abort()
                     raise
@@ -132,28 +130,28 @@ def write_model(stage: StagingDir, plan, max_bytes: int, fetch: Callable[[list, 
 def _write_optimizer(src: Sources, stage: StagingDir, stored: Dict[str, str], done, total, progress):
     """optimizer.safetensors: every state of every parameter, full shape, keyed ``<name>.<state>``."""
     specs, jobs, records = [], [], []
-    table = src.manifest["tensors"]
+    table = src.manifest.tensors
     for (name, state), recs in sorted(src.optim.items()):
         key = f"{stored.get(name, name)}.{state}"
-        base = {"full_name": stored.get(name, name), "state": state, "full_shape": table[name]["shape"] if name in
-                table else recs[0]["full_shape"]}
-        shape = tuple(base["full_shape"])
-        base.update(slices=[[0, d] for d in shape], start=0, stop=math.prod(shape))
-        if recs[0]["kind"] == "json":
-            records.append({**base, "kind": "json", "value": recs[0]["value"], "key": None, "dtype": None})
+        shape = tuple(table[name].shape if name in table else recs[0].full_shape)
+        base = dict(full_name=stored.get(name, name), state=state, full_shape=shape,
+                    slices=tuple((0, d) for d in shape), start=0, stop=math.prod(shape), file=MERGED_OPTIMIZER)
+        first = recs[0]
+        if first.kind == "json":
+            records.append(OptimizerPiece(**base, kind="json", value=first.value))
             continue
-        if recs[0]["kind"] == "scalar":
+        if first.kind == "scalar":
             value = optimizer_region(src, name, state, ())
             specs.append((key, dtype_name(value.dtype), tuple(value.shape)))
             jobs.append((key, lambda v=value: v, 0))
-            records.append({**base, "kind": "scalar", "key": key, "dtype": recs[0]["dtype"]})
+            records.append(OptimizerPiece(**base, kind="scalar", key=key, dtype=first.dtype))
             continue
-        dtype = getattr(torch, recs[0]["dtype"])
+        dtype = getattr(torch, first.dtype)
         specs.append((key, dtype_name(dtype), shape))
         region = tuple((0, d) for d in shape)
         jobs.append((key, lambda n=name, s=state, r=region: optimizer_region(src, n, s, r),
-                     math.prod(shape) * _itemsize(recs[0]["dtype"])))
-        records.append({**base, "kind": "local", "key": key, "dtype": recs[0]["dtype"]})
+                     math.prod(shape) * _itemsize(first.dtype)))
+        records.append(OptimizerPiece(**base, kind="local", key=key, dtype=first.dtype))
     writer = SafetensorsWriter(stage.file(MERGED_OPTIMIZER), specs, _META)
     try:
         for key, make, nbytes in jobs:
@@ -166,35 +164,34 @@ def _write_optimizer(src: Sources, stage: StagingDir, stored: Dict[str, str], do
         writer.abort()
         raise
     writer.close()
-    for rec in records:
-        rec["file"] = MERGED_OPTIMIZER
     return {MERGED_OPTIMIZER: writer.record}, records
 
 
-def _write_rng(src: Sources, stage: StagingDir, manifest) -> Tuple[dict, list]:
+def _write_rng(src: Sources, stage: StagingDir, manifest: Manifest) -> Tuple[Dict[str, FileRecord], list]:
     """Each source rank's RNG states and extra tensors, under ``rank-0000r/``."""
     items, ranks = [], []
-    for r, info in enumerate(manifest.get("ranks", [])):
+    for r, info in enumerate(manifest.ranks):
         prefix = f"rank-{r:05d}/"
-        for key in src.keys(info["file"]):
+        for key in src.keys(info.file):
             if key.startswith(("rng/", "extra/")):
-                items.append((prefix + key, src.read({"file": info["file"], "key": key})))
-        ranks.append({"file": MERGED_RNG, "prefix": prefix, "rng": info.get("rng"), "extra": info.get("extra")})
+                items.append((prefix + key, src.read_key(info.file, key)))
+        ranks.append(RankRecord(MERGED_RNG, info.rng, info.extra, prefix=prefix))
     return {MERGED_RNG: write_record(stage.file(MERGED_RNG), items, _META)}, ranks
 
 
-def merged_manifest(plan, files, model, *, world_size: int, plan_identity, source, optimizer=None,
-                    optimizer_state=(), ranks=()) -> Dict[str, Any]:
-    table = {name: {"shape": list(shape), "dtype": dtype, "aliases": [n for n in names if n != name]}
+def merged_manifest(plan, files: Dict[str, FileRecord], model: List[ModelPiece], *, world_size: int, plans,
+                    source: MergeSource, optimizer=None, optimizer_state=(), ranks=()) -> Manifest:
+    """The manifest of a merged checkpoint: `plan` as `_model_plan` gives it, `plans` the source's."""
+    table = {name: TensorInfo(tuple(shape), dtype, [n for n in names if n != name])
              for name, names, shape, dtype, _ in plan}
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": "merged", "world_size": world_size,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "plan": plan_identity, "merged_from": source, "files": files, "tensors": table, "optimizer": optimizer,
-            "model": model, "optimizer_state": list(optimizer_state), "ranks": list(ranks)}
+    return Manifest(kind="merged", world_size=world_size, files=files, plan=plans, merged_from=source,
+                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    tensors=table, optimizer=optimizer, model=model, optimizer_state=list(optimizer_state),
+                    ranks=list(ranks))
 
 
-def _check_sources(root: Path, manifest: Dict[str, Any], level: str) -> None:
-    for name, record in manifest["files"].items():
+def _check_sources(root: Path, manifest: Manifest, level: str) -> None:
+    for name, record in manifest.files.items():
         check_file(root, name, record, level)
 
 
@@ -228,7 +225,8 @@ def merge(src, dst, *, max_shard_size="5GB", model_only: bool = False, overwrite
     return dst
 
 
-def _merge_into(stage, src_root: Path, manifest, max_bytes: int, model_only: bool, progress, checked, hf) -> None:
+def _merge_into(stage, src_root: Path, manifest: Manifest, max_bytes: int, model_only: bool, progress, checked,
+                hf) -> None:
     with Sources(src_root, manifest, verify=False) as source:
         plan = _model_plan(manifest)
         if hf:  # hf_export: the Hugging Face names, config.json and tokenizer; no optimizer or RNG states
@@ -236,8 +234,8 @@ def _merge_into(stage, src_root: Path, manifest, max_bytes: int, model_only: boo
             plan = hf_plan(plan, record)
         total = sum(p[4] for p in plan)
         if not model_only:
-            total += sum(math.prod(r[0]["full_shape"]) * _itemsize(r[0]["dtype"])
-                         for r in source.optim.values() if r[0]["kind"] in ("flat", "local"))
+            total += sum(math.prod(r[0].full_shape) * _itemsize(r[0].dtype)
+                         for r in source.optim.values() if r[0].kind in ("flat", "local"))
         done = [0]
         files, model = write_model(stage, plan, max_bytes, lambda names, shape, dtype: model_region(
             source, names, shape, tuple((0, d) for d in shape), getattr(torch, dtype)), done, total, progress,
@@ -247,13 +245,14 @@ def _merge_into(stage, src_root: Path, manifest, max_bytes: int, model_only: boo
         if not model_only and source.optim:
             more, optimizer_state = _write_optimizer(source, stage, stored, done, total, progress)
             files.update(more)
-        if not model_only and manifest.get("ranks"):
+        if not model_only and manifest.ranks:
             more, ranks = _write_rng(source, stage, manifest)
             files.update(more)
         if hf:
             files.update(write_hf_files(stage, record, [p[3] for p in plan]))
     checked.result()  # every source file passed its check
     check_merge_destination(stage.dest, stage.overwrite, [src_root])  # still safe to replace
-    stage.commit(merged_manifest(plan, files, model, world_size=manifest["world_size"], plan_identity=manifest.get(
-        "plan"), source={"kind": manifest["kind"], "path": str(src_root)},
-        optimizer=None if model_only else manifest.get("optimizer"), optimizer_state=optimizer_state, ranks=ranks))
+    stage.commit(merged_manifest(plan, files, model, world_size=manifest.world_size, plans=manifest.plan,
+                                 source=MergeSource(manifest.kind, str(src_root)),
+                                 optimizer=None if model_only else manifest.optimizer,
+                                 optimizer_state=optimizer_state, ranks=ranks))

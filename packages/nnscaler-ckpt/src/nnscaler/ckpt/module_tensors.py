@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from .errors import CheckpointError
+from .records import ModulePlan
 
-__all__ = ["LocalTensor", "parallel_modules", "local_tensors", "plan_identity", "piece_key"]
+__all__ = ["LocalTensor", "parallel_modules", "local_tensors", "plan_identity", "module_plans", "piece_key"]
 
 
 @dataclass
@@ -89,12 +90,16 @@ def local_tensors(module: torch.nn.Module) -> List[LocalTensor]:
 
 
 def plan_identity(module: torch.nn.Module) -> List[Dict[str, Any]]:
+    """`module_plans` as JSON."""
+    return [p.to_json() for p in module_plans(module)]
+
+
+def module_plans(module: torch.nn.Module) -> List[ModulePlan]:
     """Per parallelized module: its path, class, graph fingerprint and compute config."""
     ident = []
     for path, pm in parallel_modules(module):
         cfg = getattr(pm, "COMPUTE_CONFIG", None)
         cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
-        ident.append({"path": path, "class": type(pm).__name__,
-                      "graph_fingerprint": getattr(pm, "GRAPH_FINGERPRINT", None),
-                      "compute_config": json.loads(json.dumps(dict(cfg) if cfg else {}, default=str))})
+        ident.append(ModulePlan(path, type(pm).__name__, getattr(pm, "GRAPH_FINGERPRINT", None),
+                                json.loads(json.dumps(dict(cfg) if cfg else {}, default=str))))
     return ident

@@ -10,9 +10,10 @@ import torch
 from .extra import split_extra
 from .module_tensors import LocalTensor, local_tensors, parallel_modules
 from .optimizer_tensors import MASTER, element_wise, optimizer_slots, state_of
+from .records import ModelPiece, OptimizerPiece
 from .rng import capture_rng
 
-__all__ = ["RankState", "collect", "optimizer_piece_id"]
+__all__ = ["RankState", "RankShare", "collect", "keep_only", "share_of"]
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -22,15 +23,11 @@ def _dtype(t: torch.Tensor) -> str:
 @dataclass
 class RankState:
     tensors: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
-    model: List[Dict[str, Any]] = field(default_factory=list)
-    optimizer_state: List[Dict[str, Any]] = field(default_factory=list)
+    model: List[ModelPiece] = field(default_factory=list)
+    optimizer_state: List[OptimizerPiece] = field(default_factory=list)
     rng: Dict[str, Any] = field(default_factory=dict)
     extra: Any = None
     locals: List[LocalTensor] = field(default_factory=list)
-
-
-def optimizer_piece_id(rec: Dict[str, Any]) -> str:
-    return f"{rec['full_name']}|{rec['state']}|{rec['slices']}|{rec['start']}:{rec['stop']}|{rec['kind']}"
 
 
 def _unique(key: str, used: set) -> str:
@@ -51,11 +48,10 @@ def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int) -> RankSt
             continue
         key = _unique(f"model/{lt.full_name}", used)
         st.tensors.append((key, lt.tensor))
-        st.model.append({"key": key, "rank": rank, "full_name": lt.full_name, "full_shape": list(lt.full_shape),
-                         "slices": [list(s) for s in lt.slices], "value_split": list(lt.value_split),
-                         "replicas": lt.replicas, "aliases": list(lt.aliases), "dtype": _dtype(lt.tensor),
-                         "shape": list(lt.tensor.shape),
-                         "piece": lt.key})
+        st.model.append(ModelPiece(key=key, rank=rank, full_name=lt.full_name, full_shape=tuple(lt.full_shape),
+                                   slices=tuple(lt.slices), value_split=tuple(lt.value_split), replicas=lt.replicas,
+                                   aliases=list(lt.aliases), dtype=_dtype(lt.tensor), shape=tuple(lt.tensor.shape),
+                                   piece=lt.key))
     if optimizer is not None:
         states, masters = state_of(optimizer)
         for slot in optimizer_slots(module, optimizer, st.locals):
@@ -64,16 +60,16 @@ def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int) -> RankSt
                 values[MASTER] = masters[slot.index]
             lt = slot.local
             for name, value in values.items():
-                base = {"rank": rank, "full_name": lt.full_name, "state": name, "full_shape": list(lt.full_shape),
-                        "slices": [list(s) for s in lt.slices], "start": slot.start, "stop": slot.stop}
+                base = dict(rank=rank, full_name=lt.full_name, state=name, full_shape=tuple(lt.full_shape),
+                            slices=tuple(lt.slices), start=slot.start, stop=slot.stop)
                 if not isinstance(value, torch.Tensor):
-                    st.optimizer_state.append({**base, "kind": "json", "value": value, "key": None, "dtype": None})
+                    st.optimizer_state.append(OptimizerPiece(**base, kind="json", value=value))
                     continue
                 kind = ("flat" if slot.flat else "local") if element_wise(value, slot) else "scalar"
                 key = _unique(f"optim/{lt.full_name}/{name}", used)
                 st.tensors.append((key, value))
-                st.optimizer_state.append({**base, "kind": kind, "key": key, "dtype": _dtype(value),
-                                           "shape": list(value.shape)})
+                st.optimizer_state.append(OptimizerPiece(**base, kind=kind, key=key, dtype=_dtype(value),
+                                                         shape=tuple(value.shape)))
     streams = {path: pm for path, pm in parallel_modules(module) if hasattr(pm, "rng_state")}
     rng_tensors, st.rng = capture_rng(streams)
     st.tensors.extend(rng_tensors.items())
@@ -85,8 +81,34 @@ def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int) -> RankSt
 def keep_only(st: RankState, model_ids: Optional[set], optim_ids: Optional[set]) -> None:
     """Drop the pieces another rank stores (deduped)."""
     if model_ids is not None:
-        st.model = [r for r in st.model if r["piece"] in model_ids]
+        st.model = [r for r in st.model if r.piece in model_ids]
     if optim_ids is not None:
-        st.optimizer_state = [r for r in st.optimizer_state if optimizer_piece_id(r) in optim_ids]
-    keys = {r["key"] for r in st.model} | {r["key"] for r in st.optimizer_state}
+        st.optimizer_state = [r for r in st.optimizer_state if r.piece_id in optim_ids]
+    keys = {r.key for r in st.model} | {r.key for r in st.optimizer_state}
     st.tensors = [(k, t) for k, t in st.tensors if k in keys or not k.startswith(("model/", "optim/"))]
+
+
+@dataclass
+class RankShare:
+    """The manifest records of one rank's share (its RankState without the tensors), as ranks
+    send them to rank 0 (JSON on the wire)."""
+
+    file: str
+    model: List[ModelPiece]
+    optimizer_state: List[OptimizerPiece]
+    rng: Dict[str, Any]
+    extra: Any
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"file": self.file, "model": [r.to_json() for r in self.model],
+                "optimizer_state": [r.to_json() for r in self.optimizer_state], "rng": self.rng, "extra": self.extra}
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "RankShare":
+        return cls(data["file"], [ModelPiece.from_json(r, "model") for r in data["model"]],
+                   [OptimizerPiece.from_json(r, "optimizer_state") for r in data["optimizer_state"]], data["rng"],
+                   data["extra"])
+
+
+def share_of(st: RankState, file: str) -> RankShare:
+    return RankShare(file, st.model, st.optimizer_state, st.rng, st.extra)

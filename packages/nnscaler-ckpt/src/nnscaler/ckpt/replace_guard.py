@@ -56,12 +56,12 @@ def _check_replaceable(dst: Path, kinds: Sequence[str], wrote: str, flag: str) -
         manifest = read_manifest(dst)
     except CheckpointError:
         manifest = None
-    if manifest is None or manifest.get("kind") not in kinds:
+    if manifest is None or manifest.kind not in kinds:
         shown = " or ".join(repr(k) for k in kinds)
         raise CheckpointError(f"{dst} is not the output of an earlier {wrote} (no {MANIFEST} of kind {shown}; it holds "
                               f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}): {flag} replaces "
                               f"only such a directory; {fix}")
-    foreign = [n for n in entries if n != MANIFEST and n not in manifest["files"]]
+    foreign = [n for n in entries if n != MANIFEST and n not in manifest.files]
     if foreign:
         raise CheckpointError(f"{dst} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which no "
                               f"{wrote} wrote: {flag} would delete it; {fix}")

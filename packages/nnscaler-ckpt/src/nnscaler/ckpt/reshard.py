@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import CheckpointError
+from .records import ModelPiece, OptimizerPiece
 from .sources import Sources
 
 __all__ = ["intersect", "model_region", "optimizer_region", "Region"]
@@ -37,10 +38,6 @@ def _volume(region: Region) -> int:
 
 def _shape(region: Region) -> Tuple[int, ...]:
     return tuple(hi - lo for lo, hi in region)
-
-
-def _region(rec: dict) -> Region:
-    return tuple(tuple(s) for s in rec["slices"])
 
 
 def _fill(target: torch.Tensor, origin: Region, parts, what: str) -> None:
@@ -68,18 +65,18 @@ def model_region(src: Sources, names: Sequence[str], full_shape: Tuple[int, ...]
         raise CheckpointError(f"{src.root}: the checkpoint has no tensor {names[0]!r}: it was saved from another "
                               f"model; load a checkpoint of this model")
     recs = src.model[name]
-    if tuple(recs[0]["full_shape"]) != tuple(full_shape):
-        raise CheckpointError(f"{src.root}: {name!r} has shape {tuple(recs[0]['full_shape'])} in the checkpoint, the "
+    if tuple(recs[0].full_shape) != tuple(full_shape):
+        raise CheckpointError(f"{src.root}: {name!r} has shape {tuple(recs[0].full_shape)} in the checkpoint, the "
                               f"model's is {tuple(full_shape)}: load a checkpoint of this model")
-    parts: Dict[Tuple[int, int], Dict[Region, dict]] = {}
+    parts: Dict[Tuple[int, int], Dict[Region, ModelPiece]] = {}
     for rec in recs:  # own rank's pieces first: they win among copies of the same piece
-        parts.setdefault(tuple(rec["value_split"]), {}).setdefault(_region(rec), rec)
-    if len(parts) != recs[0]["value_split"][1]:
-        raise CheckpointError(f"{src.root}: {name!r} is stored in {recs[0]['value_split'][1]} value parts but only "
+        parts.setdefault(tuple(rec.value_split), {}).setdefault(rec.slices, rec)
+    if len(parts) != recs[0].value_split[1]:
+        raise CheckpointError(f"{src.root}: {name!r} is stored in {recs[0].value_split[1]} value parts but only "
                               f"{len(parts)} are there: use a complete checkpoint")
     if len(parts) == 1:  # one piece that is exactly the region: read it as it is
-        rec = next(iter(parts.values())).get(tuple(region))
-        if rec is not None and rec["dtype"] == str(dtype).replace("torch.", ""):
+        rec = next(iter(parts.values())).get(tuple(tuple(r) for r in region))
+        if rec is not None and rec.dtype == str(dtype).replace("torch.", ""):
             return src.read(rec)
     out: Optional[torch.Tensor] = None
     for split, pieces in parts.items():
@@ -96,12 +93,12 @@ def model_segments(src: Sources, names: Sequence[str], full_shape: Tuple[int, ..
     if name is None:
         return None
     recs = src.model[name]
-    if tuple(recs[0]["full_shape"]) != tuple(full_shape) or any(r["value_split"][1] != 1 or r["dtype"] != dtype
-                                                                for r in recs):
+    if tuple(recs[0].full_shape) != tuple(full_shape) or any(r.value_split[1] != 1 or r.dtype != dtype
+                                                             for r in recs):
         return None
-    rows: Dict[Tuple[int, int], dict] = {}
+    rows: Dict[Tuple[int, int], ModelPiece] = {}
     for rec in recs:
-        region = _region(rec)
+        region = rec.slices
         if region[1:] != tuple((0, d) for d in full_shape[1:]):
             return None
         rows.setdefault(region[0] if region else (0, 1), rec)
@@ -114,7 +111,7 @@ def model_segments(src: Sources, names: Sequence[str], full_shape: Tuple[int, ..
             pos = hi
     if pos != (full_shape[0] if full_shape else 1):
         return None
-    return [src.byte_range(rec) for rec in order if _volume(_region(rec))]
+    return [src.byte_range(rec) for rec in order if _volume(rec.slices)]
 
 
 def _reads(src: Sources, region: Region, pieces):
@@ -127,12 +124,12 @@ def _reads(src: Sources, region: Region, pieces):
             yield common, (lambda rec=rec, rel=None if whole else rel: src.read(rec, rel))
 
 
-def _dense_local(src: Sources, recs: List[dict], local: Region, what: str) -> torch.Tensor:
+def _dense_local(src: Sources, recs: List[OptimizerPiece], local: Region, what: str) -> torch.Tensor:
     """One source local tensor, rebuilt from its flat (ZeRO) pieces."""
     dense = torch.empty(_volume(local), dtype=torch.float32 if recs else None)
     seen, covered = set(), 0
     for rec in recs:
-        rng = (rec["start"], rec["stop"])
+        rng = (rec.start, rec.stop)
         if rng in seen:
             continue
         seen.add(rng)
@@ -152,15 +149,16 @@ def optimizer_region(src: Sources, name: str, state: str, region: Region,
     """Optimizer state `state` of parameter `name` over `region` (element-wise), or its
     per-parameter value (a scalar state)."""
     recs = src.optim[(name, state)]
-    if recs[0]["kind"] == "scalar":
+    if recs[0].kind == "scalar":
         return src.read(recs[0])
-    by_local: Dict[Region, List[dict]] = {}
+    by_local: Dict[Region, List[OptimizerPiece]] = {}
     for rec in recs:
-        by_local.setdefault(_region(rec), []).append(rec)
-    dtype = dtype or getattr(torch, recs[0]["dtype"])
-    if len(by_local) == 1 and tuple(region) in by_local:
-        whole = next((r for r in by_local[tuple(region)] if r["kind"] == "local"), None)
-        if whole is not None and whole["dtype"] == str(dtype).replace("torch.", ""):
+        by_local.setdefault(rec.slices, []).append(rec)
+    dtype = dtype or getattr(torch, recs[0].dtype)
+    region = tuple(tuple(r) for r in region)
+    if len(by_local) == 1 and region in by_local:
+        whole = next((r for r in by_local[region] if r.kind == "local"), None)
+        if whole is not None and whole.dtype == str(dtype).replace("torch.", ""):
             return src.read(whole)
     out = torch.empty(_shape(region), dtype=dtype)
 
@@ -169,7 +167,7 @@ def optimizer_region(src: Sources, name: str, state: str, region: Region,
             common = intersect(region, local)
             if common is None:
                 continue
-            whole = next((r for r in pieces if r["kind"] == "local"), None)
+            whole = next((r for r in pieces if r.kind == "local"), None)
             rel = tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(common, local))
             if whole is not None:
                 full = rel == tuple((0, d) for d in _shape(local))

@@ -19,6 +19,7 @@ from typing import Deque, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .checksums import Digests
+from .records import FileRecord
 
 __all__ = ["DTYPES", "dtype_name", "dtype_of", "TensorSpec", "SafetensorsWriter", "write_tensors",
            "write_record", "read_header", "tensor_bytes"]
@@ -86,7 +87,7 @@ class SafetensorsWriter:
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        self.record: Optional[Dict[str, object]] = None
+        self.record: Optional[FileRecord] = None
         self._digests: Optional[Digests] = Digests()
         self._inflight: Deque[tuple] = collections.deque()  # (pending, what to release once hashed)
         self._file = open(self.path, "wb", buffering=0)  # large writes: no Python buffer in between
@@ -174,7 +175,7 @@ class SafetensorsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        self.record = {"size": self._size, "sha256": digest, "crc32": crc}
+        self.record = FileRecord(self._size, digest, crc)
         return self._size, digest
 
     def abort(self) -> None:
@@ -195,7 +196,7 @@ def _write_all(f, chunk: memoryview) -> None:
 
 
 def write_record(path, tensors: Iterable[Tuple[str, torch.Tensor]],
-                 metadata: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
+                 metadata: Optional[Mapping[str, str]] = None) -> FileRecord:
     """Write (name, tensor) pairs to a safetensors file; returns its manifest record."""
     items = list(tensors)
     writer = SafetensorsWriter(path, [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in items], metadata)
@@ -213,7 +214,7 @@ def write_tensors(path, tensors: Iterable[Tuple[str, torch.Tensor]],
                   metadata: Optional[Mapping[str, str]] = None) -> Tuple[int, str]:
     """Write (name, tensor) pairs to a safetensors file; returns (size, SHA-256)."""
     record = write_record(path, tensors, metadata)
-    return record["size"], record["sha256"]
+    return record.size, record.sha256
 
 
 def read_header(path) -> Dict[str, dict]:

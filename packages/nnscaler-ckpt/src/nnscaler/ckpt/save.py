@@ -2,17 +2,20 @@
 
 Every rank describes what it holds (`rank_state.collect`); with ``kind="deduped"`` the ranks
 agree (one JSON all-gather) that each distinct piece is stored by the lowest rank holding it.
-Rank 0 creates the staging directory, every rank streams its safetensors file into it, hashing as
-it writes (SHA-256 and chunked CRC-32, `checksums`), then rank 0 writes the manifest and commits
-(`commit.StagingDir`). A failure on any rank (a full disk, a bad ``extra``) makes every rank raise
-and leaves no checkpoint behind.
+Rank 0 creates the staging directory (`prepare`), every rank streams its safetensors file into it,
+hashing as it writes (SHA-256 and chunked CRC-32, `checksums`; `write_share`), then rank 0 writes
+the manifest and commits (`commit.StagingDir`). A failure on any rank (a full disk, a bad
+``extra``) makes every rank raise and leaves no checkpoint behind. `async_save` runs the same
+`prepare` in the caller and the rest in a background process.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -21,13 +24,14 @@ from .collectives import all_gather_json, broadcast_json, rank_and_world
 from .commit import StagingDir, new_token
 from .replace_guard import check_save_destination
 from .errors import CheckpointError, describe
-from .module_tensors import plan_identity
-from .names import FORMAT, FORMAT_VERSION, MANIFEST, is_staging, rank_file
+from .module_tensors import module_plans
+from .names import MANIFEST, is_staging, rank_file
 from .optimizer_tensors import hyper_parameters, optimizer_class
-from .rank_state import collect, keep_only, optimizer_piece_id
+from .rank_state import RankShare, collect, keep_only, share_of
+from .records import FileRecord, Manifest, OptimizerInfo, RankRecord, TensorInfo
 from .safetensors_file import write_record
 
-__all__ = ["save"]
+__all__ = ["save", "prepare", "Prepared", "write_share", "write_error", "complete_manifest", "commit_prepared"]
 
 
 def _owners(ids: List[List[str]]) -> Dict[str, int]:
@@ -39,18 +43,18 @@ def _owners(ids: List[List[str]]) -> Dict[str, int]:
 
 
 def _dedup(st, rank: int) -> None:
-    gathered = all_gather_json([[r["piece"] for r in st.model], [optimizer_piece_id(r) for r in st.optimizer_state]])
+    gathered = all_gather_json([[r.piece for r in st.model], [r.piece_id for r in st.optimizer_state]])
     model_owner = _owners([g[0] for g in gathered])
     optim_owner = _owners([g[1] for g in gathered])
     keep_only(st, {i for i, r in model_owner.items() if r == rank}, {i for i, r in optim_owner.items() if r == rank})
 
 
-def _tensor_table(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
-    table: Dict[str, Any] = {}
-    for info in ranks:
-        for rec in info["model"]:
-            table.setdefault(rec["full_name"], {"shape": rec["full_shape"], "dtype": rec["dtype"],
-                                                "aliases": rec["aliases"]})
+def _tensor_table(shares: List[RankShare]) -> Dict[str, TensorInfo]:
+    table: Dict[str, TensorInfo] = {}
+    for share in shares:
+        for rec in share.model:
+            if rec.full_name not in table:
+                table[rec.full_name] = TensorInfo(rec.full_shape, rec.dtype, list(rec.aliases))
     return table
 
 
@@ -78,13 +82,33 @@ def _write_small(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
-         kind: str = "sharded", extra: Optional[Dict[str, Any]] = None, overwrite: bool = False,
-         files: Optional[Mapping[str, Union[bytes, str]]] = None) -> Path:
-    """Write a checkpoint of `module` (and `optimizer`, `extra`) to directory `path`. COLLECTIVE:
-    every rank calls it with the same `path`, `kind` and `files`. `files` (name -> bytes or str)
-    are small files of the caller (a run's config), written by rank 0 into the same directory,
-    listed with their hashes in the manifest and committed with it. Returns the path."""
+@dataclass
+class Prepared:
+    """A save after its collective preparation: the staging directory exists, this rank knows its
+    file, its tensors and its records; rank 0 also holds `manifest` (without files and pieces yet)
+    and the caller's small `files`."""
+
+    dest: Path
+    staging: StagingDir
+    rank: int
+    world: int
+    kind: str
+    overwrite: bool
+    file: str
+    tensors: List[Tuple[str, torch.Tensor]]
+    share: RankShare
+    manifest: Optional[Manifest] = None
+    small: Dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def metadata(self) -> Dict[str, str]:
+        return {"format": "pt", "nnscaler": f"{self.kind} checkpoint, rank {self.rank} of {self.world}"}
+
+
+def prepare(path, module: torch.nn.Module, optimizer=None, *, kind: str = "sharded", extra=None,
+            overwrite: bool = False, files: Optional[Mapping[str, Union[bytes, str]]] = None) -> Prepared:
+    """COLLECTIVE: describe this rank's share, agree on the pieces (deduped), create the staging
+    directory (rank 0). Raises the same CheckpointError on every rank when any rank fails."""
     if kind not in ("sharded", "deduped"):
         raise CheckpointError(f"save(kind={kind!r}): kind must be 'sharded' or 'deduped' (merge a checkpoint "
                               f"offline with nnscaler.ckpt.merge)")
@@ -93,7 +117,6 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     error: Optional[str] = None
     st = None
     small: Dict[str, bytes] = {}
-    small_records: Dict[str, Any] = {}
     try:
         small = _checked_files(files)
         st = collect(module, optimizer, extra, rank)
@@ -105,9 +128,14 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     if kind == "deduped":
         _dedup(st, rank)
     staging = StagingDir(dest, broadcast_json(new_token() if rank == 0 else None), overwrite)
+    manifest = None
     if rank == 0:
         try:
             check_save_destination(dest, overwrite)
+            manifest = Manifest(kind=kind, world_size=world, files={}, plan=module_plans(module),
+                                created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                optimizer=None if optimizer is None else OptimizerInfo(
+                                    optimizer_class(optimizer), hyper_parameters(optimizer)))
             staging.create()
         except (CheckpointError, OSError) as e:
             error = str(e) if isinstance(e, CheckpointError) else f"{dest}: cannot create the checkpoint ({e})"
@@ -115,44 +143,73 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     if error:
         raise CheckpointError(error)
     name = rank_file(rank, world)
-    info: Dict[str, Any] = {"file": name}
+    return Prepared(dest, staging, rank, world, kind, overwrite, name, st.tensors, share_of(st, name), manifest,
+                    small if rank == 0 else {})
+
+
+def write_share(p: Prepared, tensors: Optional[List[Tuple[str, torch.Tensor]]] = None) -> Dict[str, FileRecord]:
+    """Write this rank's file (and rank 0 the small files) into the staging directory, fsynced;
+    returns their records. `tensors`: the values to write (default `p.tensors`), e.g. copies."""
+    records = {p.file: write_record(p.staging.file(p.file), p.tensors if tensors is None else tensors, p.metadata)}
+    for small_name, data in p.small.items():
+        _write_small(p.staging.file(small_name), data)
+        records[small_name] = bytes_record(data)
+    return records
+
+
+def write_error(p: Prepared, e: BaseException) -> str:
+    """The message every rank raises when this rank's `write_share` failed with `e`."""
+    if isinstance(e, OSError):
+        return f"rank {p.rank} could not write {p.staging.file(p.file)} ({e}); the previous checkpoint is intact"
+    return describe(e, p.rank)
+
+
+def complete_manifest(p: Prepared, shares: List[RankShare], records: Dict[str, FileRecord]) -> Manifest:
+    """Rank 0: the manifest of every rank's share and file."""
+    m = p.manifest
+    m.files = {**{s.file: records[s.file] for s in shares}, **{n: records[n] for n in p.small}}
+    m.tensors = _tensor_table(shares)
+    m.model = [dataclasses.replace(r, file=s.file) for s in shares for r in s.model]
+    m.optimizer_state = [dataclasses.replace(r, file=s.file) for s in shares for r in s.optimizer_state]
+    m.ranks = [RankRecord(s.file, s.rng, s.extra) for s in shares]
+    return m
+
+
+def commit_prepared(p: Prepared, manifest: Manifest) -> Optional[str]:
+    """Rank 0: commit; None, or the error message every rank raises (the staging directory is then
+    still there: `p.staging.discard()` it)."""
     try:
-        record = write_record(staging.file(name), st.tensors,
-                              {"format": "pt", "nnscaler": f"{kind} checkpoint, rank {rank} of {world}"})
-        info.update(record=record, model=st.model, optimizer_state=st.optimizer_state, rng=st.rng,
-                    extra=st.extra)
-        if rank == 0:
-            for small_name, data in small.items():
-                _write_small(staging.file(small_name), data)
-            small_records = {n: bytes_record(d) for n, d in small.items()}
-    except OSError as e:
-        info["error"] = f"rank {rank} could not write {staging.file(name)} ({e}); the previous checkpoint is intact"
+        check_save_destination(p.dest, p.overwrite)  # still safe to replace
+        p.staging.commit(manifest)
+    except (CheckpointError, OSError) as e:
+        return str(e) if isinstance(e, CheckpointError) else (f"{p.dest}: the commit failed ({e}); the previous "
+                                                              f"checkpoint is intact")
+    return None
+
+
+def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+         kind: str = "sharded", extra: Optional[Dict[str, Any]] = None, overwrite: bool = False,
+         files: Optional[Mapping[str, Union[bytes, str]]] = None) -> Path:
+    """Write a checkpoint of `module` (and `optimizer`, `extra`) to directory `path`. COLLECTIVE:
+    every rank calls it with the same `path`, `kind` and `files`. `files` (name -> bytes or str)
+    are small files of the caller (a run's config), written by rank 0 into the same directory,
+    listed with their hashes in the manifest and committed with it. Returns the path."""
+    p = prepare(path, module, optimizer, kind=kind, extra=extra, overwrite=overwrite, files=files)
+    info: Dict[str, Any] = {"share": p.share.to_json()}
+    try:
+        info["records"] = {n: r.to_json() for n, r in write_share(p).items()}
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
-        info["error"] = describe(e, rank)
-    ranks = all_gather_json(info)
-    failed = [i["error"] for i in ranks if "error" in i]
-    if not failed and rank == 0:
-        manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "world_size": world,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "plan": plan_identity(module),
-            "files": {**{i["file"]: i["record"] for i in ranks}, **small_records},
-            "tensors": _tensor_table(ranks),
-            "optimizer": None if optimizer is None else {"class": optimizer_class(optimizer),
-                                                          "param_groups": hyper_parameters(optimizer)},
-            "model": [{**rec, "file": i["file"]} for i in ranks for rec in i["model"]],
-            "optimizer_state": [{**rec, "file": i["file"]} for i in ranks for rec in i["optimizer_state"]],
-            "ranks": [{"file": i["file"], "rng": i["rng"], "extra": i["extra"]} for i in ranks],
-        }
-        try:
-            check_save_destination(dest, overwrite)  # still safe to replace
-            staging.commit(manifest)
-        except (CheckpointError, OSError) as e:
-            failed.append(str(e) if isinstance(e, CheckpointError) else f"{dest}: the commit failed ({e}); the "
-                                                                         f"previous checkpoint is intact")
+        info["error"] = write_error(p, e)
+    gathered = all_gather_json(info)
+    failed = [i["error"] for i in gathered if "error" in i]
+    if not failed and p.rank == 0:
+        records = {n: FileRecord.from_json(r, n) for i in gathered for n, r in i["records"].items()}
+        error = commit_prepared(p, complete_manifest(p, [RankShare.from_json(i["share"]) for i in gathered], records))
+        if error:
+            failed.append(error)
     failed = broadcast_json(failed)
     if failed:
-        if rank == 0:
-            staging.discard()
+        if p.rank == 0:
+            p.staging.discard()
         raise CheckpointError(failed[0])
-    return dest
+    return p.dest

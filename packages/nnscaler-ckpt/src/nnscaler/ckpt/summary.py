@@ -23,24 +23,24 @@ def inspect(path) -> Dict[str, Any]:
     root = Path(path)
     m = read_manifest(root)
     tensors: Dict[str, Dict[str, Any]] = {}
-    for name, info in m.get("tensors", {}).items():
-        tensors[name] = {"name": name, "shape": list(info["shape"]), "dtype": info["dtype"], "pieces": 0, "bytes": 0,
-                         "numel": math.prod(info["shape"])}
-    for rec in m.get("model", []):
-        t = tensors.setdefault(rec["full_name"], {"name": rec["full_name"], "shape": rec["full_shape"],
-                                                  "dtype": rec["dtype"], "pieces": 0, "bytes": 0,
-                                                  "numel": math.prod(rec["full_shape"])})
+    for name, info in m.tensors.items():
+        tensors[name] = {"name": name, "shape": list(info.shape), "dtype": info.dtype, "pieces": 0, "bytes": 0,
+                         "numel": math.prod(info.shape)}
+    for rec in m.model:
+        t = tensors.setdefault(rec.full_name, {"name": rec.full_name, "shape": list(rec.full_shape),
+                                               "dtype": rec.dtype, "pieces": 0, "bytes": 0,
+                                               "numel": math.prod(rec.full_shape)})
         t["pieces"] += 1
-        t["bytes"] += math.prod(b - a for a, b in rec["slices"]) * _itemsize(rec["dtype"])
-    optim = m.get("optimizer") or {}
+        t["bytes"] += math.prod(b - a for a, b in rec.slices) * _itemsize(rec.dtype)
     return {
-        "path": str(root), "kind": m["kind"], "format_version": m["format_version"], "world_size": m["world_size"],
-        "created": m.get("created"), "plan": m.get("plan"), "optimizer": optim.get("class"),
-        "optimizer_states": sorted({r["state"] for r in m.get("optimizer_state", [])}),
-        "files": {name: rec["size"] for name, rec in m["files"].items()},
-        "file_bytes": sum(rec["size"] for rec in m["files"].values()),
+        "path": str(root), "kind": m.kind, "format_version": m.format_version, "world_size": m.world_size,
+        "created": m.created, "plan": None if m.plan is None else [p.to_json() for p in m.plan],
+        "optimizer": m.optimizer.cls if m.optimizer else None,
+        "optimizer_states": sorted({r.state for r in m.optimizer_state}),
+        "files": {name: rec.size for name, rec in m.files.items()},
+        "file_bytes": sum(rec.size for rec in m.files.values()),
         "tensors": sorted(tensors.values(), key=lambda t: t["name"]),
         "parameters": sum(t["numel"] for t in tensors.values()),
         "model_bytes": sum(t["bytes"] for t in tensors.values()),
-        "rng_ranks": [i for i, r in enumerate(m.get("ranks", [])) if r.get("rng")],
+        "rng_ranks": [i for i, r in enumerate(m.ranks) if r.rng],
     }

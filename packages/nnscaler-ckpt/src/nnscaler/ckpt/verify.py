@@ -6,11 +6,12 @@ from __future__ import annotations
 import hashlib
 import mmap
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional
+from typing import Iterable, Optional
 
 from .checksums import Level, crc32_chunks, file_crc32_chunks, verify_level
 from .errors import CheckpointError
 from .manifest import read_manifest, sha256_file
+from .records import FileRecord, Manifest
 
 __all__ = ["verify", "check_file", "read_checked"]
 
@@ -20,36 +21,35 @@ def _mismatch(path: Path) -> CheckpointError:
                            f"or use an earlier checkpoint")
 
 
-def _check_size(path: Path, record: Dict[str, Any]) -> None:
+def _check_size(path: Path, record: FileRecord) -> None:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing (the manifest lists it): the checkpoint is incomplete; copy the "
                               f"file back or use an earlier checkpoint")
     size = path.stat().st_size
-    if size != record["size"]:
-        raise CheckpointError(f"{path} has {size} bytes, the manifest records {record['size']} (truncated or "
+    if size != record.size:
+        raise CheckpointError(f"{path} has {size} bytes, the manifest records {record.size} (truncated or "
                               f"replaced): copy the file back or use an earlier checkpoint")
 
 
-def _check_content(path: Path, data, record: Dict[str, Any], level: str) -> None:
+def _check_content(path: Path, data, record: FileRecord, level: str) -> None:
     """Check file `path` (its bytes `data`, a buffer, or None: read the file) at `level`."""
-    crc = record.get("crc32")
+    crc = record.crc32
     if level == "size":
         return
     sha = (lambda: hashlib.sha256(data).hexdigest()) if data is not None else (lambda: sha256_file(path))
-    if level == "fast" and isinstance(crc, dict) and crc.get("chunk") and record["size"]:
-        chunk = int(crc["chunk"])
-        got = crc32_chunks(data, chunk) if data is not None else file_crc32_chunks(path, record["size"], chunk)
-        if got == list(crc["values"]):
+    if level == "fast" and crc is not None and crc.chunk > 0 and record.size:
+        got = crc32_chunks(data, crc.chunk) if data is not None else file_crc32_chunks(path, record.size, crc.chunk)
+        if got == list(crc.values):
             return
-        if sha() == record["sha256"]:  # confirm: is it the file or the manifest?
+        if sha() == record.sha256:  # confirm: is it the file or the manifest?
             raise CheckpointError(f"{path} matches its SHA-256 but not its CRC-32 in the manifest: the manifest is "
                                   f"corrupt; check it with `nnscaler ckpt verify` or use an earlier checkpoint")
         raise _mismatch(path)
-    if sha() != record["sha256"]:
+    if sha() != record.sha256:
         raise _mismatch(path)
 
 
-def check_file(root: Path, name: str, record: Dict[str, Any], hash_: Level = True) -> None:
+def check_file(root: Path, name: str, record: FileRecord, hash_: Level = True) -> None:
     """Raise CheckpointError when file `name` is missing, has another size or, at level `hash_`
     (True: SHA-256, False: size only, or a `checksums` level), other contents."""
     path = root / name
@@ -57,13 +57,13 @@ def check_file(root: Path, name: str, record: Dict[str, Any], hash_: Level = Tru
     _check_content(path, None, record, verify_level(hash_))
 
 
-def read_checked(root: Path, name: str, record: Dict[str, Any], hash_: Level = True):
+def read_checked(root: Path, name: str, record: FileRecord, hash_: Level = True):
     """The whole file as a uint8 tensor (a private memory map: no copy), checked at level `hash_`
     (as `check_file`) on the mapped bytes. Raises like `check_file`."""
     import torch
     path = root / name
     _check_size(path, record)
-    if record["size"] == 0:
+    if record.size == 0:
         return torch.empty(0, dtype=torch.uint8)
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -75,12 +75,13 @@ def read_checked(root: Path, name: str, record: Dict[str, Any], hash_: Level = T
     return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
-def verify(path, files: Optional[Iterable[str]] = None) -> Dict[str, Any]:
+def verify(path, files: Optional[Iterable[str]] = None) -> Manifest:
     """Check the manifest and the size and SHA-256 of every file (or only `files`); returns the
-    manifest. Raises CheckpointError naming the first bad file and the fix."""
+    `Manifest` (``m.kind``, ``m.files``; ``m["kind"]`` reads the JSON field). Raises
+    CheckpointError naming the first bad file and the fix."""
     root = Path(path)
     manifest = read_manifest(root)
-    records = manifest["files"]
+    records = manifest.files
     for name in (records if files is None else files):
         if name not in records:
             raise CheckpointError(f"{root / name} is not listed in {root / 'manifest.json'}")
