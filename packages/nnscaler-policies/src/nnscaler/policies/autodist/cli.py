@@ -5,6 +5,8 @@ the group ``nnscaler.commands``; needs the ``cli`` extra: typer and rich).
 counts), the estimated memory and time and the pipeline stage, then the totals of the plan's
 estimate. Exit code 0 on success, 1 with a one-line error on a missing, unreadable or malformed
 plan file.
+
+``nnscaler plan estimate`` plans a described cluster without its GPUs (`nnscaler.policies.estimate.cli`).
 """
 from __future__ import annotations
 
@@ -15,9 +17,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="autodist plans: show what a saved plan (pas_config['save_plan_path']) chose.",
+from ..estimate.cli import estimate
+
+app = typer.Typer(help="autodist plans: show what a saved plan (pas_config['save_plan_path']) chose; estimate a plan "
+                        "for a described cluster.",
                   no_args_is_help=True, add_completion=False)
 _err = Console(stderr=True)
+app.command("estimate")(estimate)
 
 
 def _fail(message: str) -> None:

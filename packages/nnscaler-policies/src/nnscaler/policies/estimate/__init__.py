@@ -1,0 +1,16 @@
+"""Planning a cluster you do not have: an analytic cost model (roofline per op class, ring
+collectives per link, the 1F1B bubble, memory with ZeRO and recomputation) over a described
+cluster (`load_cluster`), a decoder-only transformer read from a Hugging Face config on the meta
+device (`ModelSpec`), and a search over tensor, pipeline and data parallel degrees, ZeRO,
+micro-batch size and recomputation (`search`). ``nnscaler plan estimate`` is its command;
+docs/autodist.md ("Planning a cluster you do not have") states every constant and its source.
+"""
+from .cluster import Cluster, ClusterError, GPU, KNOWN_GPUS, Link, SHIPPED, load_cluster, parse_cluster
+from .model import ModelConfigError, ModelSpec
+from .plan_cost import Estimate, Plan, Workload, estimate_plan
+from .report import result_json, save_estimate, trainer_fragment
+from .search import NoPlanFitsCluster, SearchResult, search
+
+__all__ = ["Cluster", "ClusterError", "Estimate", "GPU", "KNOWN_GPUS", "Link", "ModelConfigError", "ModelSpec",
+           "NoPlanFitsCluster", "Plan", "SHIPPED", "SearchResult", "Workload", "estimate_plan", "load_cluster",
+           "parse_cluster", "result_json", "save_estimate", "search", "trainer_fragment"]

@@ -1,0 +1,106 @@
+"""``nnscaler plan estimate``: plan a described cluster (a command of the ``plan`` plug-in).
+
+    nnscaler plan estimate --model-config CONFIG.json --cluster CLUSTER.yaml --gpus N \
+        --seq-len S --global-batch-tokens T [--json] [--save PLAN.json] [--top K]
+
+prints the chosen plan (tp, pp, dp, zero, micro-batch, recompute), its predicted step time,
+tokens/s, TFLOP/s per GPU, MFU and peak memory per GPU, then the best plan of each other
+(tp, pp) family with the reason it lost. ``--json``: one JSON object instead. Exit code 1 with a
+one-line error on a bad config, cluster or workload.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from nnscaler.ir import ConfigError
+
+from .local import resolve_cluster
+from .model import ModelSpec
+from .plan_cost import Workload
+from .report import result_json, save_estimate
+from .search import search
+
+__all__ = ["estimate"]
+
+_err = Console(stderr=True)
+
+
+def estimate(model_config: Path = typer.Option(..., "--model-config", help="A Hugging Face config.json (any "
+                                                "AutoModelForCausalLM type), or its folder."),
+             cluster: str = typer.Option(..., "--cluster", help="A cluster YAML, a shipped name (a100-80gb-sxm, "
+                                         "h100-sxm, h200) or 'local' (this machine, measured)."),
+             gpus: int = typer.Option(..., "--gpus", help="GPUs to plan for (whole nodes)."),
+             seq_len: int = typer.Option(..., "--seq-len", help="Tokens per sequence."),
+             global_batch_tokens: int = typer.Option(..., "--global-batch-tokens",
+                                                     help="Tokens per optimizer step over all GPUs."),
+             as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+             save: Optional[Path] = typer.Option(None, "--save", help="Write the plan (JSON, with the Trainer "
+                                                 "configuration that runs it) to this file."),
+             top: int = typer.Option(8, "--top", min=0, help="Other plan families to list.")) -> None:
+    """Plan a cluster you do not have: predicted step time, memory and MFU of the best plan."""
+    try:
+        spec = ModelSpec.from_hf_config(model_config)
+        described = resolve_cluster(cluster)
+        work = Workload(gpus, seq_len, global_batch_tokens)
+        result = search(spec, described, work, top=top)
+        data = result_json(result, spec, described, work)
+        if save is not None:
+            save_estimate(save, data)
+    except ConfigError as e:
+        _err.print(f"[red]Error:[/red] {e}", markup=True, highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    if as_json:
+        typer.echo(json.dumps(data))
+        return
+    _print(data, save)
+
+
+def _gb(x) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
+def _s(x) -> str:
+    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3g} ms"
+
+
+def _params(n) -> str:
+    return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.2f} M"
+
+
+def _plan_name(r: dict) -> str:
+    return (f"tp{r['tp']} pp{r['pp']} dp{r['dp']}" + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+            + (" zero1" if r["zero"] else "") + f" mb{r['micro_batch']}" + (" rc" if r["recompute"] else ""))
+
+
+def _print(d: dict, save) -> None:
+    console = Console()
+    m, c = d["model"], d["cluster"]
+    console.print(f"[bold]{m['name']}[/bold] ({_params(m['params'])} parameters) on {d['gpus']} x "
+                  f"{c['gpu']['name']} ({c['name']}), seq {d['seq_len']}, {d['global_batch_tokens']:,} tokens a step",
+                  highlight=False)
+    console.print(f"  plan: tp {d['tp']}, pp {d['pp']}, dp {d['dp']}, zero {d['zero']}, micro-batch "
+                  f"{d['micro_batch']} x {d['nmicros']}, recompute {'yes' if d['recompute'] else 'no'}"
+                  + (f", interleaved {d['virtual_stages']} stages per GPU" if d["virtual_stages"] > 1 else ""),
+                  highlight=False)
+    console.print(f"  step {_s(d['step_s'])}, {d['tokens_per_s']:,.0f} tokens/s, {d['tflops_per_gpu']:.1f} "
+                  f"TFLOP/s per GPU, MFU {d['mfu']:.1%}, memory {_gb(d['memory_gb'])} GB per GPU", highlight=False)
+    b = d["breakdown_s"]
+    console.print("  step parts: " + ", ".join(f"{k} {_s(v)}" for k, v in b.items()), highlight=False)
+    console.print(f"  searched {d['plans_evaluated']} plans in {d['search_s']:.2f} s", highlight=False)
+    if d["runners_up"]:
+        table = Table("plan", "step", "MFU", "memory GB", "lost on")
+        for col in (1, 2, 3):
+            table.columns[col].justify = "right"
+        for r in d["runners_up"]:
+            table.add_row(_plan_name(r), _s(r["step_s"]), f"{r['mfu']:.1%}", _gb(r["memory_gb"]), r["reason"])
+        console.print(table)
+    t = d["trainer"]
+    console.print(f"  run it: pas_policy {t['pas_policy']!r}, compute_config {json.dumps(t['compute_config'])}, "
+                  f"micro_batch_size {t['micro_batch_size']}, grad_accumulation_steps {t['grad_accumulation_steps']}"
+                  + (f" (saved to {save})" if save else ""), highlight=False, soft_wrap=True)

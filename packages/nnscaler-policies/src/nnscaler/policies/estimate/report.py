@@ -1,0 +1,94 @@
+"""What the estimate says, as one JSON object (``nnscaler plan estimate --json``), as a Trainer
+configuration fragment (the plan usable as it is), and as the saved plan file (``--save``).
+
+The mapping of a plan onto nnscaler (`trainer_fragment`):
+
+* ``compute_config``: ``plan_ngpus = tp * pp``, ``runtime_ngpus = tp * pp * dp``,
+  ``use_end2end: true``, ``use_zero = zero == 1`` (with ``zero_use_reduce_scatter``).
+* ``pas_policy``: ``dp`` when tp = pp = 1; ``megatron`` (column / row-parallel projections) when
+  only tp > 1; ``autodist`` when pp > 1, told the stages (``pipeline_pivots`` = the decoder layer's
+  class, ``pipeline_nstages = pp``, ``pipeline_nmicros``) and ``max_partition_degree = tp``, so it
+  splits each stage's ops over its tp GPUs itself; ``hybrid`` for an interleaved pipeline
+  (``pipeline_scheduler: 1f1b_interleaved``, ``pp_size = pp``, ``pipeline_nstages = pp * virtual``),
+  whose stages split their ops over the tp GPUs by batch, not as Megatron's tensor parallelism.
+* recomputation: ``pas_config['recompute_modules']`` = the decoder layer's class (every policy reads it).
+* ``micro_batch_size``, ``grad_accumulation_steps`` (micro-batches per step) and ``precision``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from nnscaler.ir import ConfigError, atomic_write
+
+from .cluster import Cluster
+from .model import ModelSpec
+from .plan_cost import Estimate, Workload
+from .search import SearchResult
+
+__all__ = ["FORMAT", "VERSION", "plan_json", "result_json", "trainer_fragment", "save_estimate"]
+
+FORMAT = "nnscaler-estimate-plan"
+VERSION = 1
+
+
+def plan_json(est: Estimate) -> dict:
+    p = est.plan
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero, "micro_batch": p.micro_batch,
+            "recompute": p.recompute, "virtual_stages": p.virtual, "nmicros": est.nmicros, "step_s": est.step_s,
+            "tokens_per_s": est.tokens_per_s, "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
+            "memory_gb": est.memory_gb, "fits": est.fits}
+
+
+def trainer_fragment(est: Estimate, spec: ModelSpec, cluster: Cluster) -> dict:
+    """TrainerArgs fields that run this plan (the mapping in this module's docstring)."""
+    p = est.plan
+    layer = spec.layer_class or "DecoderLayer"
+    pas: dict = {}
+    if p.pp > 1 and p.virtual > 1:  # interleaved: autodist plans 1F1B only, hybrid runs the interleaved schedule
+        policy = "hybrid"
+        pas.update(pipeline_pivots=layer, pipeline_nstages=p.pp * p.virtual, pp_size=p.pp,
+                   pipeline_nmicros=est.nmicros, pipeline_scheduler="1f1b_interleaved")
+    elif p.pp > 1:
+        policy = "autodist"
+        pas.update(pipeline_pivots=layer, pipeline_nstages=p.pp, pipeline_nmicros=est.nmicros,
+                   max_partition_degree=p.tp)
+    else:
+        policy = "megatron" if p.tp > 1 else "dp"
+    if p.recompute:
+        pas["recompute_modules"] = layer
+    compute = {"plan_ngpus": p.tp * p.pp, "runtime_ngpus": p.tp * p.pp * p.dp, "use_end2end": True,
+               "use_zero": bool(p.zero), "pas_config": pas}
+    if p.zero:
+        compute["zero_use_reduce_scatter"] = True
+    return {"pas_policy": policy, "compute_config": compute, "micro_batch_size": p.micro_batch,
+            "grad_accumulation_steps": est.nmicros, "precision": cluster.gpu.dtype}
+
+
+def result_json(result: SearchResult, spec: ModelSpec, cluster: Cluster, work: Workload) -> dict:
+    best = result.best
+    out = plan_json(best)
+    out.update({
+        "breakdown_s": {"compute": best.compute_s, "bubble": best.bubble_s, "tp_comm": best.tp_comm_s,
+                        "pp_comm": best.pp_comm_s, "dp_comm": best.dp_comm_s, "optimizer": best.optimizer_s},
+        "memory_parts_gb": {k: v / 2 ** 30 for k, v in best.memory_parts.items()},
+        "model": {"name": spec.name, "params": spec.total_params, "layers": spec.layers, "hidden": spec.hidden,
+                  "heads": spec.heads, "kv_heads": spec.kv_heads, "ffn": spec.ffn, "vocab": spec.vocab,
+                  "gated_mlp": spec.gated, "tied_embeddings": spec.tied, "layer_class": spec.layer_class},
+        "cluster": cluster.to_json(),
+        "gpus": work.gpus, "seq_len": work.seq, "global_batch_tokens": work.global_batch_tokens,
+        "model_flops": best.model_flops, "search_s": result.search_s, "plans_evaluated": result.evaluated,
+        "runners_up": [dict(plan_json(e), reason=why) for e, why in result.runners_up],
+        "trainer": trainer_fragment(best, spec, cluster),
+    })
+    return out
+
+
+def save_estimate(path, data: dict) -> None:
+    """Write the plan file: `result_json` with its format tag (JSON, nothing executable)."""
+    path = Path(os.fspath(path))
+    if path.is_dir():
+        raise ConfigError(f"--save {path} is a directory; give a file name, e.g. {path / 'plan.json'}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, (json.dumps({"format": FORMAT, "version": VERSION, **data}, indent=1) + "\n").encode())

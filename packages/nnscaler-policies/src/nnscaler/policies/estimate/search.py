@@ -1,0 +1,127 @@
+"""The search: every tensor (inside a node, dividing the heads), pipeline and data parallel degree
+of the whole cluster, with ZeRO, micro-batch size and recomputation; the fastest plan that fits
+wins, and the best plan of each other (tp, pp) family is kept with the reason it lost."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List, Optional
+
+from nnscaler.ir import ConfigError
+
+from .cluster import Cluster
+from .costs import USABLE_MEMORY
+from .model import ModelSpec
+from .plan_cost import Estimate, Plan, Workload, estimate_plan
+
+__all__ = ["NoPlanFitsCluster", "SearchResult", "candidates", "search", "why_lost"]
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+VIRTUAL = (1, 2, 4)  # pipeline stages per GPU (interleaved 1F1B beyond 1)
+
+
+class NoPlanFitsCluster(ConfigError):
+    """No plan of the search fits the described GPUs' memory; the message gives the smallest found."""
+
+
+@dataclasses.dataclass
+class SearchResult:
+    best: Estimate
+    runners_up: List[tuple]  # (Estimate, reason it lost), the best of each other (tp, pp) family
+    evaluated: int
+    search_s: float
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(spec: ModelSpec, cluster: Cluster, work: Workload):
+    """Every plan the search prices."""
+    seqs = work.sequences
+    for tp in _divisors(cluster.gpus_per_node):
+        if work.gpus % tp or spec.heads % tp or (spec.kv_heads % tp and tp % spec.kv_heads):
+            continue
+        for pp in _divisors(work.gpus // tp):
+            if pp > spec.layers:
+                continue
+            dp = work.gpus // (tp * pp)
+            if seqs % dp:
+                continue
+            for b in MICRO_BATCHES:
+                if (seqs // dp) % b:
+                    continue
+                nmicros = seqs // (dp * b)
+                for v in VIRTUAL:
+                    # interleaving: more than one stage per GPU, nmicros a multiple of pp (Megatron-LM's rule)
+                    if v > 1 and (pp == 1 or pp * v > spec.layers or nmicros % pp):
+                        continue
+                    for zero in ((0, 1) if dp > 1 else (0,)):
+                        for recompute in (False, True):
+                            yield Plan(tp, pp, dp, zero, b, recompute, v)
+
+
+def why_lost(loser: Estimate, best: Estimate, cluster: Cluster) -> str:
+    """The reason `loser` is not the plan: memory, or the part of its step that grew most."""
+    if not loser.fits:
+        return (f"memory: needs {loser.memory_gb:.1f} GB, {cluster.gpu.memory_gb * USABLE_MEMORY:.1f} GB usable "
+                f"per GPU")
+    deltas = {"bubble": loser.bubble_s - best.bubble_s,
+              "communication": loser.comm_s - best.comm_s,
+              "compute": (loser.compute_s + loser.optimizer_s) - (best.compute_s + best.optimizer_s)}
+    part, delta = max(deltas.items(), key=lambda kv: kv[1])
+    if delta <= 0:
+        return "ties the chosen plan"
+    detail = {"compute": " (recomputation, smaller matmuls)" if loser.plan.recompute or loser.plan.tp != best.plan.tp
+              else ""}.get(part, "")
+    return f"{part}: +{delta:.3g} s{detail}" if delta >= 1 else f"{part}: +{delta * 1e3:.3g} ms{detail}"
+
+
+def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
+           fixed: Optional[dict] = None) -> SearchResult:
+    """The fastest plan that fits; `fixed` pins plan fields (e.g. ``{"tp": 8, "pp": 16}``)."""
+    start = time.perf_counter()
+    _check_workload(spec, cluster, work)
+    best_fit: Optional[Estimate] = None
+    smallest: Optional[Estimate] = None
+    family_best = {}
+    n = 0
+    for plan in candidates(spec, cluster, work):
+        if fixed and any(getattr(plan, k) != v for k, v in fixed.items()):
+            continue
+        est = estimate_plan(spec, cluster, work, plan)
+        n += 1
+        if smallest is None or est.memory_bytes < smallest.memory_bytes:
+            smallest = est
+        if est.fits and (best_fit is None or est.step_s < best_fit.step_s):
+            best_fit = est
+        key = (plan.tp, plan.pp)
+        old = family_best.get(key)
+        if old is None or (est.fits, -est.step_s) > (old.fits, -old.step_s):
+            family_best[key] = est
+    if smallest is None:
+        raise NoPlanFitsCluster(f"no plan splits this model over {work.gpus} GPUs (tensor parallel must divide "
+                                f"the {spec.heads} heads and fit in a node of {cluster.gpus_per_node}, the data-parallel "
+                                f"degree must divide the {work.sequences} sequences of a step"
+                                + (f", and the fixed {fixed}" if fixed else "") + "); change --gpus or "
+                                f"--global-batch-tokens")
+    if best_fit is None:
+        raise NoPlanFitsCluster(f"no plan fits {cluster.gpu.memory_gb:g} GB per GPU ({USABLE_MEMORY:.0%} usable): "
+                                f"the smallest, {smallest.plan.describe()}, needs {smallest.memory_gb:.1f} GB; use "
+                                f"more GPUs, GPUs with more memory, or a shorter --seq-len")
+    others = sorted((e for k, e in family_best.items() if k != (best_fit.plan.tp, best_fit.plan.pp)),
+                    key=lambda e: (not e.fits, e.step_s))[:top]
+    return SearchResult(best_fit, [(e, why_lost(e, best_fit, cluster)) for e in others], n,
+                        time.perf_counter() - start)
+
+
+def _check_workload(spec: ModelSpec, cluster: Cluster, work: Workload) -> None:
+    for name, value in (("--gpus", work.gpus), ("--seq-len", work.seq), ("--global-batch-tokens", work.global_batch_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+    if work.global_batch_tokens % work.seq:
+        raise ConfigError(f"--global-batch-tokens ({work.global_batch_tokens}) must be a multiple of --seq-len "
+                          f"({work.seq}): a step is whole sequences")
+    if work.gpus > cluster.gpus_per_node and work.gpus % cluster.gpus_per_node:
+        raise ConfigError(f"--gpus ({work.gpus}) must fill whole nodes of {cluster.gpus_per_node} "
+                          f"(gpus_per_node of {cluster.source or cluster.name})")
