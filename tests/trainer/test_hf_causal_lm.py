@@ -79,6 +79,9 @@ def test_first_step_loss_from_pretrained_weights_and_merge_hf(tmp_path):
     trained = transformers.AutoModelForCausalLM.from_pretrained(out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer.vocab_size == VOCAB
+    prompt = tokenizer("The Trainer", return_tensors="pt")
+    generated = trained.generate(**prompt, max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, prompt["input_ids"].shape[1] + 3)
     changed = [n for n, p in trained.state_dict().items() if not torch.equal(p, ref.state_dict()[n])]
     assert "model.embed_tokens.weight" in changed and len(changed) == len(ref.state_dict())  # one AdamW step
 
