@@ -22,6 +22,7 @@ from .checksums import bytes_record
 from .errors import CheckpointError
 from .extra import join_extra
 from .names import MANIFEST, MERGED_INDEX, MERGED_OPTIMIZER, MERGED_RNG
+from .records import FileRecord, Manifest
 
 __all__ = ["EXTRA_KEY", "HFRecord", "read_hf_record", "hf_plan", "write_hf_files"]
 
@@ -78,36 +79,19 @@ class HFRecord:
                    generation_config=data.get("generation_config"), tokenizer=files)
 
 
-def _rank_extras(manifest):
-    """(file, extra JSON, tensor key prefix) of each saving rank; a manifest given as its JSON dict
-    or as typed records."""
-    ranks = manifest.get("ranks") if isinstance(manifest, Mapping) else manifest.ranks
-    for info in ranks or []:
-        if isinstance(info, Mapping):
-            yield info["file"], info.get("extra"), info.get("prefix") or ""
-        else:
-            yield info.file, info.extra, info.prefix or ""
-
-
-def read_hf_record(source, manifest) -> HFRecord:
+def read_hf_record(source, manifest: Manifest) -> HFRecord:
     """The HFRecord a checkpoint holds (the first rank that stored one, with its tokenizer files);
     a CheckpointError saying what to do when it holds none. `source`: the open `Sources`."""
-    for file, extra, prefix in _rank_extras(manifest):
-        if not isinstance(extra, Mapping) or EXTRA_KEY not in extra:
+    for info in manifest.ranks:
+        if not isinstance(info.extra, Mapping) or EXTRA_KEY not in info.extra:
             continue
-        # a merged source keeps each rank's tensors under its prefix (rank-0000r/)
-        data = join_extra(extra[EXTRA_KEY], lambda key, f=file, p=prefix: _read(source, f, p + key))
+        prefix = info.prefix or ""  # a merged source keeps each rank's tensors under rank-0000r/
+        data = join_extra(info.extra[EXTRA_KEY], lambda key: source.read_key(info.file, prefix + key))
         return HFRecord.from_extra(data)
     raise CheckpointError(f"{source.root}: the checkpoint records no Hugging Face config (extra[{EXTRA_KEY!r}]), so "
                           f"--hf cannot write config.json: train with model.type nnscaler.trainer.hf.CausalLM (or "
                           f"store nnscaler.ckpt.HFRecord(...).to_extra() in the checkpoint's extra under "
                           f"HF_EXTRA_KEY), or merge without --hf")
-
-
-def _read(source, file: str, key: str) -> torch.Tensor:
-    if hasattr(source, "read_key"):
-        return source.read_key(file, key)
-    return source.read({"file": file, "key": key})
 
 
 def hf_plan(plan: List[tuple], record: HFRecord) -> List[tuple]:
@@ -133,7 +117,7 @@ def hf_plan(plan: List[tuple], record: HFRecord) -> List[tuple]:
     return out
 
 
-def write_hf_files(stage, record: HFRecord, dtypes: List[str]) -> Dict[str, Any]:
+def write_hf_files(stage, record: HFRecord, dtypes: List[str]) -> Dict[str, FileRecord]:
     """config.json (its ``dtype`` set to the weights' when they all have one), the generation
     config and the tokenizer files into the staging directory; returns their manifest records."""
     config = json.loads(record.config)
