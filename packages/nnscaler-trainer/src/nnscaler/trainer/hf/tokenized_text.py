@@ -28,7 +28,8 @@ def _files(paths: Union[str, Sequence[str]], key: str) -> List[str]:
         found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not found or not all(os.path.isfile(f) for f in found):
             raise TrainerConfigError(key, f"{pattern!r} matches no file (resolved from {os.getcwd()}): give local "
-                                          f".txt, .jsonl or .parquet files (a glob such as docs/*.md works)")
+                                          f".txt/.md, .jsonl or .parquet files or a glob, relative to the working "
+                                          f"directory (or absolute)")
         out += found
     kinds = {_BUILDERS.get(os.path.splitext(f)[1].lower()) for f in out}
     if None in kinds or len(kinds) != 1:
