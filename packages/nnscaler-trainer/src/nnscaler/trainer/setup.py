@@ -36,8 +36,28 @@ def init_distributed(world_size: int, timeout_s: float = 600) -> bool:
                            f"torchrun: run `nnscaler train --nproc {world_size} -f CONFIG` or "
                            f"`torchrun --nproc_per_node {world_size} -m nnscaler.trainer -f CONFIG`")
     from nnscaler.runtime import default_backend
-    dist.init_process_group(default_backend(), timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = _restart_store(timeout)
+    if store is None:
+        dist.init_process_group(default_backend(), timeout=timeout)
+    else:
+        dist.init_process_group(default_backend(), timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     return True
+
+
+def _restart_store(timeout: timedelta):
+    """Under torchrun's agent, a view of its store whose keys belong to this restart alone, or
+    None (no agent store: env:// as usual). The agent keeps one store across restarts
+    (``--max-restarts``), where the processes of an earlier attempt left their keys (their gloo
+    addresses, nnscaler's failure notices): the new processes would read those and connect to
+    the dead ones."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"nnscaler/restart_{restart}/", store)
 
 
 def seed_everything(seed: int) -> None:

@@ -25,7 +25,8 @@ class _PassThroughGroup(typer.core.TyperGroup):
         return ctx.invoke(self.callback, **ctx.params)
 
     def format_usage(self, ctx, formatter):
-        formatter.write_usage(ctx.command_path, "-f CONFIG.yaml [--nproc N] [--print-config] [--key value ...]")
+        formatter.write_usage(ctx.command_path,
+                              "-f CONFIG.yaml [--nproc N] [--max_restarts N] [--print-config] [--key value ...]")
 
 
 def _make(run_mode: str, help_text: str) -> typer.Typer:
@@ -50,7 +51,17 @@ _OPTIONS = """
   --nproc N           start N local processes (torch.distributed.run); without it, run in this
                       process (one process, or under torchrun)
 
+  --max_restarts N    restart the workers up to N times after a failure
+                      (torch's elastic agent, as torchrun --max-restarts;
+                      implies --nproc); each restart resumes from
+                      checkpoint.resume_from: auto. Under torchrun, give
+                      torchrun --max-restarts N instead
+
   --print-config      print the resolved config as YAML and exit
+
+  SIGTERM             (to this command or to every worker) the workers
+                      finish the step, commit a checkpoint and exit; exit
+                      code 143 when this command got it, else 0
 
   --a.b.c VALUE       override a key (also --a.b.c=VALUE, list items --log.0.type X, --a.b! removes)
 """

@@ -1,28 +1,45 @@
 """The command's body: validate the config (and what it says about the disk, `prechecks`) before
 any process starts, print it, or run (in this process under torchrun, or on ``--nproc N`` local
-processes started through torch's own launcher, ``torch.distributed.run``)."""
+processes started through torch's own launcher, ``torch.distributed.run``, which restarts them
+up to ``--max_restarts N`` times after a failure).
+
+Exit codes: 0 finished (or stopped by a preemption signal the workers received: they committed a
+checkpoint), 1 failed, 2 a bad config, `PREEMPTED_EXIT` (143) the launcher itself received SIGTERM
+(it forwards it; the workers finish their step, commit a checkpoint and exit)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..config.argv import split_argv
 from ..config.loading import dump_yaml
 from ..config.trainer_args import TrainerArgs
 from ..errors import NnScalerError, TrainerConfigError
 
-__all__ = ["main"]
+__all__ = ["main", "PREEMPTED_EXIT"]
+
+PREEMPTED_EXIT = 128 + signal.SIGTERM  # 143: what a shell reports for a process SIGTERM ended
 
 
-def _launch(nproc: int, argv: List[str]) -> int:
-    """``torchrun --nproc_per_node N -m nnscaler.trainer ARGV`` (standalone rendezvous)."""
+def _launch(nproc: int, argv: List[str], max_restarts: int = 0) -> int:
+    """``torchrun --nproc_per_node N --max-restarts R -m nnscaler.trainer ARGV`` (standalone
+    rendezvous). Torch's agent forwards SIGTERM to the workers and gives them
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (30 by default) before it kills them."""
     from torch.distributed import run as torchrun
-    args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "nnscaler.trainer", *argv]
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "nnscaler.trainer",
+            *argv]
     threads = max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # each rank: cores // ranks threads
     try:
         torchrun.main(args)
+    except SignalException as e:  # the agent forwarded it and waited for the workers
+        name = signal.Signals(e.sigval).name if isinstance(e.sigval, int) else str(e.sigval)
+        print(f"nnscaler: stopped by {name}: the workers finished their step and committed a checkpoint (their "
+              f"output says the step); the same command with checkpoint.resume_from: auto continues", file=sys.stderr)
+        return PREEMPTED_EXIT if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
     except Exception as e:  # the workers' failure; their own output said why
         print(f"nnscaler: training failed on a worker process ({type(e).__name__}); see the worker output above",
               file=sys.stderr)
@@ -30,30 +47,67 @@ def _launch(nproc: int, argv: List[str]) -> int:
     return 0
 
 
-def _without_nproc(argv: List[str]) -> List[str]:
+def _without_option(argv: List[str], name: str) -> List[str]:
+    """`argv` without ``name VALUE`` / ``name=VALUE``."""
     out, skip = [], False
     for token in argv:
         if skip:
             skip = False
             continue
-        if token == "--nproc":
+        if token == name:
             skip = True
             continue
-        if token.startswith("--nproc="):
+        if token.startswith(name + "="):
             continue
         out.append(token)
     return out
+
+
+def _without_nproc(argv: List[str]) -> List[str]:
+    return _without_option(argv, "--nproc")
+
+
+def _max_restarts(argv: List[str]) -> Tuple[Optional[int], List[str]]:
+    """``--max_restarts N`` (or ``--max-restarts``) out of `argv`: (N or None, the rest)."""
+    value: Optional[str] = None
+    rest = list(argv)
+    for name in ("--max_restarts", "--max-restarts"):
+        for i, token in enumerate(rest):
+            if token == name:
+                if i + 1 >= len(rest):
+                    raise TrainerConfigError("", f"{name} needs a value (restarts after a failure, e.g. {name} 3)")
+                value = rest[i + 1]
+            elif token.startswith(name + "="):
+                value = token.partition("=")[2]
+        rest = _without_option(rest, name)
+    if value is None:
+        return None, rest
+    if not value.isdigit():
+        raise TrainerConfigError("", f"--max_restarts must be a non-negative integer, got {value!r}")
+    return int(value), rest
 
 
 def main(argv: Optional[List[str]] = None, run_mode: Optional[str] = None) -> int:
     """Run the trainer command line; returns the exit code. Errors are one line on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        max_restarts, argv = _max_restarts(argv)
+        if max_restarts is not None and "RANK" in os.environ:
+            raise TrainerConfigError("", "--max_restarts restarts the processes `nnscaler train` starts itself; under "
+                                         "torchrun give torchrun --max-restarts N instead (its agent restarts them)")
         parsed = split_argv(argv)
         args = TrainerArgs.from_argv(argv, run_mode)
         if parsed.print_config:
             sys.stdout.write(dump_yaml(args.to_dict()))
             return 0
+        if max_restarts is not None and parsed.nproc is None:  # restarts need torch's agent: it starts them
+            parsed.nproc = args.compute_config.runtime_ngpus
+        ckpt = args.checkpoint
+        if max_restarts and not ckpt.no_save and ckpt.resume_from not in ("auto", "last"):
+            raise TrainerConfigError("checkpoint.resume_from",
+                                     f"is {ckpt.resume_from!r} but --max_restarts {max_restarts} restarts the workers "
+                                     f"with this config: set it to auto (--checkpoint.resume_from auto) so that "
+                                     f"each restart resumes from the newest checkpoint")
         launcher = parsed.nproc is not None and "RANK" not in os.environ
         if launcher and parsed.nproc != args.compute_config.runtime_ngpus:
             raise TrainerConfigError("compute_config.runtime_ngpus",
@@ -69,7 +123,7 @@ def main(argv: Optional[List[str]] = None, run_mode: Optional[str] = None) -> in
         if launcher:
             if args.run_mode == "run" or args.broadcast_strategy != "none":
                 forwarded = _without_nproc(argv) + ([f"--run_mode={run_mode}"] if run_mode else [])
-                return _launch(parsed.nproc, forwarded)
+                return _launch(parsed.nproc, forwarded, max_restarts or 0)
         if "RANK" in os.environ:
             threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             import torch

@@ -1,0 +1,69 @@
+"""docs/fault-tolerance.md on real `nnscaler train --nproc 2` runs: a rank SIGKILLed at several
+points (one inside a checkpoint's commit) is restarted by ``--max_restarts`` and the run ends with
+the weights and step count of an uninterrupted run, bitwise; SIGTERM to one worker, then to the
+launcher, stops the run after the step in progress with a committed checkpoint and no traceback,
+and ``resume_from: auto`` finishes it bitwise. One uninterrupted run is the reference of both."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from loop_helpers import config
+from test_cli import nnscaler
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _cfg(tmp: Path, name: str = "cfg.yaml", **hook_args) -> str:
+    data = config(tmp, hook={"type": "fault_hooks.Faults", "args": hook_args}, max_train_steps=6, **{
+        "compute_config.runtime_ngpus": 2, "model.args.dropout": 0.1, "checkpoint.no_save": False,
+        "checkpoint.every_n_train_steps": 2, "checkpoint.resume_from": "auto"})
+    path = tmp / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _final(save_dir: Path):
+    """(step, {file: tensors}) of the newest checkpoint in save_dir."""
+    from nnscaler.trainer.checkpointing import checkpoint_state, resolve_resume
+    path = resolve_resume("auto", str(save_dir))
+    files = {f.name: load_file(str(f)) for f in sorted(Path(path).glob("*.safetensors"))}
+    assert files, path
+    return checkpoint_state(path)["step"], files
+
+
+def _assert_same(got, ref):
+    (step, files), (ref_step, ref_files) = got, ref
+    assert step == ref_step == 6
+    assert sorted(files) == sorted(ref_files)
+    for name, tensors in ref_files.items():
+        assert sorted(files[name]) == sorted(tensors), name
+        for key, value in tensors.items():
+            assert files[name][key].equal(value), f"{name}: {key}"  # bitwise
+
+
+def _steps_saved(save_dir: Path):
+    return sorted(p.name for p in save_dir.iterdir() if p.name[0].isdigit())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    r = nnscaler("train", "-f", _cfg(tmp), "--nproc", "2", cwd=tmp)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return _final(tmp / "ckpt")
+
+
+def test_killed_ranks_are_restarted_and_the_run_ends_bitwise(tmp_path, reference):
+    kills = [[0, "step_start", 1, 1],  # attempt 0: rank 1 before its first forward; nothing saved yet
+             [1, "in_save", 4, 0],     # attempt 1: rank 0 inside the commit of step 4 (files written)
+             [2, "step_end", 5, 1]]    # attempt 2: rank 1 after step 5's optimizer step
+    r = nnscaler("train", "-f", _cfg(tmp_path, kills=kills), "--max_restarts", "3", cwd=tmp_path, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    resumed = [line.split(" at ")[1] for line in r.stdout.splitlines() if line.startswith("resumed from ")]
+    assert resumed == ["epoch 0, step 2", "epoch 0, step 4"]  # attempt 1 started afresh
+    assert _steps_saved(tmp_path / "ckpt") == ["0000-0002", "0000-0004", "0001-0006"]
+    _assert_same(_final(tmp_path / "ckpt"), reference)
