@@ -48,6 +48,24 @@ def test_loss_is_transformers_own_with_padding_ignored(tmp_path):
             ref(input_ids=ids, labels=labels).loss.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "gpt2"])
+def test_other_architectures_give_their_own_loss(tmp_path, kind):
+    small = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4)
+    config = {"qwen2": lambda: transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_key_value_heads=2,
+                                                        **small),
+              "mistral": lambda: transformers.MistralConfig(hidden_size=32, intermediate_size=64,
+                                                            num_key_value_heads=2, **small),
+              "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4)}[kind]()
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / kind)
+    model = CausalLM(config=str(tmp_path / kind), from_pretrained=str(tmp_path / kind)).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / kind).eval()
+    assert type(model.model) is type(ref)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model({"input_ids": ids}) == pytest.approx(ref(input_ids=ids, labels=ids).loss.item(), rel=1e-6)
+
+
 def test_first_step_loss_from_pretrained_weights_and_merge_hf(tmp_path):
     folder = tiny_llama(tmp_path / "pre")
     text = tmp_path / "text.txt"
