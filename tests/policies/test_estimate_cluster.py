@@ -74,12 +74,30 @@ def test_bad_files(tmp_path):
         load_cluster(str(write(tmp_path, "- 1\n- 2\n")))
 
 
-def test_local_is_measured_from_what_autodist_measures():
-    comm = {"backend": "given", "collectives": {"all_reduce": {"2": [2e-4, 1e9]}}}
-    c = local_cluster(comm=comm)
+COMM = {"backend": "given", "collectives": {"all_reduce": {"2": [2e-4, 1e9]}}}
+
+
+@pytest.fixture
+def keep_threads():
+    import torch
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_local_is_measured_from_what_autodist_measures(keep_threads):
+    c = local_cluster(comm=COMM, threads=1)
     assert c.gpu.dtype == "fp32" and c.gpu.bf16_tflops > 0 and c.gpu.memory_gbps > 0 and c.gpu.memory_gb > 0
     # the 2-rank all-reduce line (2e-4 s + wire / 1 GB/s) read back as a ring: two latency steps
     assert c.intra_node.latency_us == pytest.approx(100.0)
     assert c.intra_node.gbps == pytest.approx(1.0, rel=1e-6)
     assert c.efficiency == {"matmul": 1.0, "memory": 1.0} and c.op_overhead_us == 10.0
     assert resolve_cluster("h200").gpu.memory_gb == 141
+
+
+@pytest.mark.multiprocess
+def test_local_peak_is_measured_beside_the_other_ranks(keep_threads):
+    import multiprocessing
+    c = local_cluster(comm=COMM, ranks=2, threads=1)  # one peer process runs the same matmul meanwhile
+    assert c.gpu.bf16_tflops > 0 and '"ranks": 2' in c.source and c.gpus_per_node >= 2
+    assert not multiprocessing.active_children()  # the peer is gone

@@ -46,7 +46,7 @@ def estimate(model_config: Path = typer.Option(..., "--model-config", help="A Hu
     """Plan a cluster you do not have: predicted step time, memory and MFU of the best plan."""
     try:
         spec = ModelSpec.from_hf_config(model_config)
-        described = resolve_cluster(cluster)
+        described = resolve_cluster(cluster, gpus)
         work = Workload(gpus, seq_len, global_batch_tokens)
         result = search(spec, described, work, top=top)
         data = result_json(result, spec, described, work)
