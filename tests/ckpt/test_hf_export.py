@@ -111,6 +111,14 @@ def test_overwrite_replaces_an_earlier_hf_merge(tmp_path):
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf") is not None
 
 
+def test_a_merged_checkpoint_merges_with_hf_too(tmp_path):
+    model = tiny("llama")
+    merged = merge(saved(tmp_path, model, record(model)), tmp_path / "merged")
+    out = merge(merged, tmp_path / "hf", hf=True)
+    assert stored_keys(out) == {n for n in model.state_dict() if n != "lm_head.weight"}
+    assert (out / "tokenizer.json").read_bytes() == TOKENIZER["tokenizer.json"]
+
+
 def test_cli_hf_flag(tmp_path):
     model = tiny("gpt2")
     ck = saved(tmp_path, model, record(model))
