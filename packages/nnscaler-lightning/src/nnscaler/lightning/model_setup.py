@@ -1,29 +1,34 @@
 """Turning the LightningModule into its parallel self: tracing input, parallelize, conversion.
 
-After `convert(module, pm)`:
+After `convert(module, pm, device)`:
 - `module.nnscaler_pmodule` is this rank's ParallelModule (a registered submodule, so
   `module.parameters()`, `.train()` / `.eval()` and `.to()` reach it);
 - `module.forward` runs the parallel forward (outputs whole on every rank of a unit);
 - `module.log` / `log_dict` reduce `sync_dist=True` values over the ranks that hold different
   data (one per data-parallel unit), not over the ranks of a unit, which hold the same value;
 - every top-level attribute that held traced parameters or buffers is ``None``;
-- (`guard_parameters`, after the module is on its device) a trainable parameter the module held
-  directly, or one the parallel module does not hold, is an `OutsideForwardParameter`: using it
-  with grad enabled is an error naming it (param_guard.py).
+- a trainable parameter the module held directly, or one the parallel module does not hold, is
+  an `OutsideForwardParameter`: using it with grad enabled is an error naming it (param_guard.py).
+`forward` and `log` are rewritten as instance attributes, which shadow the class's methods for
+this object only (``self(x)`` and Lightning's own calls reach them); the seed asks for both, and
+neither torch nor Lightning has a hook that replaces a module's forward or sets the group of
+``log``. What `convert` did is a `Conversion`, kept by the strategy.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
-from typing import Any, Dict, List
+from typing import Any, Dict, Tuple
 
 import torch
 from torch.utils.data import DataLoader
 
 from .errors import NnScalerLightningError
+from .internals import first_dataloader
 from .param_guard import guard_direct_parameters, guard_untraced_parameters
 
-__all__ = ["PMODULE_ATTR", "dummy_forward_args", "convert", "guard_parameters", "pmodule_of", "removed_module_hint"]
+__all__ = ["PMODULE_ATTR", "Conversion", "dummy_forward_args", "convert", "pmodule_of", "removed_module_hint"]
 
 PMODULE_ATTR = "nnscaler_pmodule"
 
@@ -38,25 +43,19 @@ def pmodule_of(module: torch.nn.Module):
 
 def _first_batch(trainer) -> Any:
     """The first batch of the training data (else validation, test, predict), with num_workers=0."""
-    sources = [getattr(trainer, "fit_loop", None)]
-    for loop in ("validate_loop", "test_loop", "predict_loop"):
-        sources.append(getattr(trainer, loop, None))
-    for loop in sources:
-        source = getattr(loop, "_data_source", None)
-        if source is None or not source.is_defined():
-            continue
-        loader = source.dataloader()
-        if isinstance(loader, (list, tuple)) and loader:
-            loader = loader[0]
-        if isinstance(loader, dict) and loader:
-            loader = next(iter(loader.values()))
-        if isinstance(loader, DataLoader) and loader.num_workers:
-            loader = DataLoader(loader.dataset, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
-                                num_workers=0)
-        return next(iter(loader))
-    raise NnScalerLightningError(
-        "dummy_forward_args_fn needs a batch but the Trainer has no dataloader: pass one to trainer.fit / "
-        "validate / test, or give the LightningModule a dummy_forward_args property instead")
+    loader = first_dataloader(trainer)
+    if isinstance(loader, (list, tuple)) and loader:
+        loader = loader[0]
+    if isinstance(loader, dict) and loader:
+        loader = next(iter(loader.values()))
+    if loader is None:
+        raise NnScalerLightningError(
+            "dummy_forward_args_fn needs a batch but the Trainer has no dataloader: pass one to trainer.fit / "
+            "validate / test, or give the LightningModule a dummy_forward_args property instead")
+    if isinstance(loader, DataLoader) and loader.num_workers:
+        loader = DataLoader(loader.dataset, batch_size=loader.batch_size, collate_fn=loader.collate_fn,
+                            num_workers=0)
+    return next(iter(loader))
 
 
 def dummy_forward_args(module: torch.nn.Module, trainer, strategy) -> Dict[str, Any]:
@@ -85,28 +84,45 @@ def dummy_forward_args(module: torch.nn.Module, trainer, strategy) -> Dict[str, 
     return args
 
 
-def _top_level_names(pm) -> List[str]:
+def _top_level_names(pm) -> Tuple[str, ...]:
     names = {entry.full_name.split(".")[0] for entry in pm.fullmap.values()}
     names.update(full.split(".")[0] for full in pm.full_aliases)
-    return sorted(names)
+    return tuple(sorted(names))
 
 
-def convert(module: torch.nn.Module, pm: torch.nn.Module) -> List[str]:
-    """Put `pm` into `module` and rewrite forward and log (see the module docstring). Returns the
-    attributes set to None."""
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """What `convert` did to a LightningModule: `removed`, its top-level attributes now None (the
+    traced modules; `removed_module_hint` names them); `guarded`, those that held a trainable
+    parameter directly and now hold an `OutsideForwardParameter`."""
+    removed: Tuple[str, ...]
+    guarded: Tuple[str, ...]
+
+
+def convert(module: torch.nn.Module, pm: torch.nn.Module, device: torch.device) -> Conversion:
+    """Put `pm` into `module`, rewrite forward and log, move `module` to `device` and guard the
+    parameters used outside forward (see the module docstring)."""
     removed = [n for n in _top_level_names(pm) if n != PMODULE_ATTR and hasattr(module, n)]
-    direct = {n: module._parameters.get(n) for n in removed}
-    module.__dict__["_nnscaler_direct"] = {n: p for n, p in direct.items() if p is not None and p.requires_grad}
+    own = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+    direct: Dict[str, torch.nn.Parameter] = {n: own[n] for n in removed if n in own and own[n].requires_grad}
     for attr in removed:
         setattr(module, attr, None)
     setattr(module, PMODULE_ATTR, pm)
-    module.__dict__["_nnscaler_removed"] = tuple(removed)
+    _rewrite_forward_and_log(module, pm.grid.sync_group)
+    module.to(device)
+    guarded = guard_direct_parameters(module, direct, pm, type(module).__name__)
+    guard_untraced_parameters(module, removed, type(module).__name__)
+    return Conversion(tuple(n for n in removed if n not in guarded), tuple(guarded))
+
+
+def _rewrite_forward_and_log(module: torch.nn.Module, group) -> None:
+    """``module.forward`` runs the parallel module; ``module.log(..., sync_dist=True)`` without a
+    ``sync_dist_group`` reduces over `group` (one rank per data-parallel unit: the ranks that see
+    different data). `log_dict` calls `log`."""
 
     def forward(self, *args, **kwargs):
         return getattr(self, PMODULE_ATTR)(*args, **kwargs)
 
-    module.forward = types.MethodType(forward, module)
-    group = pm.grid.sync_group  # one rank per data-parallel unit: the ranks that see different data
     original_log = module.log
 
     def log(self, *args, **kwargs):
@@ -114,26 +130,18 @@ def convert(module: torch.nn.Module, pm: torch.nn.Module) -> List[str]:
             kwargs["sync_dist_group"] = group
         return original_log(*args, **kwargs)
 
+    module.forward = types.MethodType(forward, module)
     module.log = types.MethodType(log, module)
-    return removed
-
-
-def guard_parameters(module: torch.nn.Module, pm: torch.nn.Module) -> None:
-    """After `convert` and the move to the device: the guards of param_guard.py."""
-    removed = module.__dict__["_nnscaler_removed"]
-    direct = guard_direct_parameters(module, list(removed), pm, type(module).__name__)
-    module.__dict__["_nnscaler_removed"] = tuple(n for n in removed if n not in direct)
-    guard_untraced_parameters(module, list(removed), type(module).__name__)
 
 
 @contextlib.contextmanager
-def removed_module_hint(module, hook: str):
+def removed_module_hint(module, conversion: "Conversion | None", hook: str):
     """Turn the TypeError / AttributeError of using a traced module (now None) outside forward
     into an error naming the attribute and the rule."""
     try:
         yield
     except (TypeError, AttributeError) as exc:
-        removed = getattr(module, "_nnscaler_removed", ())
+        removed = conversion.removed if conversion is not None else ()
         if not removed or "NoneType" not in str(exc):
             raise
         names = ", ".join(f"self.{n}" for n in removed)

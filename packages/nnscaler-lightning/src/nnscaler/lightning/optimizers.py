@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from nnscaler.runtime import build_optimizer, mix_into, offload_optimizer, rewrap_scheduler_step
 
 from .errors import NnScalerLightningError
+from .internals import init_optimizers_and_lr_schedulers
 
 __all__ = ["user_optimizer", "check_optimizer", "rebuild"]
 
@@ -23,7 +23,7 @@ __all__ = ["user_optimizer", "check_optimizer", "rebuild"]
 def user_optimizer(module: torch.nn.Module) -> Tuple[Any, List[Any]]:
     """(optimizer or None, lr scheduler configs) from ``module.configure_optimizers()``, checked."""
     name = type(module).__name__
-    optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+    optimizers, schedulers = init_optimizers_and_lr_schedulers(module)
     if len(optimizers) > 1:
         raise NnScalerLightningError(
             f"{name}.configure_optimizers returned {len(optimizers)} optimizers; NnScalerStrategy supports one "

@@ -11,7 +11,7 @@ A trainable parameter the parallel module does not hold at all is guarded the sa
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -67,27 +67,24 @@ def _guard(value: torch.Tensor, where: str, partitioned: bool) -> OutsideForward
     return guard
 
 
-def guard_direct_parameters(module: torch.nn.Module, names: List[str], pm, owner: str) -> List[str]:
-    """Put guards (see the module docstring) where `module` held the traced parameters `names`
-    directly (the caller set them to None); returns the names guarded."""
+def guard_direct_parameters(module: torch.nn.Module, direct: Dict[str, torch.nn.Parameter], pm,
+                            owner: str) -> List[str]:
+    """Put guards (see the module docstring) where `module` held the traced trainable parameters
+    `direct` (by attribute; the caller set those attributes to None); returns the names guarded."""
     local = dict(pm.named_parameters())
     by_full = {e.full_name: (n, e) for n, e in pm.fullmap.items() if n in local}
     done = []
-    for name in names:
-        original = module.__dict__.get("_nnscaler_direct", {}).get(name)
-        if original is None:
-            continue
+    for name, original in direct.items():
         hit = by_full.get(name)
         whole = hit is not None and tuple(local[hit[0]].shape) == tuple(hit[1].full_shape) \
             and tuple(hit[1].value_split)[1:] in ((), (1,))
         value = local[hit[0]].detach() if whole else original.detach()
         setattr(module, name, _guard(value, f"{owner}.{name}", partitioned=not whole))
         done.append(name)
-    module.__dict__.pop("_nnscaler_direct", None)
     return done
 
 
-def guard_untraced_parameters(module: torch.nn.Module, traced_names: List[str], owner: str) -> List[str]:
+def guard_untraced_parameters(module: torch.nn.Module, traced_names: Sequence[str], owner: str) -> List[str]:
     """Replace `module`'s trainable parameters whose names are not under `traced_names` (top-level
     attributes, already None) by guards; returns their names."""
     guarded = []

@@ -7,10 +7,9 @@ from typing import Any, Dict, Tuple
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (_distributed_is_initialized,
-                                                    _get_default_process_group_backend_for_device,
-                                                    _init_dist_connection)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+from .internals import default_process_group_backend, distributed_is_initialized, init_dist_connection
 
 __all__ = ["ProcessLayout"]
 
@@ -38,9 +37,9 @@ class ProcessLayout:
 
     def _init_process_group(self, **kwargs: Any) -> None:
         """The default process group over every process (the strategy's backend, or the device's)."""
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **kwargs)
+        init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **kwargs)
 
     @property
     def root_device(self) -> torch.device:
@@ -70,11 +69,11 @@ class ProcessLayout:
                 "rank": self.global_rank // self.plan_ngpus}
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
+        if distributed_is_initialized():
             dist.barrier()
 
     def broadcast(self, obj, src: int = 0):
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)

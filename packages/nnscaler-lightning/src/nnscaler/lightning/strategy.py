@@ -6,7 +6,7 @@ Setup (on every rank, inside `Trainer.fit` / `validate` / `test` / `predict`):
 2. `configure_optimizers` on the user's module, checked (optimizers.py);
 3. `nnscaler.runtime.parallelize(module, dummy_forward_args, ...)`, then the module is converted:
    its forward is the parallel one, `log` reduces over the right group, the traced modules are
-   None (model_setup.py);
+   None (model_setup.py; the `Conversion` record is kept here);
 4. the optimizer is re-pointed at the parallel parameters (`build_optimizer`).
 FSDP-style arguments (`activation_checkpointing_policy`, `cpu_offload`, a model built in
 `configure_model`, also on the meta device) are translated by sharded_args.py (`cpu_offload`:
@@ -21,15 +21,13 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Literal, Optional, Union
+from typing import Any, Callable, Dict, Literal, Optional, Tuple, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from nnscaler.ir import ComputeConfig
@@ -37,7 +35,8 @@ from nnscaler.runtime import ReuseType, parallelize, sync_grad_when
 
 from .checkpoint_hooks import CheckpointHooks
 from .errors import NnScalerLightningError
-from .model_setup import convert, dummy_forward_args, guard_parameters, removed_module_hint
+from .internals import TrainerScriptLauncher, TrainerSpawnLauncher, sync_ddp_if_available
+from .model_setup import Conversion, convert, dummy_forward_args, removed_module_hint
 from .optimizers import rebuild, user_optimizer
 from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout
@@ -108,6 +107,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._pm = None
+        self._conversion: Optional[Conversion] = None
 
     # -- devices, ranks, processes ---------------------------------------------------------------
     @property
@@ -119,7 +119,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
-    _LAUNCHERS = (_SubprocessScriptLauncher, _MultiProcessingLauncher)  # ProcessLayout._configure_launcher
+    _LAUNCHERS = (TrainerScriptLauncher, TrainerSpawnLauncher)  # ProcessLayout._configure_launcher
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -149,7 +149,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
             materialize_meta(module, self.root_device)  # a model built in configure_model on the meta device
             module = self.precision_plugin.convert_module(module)
             self.model_to_device()
-            self._pm = self._parallelize(module, trainer)
+            self._pm, self._conversion = self._parallelize(module, trainer)
         if fitting and optimizer is not None:
             self.optimizers = [rebuild(optimizer, self._pm, offload_device(self.cpu_offload))]
             self.lr_scheduler_configs = schedulers
@@ -157,7 +157,8 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
             self.optimizers, self.lr_scheduler_configs = [], schedulers
         self.setup_precision_plugin()
 
-    def _parallelize(self, module, trainer):
+    def _parallelize(self, module, trainer) -> Tuple[Any, Conversion]:
+        """This rank's ParallelModule of `module`, and `module` converted around it (model_setup.py)."""
         cfg = self.compute_config or ComputeConfig(1, self.world_size)
         if cfg.runtime_ngpus != self.world_size:
             raise NnScalerLightningError(
@@ -174,27 +175,24 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
                              instance_name=self.instance_name, broadcast_strategy=self.broadcast_strategy)
         finally:
             module.train(was_training)
-        convert(module, pm)
         pm.train(was_training)
-        module.to(self.root_device)
-        guard_parameters(module, pm)
-        return pm
+        return pm, convert(module, pm, self.root_device)
 
     # -- steps: a traced module used outside forward gets a clear error ----------------------------
     def training_step(self, *args: Any, **kwargs: Any):
-        with removed_module_hint(self.lightning_module, "training_step"):
+        with removed_module_hint(self.lightning_module, self._conversion, "training_step"):
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
-        with removed_module_hint(self.lightning_module, "validation_step"):
+        with removed_module_hint(self.lightning_module, self._conversion, "validation_step"):
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
-        with removed_module_hint(self.lightning_module, "test_step"):
+        with removed_module_hint(self.lightning_module, self._conversion, "test_step"):
             return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
-        with removed_module_hint(self.lightning_module, "predict_step"):
+        with removed_module_hint(self.lightning_module, self._conversion, "predict_step"):
             return super().predict_step(*args, **kwargs)
 
     def model_to_device(self) -> None:
@@ -218,7 +216,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
     # -- collectives -----------------------------------------------------------------------------
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"):
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # -- registry, teardown ----------------------------------------------------------------------

@@ -19,16 +19,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from nnscaler.ir import ComputeConfig
 from nnscaler.runtime import ParallelModule, ReuseType, parallelize, sync_grad_when
 
 from .. import checkpoint as ckpt_io
 from ..process_layout import ProcessLayout
 from ..errors import NnScalerLightningError
+from ..internals import BackwardSyncControl, FabricScriptLauncher, FabricSpawnLauncher, sync_ddp_if_available
 from ..optimizers import check_optimizer, rebuild
 from ..precision import adopt_precision_plugin
 from ..sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, offload_device, recompute_config
@@ -38,7 +36,7 @@ from .precision import NnScalerPrecision
 __all__ = ["NnScalerStrategy"]
 
 
-class _NoSync(_BackwardSyncControl):
+class _NoSync(BackwardSyncControl):
     def no_backward_sync(self, module, enabled: bool):
         return sync_grad_when(False) if enabled else nullcontext()
 
@@ -81,7 +79,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
     def precision(self, plugin) -> None:
         self._precision = adopt_precision_plugin(plugin, NnScalerPrecision, "the nnscaler Fabric strategy", "Fabric")
 
-    _LAUNCHERS = (_SubprocessScriptLauncher, _MultiProcessingLauncher)  # ProcessLayout._configure_launcher
+    _LAUNCHERS = (FabricScriptLauncher, FabricSpawnLauncher)  # ProcessLayout._configure_launcher
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -147,7 +145,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
 
     # -- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor, group=None, reduce_op="mean"):
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) \
+        return sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) \
             else tensor
 
     # -- checkpoints -----------------------------------------------------------------------------
