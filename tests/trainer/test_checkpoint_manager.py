@@ -60,7 +60,8 @@ def fake_trainer(val_losses=(), train_loss=1.0, lr_scheduler=None, scheduler_arg
     losses = iter(val_losses)
     trainer = SimpleNamespace(state=TrainState(last_train_loss=train_loss), hooks=Hooks(), model=torch.nn.Linear(2, 2),
                               optimizer=None, lr_scheduler=lr_scheduler, precision=Precision(), world_size=1, rank=0,
-                              train_args=SimpleNamespace(lr_scheduler=SimpleNamespace(args=scheduler_args or {})))
+                              train_args=SimpleNamespace(lr_scheduler=SimpleNamespace(args=scheduler_args or {}),
+                                                         resolved_global_batch_size=8))
     trainer.validate = lambda: next(losses, None)
     return trainer
 
@@ -131,7 +132,7 @@ def test_the_schedule():
 
 
 def record(step=6, epoch=1, idx=2, world_size=1, lr_scheduler=None):
-    state = TrainState(epoch=epoch, idx_in_epoch=idx, step=step, best_val_loss=0.5).to_dict()
+    state = TrainState(epoch=epoch, idx_in_epoch=idx, samples_in_epoch=idx * 8, step=step, best_val_loss=0.5).to_dict()
     return {TRAINER_KEY: {"state": state, "world_size": world_size, "lr_scheduler": lr_scheduler, "precision": None},
             "mine": 1}
 
@@ -146,7 +147,7 @@ def test_resume_returns_what_the_trainer_applies_and_writes_nothing_into_it(tmp_
     resumed = manager.resume(trainer)
     assert isinstance(resumed, Resumed)
     assert resumed.path == os.path.realpath(tmp_path / "0001-0006")
-    assert resumed.state == TrainState(epoch=1, idx_in_epoch=2, step=6, best_val_loss=0.5)
+    assert resumed.state == TrainState(epoch=1, idx_in_epoch=2, samples_in_epoch=16, step=6, best_val_loss=0.5)
     assert resumed.extra["mine"] == 1 and resumed.rng is not None
     assert resumed.messages == (f"resumed from {resumed.path} at epoch 1, step 6",)
     assert trainer.state is fresh and fresh == TrainState(last_train_loss=1.0)  # the Trainer applies it

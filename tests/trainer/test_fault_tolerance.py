@@ -5,6 +5,11 @@ launcher, stops the run after the step in progress with a committed checkpoint a
 and ``resume_from: auto`` finishes it bitwise. One uninterrupted run is the reference of both."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from loop_helpers import config
-from test_cli import nnscaler
+from test_cli import env, nnscaler
 
 pytestmark = pytest.mark.multiprocess
 
@@ -66,4 +71,42 @@ def test_killed_ranks_are_restarted_and_the_run_ends_bitwise(tmp_path, reference
     resumed = [line.split(" at ")[1] for line in r.stdout.splitlines() if line.startswith("resumed from ")]
     assert resumed == ["epoch 0, step 2", "epoch 0, step 4"]  # attempt 1 started afresh
     assert _steps_saved(tmp_path / "ckpt") == ["0000-0002", "0000-0004", "0001-0006"]
+    _assert_same(_final(tmp_path / "ckpt"), reference)
+
+
+def _launch(cfg: str, cwd: Path) -> subprocess.Popen:
+    exe = os.path.join(os.path.dirname(sys.executable), "nnscaler")
+    return subprocess.Popen([exe, "train", "-f", cfg, "--nproc", "2"], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_stops_after_the_step_and_resume_is_bitwise(tmp_path, reference):
+    # one worker only (rank 1, at the end of step 1): both ranks stop after step 1 and save it
+    r = nnscaler("train", "-f", _cfg(tmp_path, "a.yaml", term_at=[1, 1]), "--nproc", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "preempted: stopped at step 1 (epoch 0)" in r.stdout
+    assert _steps_saved(tmp_path / "ckpt") == ["0000-0001"]
+
+    # the launcher, while step 3 runs: it forwards SIGTERM, the workers save step 3 and exit
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    proc = _launch(_cfg(tmp_path, "b.yaml", marker=[3, str(marker)]), tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not (marker / "step").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (marker / "step").exists(), "step 3 never ran"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, out[-3000:] + err[-3000:]
+    assert "Traceback" not in err and "preempted: stopped at step 3 (epoch 0)" in out
+    assert "nnscaler: stopped by SIGTERM" in err
+    assert _steps_saved(tmp_path / "ckpt") == ["0000-0001", "0000-0002", "0000-0003"]
+
+    r = nnscaler("train", "-f", _cfg(tmp_path, "c.yaml"), "--nproc", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     _assert_same(_final(tmp_path / "ckpt"), reference)

@@ -6,7 +6,9 @@ written: `nnscaler train` runs `check_paths` in the launcher, and `Trainer.run` 
 - a run that would start fresh (``resume_from`` unset, or ``last`` / ``best`` / ``auto`` finding
   nothing) into a save_dir that holds checkpoints is refused: one save_dir holds one run;
 - a run that resumes from step S into a save_dir holding a checkpoint of a later step is refused
-  (its steps would land beside that run's, and ``last`` would move back).
+  (its steps would land beside that run's, and ``last`` would move back);
+- a resume whose global batch size cannot start where the checkpoint stopped in its epoch is
+  refused (`data_position`: the samples read carry over, the steps are counted in this run's size).
 
 Every refusal is a `TrainerConfigError` naming the key, the directory and the choices.
 """
@@ -16,6 +18,7 @@ import os
 from typing import List, Optional
 
 from .checkpoints import checkpoint_state, checkpoint_step, list_checkpoints, resolve_resume
+from .data_position import resumed_step_in_epoch
 from .errors import TrainerConfigError
 
 __all__ = ["check_paths", "nothing_to_train"]
@@ -35,6 +38,7 @@ def check_paths(args) -> None:
     path = resolve_resume(ckpt.resume_from, ckpt.save_dir)
     if path is not None:
         _is_checkpoint(path)
+        _data_position_fits(args, path)
     if ckpt.no_save:
         return
     held = _held(ckpt.save_dir)
@@ -74,6 +78,15 @@ def nothing_to_train(args) -> Optional[str]:
         return None
     return (f"nothing to train: {path} is at step {step} and this run ends at {end}; nothing was written "
             f"(raise --max_train_steps or --max_epochs to train on)")
+
+
+def _data_position_fits(args, path: str) -> None:
+    """The resumed run's global batch size can continue from where the checkpoint stopped in its
+    epoch (`data_position`; raises TrainerConfigError naming the sizes that can)."""
+    state = checkpoint_state(path)
+    if state is not None:
+        resumed_step_in_epoch(state.get("samples_in_epoch"), state.get("idx_in_epoch", 0),
+                              args.resolved_global_batch_size, where=path)
 
 
 def _writable_dir(key: str, path: str) -> None:

@@ -20,6 +20,7 @@ class TrainState:
 
     epoch: int = 0
     idx_in_epoch: int = 0  # optimizer steps already taken in `epoch`
+    samples_in_epoch: int = 0  # samples all ranks together have read in `epoch` (data_position)
     step: int = 0  # optimizer steps taken in total
     best_val_loss: Optional[float] = None
     last_val_loss: Optional[float] = None

@@ -22,10 +22,12 @@ from . import setup as build
 from .checkpoints import CheckpointManager, ckpt_backend
 from .config.trainer_args import TrainerArgs
 from .config.values import build_args, instantiate, resolve_object
+from .data_position import samples_in_epoch, skip_per_rank
 from .errors import TrainerError
 from .hooks import HookChain, TrainHook
 from .loggers.console import ConsoleReporter
 from .metrics import TrainStepMetrics, ValMetrics
+from .preemption import PreemptionWatch
 from .state import TrainState
 from .step import aggregate, train_step, val_step
 
@@ -184,24 +186,29 @@ class Trainer:
         args = self.train_args
         self._resume()
         self.hooks.on_train_start(self)
-        while not self._finished():
-            epoch = self._start_epoch()
-            for idx, batches in self._step_batches():
-                if self._step_limit_reached():
-                    break
-                metrics, agg = self._train_step(epoch, idx, batches)
-                self._lr_step("step")
-                self._log_step(epoch, idx, metrics, agg)
-                val_loss = self._validate_if_due(self.state.step, args.val_every_n_train_steps)
-                if self.checkpoints.due_after_step(self.state.step):
+        with PreemptionWatch() as preemption:  # SIGTERM: stop after the step in progress
+            while not self._finished():
+                epoch = self._start_epoch()
+                for idx, batches in self._step_batches():
+                    if self._step_limit_reached():
+                        break
+                    metrics, agg = self._train_step(epoch, idx, batches)
+                    self._lr_step("step")
+                    self._log_step(epoch, idx, metrics, agg)
+                    val_loss = self._validate_if_due(self.state.step, args.val_every_n_train_steps)
+                    if self.checkpoints.due_after_step(self.state.step):
+                        self.save_checkpoint(val_loss)
+                    if preemption.requested():
+                        return self._stop_preempted()
+                if self._step_limit_reached() and self.state.idx_in_epoch < self.steps_per_epoch:
+                    break  # max_train_steps ended the run inside this epoch
+                self._end_epoch(epoch)
+                self._lr_step("epoch")
+                val_loss = self._validate_if_due(epoch + 1, args.val_every_n_epochs)
+                if self.checkpoints.due_after_epoch(epoch + 1):
                     self.save_checkpoint(val_loss)
-            if self._step_limit_reached() and self.state.idx_in_epoch < self.steps_per_epoch:
-                break  # max_train_steps ended the run inside this epoch
-            self._end_epoch(epoch)
-            self._lr_step("epoch")
-            val_loss = self._validate_if_due(epoch + 1, args.val_every_n_epochs)
-            if self.checkpoints.due_after_epoch(epoch + 1):
-                self.save_checkpoint(val_loss)
+                if preemption.requested():
+                    return self._stop_preempted()
         self.hooks.on_train_end(self)
         if self.checkpoints.due_at_end(self.state.step):
             self.save_checkpoint()  # the final state (nothing when this step is saved already)
@@ -221,6 +228,19 @@ class Trainer:
                 restore_rng_snapshot(resumed.rng, self.model)
         self.console.set_completed(self.state.step)
 
+    def _stop_preempted(self) -> None:
+        """Every rank got (or learnt of) a preemption signal: commit a checkpoint of the step just
+        taken (unless saved already) and say where training stopped; the run then ends normally."""
+        state = self.state
+        if self.checkpoints.due_at_end(state.step):
+            self.save_checkpoint()
+            saved = f"checkpoint {self.checkpoints.path_for(state.current_epoch, state.step)} committed; the same " \
+                    f"command with checkpoint.resume_from: auto continues"
+        else:
+            saved = "nothing saved (checkpoint.no_save)"
+        self.checkpoints.close()
+        self.console.line(f"preempted: stopped at step {state.step} (epoch {state.current_epoch}) on SIGTERM; {saved}")
+
     def _finished(self) -> bool:
         args = self.train_args
         return self._step_limit_reached() or (args.max_epochs is not None and self.state.epoch >= args.max_epochs)
@@ -233,7 +253,8 @@ class Trainer:
         epoch starts from its beginning. Returns the epoch."""
         args, epoch = self.train_args, self.state.epoch
         self.train_sampler.set_epoch(epoch)
-        self.train_sampler.skip(self.state.idx_in_epoch * args.update_freq * args.micro_batch_size)
+        done = samples_in_epoch(self.state.idx_in_epoch, args.resolved_global_batch_size)
+        self.train_sampler.skip(skip_per_rank(done, args.dp_size))  # on any dp: data_position
         self._generator.manual_seed((args.seed or 0) * 100003 + epoch)
         if self.state.idx_in_epoch == 0:
             self.hooks.on_epoch_start(self, epoch)
@@ -258,6 +279,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.state.step += 1
         self.state.idx_in_epoch = idx + 1
+        self.state.samples_in_epoch = samples_in_epoch(idx + 1, self.train_args.resolved_global_batch_size)
         self.state.last_train_loss = loss
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
         samples, tokens = self.train_args.resolved_global_batch_size, getattr(agg, "num_tokens", None)
@@ -282,7 +304,7 @@ class Trainer:
     def _end_epoch(self, epoch: int) -> None:
         """on_epoch_end; the data position moves to the next epoch's start."""
         self.hooks.on_epoch_end(self, epoch)
-        self.state.epoch, self.state.idx_in_epoch = epoch + 1, 0
+        self.state.epoch, self.state.idx_in_epoch, self.state.samples_in_epoch = epoch + 1, 0, 0
 
     def _validate_if_due(self, count: int, every: Optional[int]) -> Optional[float]:
         """The validation loss when `count` (steps or epochs) is a multiple of `every`, else None."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from nnscaler.ckpt import decode_extra, encode_extra, rng_snapshot
 
 from ..config.values import build_args
+from ..data_position import resumed_step_in_epoch, samples_in_epoch
 from ..errors import TrainerConfigWarning, TrainerError
 from ..state import TrainState
 from .layout import (CONFIG_FILE, POINTERS, TRAINER_KEY, checkpoint_name, checkpoint_step, ckpt_backend,
@@ -188,9 +189,12 @@ class CheckpointManager:
         record = extra.get(TRAINER_KEY)
         if isinstance(record, list):  # a merged checkpoint keeps every rank's extra
             record = record[0] if record else None
-        state, rng, changed = trainer.state, None, ""
+        state, rng, changed, moved = trainer.state, None, "", ""
         if record:
             state = TrainState.from_dict(record["state"])
+            state.idx_in_epoch, moved = _data_position(record["state"], trainer.train_args.resolved_global_batch_size,
+                                                       path)
+            state.samples_in_epoch = samples_in_epoch(state.idx_in_epoch, trainer.train_args.resolved_global_batch_size)
             if trainer.lr_scheduler is not None and record.get("lr_scheduler") is not None:
                 trainer.lr_scheduler.load_state_dict(decode_extra(record["lr_scheduler"]))
                 changed = _config_wins(trainer.lr_scheduler, trainer.train_args.lr_scheduler.args)
@@ -207,6 +211,8 @@ class CheckpointManager:
         messages = [f"resumed from {path} at epoch {state.epoch}, step {state.step}"]
         if changed:
             messages.append(f"lr_scheduler: {changed} (this run's config; the checkpoint had the former)")
+        if moved:
+            messages.append(moved)
         return Resumed(path, state, extra, rng, tuple(messages))
 
 
@@ -219,6 +225,19 @@ def _trainer_record(trainer, val_loss: Optional[float], best: Optional[float]) -
     return {"state": state, "world_size": trainer.world_size,
             "lr_scheduler": encode_extra(scheduler.state_dict()) if scheduler is not None else None,
             "precision": encode_extra(trainer.precision.state_dict())}
+
+
+def _data_position(saved: Dict[str, Any], global_batch_size: int, path: str) -> Tuple[int, str]:
+    """The step within the epoch this run continues from (`data_position`: the samples read
+    carry over, whatever the world size and global batch size), and a console line when it is not
+    the saved one (the global batch size changed)."""
+    idx = saved.get("idx_in_epoch", 0)
+    samples = saved.get("samples_in_epoch")
+    step = resumed_step_in_epoch(samples, idx, global_batch_size, where=path)
+    if step == idx:
+        return step, ""
+    return step, (f"data position: {samples} samples into epoch {saved.get('epoch', 0)}, step {step} of this run's "
+                  f"global batch of {global_batch_size} (the checkpoint's step {idx})")
 
 
 def _config_wins(scheduler, config_args: Dict[str, Any]) -> str:
