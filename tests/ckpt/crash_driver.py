@@ -6,6 +6,7 @@ checkpoint of the previous step; one of them SIGKILLs itself at its N-th file ev
 fsync, a mkdir, a rename), the driver then SIGKILLs the other. Prints a JSON report."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -118,5 +119,167 @@ def main(root, npoints, seed):
     print(json.dumps({"events": events, "results": results}))
 
 
+# -- asynchronous saves: the background processes are killed at their file events, or the ranks
+# (and with them their background processes) at moments of the save -------------------------------
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_WORKER_WITH_EVENTS = (  # async_save's worker, counting its file events and SIGKILLing itself at one
+    f"import atexit; sys.path.insert(0, {_HERE!r}); from crash_events import FileEvents; "
+    "from nnscaler.ckpt import safetensors_file; "
+    "ev = FileEvents(int(os.environ['CRASH_KILL_AT']), ((os, 'fsync'), (os, 'rename'), (os, 'replace'), "
+    "(os, 'mkdir'), (safetensors_file.SafetensorsWriter, '_emit'))); "
+    "atexit.register(lambda: open(os.environ['CRASH_EVENTS'], 'w').write(str(ev.count))); "
+    "from nnscaler.ckpt.save_worker import main; main(sys.argv[1:])")
+ASYNC_TIMEOUT = 3.0  # how long a background process waits for another's files once one was killed
+
+
+def _async_rank(rank, port, path, seed, kill_rank, kill_at, report_fd):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CRASH_KILL_AT=str(kill_at if rank == kill_rank
+                                                                                         else 0),
+                      CRASH_EVENTS=os.path.join(os.path.dirname(path), f".events-{rank}"))
+    import torch.distributed as dist
+    async_module = importlib.import_module("nnscaler.ckpt.async_save")  # the module, not the package's function
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    async_module._WORKER = async_module.PROLOGUE + _WORKER_WITH_EVENTS
+    module = FakeParallel(seed=seed)  # deduped: rank 0 stores the model, both ranks their RNG states
+    handle = ckpt.async_save(path, module, kind="deduped", overwrite=True, extra={"seed": seed},
+                             timeout=ASYNC_TIMEOUT if kill_at else 600)
+    os.write(report_fd, json.dumps({"rank": rank, "worker": async_module._SAVER.proc.pid}).encode() + b"\n")
+    with torch.no_grad():  # training goes on: the checkpoint holds the state at the call
+        module.fc_weight.mul_(0)
+    try:
+        handle.wait()
+        error = None
+    except ckpt.CheckpointError as e:
+        error = str(e)
+    committed = os.path.isfile(os.path.join(path, "manifest.json"))
+    async_module._SAVER.stop()
+    os.write(report_fd, json.dumps({"rank": rank, "error": error, "committed": committed}).encode() + b"\n")
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" in f.read()  # a zombie nobody reaps here: dead all the same
+    except FileNotFoundError:
+        return True
+
+
+def async_in_two_ranks(root, path, seed, kill_rank=-1, kill_at=0, kill_ranks_after=None, timeout=90.0):
+    """Fork two ranks that save asynchronously; their background processes SIGKILL themselves at
+    event `kill_at` of rank `kill_rank`, or both ranks are SIGKILLed `kill_ranks_after` seconds after
+    their calls returned. Returns (reports, events per rank, background processes left alive)."""
+    for r in (0, 1):
+        if os.path.exists(os.path.join(root, f".events-{r}")):
+            os.unlink(os.path.join(root, f".events-{r}"))
+    port = _free_port()
+    r, w = os.pipe()
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                _async_rank(rank, port, path, seed, kill_rank, kill_at, w)
+            except BaseException:  # noqa: BLE001 - shown in the driver's output
+                import traceback
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+        pids.append(pid)
+    os.close(w)
+    reports, buf, deadline, killed = [], b"", time.monotonic() + timeout, False
+    os.set_blocking(r, False)
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        try:
+            buf += os.read(r, 65536)
+        except BlockingIOError:
+            pass
+        *lines, buf = buf.split(b"\n")
+        reports += [json.loads(line) for line in lines if line]
+        for pid in list(alive):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                alive.discard(pid)
+        if kill_ranks_after is not None and not killed and sum("worker" in x for x in reports) == 2:
+            time.sleep(kill_ranks_after)
+            for pid in alive:
+                os.kill(pid, signal.SIGKILL)
+            killed = True
+        time.sleep(0.005)
+    for pid in alive:  # the deadline passed
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    try:
+        while True:
+            more = os.read(r, 65536)
+            if not more:
+                break
+            buf += more
+    except BlockingIOError:
+        pass
+    reports += [json.loads(line) for line in buf.split(b"\n") if line]
+    os.close(r)
+    workers = [x["worker"] for x in reports if "worker" in x]
+    end = time.monotonic() + 5
+    while not all(_gone(p) for p in workers) and time.monotonic() < end:
+        time.sleep(0.05)
+    events = {}
+    for rank in (0, 1):
+        f = os.path.join(root, f".events-{rank}")
+        if os.path.exists(f):
+            with open(f) as fh:
+                events[rank] = int(fh.read())
+            os.unlink(f)
+    return reports, events, [p for p in workers if not _gone(p)]
+
+
+def _check(root, path, previous, i, pm):
+    ckpt.verify(path)
+    found = ckpt.load(path, pm)["seed"]
+    ok = found in (previous, i) and torch.equal(pm.fc_weight, FakeParallel(seed=found).fc_weight)
+    leftovers = [n for n in os.listdir(root) if n != "ck"]
+    for n in leftovers:  # staging directories (and outcome files): never taken for a checkpoint
+        try:
+            ckpt.load(os.path.join(root, n), pm)
+            ok = False
+        except ckpt.CheckpointError:
+            pass
+        import shutil
+        shutil.rmtree(os.path.join(root, n)) if os.path.isdir(os.path.join(root, n)) else \
+            os.unlink(os.path.join(root, n))
+    return found, ok, len(leftovers)
+
+
+def main_async(root, npoints, seed):
+    torch.set_num_threads(1)
+    path = os.path.join(root, "ck")
+    reports, counted, _ = async_in_two_ranks(root, path, seed=0)  # the previous checkpoint; counts the events
+    assert [(x["error"], x["committed"]) for x in reports if "error" in x] == [(None, True)] * 2, reports
+    found, ok, leftovers = _check(root, path, 0, 0, FakeParallel(seed=99))
+    assert ok and not leftovers, (found, leftovers)  # the state at the call, nothing left beside it
+    rng = random.Random(seed)
+    candidates = [(r, n) for r in (0, 1) for n in range(1, counted[r] + 1)]
+    points = [("worker", p) for p in sorted(rng.sample(candidates, min(npoints, len(candidates))))]
+    points += [("ranks", 0.0), ("ranks", 0.3)]  # the training processes die: their background ones with them
+    results, previous = [], 0
+    for i, (what, point) in enumerate(points, 1):
+        if what == "worker":
+            reports, events, left = async_in_two_ranks(root, path, seed=i, kill_rank=point[0], kill_at=point[1])
+            killed = point[0] not in events  # a killed background process never wrote its count
+        else:
+            reports, events, left = async_in_two_ranks(root, path, seed=i, kill_ranks_after=point)
+            killed = not any("error" in x for x in reports)
+        found, ok, leftovers = _check(root, path, previous, i, FakeParallel(seed=99))
+        results.append({"what": what, "point": point, "killed": killed, "loaded_seed": found, "ok": ok,
+                        "leftovers": leftovers, "alive_after": left,
+                        "errors": [x["error"] for x in reports if x.get("error")]})
+        previous = found
+    print(json.dumps({"events": counted, "results": results}))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    (main_async if sys.argv[4:] == ["async"] else main)(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -45,6 +45,7 @@ class StagingDir:
     def __init__(self, dest, token: str, overwrite: bool = False):
         self.dest = Path(dest)
         self.overwrite = overwrite
+        self.token = token
         self.path = self.dest.parent / f"{staging_prefix(self.dest.name)}{token}"
 
     def create(self) -> "StagingDir":

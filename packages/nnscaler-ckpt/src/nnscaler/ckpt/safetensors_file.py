@@ -37,7 +37,8 @@ _BY_CODE = {code: dtype for dtype, code in DTYPES.items()}
 
 TensorSpec = Tuple[str, str, Tuple[int, ...]]  # (name, dtype code, shape)
 _CHUNK = 16 * 2**20  # bytes written (and hashed, overlapped) at a time
-_INFLIGHT = 4  # chunks written but not yet hashed, at most
+_INFLIGHT = 4  # memory-mapped source windows written but not yet hashed, at most
+_INFLIGHT_BYTES = 1 << 30  # bytes of the caller's tensors written but not yet hashed, at most
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -71,7 +72,10 @@ class SafetensorsWriter:
     """``w = SafetensorsWriter(path, specs, metadata)``, then ``w.write(name, tensor)`` (or
     ``w.copy``) for every spec in order, then ``size, sha256 = w.close()`` (flushed and fsynced;
     ``w.record`` is then the file's manifest record: size, SHA-256, chunked CRC-32). The bytes are
-    hashed by helper threads (`checksums.Digests`) while they are written."""
+    hashed by helper threads (`checksums.Digests`) while they are written: writing runs ahead of
+    the hashing (up to 1 GiB of the caller's tensors, 4 windows of copied files) and the fsync
+    overlaps the hashing of the tail, so a save takes about max(write + fsync, SHA-256), not
+    their sum."""
 
     def __init__(self, path, specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, str]] = None):
         self.path = Path(path)
@@ -89,18 +93,24 @@ class SafetensorsWriter:
         raw += b" " * (-len(raw) % 8)
         self.record: Optional[FileRecord] = None
         self._digests: Optional[Digests] = Digests()
-        self._inflight: Deque[tuple] = collections.deque()  # (pending, what to release once hashed)
+        self._inflight: Deque[tuple] = collections.deque()  # (pending, bytes, what to release once hashed)
+        self._inflight_bytes = 0
+        self._windows = 0
         self._file = open(self.path, "wb", buffering=0)  # large writes: no Python buffer in between
         self._size = 0
         self._emit(struct.pack("<Q", len(raw)) + raw)
 
-    def _track(self, pending, *hold) -> None:
-        self._inflight.append((pending, hold))
-        while len(self._inflight) > _INFLIGHT:
+    def _track(self, pending, nbytes: int, *hold) -> None:
+        self._inflight.append((pending, nbytes, hold))
+        self._inflight_bytes += nbytes
+        self._windows += bool(hold)
+        while self._windows > _INFLIGHT or self._inflight_bytes > _INFLIGHT_BYTES:
             self._retire()
 
     def _retire(self) -> None:
-        pending, hold = self._inflight.popleft()
+        pending, nbytes, hold = self._inflight.popleft()
+        self._inflight_bytes -= nbytes
+        self._windows -= bool(hold)
         pending.wait()
         for h in hold:  # memory maps of source windows, their views first
             try:
@@ -118,7 +128,7 @@ class SafetensorsWriter:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _CHUNK):
             chunk = view[start:start + _CHUNK]
-            self._track(self._digests.feed(chunk))
+            self._track(self._digests.feed(chunk), len(chunk))
             _write_all(self._file, chunk)
             self._size += len(chunk)
 
@@ -151,7 +161,7 @@ class SafetensorsWriter:
                     view = memoryview(window)[start - base:]
                     if len(view) != size:
                         raise OSError(f"{path}: unexpected end of file at {start + len(view)}")
-                    self._track(self._digests.feed(view), view, window)
+                    self._track(self._digests.feed(view), size, view, window)
                     done = 0
                     while done < size:
                         try:
@@ -169,11 +179,15 @@ class SafetensorsWriter:
         if self._next != len(self._specs):
             self.abort()
             raise ValueError(f"{self.path.name}: {len(self._specs) - self._next} tensors were not written")
+        self._file.flush()
+        try:
+            os.fsync(self._file.fileno())  # the helper threads hash the tail meanwhile
+        except BaseException:
+            self.abort()
+            raise
         self.drain()
         digest, crc = self._digests.finish()
         self._digests = None
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
         self.record = FileRecord(self._size, digest, crc)
         return self._size, digest

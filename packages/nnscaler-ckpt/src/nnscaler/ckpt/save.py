@@ -24,6 +24,7 @@ from .collectives import all_gather_json, broadcast_json, rank_and_world
 from .commit import StagingDir, new_token
 from .replace_guard import check_save_destination
 from .errors import CheckpointError, describe
+from .inflight import wait_in_flight
 from .module_tensors import module_plans
 from .names import MANIFEST, is_staging, rank_file
 from .optimizer_tensors import hyper_parameters, optimizer_class
@@ -31,7 +32,8 @@ from .rank_state import RankShare, collect, keep_only, share_of
 from .records import FileRecord, Manifest, OptimizerInfo, RankRecord, TensorInfo
 from .safetensors_file import write_record
 
-__all__ = ["save", "prepare", "Prepared", "write_share", "write_error", "complete_manifest", "commit_prepared"]
+__all__ = ["save", "prepare", "Prepared", "write_share", "write_error", "complete_manifest", "fill_manifest",
+           "commit_prepared"]
 
 
 def _owners(ids: List[List[str]]) -> Dict[str, int]:
@@ -166,8 +168,12 @@ def write_error(p: Prepared, e: BaseException) -> str:
 
 def complete_manifest(p: Prepared, shares: List[RankShare], records: Dict[str, FileRecord]) -> Manifest:
     """Rank 0: the manifest of every rank's share and file."""
-    m = p.manifest
-    m.files = {**{s.file: records[s.file] for s in shares}, **{n: records[n] for n in p.small}}
+    return fill_manifest(p.manifest, shares, records, list(p.small))
+
+
+def fill_manifest(m: Manifest, shares: List[RankShare], records: Dict[str, FileRecord], small: List[str]) -> Manifest:
+    """`m` (from `prepare`) with every rank's pieces and files and the small files `small`."""
+    m.files = {**{s.file: records[s.file] for s in shares}, **{n: records[n] for n in small}}
     m.tensors = _tensor_table(shares)
     m.model = [dataclasses.replace(r, file=s.file) for s in shares for r in s.model]
     m.optimizer_state = [dataclasses.replace(r, file=s.file) for s in shares for r in s.optimizer_state]
@@ -193,7 +199,9 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     """Write a checkpoint of `module` (and `optimizer`, `extra`) to directory `path`. COLLECTIVE:
     every rank calls it with the same `path`, `kind` and `files`. `files` (name -> bytes or str)
     are small files of the caller (a run's config), written by rank 0 into the same directory,
-    listed with their hashes in the manifest and committed with it. Returns the path."""
+    listed with their hashes in the manifest and committed with it. Returns the path. An
+    asynchronous save in flight (`async_save`) is waited for first."""
+    wait_in_flight()
     p = prepare(path, module, optimizer, kind=kind, extra=extra, overwrite=overwrite, files=files)
     info: Dict[str, Any] = {"share": p.share.to_json()}
     try:
