@@ -18,12 +18,16 @@ its honesty on this machine (``--cluster local``).
    rate, autodist's copy bandwidth and gloo profile) on 1 and 2 processes: the plan the search picks
    is run here (one thread a rank) through ``parallelize`` with the Trainer configuration the estimate writes
    (``opt.zero_grad(); pm.train_step(micro-batches); opt.step()``, median of ``--steps`` after 2
-   warm-ups) and its step compared with the prediction (target: within 30 %).
+   warm-ups) and its step compared with the prediction (target: within 30 %). The machine is
+   shared and its load moves within seconds, so every rank also measures the matmul rate (0.3 s,
+   all ranks at once) before each timed step, and the same plan is priced again at the median of
+   those rates: the model's error without the drift of the machine between measuring and running.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -39,7 +43,8 @@ if MODELS_DIR not in sys.path:
 
 import torch  # noqa: E402
 
-from nnscaler.policies.estimate import ModelSpec, Workload, load_cluster, result_json, search  # noqa: E402
+from nnscaler.policies.estimate import (ModelSpec, Workload, estimate_plan, load_cluster, result_json,  # noqa: E402
+                                        search)
 
 FAMILY_MARGIN = 0.05
 LOCAL_TARGET = 0.30
@@ -165,8 +170,13 @@ def run_plan(rank: int, mc: dict, seq: int, trainer: dict, steps: int, gen_dir: 
     pm = parallelize(copy.deepcopy(local_model(mc)), mbs[0], trainer["pas_policy"], cfg, gen_savedir=gen_dir,
                      reuse="override")
     opt = build_optimizer(pm, torch.optim.Adam, lr=1e-4)
-    times = []
+    from nnscaler.policies.estimate.local import matmul_peak_flops
+    times, rates = [], []
     for i in range(steps + 2):
+        if dist.is_initialized():
+            dist.barrier()
+        if i >= 2:  # the machine's rate now: every rank measures at once, beside the others
+            rates.append(matmul_peak_flops(block_s=0.3))
         if dist.is_initialized():
             dist.barrier()
         t = time.perf_counter()
@@ -177,13 +187,14 @@ def run_plan(rank: int, mc: dict, seq: int, trainer: dict, steps: int, gen_dir: 
             dist.barrier()
         if i >= 2:
             times.append(time.perf_counter() - t)
-    return {"step_s": statistics.median(times), "steps_s": times}
+    return {"step_s": statistics.median(times), "steps_s": times, "rate_flops": statistics.median(rates)}
 
 
-def local_check(mc: dict, seq: int, seqs: int, ranks: int, steps: int, comm) -> dict:
-    from nnscaler.policies.estimate.local import local_cluster
+def local_check(mc: dict, seq: int, seqs: int, ranks: int, steps: int, comm, block_s: float) -> dict:
+    from nnscaler.policies.estimate.local import local_cluster, matmul_peak_flops
     threads = 1  # one thread a rank: OpenMP threads spinning on a shared, loaded 2-core machine swamp the step
-    cluster = local_cluster(comm=comm, ranks=ranks, threads=threads)  # measured beside its peers
+    # measured beside its peers, over 2 s (the machine is shared: its load moves within seconds)
+    cluster = local_cluster(comm=comm, ranks=ranks, threads=threads, block_s=block_s)
     cfg_dir = tempfile.mkdtemp(prefix="nnscaler-plan-estimate-")
     path = os.path.join(cfg_dir, "config.json")
     with open(path, "w") as f:
@@ -201,11 +212,18 @@ def local_check(mc: dict, seq: int, seqs: int, ranks: int, steps: int, comm) -> 
     else:
         measured, _ = _common.spawn_gloo(run_plan, (mc, seq, trainer, steps, gen), ranks,
                                          os.path.join(cfg_dir, "result.json"), threads=threads, gather=False)
+    after = matmul_peak_flops(block_s=block_s, peers=ranks - 1) / 1e12  # the drift while the steps ran
     ratio = data["step_s"] / measured["step_s"]
+    # the same plan priced at the matmul rate measured between the steps (the machine's load moves)
+    during = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, bf16_tflops=measured["rate_flops"] / 1e12))
+    in_run = estimate_plan(spec, during, work, res.best.plan).step_s
     return {"ranks": ranks, "threads_per_rank": threads, "cluster": data["cluster"], "plan": _plan(res.best),
             "trainer": trainer, "predicted_step_s": data["step_s"], "breakdown_s": data["breakdown_s"],
             "measured_step_s": measured["step_s"], "measured_steps_s": measured["steps_s"],
             "predicted_over_measured": ratio, "within_target": abs(ratio - 1) <= LOCAL_TARGET,
+            "peak_tflops_during": measured["rate_flops"] / 1e12, "predicted_at_rate_during_s": in_run,
+            "predicted_at_rate_during_over_measured": in_run / measured["step_s"],
+            "peak_tflops_before": cluster.gpu.bf16_tflops, "peak_tflops_after": after,
             "runners_up": [(r["tp"], r["pp"], r["dp"], r["step_s"], r["reason"]) for r in data["runners_up"]]}
 
 
@@ -218,10 +236,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--sequences", type=int, default=16, help="sequences a step (local check)")
-    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of the local check (the spread)")
     parser.add_argument("--skip-search-time", action="store_true")
     args = _common.parse_args(parser, {"cases": 1, "ranks": [1], "hidden": 32, "layers": 2, "seq": 16,
-                                       "sequences": 4, "steps": 1, "skip_search_time": True}, "plan_estimate.json")
+                                       "sequences": 4, "steps": 1, "repeats": 1, "skip_search_time": True}, "plan_estimate.json")
     out = _common.run_header()
     out["validation"] = validation(CASES[:args.cases])
     if not args.skip_search_time:
@@ -232,7 +251,9 @@ def main() -> None:
           "max_position_embeddings": args.seq, "tie_word_embeddings": False}
     # the smoke run gives a gloo profile instead of measuring one (tests keep their cache empty)
     comm = {"backend": "given", "collectives": {"all_reduce": {"2": [2e-4, 1e9]}}} if args.smoke else None
-    out["local"] = [local_check(mc, args.seq, args.sequences, r, args.steps, comm) for r in args.ranks]
+    block = 0.2 if args.smoke else 2.0
+    out["local"] = [local_check(mc, args.seq, args.sequences, r, args.steps, comm, block)
+                    for _ in range(args.repeats) for r in args.ranks]
     out["local_model"] = mc
     _print(out)
     _common.save_results(args.out, out)
@@ -254,7 +275,10 @@ def _print(out: dict) -> None:
               f"({s['plans_evaluated']} plans) -> {s['plan']}")
     for r in out["local"]:
         print(f"local, {r['ranks']} rank(s): {r['plan']}: predicted {r['predicted_step_s'] * 1e3:.1f} ms, measured "
-              f"{r['measured_step_s'] * 1e3:.1f} ms, ratio {r['predicted_over_measured']:.2f}")
+              f"{r['measured_step_s'] * 1e3:.1f} ms, ratio {r['predicted_over_measured']:.2f} (matmul rate "
+              f"{r['peak_tflops_before'] * 1e3:.1f} GFLOP/s before, {r['peak_tflops_during'] * 1e3:.1f} between the "
+              f"steps, {r['peak_tflops_after'] * 1e3:.1f} after; at the rate between the steps: "
+              f"{r['predicted_at_rate_during_over_measured']:.2f})")
 
 
 if __name__ == "__main__":

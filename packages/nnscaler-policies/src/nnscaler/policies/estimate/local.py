@@ -90,16 +90,18 @@ def _gloo_link(comm: Optional[dict]) -> Tuple[float, float]:
     return latency / 2, bandwidth  # a 2-rank ring all-reduce is two latency steps
 
 
-def local_cluster(comm: Optional[dict] = None, ranks: int = 1, threads: Optional[int] = None) -> Cluster:
+def local_cluster(comm: Optional[dict] = None, ranks: int = 1, threads: Optional[int] = None,
+                  block_s: float = 0.4) -> Cluster:
     """This machine as a node of `ranks` CPU processes (one node: gpus_per_node = max(ranks, cores)),
-    each with `threads` threads (default max(1, cores // ranks); set here for this process)."""
+    each with `threads` threads (default max(1, cores // ranks); set here for this process); the
+    matmul rate is the median over `block_s` seconds."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * 2 ** 30
     cores = _cores()
     threads = threads or max(1, cores // ranks)
     torch.set_num_threads(threads)
     latency, bandwidth = _gloo_link(comm)
     link = Link(bandwidth / 1e9, latency * 1e6)
-    gpu = GPU(f"local-cpu-{threads}threads", matmul_peak_flops(peers=ranks - 1) / 1e12, ram / max(ranks, 1) / 2 ** 30,
+    gpu = GPU(f"local-cpu-{threads}threads", matmul_peak_flops(block_s=block_s, peers=ranks - 1) / 1e12, ram / max(ranks, 1) / 2 ** 30,
               memory_bandwidth("cpu") / 1e9, dtype="fp32")
     source = "local: " + json.dumps({"threads": threads, "cores": cores, "ranks": ranks})
     # 10 us an op: autodist's launch overhead on CPU (docs/autodist.md, "Compute")
