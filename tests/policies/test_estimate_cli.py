@@ -95,6 +95,19 @@ def test_errors_are_one_line(config, change, words):
         assert w in result.output.replace("\n", " ")
 
 
+def test_a_bad_cluster_file_is_named(config, tmp_path):
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("gpu: {name: H100-SXM-80GB}\ngpus_per_node: 8\nintra_node: {gbps: 450, latency_us: 3}\n")
+    result = run(*args(config, cluster=bad))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "mine.yaml" in result.output and "missing key 'inter_node'" in result.output
+
+
+def test_zero_gpus_is_refused_by_the_option(config):
+    result = run(*args(config, cluster="local", gpus=0))
+    assert result.exit_code == 2 and "--gpus" in result.output and "Traceback" not in result.output
+
+
 def test_missing_model_config(tmp_path):
     result = run(*args(tmp_path / "none.json"))
     assert result.exit_code == 1 and "cannot read the model config" in result.output

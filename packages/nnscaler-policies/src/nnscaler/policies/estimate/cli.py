@@ -35,9 +35,9 @@ def estimate(model_config: Path = typer.Option(..., "--model-config", help="A Hu
                                                 "AutoModelForCausalLM type), or its folder."),
              cluster: str = typer.Option(..., "--cluster", help="A cluster YAML, a shipped name (a100-80gb-sxm, "
                                          "h100-sxm, h200) or 'local' (this machine, measured)."),
-             gpus: int = typer.Option(..., "--gpus", help="GPUs to plan for (whole nodes)."),
-             seq_len: int = typer.Option(..., "--seq-len", help="Tokens per sequence."),
-             global_batch_tokens: int = typer.Option(..., "--global-batch-tokens",
+             gpus: int = typer.Option(..., "--gpus", min=1, help="GPUs to plan for (whole nodes)."),
+             seq_len: int = typer.Option(..., "--seq-len", min=1, help="Tokens per sequence."),
+             global_batch_tokens: int = typer.Option(..., "--global-batch-tokens", min=1,
                                                      help="Tokens per optimizer step over all GPUs."),
              as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
              save: Optional[Path] = typer.Option(None, "--save", help="Write the plan (JSON, with the Trainer "
