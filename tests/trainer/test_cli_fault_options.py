@@ -50,7 +50,7 @@ def test_sigterm_to_the_launcher_is_one_line_and_exit_143(monkeypatch, capsys):
     monkeypatch.setattr(torchrun, "main", stopped)
     assert cli_main._launch(2, ["-f", "cfg.yaml"]) == cli_main.PREEMPTED_EXIT == 143
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("nnscaler: stopped by SIGTERM: the workers finished their step")
+    assert err.count("\n") == 1 and err.startswith("nnscaler: stopped by SIGTERM: forwarded to the workers, which stop after their step")
 
 
 @pytest.mark.parametrize("argv,needle", [

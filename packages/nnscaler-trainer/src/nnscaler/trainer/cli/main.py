@@ -37,8 +37,10 @@ def _launch(nproc: int, argv: List[str], max_restarts: int = 0) -> int:
         torchrun.main(args)
     except SignalException as e:  # the agent forwarded it and waited for the workers
         name = signal.Signals(e.sigval).name if isinstance(e.sigval, int) else str(e.sigval)
-        print(f"nnscaler: stopped by {name}: the workers finished their step and committed a checkpoint (their "
-              f"output says the step); the same command with checkpoint.resume_from: auto continues", file=sys.stderr)
+        print(f"nnscaler: stopped by {name}: forwarded to the workers, which stop after their step and commit a "
+              f"checkpoint (their output says the step; the agent kills them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
+              f"seconds, 30 by default); the same command with checkpoint.resume_from: auto continues",
+              file=sys.stderr)
         return PREEMPTED_EXIT if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
     except Exception as e:  # the workers' failure; their own output said why
         print(f"nnscaler: training failed on a worker process ({type(e).__name__}); see the worker output above",
