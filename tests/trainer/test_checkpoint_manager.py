@@ -122,6 +122,98 @@ def test_keep_last_n_never_deletes_what_best_points_to(tmp_path, fake_ckpt):
     assert sorted(n for n in os.listdir(tmp_path) if n[0].isdigit()) == ["0000-0001", "0000-0003"]
 
 
+class FakeHandle:
+    """An AsyncSave stand-in: its staging directory becomes the checkpoint at `wait()` (the
+    commit), or `wait()` raises `error`."""
+
+    def __init__(self, staging, path, log, error=None):
+        self.staging, self.path, self.log, self.error = staging, path, log, error
+
+    def wait(self):
+        self.log.append(("wait", os.path.basename(self.path)))
+        if self.error:
+            import shutil
+            shutil.rmtree(self.staging)
+            from nnscaler.ckpt import CheckpointError
+            raise CheckpointError(self.error)
+        if os.path.exists(self.staging):
+            os.rename(self.staging, self.path)
+        return self.path
+
+
+class FakeAsyncCkpt(FakeCkpt):
+    """FakeCkpt with `async_save`: writes into nnscaler.ckpt's staging name and commits on wait()."""
+
+    def __init__(self):
+        super().__init__()
+        self.log, self.fail = [], None
+
+    def async_save(self, path, model, optimizer, kind, extra, files):
+        from nnscaler.ckpt.names import staging_prefix
+        staging = os.path.join(os.path.dirname(path), staging_prefix(os.path.basename(path)) + "0a1b")
+        self.save(staging, model, optimizer, kind, extra, files)
+        self.log.append(("async_save", os.path.basename(path)))
+        return FakeHandle(staging, path, self.log, self.fail)
+
+
+def numbered(tmp_path):
+    return sorted(n for n in os.listdir(tmp_path) if n[0].isdigit())
+
+
+def test_async_save_moves_last_best_and_prunes_only_once_committed(tmp_path, monkeypatch):
+    fake = FakeAsyncCkpt()
+    monkeypatch.setattr(layout, "BACKEND", fake)
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_n_checkpoints=1, async_save=True))
+    trainer = fake_trainer(val_losses=[2.0, 3.0, 1.0])
+    assert save_at(manager, trainer, 1).path == str(tmp_path / "0000-0001")
+    assert manager.pending.step == 1 and manager.pending.val_loss == 2.0 and manager.pending.best
+    assert numbered(tmp_path) == [] and not os.path.lexists(tmp_path / "last")  # not committed: invisible
+    assert layout.resolve_resume("auto", str(tmp_path)) is None  # auto never picks the staging directory
+    save_at(manager, trainer, 2)  # waits for step 1's commit first, then finishes its bookkeeping
+    assert fake.log == [("async_save", "0000-0001"), ("wait", "0000-0001"), ("async_save", "0000-0002")]
+    assert os.readlink(tmp_path / "last") == os.readlink(tmp_path / "best") == "0000-0001"
+    assert numbered(tmp_path) == ["0000-0001"] and layout.resolve_resume("auto", str(tmp_path)).endswith("0000-0001")
+    save_at(manager, trainer, 3)  # step 2 (loss 3.0) commits: last moves, best stays, both kept (best + newest)
+    assert os.readlink(tmp_path / "last") == "0000-0002" and os.readlink(tmp_path / "best") == "0000-0001"
+    assert numbered(tmp_path) == ["0000-0001", "0000-0002"]
+    manager.close()  # step 3 (loss 1.0) commits: last and best move to it, keep_last_n prunes the rest
+    assert manager.pending is None and fake.log[-1] == ("wait", "0000-0003")
+    assert os.readlink(tmp_path / "last") == os.readlink(tmp_path / "best") == "0000-0003"
+    assert numbered(tmp_path) == ["0000-0003"]
+    manager.close()  # nothing in flight: nothing waited
+    assert fake.log.count(("wait", "0000-0003")) == 1
+
+
+def test_a_failed_async_save_moves_nothing(tmp_path, monkeypatch):
+    from nnscaler.ckpt import CheckpointError
+    from nnscaler.ckpt.async_save import AsyncSaveWarning
+    fake = FakeAsyncCkpt()
+    monkeypatch.setattr(layout, "BACKEND", fake)
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), async_save=True))
+    trainer = fake_trainer(val_losses=[2.0, 1.0, 0.5])
+    save_at(manager, trainer, 1)
+    fake.fail = "rank 1 could not write (disk full)"
+    save_at(manager, trainer, 2)
+    with pytest.raises(CheckpointError, match="disk full"):
+        manager.wait()  # the error reaches the run; last stays on the committed step 1
+    assert os.readlink(tmp_path / "last") == os.readlink(tmp_path / "best") == "0000-0001"
+    save_at(manager, trainer, 3)
+    with pytest.warns(AsyncSaveWarning, match="0000-0003 was not committed .*disk full"):
+        manager.close(failed=True)  # a failing run: warned, not raised (the run's own error propagates)
+    assert numbered(tmp_path) == ["0000-0001"] and os.readlink(tmp_path / "last") == "0000-0001"
+    fake.fail = None
+    save_at(manager, trainer, 4, val_loss=0.1)
+    manager.close(failed=True)  # committed all the same: last / best move on a failing run too
+    assert os.readlink(tmp_path / "last") == os.readlink(tmp_path / "best") == "0000-0004"
+
+
+def test_async_save_needs_a_backend_that_has_it(tmp_path, fake_ckpt):
+    from nnscaler.trainer.errors import TrainerError
+    manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), async_save=True))
+    with pytest.raises(TrainerError, match="checkpoint.async_save: the installed nnscaler-ckpt has no async_save"):
+        save_at(manager, fake_trainer(), 1)
+
+
 def test_the_schedule():
     manager = CheckpointManager(CheckpointConfig(every_n_train_steps=2, every_n_epochs=3))
     assert [s for s in range(1, 7) if manager.due_after_step(s)] == [2, 4, 6]

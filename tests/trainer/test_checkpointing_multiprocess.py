@@ -1,9 +1,14 @@
-"""Checkpoints on real gloo processes: dp2 exact resume (bitwise), deduped + resume on another world
-size (reshard on load)."""
+"""Checkpoints on real gloo processes: dp2 exact resume (bitwise) from ``checkpoint.async_save``
+checkpoints (the synchronous run's, with last / best / keep_last_n moved once committed), deduped +
+resume on another world size (reshard on load)."""
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from launch import run_workers
 from loop_helpers import config, run_trainer, worker
@@ -19,13 +24,52 @@ def dp2(tmp, **over):
     return config(tmp, **base)
 
 
-def test_dp2_resume_is_bitwise(tmp_path):
-    straight = run_workers(worker, 2, dp2(tmp_path / "a", max_train_steps=12, **{"checkpoint.no_save": True}),
-                           timeout=180)
-    run_workers(worker, 2, dp2(tmp_path / "b", max_train_steps=6, **{"checkpoint.every_n_train_steps": 6}),
-                timeout=180)
-    resumed = run_workers(worker, 2, dp2(tmp_path / "b", max_train_steps=12, **{"checkpoint.resume_from": "last"}),
-                          timeout=180)
+def _tensors(path):
+    return {f.name: load_file(str(f)) for f in sorted(Path(path).glob("*.safetensors"))}
+
+
+def _listing(save_dir):
+    names = sorted(os.listdir(save_dir))
+    return ([n for n in names if n[0].isdigit()], os.readlink(save_dir / "last"), os.readlink(save_dir / "best"),
+            [n for n in names if n.startswith(".")])
+
+
+def _assert_same_checkpoints(save_dir, ref_dir):
+    """Every numbered checkpoint in save_dir holds the tensors of ref_dir's of the same name, bitwise."""
+    for name in _listing(save_dir)[0]:
+        got, ref = _tensors(save_dir / name), _tensors(ref_dir / name)
+        assert sorted(got) == sorted(ref) and ref, name
+        for file, tensors in ref.items():
+            assert sorted(got[file]) == sorted(tensors), (name, file)
+            for key, value in tensors.items():
+                assert got[file][key].equal(value), (name, file, key)  # bitwise
+
+
+def test_dp2_async_save_and_resume_are_bitwise(tmp_path):
+    """An uninterrupted synchronous run of 12 steps against one of 6 steps with async_save (a
+    checkpoint every 2 steps, keep_last_n_checkpoints 1) resumed (resume_from: auto) to 12: the
+    same checkpoints bitwise, last / best / pruning as the synchronous rules have them, no staging
+    directory left, the same losses and final weights bitwise."""
+    from nnscaler.trainer.checkpoints import checkpoint_state, list_checkpoints
+    every2 = {"checkpoint.every_n_train_steps": 2}
+    straight = run_workers(worker, 2, dp2(tmp_path / "a", max_train_steps=12, **every2), timeout=180)
+    sync = tmp_path / "a" / "ckpt"
+    names = {s: os.path.basename(p) for _, s, p in list_checkpoints(str(sync))}
+    assert sorted(names) == [2, 4, 6, 8, 10, 12]
+    loss = {s: checkpoint_state(str(sync / n))["last_val_loss"] for s, n in names.items()}
+
+    def expected(last):  # the newest, and the best (is_better: lowest loss, a tie to the newer one)
+        best = names[min((s for s in names if s <= last), key=lambda s: (loss[s], -s))]
+        return sorted({names[last], best}), names[last], best, []
+    asynch = {**every2, "checkpoint.async_save": True, "checkpoint.keep_last_n_checkpoints": 1}
+    run_workers(worker, 2, dp2(tmp_path / "b", max_train_steps=6, **asynch), timeout=180)
+    save_dir = tmp_path / "b" / "ckpt"
+    assert _listing(save_dir) == expected(6)
+    _assert_same_checkpoints(save_dir, sync)
+    resumed = run_workers(worker, 2, dp2(tmp_path / "b", max_train_steps=12, **asynch, **{
+        "checkpoint.resume_from": "auto"}), timeout=180)
+    assert _listing(save_dir) == expected(12)
+    _assert_same_checkpoints(save_dir, sync)
     assert resumed[0][0] == straight[0][0][6:]
     for rank in range(2):
         for (name, _, _, a), (_, _, _, b) in zip(resumed[rank][1], straight[rank][1]):

@@ -46,6 +46,7 @@ def test_seed_defaults():
     c = CheckpointConfig()
     assert (c.save_dir, c.no_save, c.save_type, c.save_last, c.save_best, c.symlink_best_and_last) == \
         ("./checkpoints", False, "sharded", True, True, True)
+    assert c.async_save is False
     assert {f.name for f in dataclasses.fields(HookMapConfig)} >= {"after_setup", "before_sync_grad", "on_save_checkpoint"}
     assert ModuleParallelizeConfig().compute_config is None and ModelConfig().parallel_modules == []
 
@@ -104,6 +105,7 @@ def test_values_type_value_type_and_guessing():
     ({"pas_policy": "autodis"}, "pas_policy", "unknown policy 'autodis'; use one of autodist, "),
     ({"optimizer.loss_reduction": "avg"}, "optimizer.loss_reduction", "'mean', 'sum'"),
     ({"checkpoint.save_type": "merged"}, "checkpoint.save_type", "'sharded', 'deduped'"),
+    ({"checkpoint.async_save": "maybe"}, "checkpoint.async_save", "expected true or false"),
     ({"precision": "fp8"}, "precision", "not supported"),
     ({"model.type": "trainer_models.count_token_outputs"}, "model.type", "not a factory"),
     ({"hook": {"on_train_strat": "builtins.print"}}, "hook", "on_train_start"),
@@ -114,6 +116,13 @@ def test_bad_input_names_key_and_fix(over, key, words):
     e = error_of(base(**over))
     assert e.key == key, str(e)
     assert words in str(e), str(e)
+
+
+def test_async_save_set_in_python_must_be_a_bool():
+    args = TrainerArgs.from_dict(base())
+    args.checkpoint.async_save = "yes"
+    with pytest.raises(TrainerConfigError, match="checkpoint.async_save: expected true or false, got 'yes'"):
+        args.validate()
 
 
 def test_automatic_arguments_are_ignored_with_a_warning():

@@ -164,8 +164,12 @@ class Trainer:
             self.loggers = build.build_loggers(args)
 
     def _teardown(self, ok: bool) -> None:
-        """Close loggers; destroy the process group if this Trainer created it (after a barrier
-        when the run succeeded, so no rank leaves while a peer still talks to it)."""
+        """Finish the checkpoint in flight (async_save; on failure without collectives), close
+        loggers; destroy the process group if this Trainer created it (after a barrier when the
+        run succeeded, so no rank leaves while a peer still talks to it)."""
+        checkpoints = getattr(self, "checkpoints", None)
+        if checkpoints is not None:
+            checkpoints.close(failed=not ok)
         console = getattr(self, "console", None)
         if console is not None:
             console.close()
@@ -343,7 +347,9 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, val_loss: Optional[float] = None) -> Optional[str]:
         """Validate (when no loss is given), then save through nnscaler.ckpt (collective); returns
-        the checkpoint directory, or None when this step is saved already."""
+        the checkpoint directory, or None when this step is saved already. With
+        ``checkpoint.async_save`` it is committed at the next save or at the end of the run
+        (``self.checkpoints.wait()`` waits for it)."""
         saved = self.checkpoints.save(self, val_loss)
         if saved is None:
             return None

@@ -2,8 +2,14 @@
 builds what one holds (the Trainer's record in ``extra``, then the ``on_save_checkpoint`` hooks),
 writes it through nnscaler.ckpt, moves ``last`` / ``best`` (one rule: `is_better`), prunes to
 ``keep_last_n_checkpoints``, and loads a checkpoint back for a resume, returning what the Trainer
-applies (`Resumed`). Saves are synchronous: `wait` and `close` are where a save still in flight
-would be finished before the run exits.
+applies (`Resumed`).
+
+With ``checkpoint.async_save: true`` a save returns once the state is copied (nnscaler.ckpt's
+`async_save`) and the manager keeps one pending record (path, step, loss); ``last`` / ``best``
+move and pruning runs only once that checkpoint is committed: in `wait`, which the next save, the
+end of the run (`close`) and a preemption exit call. Until then the listing (and so
+``resume_from: auto``) cannot see it: nnscaler.ckpt writes into a ``.<name>.writing-<token>``
+sibling and renames it at the commit.
 
 One run per step directory: a run never writes a step that exists (it skips the steps it saved or
 resumed from itself, and refuses any other), and never saves a step older than a checkpoint in
@@ -20,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 from nnscaler.ckpt import decode_extra, encode_extra, rng_snapshot
+from nnscaler.ckpt.async_save import AsyncSaveWarning
 
 from ..config.values import build_args
 from ..data_position import resumed_step_in_epoch, samples_in_epoch
@@ -28,7 +35,7 @@ from ..state import TrainState
 from .layout import (CONFIG_FILE, POINTERS, TRAINER_KEY, checkpoint_name, checkpoint_step, ckpt_backend,
                      list_checkpoints, point, pointed, resolve_resume)
 
-__all__ = ["CheckpointManager", "Saved", "Resumed", "is_better"]
+__all__ = ["CheckpointManager", "Saved", "Pending", "Resumed", "is_better"]
 
 
 def is_better(val_loss: Optional[float], best: Optional[float]) -> bool:
@@ -41,9 +48,20 @@ def is_better(val_loss: Optional[float], best: Optional[float]) -> bool:
 class Saved:
     """A checkpoint written by `CheckpointManager.save`."""
 
-    path: str
+    path: str  # committed, or (checkpoint.async_save) being written until the manager's next wait()
     val_loss: Optional[float]  # the loss that ranked it (validation, else training)
     best_val_loss: Optional[float]  # the best loss after this save: val_loss when this one is the best
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An asynchronous save not known to be committed yet: its handle and what `wait` finishes."""
+
+    handle: Any  # nnscaler.ckpt.AsyncSave
+    path: str
+    step: int
+    val_loss: Optional[float]
+    best: bool  # it becomes ``best`` once committed
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,7 @@ class CheckpointManager:
         self.config_yaml = config_yaml
         self.rank, self.world = _rank_world()
         self._own_steps: set = set()  # steps this run saved, or resumed from: saved already
+        self.pending: Optional[Pending] = None  # the asynchronous save in flight (checkpoint.async_save)
 
     # -- when ---------------------------------------------------------------------------------
     def due_after_step(self, step: int) -> bool:
@@ -119,7 +138,8 @@ class CheckpointManager:
     def save(self, trainer, val_loss: Optional[float] = None) -> Optional[Saved]:
         """Save the running `trainer` (collective): validate when no loss is given (the training
         loss ranks checkpoints without validation data), record the Trainer's state in ``extra``,
-        call ``on_save_checkpoint``, write, move last / best, prune. None when this run saved this
+        call ``on_save_checkpoint``, write, move last / best, prune (with async_save: start the
+        write; last / best and pruning wait for its commit, see `wait`). None when this run saved this
         step already; refuses (TrainerError, nothing written) a step another run's checkpoint holds."""
         state = trainer.state
         if not self.check_step(state.step):
@@ -132,24 +152,39 @@ class CheckpointManager:
         best = val_loss if better else state.best_val_loss
         extra = {TRAINER_KEY: _trainer_record(trainer, val_loss, best)}
         trainer.hooks.on_save_checkpoint(trainer, extra)
-        path = self._write(trainer.model, trainer.optimizer, state.current_epoch, state.step, extra, better)
+        path = self._write(trainer.model, trainer.optimizer, state.current_epoch, state.step, extra, better, val_loss)
         return Saved(path, val_loss, best)
 
-    def _write(self, model, optimizer, epoch: int, step: int, extra: Dict[str, Any], best: bool) -> str:
+    def _write(self, model, optimizer, epoch: int, step: int, extra: Dict[str, Any], best: bool,
+               val_loss: Optional[float]) -> str:
+        self.wait()  # the save in flight is committed, and its last / best / pruning done
         os.makedirs(self.save_dir, exist_ok=True)
         _barrier()  # every rank has seen the same listing before anyone writes
         path = self.path_for(epoch, step)
         files = {CONFIG_FILE: self.config_yaml} if self.config_yaml is not None else None
-        ckpt_backend().save(path, model, optimizer, kind=self.config.save_type, extra=extra, files=files)
+        backend = ckpt_backend()
+        if self.config.async_save:
+            if not hasattr(backend, "async_save"):
+                raise TrainerError("checkpoint.async_save: the installed nnscaler-ckpt has no async_save(); set "
+                                   "checkpoint.async_save: false or install a newer nnscaler-ckpt")
+            handle = backend.async_save(path, model, optimizer, kind=self.config.save_type, extra=extra, files=files)
+            self._own_steps.add(step)
+            self.pending = Pending(handle, path, step, val_loss, best)
+            return path
+        backend.save(path, model, optimizer, kind=self.config.save_type, extra=extra, files=files)
         self._own_steps.add(step)
         if self.rank == 0:
-            if self.config.save_last:
-                point(self.save_dir, "last", path, self.config.symlink_best_and_last)
-            if self.config.save_best and best:
-                point(self.save_dir, "best", path, self.config.symlink_best_and_last)
-            self._prune()
+            self._committed(path, best)
         _barrier()
         return path
+
+    def _committed(self, path: str, best: bool) -> None:
+        """Rank 0, once `path` is committed: move last / best to it, prune."""
+        if self.config.save_last:
+            point(self.save_dir, "last", path, self.config.symlink_best_and_last)
+        if self.config.save_best and best:
+            point(self.save_dir, "best", path, self.config.symlink_best_and_last)
+        self._prune()
 
     def _prune(self) -> None:
         """Keep the newest keep_last_n_checkpoints numbered checkpoints, and what last / best link to."""
@@ -162,11 +197,35 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     def wait(self) -> None:
-        """Return when every save started so far is committed (saves are synchronous: at once)."""
+        """Return when every save started so far is committed, with last / best moved and the
+        pruning done for it (collective when a save is in flight: every rank calls it at the same
+        point). Raises the save's CheckpointError, on every rank, when it failed."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.handle.wait()
+        if self.rank == 0:
+            self._committed(pending.path, pending.best)
+        _barrier()
 
-    def close(self) -> None:
-        """Finish the saves in flight; the run calls it before it exits."""
-        self.wait()
+    def close(self, failed: bool = False) -> None:
+        """Finish the save in flight; the run calls it before it exits. `failed`: the run is
+        failing (the ranks may be anywhere): no collective, no error raised; when the save
+        commits all the same, rank 0 still moves last / best and prunes (else a warning)."""
+        if not failed:
+            self.wait()
+            return
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.handle.wait()
+        except Exception as e:  # noqa: BLE001 - the run's own error is the one that propagates
+            warnings.warn(f"checkpoint.async_save: {pending.path} was not committed ({e}); the previous checkpoint "
+                          f"is intact", AsyncSaveWarning)
+            return
+        if self.rank == 0:
+            self._committed(pending.path, pending.best)
 
     # -- loading and resuming -----------------------------------------------------------------
     def resolve(self, resume_from: Optional[str]) -> Optional[str]:

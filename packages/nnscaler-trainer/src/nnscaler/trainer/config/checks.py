@@ -198,6 +198,8 @@ def _check_checkpoint(ckpt) -> None:
     _one_of("checkpoint.save_type", ckpt.save_type, ("sharded", "deduped"))
     for name in ("every_n_train_steps", "every_n_epochs", "keep_last_n_checkpoints"):
         _positive(f"checkpoint.{name}", getattr(ckpt, name))
+    if not isinstance(ckpt.async_save, bool):
+        raise TrainerConfigError("checkpoint.async_save", f"expected true or false, got {ckpt.async_save!r}")
 
 
 def _check_hook(hook) -> None:

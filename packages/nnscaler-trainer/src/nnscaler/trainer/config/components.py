@@ -119,6 +119,7 @@ class CheckpointConfig:
     every_n_train_steps: Optional[int] = None
     every_n_epochs: Optional[int] = None
     keep_last_n_checkpoints: Optional[int] = None
+    async_save: bool = False  # write in a background process (nnscaler.ckpt.async_save); training goes on
 
     resume_from: str = None  # last | best | auto (last if save_dir holds one, else a fresh start) | a directory
 
