@@ -69,6 +69,10 @@ def _s(x) -> str:
     return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3g} ms"
 
 
+def _tflops(x) -> str:
+    return f"{x:.1f} TFLOP/s" if x >= 1 else f"{x * 1e3:.3g} GFLOP/s"
+
+
 def _params(n) -> str:
     return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.2f} M"
 
@@ -88,8 +92,8 @@ def _print(d: dict, save) -> None:
                   f"{d['micro_batch']} x {d['nmicros']}, recompute {'yes' if d['recompute'] else 'no'}"
                   + (f", interleaved {d['virtual_stages']} stages per GPU" if d["virtual_stages"] > 1 else ""),
                   highlight=False)
-    console.print(f"  step {_s(d['step_s'])}, {d['tokens_per_s']:,.0f} tokens/s, {d['tflops_per_gpu']:.1f} "
-                  f"TFLOP/s per GPU, MFU {d['mfu']:.1%}, memory {_gb(d['memory_gb'])} GB per GPU", highlight=False)
+    console.print(f"  step {_s(d['step_s'])}, {d['tokens_per_s']:,.0f} tokens/s, {_tflops(d['tflops_per_gpu'])} "
+                  f"per GPU, MFU {d['mfu']:.1%}, memory {_gb(d['memory_gb'])} GB per GPU", highlight=False)
     b = d["breakdown_s"]
     console.print("  step parts: " + ", ".join(f"{k} {_s(v)}" for k, v in b.items()), highlight=False)
     console.print(f"  searched {d['plans_evaluated']} plans in {d['search_s']:.2f} s", highlight=False)
