@@ -69,3 +69,22 @@ def test_a_trillion_parameters_on_3072_gpus():
     plan = result.best.plan
     assert plan.tp * plan.pp * plan.dp == 3072 and plan.tp <= 8 and plan.pp > 1 and result.best.fits
     assert 0 < result.best.mfu < 1 and result.evaluated > 100
+
+
+def test_why_a_plan_lost():
+    from nnscaler.policies.estimate import Plan
+    from nnscaler.policies.estimate.search import why_lost
+    h100 = load_cluster("h100-sxm")
+    work = Workload(gpus=2, seq=2048, global_batch_tokens=8 * 2048)
+    dp = estimate_plan(SMALL, h100, work, Plan(1, 1, 2, 0, 1, False))
+    pp = estimate_plan(SMALL, h100, work, Plan(1, 2, 1, 0, 1, False))
+    assert why_lost(pp, dp, h100).startswith("bubble: +")
+    from nnscaler.policies.estimate import Link
+    slow = dataclasses.replace(h100, intra_node=Link(10, 3))  # a slow link inside the node
+    dp_slow = estimate_plan(SMALL, slow, work, Plan(1, 1, 2, 0, 1, False))
+    tp_slow = estimate_plan(SMALL, slow, work, Plan(2, 1, 1, 0, 1, False))
+    assert why_lost(tp_slow, dp_slow, slow).startswith("communication: +")
+    # on NVLink tensor parallelism loses on its twice as many, half-size kernels instead
+    tp = estimate_plan(SMALL, h100, work, Plan(2, 1, 1, 0, 1, False))
+    assert why_lost(tp, dp, h100).startswith("compute: +")
+    assert why_lost(dp, dp, h100) == "ties the chosen plan"
