@@ -17,10 +17,11 @@ import dataclasses
 from typing import Any, Iterable, Optional, Set, Type
 
 import torch
+from nnscaler.ir import ComputeConfig
 
 from .errors import NnScalerLightningError
 
-__all__ = ["checkpointing_types", "recompute_config", "check_cpu_offload", "offload_device", "materialize_meta",
+__all__ = ["checkpointing_types", "recompute_config", "check_strategy_args", "check_cpu_offload", "offload_device", "materialize_meta",
            "OFFLOAD_DEVICE"]
 
 OFFLOAD_DEVICE = torch.device("cpu")  # where cpu_offload=True keeps the optimizer's copies and state
@@ -62,6 +63,17 @@ def recompute_config(cfg, types: Optional[Set[type]], module: torch.nn.Module):
         names = ([given] if isinstance(given, str) else list(given)) + names
     pas["recompute_modules"] = names
     return dataclasses.replace(cfg, pas_config=pas)
+
+
+def check_strategy_args(compute_config: Any, state_dict_type: Any, state_dict_hint: str = "") -> None:
+    """The arguments both strategies (Lightning's and Fabric's) check alike: a ComputeConfig (or
+    None) and a checkpoint kind; `state_dict_hint` ends the kind's message."""
+    if compute_config is not None and not isinstance(compute_config, ComputeConfig):
+        raise NnScalerLightningError(f"NnScalerStrategy(compute_config=...) must be a nnscaler ComputeConfig, "
+                                     f"got {type(compute_config).__name__}")
+    if state_dict_type not in ("sharded", "deduped"):
+        raise NnScalerLightningError(f"NnScalerStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or "
+                                     f"'deduped'{state_dict_hint}")
 
 
 def check_cpu_offload(cpu_offload: Any) -> None:

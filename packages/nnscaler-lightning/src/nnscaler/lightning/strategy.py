@@ -40,7 +40,7 @@ from .model_setup import Conversion, convert, dummy_forward_args, removed_module
 from .optimizers import rebuild, user_optimizer
 from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout
-from .sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, offload_device, recompute_config
+from .sharded_args import check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta, offload_device, recompute_config
 
 __all__ = ["NnScalerStrategy"]
 
@@ -81,12 +81,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         activation_checkpointing_policy: Optional[Any] = None,
         cpu_offload: bool = False,
     ) -> None:
-        if compute_config is not None and not isinstance(compute_config, ComputeConfig):
-            raise NnScalerLightningError(f"NnScalerStrategy(compute_config=...) must be a nnscaler ComputeConfig, "
-                                         f"got {type(compute_config).__name__}")
-        if state_dict_type not in ("sharded", "deduped"):
-            raise NnScalerLightningError(f"NnScalerStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or "
-                                         f"'deduped' (merge later with NnScalerStrategy.merge_checkpoint)")
+        check_strategy_args(compute_config, state_dict_type, " (merge later with NnScalerStrategy.merge_checkpoint)")
         if checkpoint_io is not None:
             raise NnScalerLightningError("NnScalerStrategy(checkpoint_io=...) is not supported: checkpoints are "
                                          "nnscaler.ckpt directories (state_dict_type); leave checkpoint_io out")

@@ -29,7 +29,7 @@ from ..errors import NnScalerLightningError
 from ..internals import BackwardSyncControl, FabricScriptLauncher, FabricSpawnLauncher, sync_ddp_if_available
 from ..optimizers import check_optimizer, rebuild
 from ..precision import adopt_precision_plugin
-from ..sharded_args import check_cpu_offload, checkpointing_types, materialize_meta, offload_device, recompute_config
+from ..sharded_args import check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta, offload_device, recompute_config
 from ..state_codec import decode, encode
 from .precision import NnScalerPrecision
 
@@ -53,12 +53,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                  dummy_forward_args: Optional[Dict[str, Any]] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
                  activation_checkpointing_policy: Optional[Any] = None, cpu_offload: bool = False) -> None:
-        if compute_config is not None and not isinstance(compute_config, ComputeConfig):
-            raise NnScalerLightningError(f"NnScalerStrategy(compute_config=...) must be a nnscaler ComputeConfig, "
-                                         f"got {type(compute_config).__name__}")
-        if state_dict_type not in ("sharded", "deduped"):
-            raise NnScalerLightningError(f"NnScalerStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or "
-                                         f"'deduped'")
+        check_strategy_args(compute_config, state_dict_type)
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
         check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
