@@ -186,7 +186,7 @@ def test_async_save_moves_last_best_and_prunes_only_once_committed(tmp_path, mon
 
 def test_a_failed_async_save_moves_nothing(tmp_path, monkeypatch):
     from nnscaler.ckpt import CheckpointError
-    from nnscaler.ckpt.async_save import AsyncSaveWarning
+    from nnscaler.ckpt import AsyncSaveWarning
     fake = FakeAsyncCkpt()
     monkeypatch.setattr(layout, "BACKEND", fake)
     manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), async_save=True))

@@ -20,7 +20,7 @@ live in safetensors files, everything else in JSON. Nothing is ever unpickled on
 from .errors import CheckpointError
 from .names import FORMAT_VERSION, KINDS
 from .save import save
-from .async_save import AsyncSave, async_save
+from .async_save import AsyncSave, AsyncSaveWarning, async_save
 from .load import load
 from .verify import verify
 from .summary import inspect
@@ -30,5 +30,5 @@ from .convert import convert
 from .extra import decode_extra, encode_extra
 from .rng import restore_rng_snapshot, rng_snapshot
 
-__all__ = ["save", "async_save", "AsyncSave", "load", "merge", "verify", "inspect", "convert", "CheckpointError",
+__all__ = ["save", "async_save", "AsyncSave", "AsyncSaveWarning", "load", "merge", "verify", "inspect", "convert", "CheckpointError",
            "FORMAT_VERSION", "KINDS", "encode_extra", "decode_extra", "rng_snapshot", "restore_rng_snapshot", "HFRecord", "HF_EXTRA_KEY"]
