@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
-from nnscaler.ckpt import decode_extra, encode_extra, rng_snapshot
-from nnscaler.ckpt import AsyncSaveWarning
+from nnscaler.ckpt import AsyncSaveWarning, decode_extra, encode_extra, rng_snapshot
 
 from ..config.values import build_args
 from ..data_position import resumed_step_in_epoch, samples_in_epoch
