@@ -11,8 +11,13 @@
   largest tensor.
 * floors: SHA-256 and CRC-32 rates of one core measured in the same run, and what they imply:
   a merged file's SHA-256 is one sequential stream, so no merge can beat bytes / SHA-256 rate.
+* async: the time `nnscaler.ckpt.async_save` blocks its caller against `save` and against
+  `torch.distributed.checkpoint.async_save` of the same tensors by the same ranks (each blocking
+  time: until the call returns on the slowest rank; also until the save is committed), and the
+  time of a training step (a small MLP, forward + backward + SGD) while a background save runs
+  against without one, for both. Each rank runs with cores // ranks threads.
 
-    python bench/ckpt.py                 # 2 GiB, 8 tensors, 4 ranks (~2-3 min on 2 cores)
+    python bench/ckpt.py                 # 2 GiB, 8 tensors, 4 ranks (~4 min on 2 cores)
     python bench/ckpt.py --gib 0.25      # a quick run
 """
 from __future__ import annotations
@@ -97,7 +102,10 @@ def _module(rank: int, world: int, rows: int, cols: int, ntensors: int):
 
 
 def _timed(fn):
+    """Seconds of `fn` on the slowest rank; dirty pages of what ran before are written out first, so
+    that no measurement pays for the writeback of the previous one."""
     import torch.distributed as dist
+    os.sync()
     dist.barrier()
     t = time.perf_counter()
     fn()
@@ -153,6 +161,104 @@ def _ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str
     return out
 
 
+def _mlp(threads: int):
+    """A training step of a small MLP (the work a background save competes with)."""
+    import torch
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x = torch.randn(64, 512)
+
+    def step():
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+    return step
+
+
+def _steps(step, n: int) -> float:
+    """Seconds per step, mean of `n` steps."""
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t) / n
+
+
+def _in_background(out: dict, name: str, start, finish, step, steps: int) -> None:
+    """Time `start()` (until it returns on the slowest rank), `steps` training steps right after,
+    while the save runs, then until `finish(start's result)` returns on every rank."""
+    import torch.distributed as dist
+    started = []
+    out[f"{name}_blocking"].append(_timed(lambda: started.append(start())))
+    t = time.perf_counter()
+    out[f"step_during_{name}"].append(_steps(step, steps))
+    finish(started[0])
+    out[f"{name}_background"].append(time.perf_counter() - t)
+    dist.barrier()
+    out[f"{name}_total"].append(out[f"{name}_blocking"][-1] + time.perf_counter() - t)
+
+
+def _async_ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str, repeat: int, steps: int):
+    """Blocking and total times of save / async_save / DCP async_save, and step times during each."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import nnscaler.ckpt as ckpt
+    m = _module(rank, world, rows, cols, ntensors)
+    state = {k: v.detach() for k, v in m.named_parameters()}
+    step = _mlp(torch.get_num_threads())
+    _steps(step, 3)  # warm-up
+    out = {k: [] for k in ("save", "async_blocking", "async_total", "dcp_blocking", "dcp_total", "step_idle",
+                           "step_during_async", "step_during_dcp", "async_background", "dcp_background")}
+    t = time.perf_counter()  # the first call also starts this rank's background process and makes its buffer
+    ckpt.async_save(Path(root, "ck-async"), m, overwrite=True).wait()
+    dist.barrier()
+    out["async_first_call_total"] = time.perf_counter() - t
+    group = dist.new_group(backend="gloo")  # DCP's background thread runs collectives: its own group, as
+    # torchtitan gives it (on the default one they interleave with the caller's barriers and hang)
+    dcp_save = lambda i: dcp.async_save(state, checkpoint_id=str(Path(root, f"dcp-{i}")),  # noqa: E731
+                                        process_group=group)
+    dcp_save("warm").result()  # DCP's first call: warm-up
+    for i in range(repeat):  # alternated, so that all see the same state of the page cache
+        out["save"].append(_timed(lambda: ckpt.save(Path(root, "ck-sync"), m, overwrite=True)))
+        out["step_idle"].append(_steps(step, steps))
+        _in_background(out, "async", lambda: ckpt.async_save(Path(root, "ck-async"), m, overwrite=True),
+                       lambda h: h.wait(), step, steps)
+        _in_background(out, "dcp", lambda: dcp_save(i), lambda f: f.result(), step, steps)
+    ckpt.stop_async_saves()
+    res = {k: statistics.median(v) for k, v in out.items() if isinstance(v, list)}
+    res["async_first_call_total"] = out["async_first_call_total"]
+    res["threads"] = torch.get_num_threads()
+    return res
+
+
+def _async_figures(ranks: list, total: int) -> dict:
+    """The async figures: slowest rank's times (blocking, total), mean step times over the ranks."""
+    slowest = {k: max(r[k] for r in ranks) for k in ("save", "async_blocking", "async_total", "dcp_blocking",
+                                                     "dcp_total", "async_first_call_total")}
+    mean = {k: statistics.mean(r[k] for r in ranks) for k in ("step_idle", "step_during_async", "step_during_dcp",
+                                                              "async_background", "dcp_background")}
+    return {
+        "save_seconds": slowest["save"], "async_blocking_seconds": slowest["async_blocking"],
+        "async_total_seconds": slowest["async_total"], "dcp_blocking_seconds": slowest["dcp_blocking"],
+        "dcp_total_seconds": slowest["dcp_total"], "async_first_call_total_seconds": slowest["async_first_call_total"],
+        "ratio_async_blocking_vs_save": slowest["async_blocking"] / slowest["save"],
+        "ratio_async_blocking_vs_dcp_blocking": slowest["async_blocking"] / slowest["dcp_blocking"],
+        "ratio_async_total_vs_save": slowest["async_total"] / slowest["save"],
+        "ratio_async_total_vs_dcp_total": slowest["async_total"] / slowest["dcp_total"],
+        "async_blocking_GBps": total / slowest["async_blocking"] / 1e9,
+        "step_idle_seconds": mean["step_idle"], "step_during_async_seconds": mean["step_during_async"],
+        "step_during_dcp_seconds": mean["step_during_dcp"],
+        "ratio_step_during_async_vs_idle": mean["step_during_async"] / mean["step_idle"],
+        "ratio_step_during_dcp_vs_idle": mean["step_during_dcp"] / mean["step_idle"],
+        "async_background_seconds": mean["async_background"], "dcp_background_seconds": mean["dcp_background"],
+        "note": "blocking: until the call returns (slowest rank, barriers around it); total: until committed "
+                "(async_save) or the future is done (DCP, thread-based, its default); steps: timed right after "
+                "the call returned, while the save runs in the background (see *_background_seconds)",
+        "per_rank": ranks,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=2.0, help="model size in GiB (float32)")
@@ -161,8 +267,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement (medians are reported)")
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--hash-mib", type=int, default=256, help="buffer of the one-core hash rates, MiB")
+    ap.add_argument("--steps", type=int, default=20, help="training steps timed during each background save")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "ckpt.json"))
-    args = parse_args(ap, {"gib": 0.004, "tensors": 2, "ranks": 2, "repeat": 1, "hash_mib": 4}, "ckpt.json")
+    args = parse_args(ap, {"gib": 0.004, "tensors": 2, "ranks": 2, "repeat": 1, "hash_mib": 4, "steps": 2}, "ckpt.json")
     cols = 4096
     rows = int(args.gib * 2**30 / 4 / args.tensors / cols) // args.ranks * args.ranks
     tensor_bytes = rows * cols * 4
@@ -170,9 +277,12 @@ def main() -> None:
     load_before = loadavg()  # I/O and hashing figures swing with what else the machine runs
     rates = hash_rates(args.hash_mib * 2**20)
     root = Path(tempfile.mkdtemp(prefix="nnscaler-bench-ckpt-", dir=args.workdir))
+    (root / "async").mkdir()
     try:
         per_rank, _ = spawn_gloo(_ranks, (args.ranks, rows, cols, args.tensors, str(root), args.repeat), args.ranks,
                                  str(root / "result.json"))
+        async_ranks, _ = spawn_gloo(_async_ranks, (args.ranks, rows, cols, args.tensors, str(root / "async"),
+                                                   args.repeat, args.steps), args.ranks, str(root / "async.json"))
         slowest = {k: max(r[k] for r in per_rank) for k in ("save", "save_file", "save_file_fsync", "load", "load_sha256",
                                                             "load_no_verify", "load_file")}
         ref = {"cp": [], "cp_then_sync": [], "cp_then_sha256": []}
@@ -258,6 +368,7 @@ def main() -> None:
                   "ratio_floor_vs_cp": refs["cp"] / merge_floor, "best_floor_seconds": best_floor,
                   "best_ratio_floor_vs_cp": min(ref["cp"]) / best_floor},
         "per_rank": per_rank,
+        "async": _async_figures(async_ranks, total),
     }
     r = lambda x: f"{x:.2f}"  # noqa: E731
     rows_ = [["save vs save_file", f"{result['save']['GBps']:.2f} GB/s", r(result['save']['ratio_vs_save_file'])],
@@ -277,6 +388,15 @@ def main() -> None:
                       f"{r(v['best_ratio_vs_cp_then_sync'])} | {r(v['best_ratio_vs_cp_then_sha256'])} | "
                       f"{r(v['best_ratio_vs_floor'])})  extra RSS {fmt_bytes(v['extra_rss_bytes'])} "
                       f"(largest tensor {fmt_bytes(tensor_bytes)})"])
+    a = result["async"]
+    rows_ += [["async_save blocking vs save (target <= 0.15)", f"{a['async_blocking_seconds']:.3f} s",
+               r(a["ratio_async_blocking_vs_save"])],
+              ["async_save blocking vs DCP async_save blocking (target <= 1.0)", f"{a['dcp_blocking_seconds']:.3f} s",
+               r(a["ratio_async_blocking_vs_dcp_blocking"])],
+              ["async_save committed vs save | DCP async_save finished", f"{a['async_total_seconds']:.3f} s",
+               f"{r(a['ratio_async_total_vs_save'])} | {r(a['ratio_async_total_vs_dcp_total'])}"],
+              ["training step during async_save | DCP async_save vs none", f"{a['step_idle_seconds'] * 1e3:.1f} ms",
+               f"{r(a['ratio_step_during_async_vs_idle'])} | {r(a['ratio_step_during_dcp_vs_idle'])}"]]
     print(f"{fmt_bytes(total)} in {args.tensors} tensors over {args.ranks} ranks; one core: SHA-256 "
           f"{rates['sha256_GBps']:.2f} GB/s, CRC-32 {rates['crc32_GBps']:.2f} GB/s; merge floor "
           f"{r(result['merge']['ratio_floor_vs_cp'])} x cp")

@@ -46,8 +46,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def save_in_two_ranks(path, seed, kill_rank=-1, kill_at=0, timeout=60.0):
-    """Fork two ranks that save; returns (exit statuses, reports)."""
+def _fork_two(target, *args):
+    """Fork ranks 0 and 1 running ``target(rank, port, *args, report_fd)``; returns (pids, the
+    reports' read end). A rank's exception is printed; a rank always ends with os._exit."""
     port = _free_port()
     r, w = os.pipe()
     pids = []
@@ -56,11 +57,20 @@ def save_in_two_ranks(path, seed, kill_rank=-1, kill_at=0, timeout=60.0):
         if pid == 0:
             os.close(r)
             try:
-                _rank(rank, port, path, seed, kill_rank, kill_at, w)
+                target(rank, port, *args, w)
+            except BaseException:  # noqa: BLE001 - shown in the driver's output
+                import traceback
+                traceback.print_exc()
             finally:
                 os._exit(1)
         pids.append(pid)
     os.close(w)
+    return pids, r
+
+
+def save_in_two_ranks(path, seed, kill_rank=-1, kill_at=0, timeout=60.0):
+    """Fork two ranks that save; returns (exit statuses, reports)."""
+    pids, r = _fork_two(_rank, path, seed, kill_rank, kill_at)
     statuses, deadline = {}, time.monotonic() + timeout
     while len(statuses) < 2:
         for pid in pids:
@@ -175,22 +185,7 @@ def async_in_two_ranks(root, path, seed, kill_rank=-1, kill_at=0, kill_ranks_aft
     for r in (0, 1):
         if os.path.exists(os.path.join(root, f".events-{r}")):
             os.unlink(os.path.join(root, f".events-{r}"))
-    port = _free_port()
-    r, w = os.pipe()
-    pids = []
-    for rank in range(2):
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            try:
-                _async_rank(rank, port, path, seed, kill_rank, kill_at, w)
-            except BaseException:  # noqa: BLE001 - shown in the driver's output
-                import traceback
-                traceback.print_exc()
-            finally:
-                os._exit(1)
-        pids.append(pid)
-    os.close(w)
+    pids, r = _fork_two(_async_rank, path, seed, kill_rank, kill_at)
     reports, buf, deadline, killed = [], b"", time.monotonic() + timeout, False
     os.set_blocking(r, False)
     alive = set(pids)

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from fake_modules import FakeParallel, trained
-from nnscaler.ckpt import AsyncSave, CheckpointError, async_save, load, save, verify
+from nnscaler.ckpt import AsyncSave, CheckpointError, async_save, load, save, stop_async_saves, verify
 from nnscaler.ckpt.async_save import _SAVER, AsyncSaveWarning
+from nnscaler.ckpt.inflight import in_flight
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.multiprocess
 @pytest.fixture(autouse=True)
 def _stop_worker():
     yield
-    _SAVER.stop()  # no process left behind
+    stop_async_saves()  # no process left behind
 
 
 def _state(pm):
@@ -45,6 +46,10 @@ def test_handle_and_the_state_at_the_call(tmp_path):
     at_call = _state(pm)
     h = async_save(tmp_path / "ck", pm, opt, extra={"step": 2, "t": torch.arange(3)}, files={"cfg.yaml": "a: 1\n"})
     assert isinstance(h, AsyncSave) and h.path == tmp_path / "ck"
+    child = os.fork()  # a forked child (a data loader's worker) owns no background process, no save in flight
+    if child == 0:
+        os._exit(0 if _SAVER.proc is None and _SAVER.buffer is None and in_flight() is None else 1)
+    assert os.waitpid(child, 0)[1] == 0 and _SAVER.proc is not None and in_flight() is h
     with torch.no_grad():  # training goes on at once
         for p in pm.parameters():
             p.add_(1.0)
@@ -82,7 +87,7 @@ def test_wait_reraises_the_background_error_and_the_previous_checkpoint_stays(tm
     pm, opt = trained()
     save(tmp_path / "ck", pm, opt, extra={"v": 1})
     before = (tmp_path / "ck" / "manifest.json").read_bytes()
-    _SAVER.stop()  # the next worker takes a moment to start: time to pull its directory away
+    stop_async_saves()  # the next worker takes a moment to start: time to pull its directory away
     h = async_save(tmp_path / "ck", FakeParallel(seed=4), overwrite=True)
     (staging,) = _staging(tmp_path)
     shutil.rmtree(staging)

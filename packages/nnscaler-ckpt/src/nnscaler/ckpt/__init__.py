@@ -3,6 +3,7 @@
 - `save(path, module, optimizer=None, *, kind="sharded"|"deduped", extra=None)`: collective;
 - `async_save(...)` (same arguments) -> `AsyncSave`: collective; returns once this rank's state is
   copied, the checkpoint is written and committed in a background process (``handle.wait()``);
+  `stop_async_saves()` waits for it and ends that process;
 - `load(path, module, optimizer=None) -> extra`: collective, into any plan and world size;
 - `merge(src, dst, *, max_shard_size="5GB", model_only=False, hf=False)`: offline, streaming, the
   Hugging Face layout; with ``hf=True`` a ``from_pretrained`` directory, from the `HFRecord` the
@@ -20,7 +21,7 @@ live in safetensors files, everything else in JSON. Nothing is ever unpickled on
 from .errors import CheckpointError
 from .names import FORMAT_VERSION, KINDS
 from .save import save
-from .async_save import AsyncSave, AsyncSaveWarning, async_save
+from .async_save import AsyncSave, AsyncSaveWarning, async_save, stop_async_saves
 from .load import load
 from .verify import verify
 from .summary import inspect
@@ -30,5 +31,6 @@ from .convert import convert
 from .extra import decode_extra, encode_extra
 from .rng import restore_rng_snapshot, rng_snapshot
 
-__all__ = ["save", "async_save", "AsyncSave", "AsyncSaveWarning", "load", "merge", "verify", "inspect", "convert", "CheckpointError",
-           "FORMAT_VERSION", "KINDS", "encode_extra", "decode_extra", "rng_snapshot", "restore_rng_snapshot", "HFRecord", "HF_EXTRA_KEY"]
+__all__ = ["save", "async_save", "AsyncSave", "AsyncSaveWarning", "stop_async_saves", "load", "merge", "verify",
+           "inspect", "convert", "CheckpointError", "FORMAT_VERSION", "KINDS", "encode_extra", "decode_extra",
+           "rng_snapshot", "restore_rng_snapshot", "HFRecord", "HF_EXTRA_KEY"]

@@ -31,7 +31,7 @@ from .inflight import set_in_flight, wait_in_flight
 from .save import prepare
 from .save_worker import Job
 
-__all__ = ["async_save", "AsyncSave", "AsyncSaveWarning", "DEFAULT_TIMEOUT"]
+__all__ = ["async_save", "AsyncSave", "AsyncSaveWarning", "stop_async_saves", "DEFAULT_TIMEOUT"]
 
 _ALIGN = 64  # byte alignment of each tensor in the buffer
 DEFAULT_TIMEOUT = 600.0  # seconds the ranks' background processes wait for each other's files
@@ -114,9 +114,9 @@ class _Saver:
         os.ftruncate(fd, max(nbytes, 1))
         self._fd, self._map = fd, mmap.mmap(fd, max(nbytes, 1))
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-        if pin and torch.cuda.is_available():
-            torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
-            self.pinned = True
+        if pin and torch.cuda.is_available():  # pinned: the copies from the GPU run at full speed
+            error = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
+            self.pinned = int(getattr(error, "value", error)) == 0  # else pageable: slower, as correct
         self.buffers_made += 1
         return self.buffer
 
@@ -189,8 +189,19 @@ class _Saver:
 _SAVER = _Saver()
 
 
+def _forget_in_child() -> None:
+    """A forked child (a data loader's worker) has no background process of its own."""
+    _SAVER.__init__()  # the parent's worker, buffer and handles stay the parent's
+    set_in_flight(None)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 @atexit.register
-def _finish_at_exit() -> None:
+def stop_async_saves() -> None:
+    """Wait for this process's save in flight, then end its background save process (the next
+    `async_save` starts a new one). Also runs at exit."""
     wait_in_flight()
     _SAVER.stop()
 

@@ -52,6 +52,7 @@ from .save import fill_manifest
 __all__ = ["Job", "main", "done_marker", "buffer_views"]
 
 _POLL = 0.005  # seconds between looks at the staging directory
+NICE = 10  # the worker's scheduling priority below training's: on busy cores training's steps go first
 
 
 @dataclass
@@ -122,6 +123,10 @@ def main(argv: List[str]) -> None:
     fd, size, parent, threads, results_fd = map(int, argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops training, not a save being written
     _exit_with_parent(parent)
+    try:
+        os.nice(NICE)
+    except OSError:  # not permitted here: same priority as training
+        pass
     torch.set_num_threads(max(1, threads))
     buffer = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
     os.close(fd)
