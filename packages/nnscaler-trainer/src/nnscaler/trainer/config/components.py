@@ -74,24 +74,28 @@ class DatasetConfig:
 
 
 @dataclass
-class DataloaderConfig:
-    """The dataloader type; ``dataset``, ``batch_size`` and ``sampler`` are set by the Trainer.
-    ``val_args`` / ``test_args`` default to ``train_args`` when empty."""
+class _TypeWithSplitArgs:
+    """A class to build, with keyword arguments for each split."""
 
-    type: str = "torch.utils.data.DataLoader"
+    type: str = ""
     train_args: Dict[str, Any] = field(default_factory=dict)
     val_args: Dict[str, Any] = field(default_factory=dict)
     test_args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
-class DatasetSamplerConfig:
+class DataloaderConfig(_TypeWithSplitArgs):
+    """The dataloader type; ``dataset``, ``batch_size`` and ``sampler`` are set by the Trainer.
+    ``val_args`` / ``test_args`` default to ``train_args`` when empty."""
+
+    type: str = "torch.utils.data.DataLoader"  # a redefined field keeps its place: type stays first
+
+
+@dataclass
+class DatasetSamplerConfig(_TypeWithSplitArgs):
     """The sampler type; ``dataset``, ``num_replicas`` and ``rank`` are set by the Trainer."""
 
     type: str = "torch.utils.data.DistributedSampler"
-    train_args: Dict[str, Any] = field(default_factory=dict)
-    val_args: Dict[str, Any] = field(default_factory=dict)
-    test_args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
