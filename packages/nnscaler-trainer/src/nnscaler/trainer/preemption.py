@@ -18,6 +18,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from nnscaler.runtime import default_device
 
 __all__ = ["PreemptionWatch", "PREEMPTION_SIGNALS"]
 
@@ -49,7 +50,6 @@ class PreemptionWatch:
         local = self.received is not None
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return local
-        from nnscaler.runtime import default_device
         device = default_device() if dist.get_backend() == "nccl" else torch.device("cpu")
         flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

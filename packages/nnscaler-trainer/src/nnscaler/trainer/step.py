@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+from nnscaler.runtime import (ParallelModule, aggregate_outputs, reduce_gradients, reduce_loss,
+                              sync_grad_when)
 
 __all__ = ["train_step", "val_step", "sync_group_of", "aggregate"]
 
 
 def _parallel_modules(model: torch.nn.Module):
-    from nnscaler.runtime import ParallelModule
     return [m for m in model.modules() if isinstance(m, ParallelModule)]
 
 
@@ -29,7 +30,6 @@ def sync_group_of(model: torch.nn.Module):
 
 def aggregate(trainer, outputs: List[Any]):
     """AggregatedOutputs of the micro-batch outputs over the data-parallel replicas."""
-    from nnscaler.runtime import aggregate_outputs
     fn = trainer.aggregate_outputs_fn or aggregate_outputs
     return fn(outputs, sync_group_of(trainer.model))
 
@@ -40,7 +40,6 @@ def _is_pipelined(model: torch.nn.Module) -> bool:
 
 def _forward_backward(trainer, batches: List[Any], scale_fn: Optional[Callable]) -> List[Any]:
     """Every micro-batch; gradients synced in the last backward unless sync is paused around."""
-    from nnscaler.runtime import ParallelModule, sync_grad_when
     model = trainer.model
     if isinstance(model, ParallelModule):
         return model.train_step([(b,) for b in batches], scale_fn=scale_fn)  # forward(batch)
@@ -75,7 +74,6 @@ def _scale_fn(factor: Optional[float], precision) -> Optional[Callable]:
 
 def train_step(trainer, batches: List[Any]) -> Tuple[List[Any], Any, float, Optional[float]]:
     """Returns (outputs, aggregated outputs, reduced loss, gradient norm)."""
-    from nnscaler.runtime import reduce_gradients, reduce_loss
     hooks, optimizer, precision = trainer.hooks, trainer.optimizer, trainer.precision
     opt_cfg = trainer.train_args.optimizer
     with hooks.around("zero_grad", trainer):
@@ -101,7 +99,6 @@ def train_step(trainer, batches: List[Any]) -> Tuple[List[Any], Any, float, Opti
 
 def _forward_backward_sync(trainer, batches: List[Any], scale_fn: Optional[Callable]) -> List[Any]:
     """Every micro-batch and the gradient sync, with before_sync_grad / after_sync_grad."""
-    from nnscaler.runtime import sync_grad_when
     hooks = trainer.hooks
     if hooks.defines("before_sync_grad") and not _is_pipelined(trainer.model):
         with sync_grad_when(False):  # accumulate locally, so the hook runs before the sync
@@ -118,7 +115,6 @@ def _forward_backward_sync(trainer, batches: List[Any], scale_fn: Optional[Calla
 
 def val_step(trainer, batches: List[Any]) -> List[Any]:
     """Forward without gradients; returns the outputs."""
-    from nnscaler.runtime import ParallelModule
     trainer.hooks.on_val_step_start(trainer, batches)
     model = trainer.model
     if isinstance(model, ParallelModule):

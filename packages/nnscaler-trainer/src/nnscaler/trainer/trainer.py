@@ -17,9 +17,11 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from nnscaler.ckpt import restore_rng_snapshot
+from nnscaler.runtime import PrecisionPlugin, RankGrid
 
 from . import setup as build
 from .checkpoints import CheckpointManager, ckpt_backend
+from .config.loading import dump_yaml
 from .config.trainer_args import TrainerArgs
 from .config.values import build_args, instantiate, resolve_object
 from .data_position import samples_in_epoch, skip_per_rank
@@ -28,6 +30,7 @@ from .hooks import HookChain, TrainHook
 from .loggers.console import ConsoleReporter
 from .metrics import TrainStepMetrics, ValMetrics
 from .preemption import PreemptionWatch
+from .prechecks import check_paths
 from .state import TrainState
 from .step import aggregate, train_step, val_step
 
@@ -56,7 +59,6 @@ class Trainer:
         """Compile (``run_mode: compile``) or set up and train; always tears down what it built."""
         ok = False
         try:
-            from .prechecks import check_paths
             check_paths(self.train_args)  # before anything is written, on every rank
             if self.train_args.run_mode == "compile":
                 self._compile()
@@ -120,7 +122,6 @@ class Trainer:
     def _setup(self) -> None:
         args = self.train_args
         self._init_env()
-        from nnscaler.runtime import PrecisionPlugin
         self.precision = PrecisionPlugin(args.precision)
         self.train_dataset = build.build_dataset(args.dataset, "train")
         self.val_dataset = build.build_dataset(args.dataset, "val")
@@ -147,7 +148,6 @@ class Trainer:
         members = [m for m in (original, self.optimizer, self.lr_scheduler) if isinstance(m, TrainHook)]
         members += build.build_config_hooks(self.train_args)
         self.hooks = HookChain(members)
-        from .config.loading import dump_yaml
         self.checkpoints = CheckpointManager(args.checkpoint, config_yaml=dump_yaml(args.to_dict()))
         self._setup_loggers()
 
@@ -177,7 +177,6 @@ class Trainer:
             logger.finalize()
         self.loggers = []
         if self._owns_group and dist.is_initialized():
-            from nnscaler.runtime import RankGrid
             if ok:
                 dist.barrier()
             RankGrid.destroy_all()
