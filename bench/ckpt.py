@@ -1,6 +1,7 @@
 """Checkpoint I/O of nnscaler.ckpt against the same bytes moved by the reference tools.
 
-* save / load: `nnscaler.ckpt.save` (sharded, hashing while writing) and `load` at each
+* save / load: `nnscaler.ckpt.save` (sharded; CRC-32 while writing, the SHA-256 after the commit,
+  whose time is reported as ``after_commit_seconds``) and `load` at each
   verification level (``"fast"``: the default, size + chunked CRC-32; ``"sha256"``; ``"size"``)
   of a model sharded over `--ranks` gloo processes, against `safetensors.torch.save_file` /
   `load_file` of the same tensors by the same ranks, in the same run. Throughput = bytes /
@@ -113,6 +114,16 @@ def _timed(fn):
     return time.perf_counter() - t
 
 
+def _settle() -> None:
+    """Wait for what `save` leaves for after its commit (a thread of rank 0: the SHA-256 of large
+    files, the deletion of the replaced checkpoint), then for every rank, so that it slows down
+    no later measurement."""
+    import torch.distributed as dist
+    from nnscaler.ckpt import after_commit
+    after_commit.wait()
+    dist.barrier()
+
+
 def _save_file_fsync(save_file, tensors, path) -> None:
     save_file(tensors, str(path))
     fd = os.open(str(path), os.O_RDONLY)
@@ -128,16 +139,23 @@ def _ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str
     import nnscaler.ckpt as ckpt
     m = _module(rank, world, rows, cols, ntensors)
     tensors = {k: v.detach() for k, v in m.named_parameters()}
-    out = {k: [] for k in ("save_file", "save_file_fsync", "save", "load_file", "load", "load_sha256",
-                           "load_no_verify")}
+    out = {k: [] for k in ("save_file", "save_file_fsync", "save", "save_after_commit", "load_file", "load",
+                           "load_sha256", "load_no_verify")}
     ref_dir = Path(root, "safetensors")
     ref_dir.mkdir(exist_ok=True)
-    for _ in range(repeat):  # alternated, so that both see the same state of the page cache
+    for i in range(repeat + 1):  # alternated, so that both see the same state of the page cache; the
+        # first round is a warm-up, not counted (the first writes of 2 GiB into memory the VM has not
+        # touched yet are slow: 2-3 s for either, then ~1 s)
+        if i == 1:
+            out = {k: [] for k in out}
         out["save_file"].append(_timed(lambda: save_file(tensors, str(ref_dir / f"rank{rank}.safetensors"))))
         # the durable reference: our save fsyncs (a crash must not lose a committed checkpoint)
         out["save_file_fsync"].append(_timed(lambda: _save_file_fsync(save_file, tensors,
                                                                        ref_dir / f"rank{rank}-fsync.safetensors")))
         out["save"].append(_timed(lambda: ckpt.save(Path(root, "ck"), m, overwrite=True)))
+        t = time.perf_counter()
+        _settle()
+        out["save_after_commit"].append(time.perf_counter() - t)
     target = _module(rank, world, rows, cols, ntensors)
     with torch.no_grad():
         for p in target.parameters():
@@ -156,7 +174,8 @@ def _ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str
         out["load"].append(_timed(lambda: ckpt.load(Path(root, "ck"), target)))  # verify="fast"
         out["load_sha256"].append(_timed(lambda: ckpt.load(Path(root, "ck"), target, verify="sha256")))
         out["load_no_verify"].append(_timed(lambda: ckpt.load(Path(root, "ck"), target, verify="size")))
-    out = {k: statistics.median(v) for k, v in out.items()}
+    runs = {f"{k}_runs": list(out[k]) for k in ("save", "save_file_fsync", "save_file")}
+    out = {**{k: statistics.median(v) for k, v in out.items()}, **runs}
     out["exact"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), target.parameters()))
     return out
 
@@ -221,6 +240,7 @@ def _async_ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, roo
     dcp_save("warm").result()  # DCP's first call: warm-up
     for i in range(repeat):  # alternated, so that all see the same state of the page cache
         out["save"].append(_timed(lambda: ckpt.save(Path(root, "ck-sync"), m, overwrite=True)))
+        _settle()
         out["step_idle"].append(_steps(step, steps))
         _in_background(out, "async", lambda: ckpt.async_save(Path(root, "ck-async"), m, overwrite=True),
                        lambda h: h.wait(), step, steps)
@@ -283,7 +303,7 @@ def main() -> None:
                                  str(root / "result.json"))
         async_ranks, _ = spawn_gloo(_async_ranks, (args.ranks, rows, cols, args.tensors, str(root / "async"),
                                                    args.repeat, args.steps), args.ranks, str(root / "async.json"))
-        slowest = {k: max(r[k] for r in per_rank) for k in ("save", "save_file", "save_file_fsync", "load", "load_sha256",
+        slowest = {k: max(r[k] for r in per_rank) for k in ("save", "save_after_commit", "save_file", "save_file_fsync", "load", "load_sha256",
                                                             "load_no_verify", "load_file")}
         ref = {"cp": [], "cp_then_sync": [], "cp_then_sha256": []}
         runs = {level: [] for level in LEVELS}
@@ -336,7 +356,10 @@ def main() -> None:
         "save": {"seconds": slowest["save"], "GBps": gbs(slowest["save"]),
                  "ref_save_file_seconds": slowest["save_file"], "ratio_vs_save_file": slowest["save_file"] /
                  slowest["save"], "ref_save_file_fsync_seconds": slowest["save_file_fsync"],
-                 "ratio_vs_save_file_fsync": slowest["save_file_fsync"] / slowest["save"]},
+                 "ratio_vs_save_file_fsync": slowest["save_file_fsync"] / slowest["save"],
+                 "after_commit_seconds": slowest["save_after_commit"],
+                 "after_commit_note": "rank 0's thread after save returned: SHA-256 of the rank files into the "
+                                      "manifest, deletion of the replaced checkpoint (save returns before it)"},
         "load": {"seconds": slowest["load"], "GBps": gbs(slowest["load"]), "verify": "fast",
                  "seconds_sha256": slowest["load_sha256"], "seconds_no_verify": slowest["load_no_verify"],
                  "ref_load_file_seconds": slowest["load_file"],

@@ -27,6 +27,7 @@ from nnscaler.ir import NnScalerWarning
 
 from .collectives import all_gather_json
 from .errors import CheckpointError, describe
+from . import after_commit
 from .inflight import set_in_flight, wait_in_flight
 from .save import prepare
 from .save_worker import Job
@@ -203,6 +204,7 @@ def stop_async_saves() -> None:
     """Wait for this process's save in flight, then end its background save process (the next
     `async_save` starts a new one). Also runs at exit."""
     wait_in_flight()
+    after_commit.wait()
     _SAVER.stop()
 
 
@@ -236,6 +238,7 @@ def async_save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Op
     returns once the checkpoint is committed (or raises its error) and ``done()`` tells whether it
     finished. `timeout`: seconds the ranks' background processes wait for each other's files."""
     wait_in_flight()
+    after_commit.wait()
     p = prepare(path, module, optimizer, kind=kind, extra=extra, overwrite=overwrite, files=files)
     error: Optional[str] = None
     layout: list = []

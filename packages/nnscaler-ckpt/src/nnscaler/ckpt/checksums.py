@@ -69,16 +69,19 @@ class _Pending:
 class Digests:
     """SHA-256 and chunked CRC-32 of the buffers given to `feed`, in order, each computed by its
     own helper thread (both release the GIL). A fed buffer must stay unchanged until the
-    `_Pending` that `feed` returns is done; `finish` returns ``(sha256 hex, crc32 record)``."""
+    `_Pending` that `feed` returns is done; `finish` returns ``(sha256 hex, crc32 record)``.
+    ``Digests(sha256=False)``: the CRC-32 only (one helper thread; `finish` gives ``None`` for
+    the SHA-256)."""
 
-    def __init__(self):
-        self._sha = hashlib.sha256()
+    def __init__(self, sha256: bool = True):
+        self._sha = hashlib.sha256() if sha256 else None
         self._crcs: List[int] = []
         self._crc, self._crc_len = 0, 0
         self._error: Optional[BaseException] = None
-        self._queues = [queue.SimpleQueue(), queue.SimpleQueue()]
+        updates = [self._crc_update] + ([self._sha.update] if sha256 else [])
+        self._queues = [queue.SimpleQueue() for _ in updates]
         self._threads = [threading.Thread(target=self._run, args=(q, fn), daemon=True)
-                         for q, fn in zip(self._queues, (self._sha.update, self._crc_update))]
+                         for q, fn in zip(self._queues, updates)]
         for t in self._threads:
             t.start()
 
@@ -115,7 +118,7 @@ class Digests:
                 self._crcs.append(self._crc)
                 self._crc, self._crc_len = 0, 0
 
-    def finish(self) -> Tuple[str, Crc32]:
+    def finish(self) -> Tuple[Optional[str], Crc32]:
         for q in self._queues:
             q.put(None)
         for t in self._threads:
@@ -123,7 +126,7 @@ class Digests:
         if self._error is not None:
             raise self._error
         crcs = self._crcs + ([self._crc] if self._crc_len else [])
-        return self._sha.hexdigest(), Crc32(CRC_CHUNK, crcs)
+        return None if self._sha is None else self._sha.hexdigest(), Crc32(CRC_CHUNK, crcs)
 
 
 def crc32_chunks(buffer, chunk: int = CRC_CHUNK, threads: Optional[int] = None) -> List[int]:

@@ -47,6 +47,7 @@ class StagingDir:
         self.overwrite = overwrite
         self.token = token
         self.path = self.dest.parent / f"{staging_prefix(self.dest.name)}{token}"
+        self.replaced: Optional[Path] = None  # see commit(keep_replaced=True)
 
     def create(self) -> "StagingDir":
         check_destination(self.dest, self.overwrite)
@@ -56,8 +57,10 @@ class StagingDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def commit(self, manifest: Union[Manifest, Mapping[str, Any]]) -> Path:
-        """Write the manifest (a `Manifest`, or its JSON) last, then move the directory into place."""
+    def commit(self, manifest: Union[Manifest, Mapping[str, Any]], *, keep_replaced: bool = False) -> Path:
+        """Write the manifest (a `Manifest`, or its JSON) last, then move the directory into place.
+        The checkpoint it replaces (``overwrite``) is deleted, or with `keep_replaced` left under
+        a staging name in `replaced` for the caller to delete (`save` spreads it over its ranks)."""
         data = manifest.to_json() if isinstance(manifest, Manifest) else dict(manifest)
         atomic_write(self.path / MANIFEST, json.dumps(data, indent=1, sort_keys=False) + "\n")
         fsync_dir(self.path)
@@ -75,8 +78,10 @@ class StagingDir:
         else:
             os.rename(self.path, self.dest)
         fsync_dir(self.dest.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        if old is not None and keep_replaced and old.is_dir() and not old.is_symlink():
+            self.replaced = old
+        elif old is not None:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() and not old.is_symlink() else old.unlink()
         return self.dest
 
     def discard(self) -> None:

@@ -103,14 +103,18 @@ class Crc32:
 
 @dataclass
 class FileRecord(Record):
-    """A file of the checkpoint: size, SHA-256 and (since the CRC existed) chunked CRC-32."""
+    """A file of the checkpoint: size, SHA-256 and (since the CRC existed) chunked CRC-32. A
+    synchronous `save` records a rank file's size and CRC-32 only (``sha256`` None: hashing it
+    would double the save's time); every record has at least one of the two hashes."""
 
     size: int
-    sha256: str
+    sha256: Optional[str]
     crc32: Optional[Crc32] = None
 
     def to_json(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"size": self.size, "sha256": self.sha256}
+        out: Dict[str, Any] = {"size": self.size}
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
         if self.crc32 is not None:
             out["crc32"] = self.crc32.to_json()
         return out
@@ -118,8 +122,8 @@ class FileRecord(Record):
     @classmethod
     def from_json(cls, data: Any, where: str = "file") -> "FileRecord":
         crc = _get(data, "crc32", where, dict, None)
-        return cls(_get(data, "size", where, int), _get(data, "sha256", where, str),
-                   None if crc is None else Crc32.from_json(crc, f"{where}.crc32"))
+        sha = _get(data, "sha256", where, str, None if crc is not None else _MISSING)  # one hash at least
+        return cls(_get(data, "size", where, int), sha, None if crc is None else Crc32.from_json(crc, f"{where}.crc32"))
 
 
 @dataclass

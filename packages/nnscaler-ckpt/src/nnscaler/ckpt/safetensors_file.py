@@ -75,9 +75,10 @@ class SafetensorsWriter:
     hashed by helper threads (`checksums.Digests`) while they are written: writing runs ahead of
     the hashing (up to 1 GiB of the caller's tensors, 4 windows of copied files) and the fsync
     overlaps the hashing of the tail, so a save takes about max(write + fsync, SHA-256), not
-    their sum."""
+    their sum. ``sha256=False``: the CRC-32 only (``record.sha256`` is None)."""
 
-    def __init__(self, path, specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, str]] = None):
+    def __init__(self, path, specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, str]] = None,
+                 sha256: bool = True):
         self.path = Path(path)
         self._specs = list(specs)
         self._next = 0
@@ -92,7 +93,7 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
         self.record: Optional[FileRecord] = None
-        self._digests: Optional[Digests] = Digests()
+        self._digests: Optional[Digests] = Digests(sha256)
         self._inflight: Deque[tuple] = collections.deque()  # (pending, bytes, what to release once hashed)
         self._inflight_bytes = 0
         self._windows = 0
@@ -210,10 +211,12 @@ def _write_all(f, chunk: memoryview) -> None:
 
 
 def write_record(path, tensors: Iterable[Tuple[str, torch.Tensor]],
-                 metadata: Optional[Mapping[str, str]] = None) -> FileRecord:
-    """Write (name, tensor) pairs to a safetensors file; returns its manifest record."""
+                 metadata: Optional[Mapping[str, str]] = None, *, sha256: bool = True) -> FileRecord:
+    """Write (name, tensor) pairs to a safetensors file; returns its manifest record (without the
+    SHA-256 when `sha256` is False: size and CRC-32 only)."""
     items = list(tensors)
-    writer = SafetensorsWriter(path, [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in items], metadata)
+    writer = SafetensorsWriter(path, [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in items], metadata,
+                               sha256)
     try:
         for name, t in items:
             writer.write(name, t)

@@ -3,8 +3,11 @@
 Every rank describes what it holds (`rank_state.collect`); with ``kind="deduped"`` the ranks
 agree (one JSON all-gather) that each distinct piece is stored by the lowest rank holding it.
 Rank 0 creates the staging directory (`prepare`), every rank streams its safetensors file into it,
-hashing as it writes (SHA-256 and chunked CRC-32, `checksums`; `write_share`), then rank 0 writes
-the manifest and commits (`commit.StagingDir`). A failure on any rank (a full disk, a bad
+computing its chunked CRC-32 as it writes (`checksums`; `write_share`), and its SHA-256 too when
+the file is small (at most 64 MiB), then rank 0 writes the manifest and commits
+(`commit.StagingDir`). The SHA-256 of larger files and the deletion of a large checkpoint this
+save replaced are left to a thread of rank 0 after the commit (`after_commit`): hashing while
+writing doubled the time of a save. A failure on any rank (a full disk, a bad
 ``extra``) makes every rank raise and leaves no checkpoint behind. `async_save` runs the same
 `prepare` in the caller and the rest in a background process.
 """
@@ -13,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from . import after_commit
 from .checksums import bytes_record
 from .collectives import all_gather_json, broadcast_json, rank_and_world
 from .commit import StagingDir, new_token
@@ -149,10 +154,13 @@ def prepare(path, module: torch.nn.Module, optimizer=None, *, kind: str = "shard
                     small if rank == 0 else {})
 
 
-def write_share(p: Prepared, tensors: Optional[List[Tuple[str, torch.Tensor]]] = None) -> Dict[str, FileRecord]:
+def write_share(p: Prepared, tensors: Optional[List[Tuple[str, torch.Tensor]]] = None, *,
+                sha256: bool = True) -> Dict[str, FileRecord]:
     """Write this rank's file (and rank 0 the small files) into the staging directory, fsynced;
-    returns their records. `tensors`: the values to write (default `p.tensors`), e.g. copies."""
-    records = {p.file: write_record(p.staging.file(p.file), p.tensors if tensors is None else tensors, p.metadata)}
+    returns their records. `tensors`: the values to write (default `p.tensors`), e.g. copies.
+    `sha256`: also the SHA-256 of this rank's file (else its size and CRC-32 only)."""
+    records = {p.file: write_record(p.staging.file(p.file), p.tensors if tensors is None else tensors, p.metadata,
+                                    sha256=sha256)}
     for small_name, data in p.small.items():
         _write_small(p.staging.file(small_name), data)
         records[small_name] = bytes_record(data)
@@ -181,12 +189,12 @@ def fill_manifest(m: Manifest, shares: List[RankShare], records: Dict[str, FileR
     return m
 
 
-def commit_prepared(p: Prepared, manifest: Manifest) -> Optional[str]:
+def commit_prepared(p: Prepared, manifest: Manifest, keep_replaced: bool = False) -> Optional[str]:
     """Rank 0: commit; None, or the error message every rank raises (the staging directory is then
-    still there: `p.staging.discard()` it)."""
+    still there: `p.staging.discard()` it). `keep_replaced`: see `StagingDir.commit`."""
     try:
         check_save_destination(p.dest, p.overwrite)  # still safe to replace
-        p.staging.commit(manifest)
+        p.staging.commit(manifest, keep_replaced=keep_replaced)
     except (CheckpointError, OSError) as e:
         return str(e) if isinstance(e, CheckpointError) else (f"{p.dest}: the commit failed ({e}); the previous "
                                                               f"checkpoint is intact")
@@ -202,22 +210,61 @@ def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     listed with their hashes in the manifest and committed with it. Returns the path. An
     asynchronous save in flight (`async_save`) is waited for first."""
     wait_in_flight()
+    after_commit.wait()
     p = prepare(path, module, optimizer, kind=kind, extra=extra, overwrite=overwrite, files=files)
     info: Dict[str, Any] = {"share": p.share.to_json()}
     try:
-        info["records"] = {n: r.to_json() for n, r in write_share(p).items()}
+        inline = sum(t.numel() * t.element_size() for _, t in p.tensors) <= _INLINE
+        info["records"] = {n: r.to_json() for n, r in write_share(p, sha256=inline).items()}
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         info["error"] = write_error(p, e)
     gathered = all_gather_json(info)
     failed = [i["error"] for i in gathered if "error" in i]
+    records: Dict[str, FileRecord] = {}
+    dir_fd: Optional[int] = None
     if not failed and p.rank == 0:
         records = {n: FileRecord.from_json(r, n) for i in gathered for n, r in i["records"].items()}
-        error = commit_prepared(p, complete_manifest(p, [RankShare.from_json(i["share"]) for i in gathered], records))
+        try:
+            dir_fd = after_commit.open_dir(p.staging.path)
+        except OSError:
+            dir_fd = None  # the commit will fail and say why
+        error = commit_prepared(p, complete_manifest(p, [RankShare.from_json(i["share"]) for i in gathered], records),
+                                keep_replaced=True)
         if error:
             failed.append(error)
     failed = broadcast_json(failed)
     if failed:
         if p.rank == 0:
+            _closed(dir_fd)
             p.staging.discard()
         raise CheckpointError(failed[0])
+    if p.rank == 0:
+        _after_commit(p, records, dir_fd)
     return p.dest
+
+
+_INLINE = 64 * 2**20  # larger: a rank file's SHA-256, a replaced checkpoint's deletion wait for after the commit
+
+
+def _after_commit(p: Prepared, records: Dict[str, FileRecord], dir_fd: Optional[int]) -> None:
+    """Rank 0, once committed: the work left for after the commit (`after_commit`), in a thread
+    when there is some worth one, else here."""
+    old = p.staging.replaced
+    try:
+        old_size = 0 if old is None else sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(old)
+                                             if e.is_file(follow_symlinks=False))
+    except OSError:
+        old_size = 0
+    if all(r.sha256 is not None for r in records.values()) and old_size <= _INLINE:
+        if dir_fd is not None:
+            os.close(dir_fd)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    after_commit.start(dir_fd if any(r.sha256 is None for r in records.values()) else _closed(dir_fd), old)
+
+
+def _closed(fd: Optional[int]) -> None:
+    if fd is not None:
+        os.close(fd)
+    return None

@@ -1,5 +1,6 @@
 """`verify(path)`: every file of a checkpoint is there, with the size and SHA-256 the manifest
-records, and nothing is left over that the manifest does not list. `check_file` and
+records (the CRC-32 of every chunk for a file recorded without a SHA-256: a synchronous save's
+rank files), and nothing is left over that the manifest does not list. `check_file` and
 `read_checked` are the same checks at a chosen level (`checksums`) for `load` and `merge`."""
 from __future__ import annotations
 
@@ -31,10 +32,22 @@ def _check_size(path: Path, record: FileRecord) -> None:
                               f"replaced): copy the file back or use an earlier checkpoint")
 
 
+def _crc_mismatch(path: Path) -> CheckpointError:
+    return CheckpointError(f"{path} does not match its CRC-32 in the manifest (corrupted): copy the file back "
+                           f"or use an earlier checkpoint")
+
+
 def _check_content(path: Path, data, record: FileRecord, level: str) -> None:
-    """Check file `path` (its bytes `data`, a buffer, or None: read the file) at `level`."""
+    """Check file `path` (its bytes `data`, a buffer, or None: read the file) at `level`. A record
+    without a SHA-256 is checked with its CRC-32 at both the "fast" and the "sha256" level."""
     crc = record.crc32
     if level == "size":
+        return
+    if record.sha256 is None:
+        got = [] if not record.size else (crc32_chunks(data, crc.chunk) if data is not None
+                                          else file_crc32_chunks(path, record.size, crc.chunk))
+        if got != list(crc.values):
+            raise _crc_mismatch(path)
         return
     sha = (lambda: hashlib.sha256(data).hexdigest()) if data is not None else (lambda: sha256_file(path))
     if level == "fast" and crc is not None and crc.chunk > 0 and record.size:
@@ -76,7 +89,8 @@ def read_checked(root: Path, name: str, record: FileRecord, hash_: Level = True)
 
 
 def verify(path, files: Optional[Iterable[str]] = None) -> Manifest:
-    """Check the manifest and the size and SHA-256 of every file (or only `files`); returns the
+    """Check the manifest and the size and SHA-256 (CRC-32 where no SHA-256 is recorded) of every
+    file (or only `files`); returns the
     `Manifest` (``m.kind``, ``m.files``; ``m["kind"]`` reads the JSON field). Raises
     CheckpointError naming the first bad file and the fix."""
     root = Path(path)
