@@ -84,6 +84,17 @@ def test_overwrite_of_a_merge_output_with_foreign_files_is_refused(run_dir, tmp_
     assert _snapshot(merged) == before
 
 
+def test_a_manifest_rewrite_left_midway_does_not_block_an_overwrite(run_dir, tmp_path):
+    """A kill while the after-commit thread rewrites manifest.json leaves manifest.json.tmp: the
+    checkpoint's own file, not a user's, so overwriting that checkpoint still works."""
+    pm, opt = trained()
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, pm, opt, extra={"step": 1})
+    (ckpt / "manifest.json.tmp").write_text('{"partial')
+    save(ckpt, pm, opt, extra={"step": 2}, overwrite=True)
+    assert verify(ckpt) and not (ckpt / "manifest.json.tmp").exists()
+
+
 def test_overwrite_of_a_file_or_a_link_is_refused(run_dir, tmp_path):
     src = run_dir / "checkpoints" / "last"
     (tmp_path / "file").write_text("data")

@@ -22,12 +22,11 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from .names import MANIFEST
+from .names import MANIFEST, MANIFEST_TMP
 
 __all__ = ["open_dir", "start", "wait", "THREAD_NAME"]
 
 THREAD_NAME = "nnscaler-ckpt-after-commit"
-_TMP = MANIFEST + ".tmp"  # the temporary name `nnscaler.ir.atomic_write` uses
 _BLOCK = 16 * 2**20
 _pending: Optional[threading.Thread] = None
 
@@ -86,7 +85,7 @@ def _with_sha256(dir_fd: int, committed: bytes) -> Optional[bytes]:
 def _replace_manifest(dir_fd: int, committed: bytes, new: bytes) -> None:
     if _read(dir_fd, MANIFEST) != committed:
         return  # replaced meanwhile (by hand): keep it
-    fd = os.open(_TMP, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=dir_fd)
+    fd = os.open(MANIFEST_TMP, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=dir_fd)
     try:
         view = memoryview(new)
         while view:
@@ -94,7 +93,7 @@ def _replace_manifest(dir_fd: int, committed: bytes, new: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(_TMP, MANIFEST, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.rename(MANIFEST_TMP, MANIFEST, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     os.fsync(dir_fd)
 
 

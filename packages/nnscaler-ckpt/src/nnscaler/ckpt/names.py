@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "KINDS", "MANIFEST", "rank_file", "MERGED_MODEL", "MERGED_INDEX",
+__all__ = ["FORMAT", "FORMAT_VERSION", "KINDS", "MANIFEST", "MANIFEST_TMP", "rank_file", "MERGED_MODEL", "MERGED_INDEX",
            "merged_shard", "MERGED_OPTIMIZER", "MERGED_RNG", "STAGING_MARK", "staging_prefix", "is_staging"]
 
 FORMAT = "nnscaler-checkpoint"
 FORMAT_VERSION = 1
 KINDS = ("sharded", "deduped", "merged")
 MANIFEST = "manifest.json"
+MANIFEST_TMP = MANIFEST + ".tmp"  # a manifest being replaced (nnscaler.ir.atomic_write's temporary name)
 MERGED_MODEL = "model.safetensors"
 MERGED_INDEX = "model.safetensors.index.json"
 MERGED_OPTIMIZER = "optimizer.safetensors"

@@ -17,7 +17,7 @@ from typing import Sequence
 from .commit import check_destination
 from .errors import CheckpointError
 from .manifest import read_manifest
-from .names import MANIFEST
+from .names import MANIFEST, MANIFEST_TMP
 
 __all__ = ["check_merge_destination", "check_save_destination"]
 
@@ -61,7 +61,8 @@ def _check_replaceable(dst: Path, kinds: Sequence[str], wrote: str, flag: str) -
         raise CheckpointError(f"{dst} is not the output of an earlier {wrote} (no {MANIFEST} of kind {shown}; it holds "
                               f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}): {flag} replaces "
                               f"only such a directory; {fix}")
-    foreign = [n for n in entries if n != MANIFEST and n not in manifest.files]
+    # MANIFEST_TMP: what a manifest rewrite killed midway leaves (after_commit.py); it is ours
+    foreign = [n for n in entries if n not in (MANIFEST, MANIFEST_TMP) and n not in manifest.files]
     if foreign:
         raise CheckpointError(f"{dst} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which no "
                               f"{wrote} wrote: {flag} would delete it; {fix}")
