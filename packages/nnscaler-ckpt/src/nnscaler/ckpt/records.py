@@ -5,6 +5,7 @@ the disk (and wire) boundary: ``to_json()`` gives exactly the JSON that was alwa
 ``from_json(data)`` checks the shape of what was read and raises `RecordError` naming the
 offending field (`Manifest.from_json` turns it into a `CheckpointError` naming the file and the
 fix). Fields older manifests lack are optional here; unknown fields are ignored.
+(One file over 400 lines: the records nest into one schema, read and checked together.)
 """
 from __future__ import annotations
 

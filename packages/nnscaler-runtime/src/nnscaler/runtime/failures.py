@@ -1,4 +1,6 @@
 """Failures reach every rank: a rank that raises in a step makes every other rank raise too.
+(One file over 400 lines: the notice, the watchful waits and their helper thread share one
+per-process state and one protocol; the stall report lives in stalls.py.)
 
 Without this, a rank that raises inside forward or backward while its process stays alive (the
 user's loop logs the error and goes on, a debugger stops there) leaves its peers blocked in the
@@ -70,6 +72,7 @@ import torch.distributed as dist
 from .device import is_distributed
 from .errors import NnScalerError
 from .grid import default_timeout
+from .stalls import CollectiveTimeoutError, arrive as _arrive_at, leave as _leave, timed_out
 
 __all__ = ["PeerFailedError", "StepRefusedError", "CollectiveTimeoutError", "POLL_S", "enabled", "arm", "report", "post", "check_step", "wait",
            "run", "lost_peer", "is_connection_error", "failed", "reset"]
@@ -327,63 +330,11 @@ def _polled(tensor: Optional[torch.Tensor]) -> bool:
     return tensor is None or tensor.device.type == "cpu"
 
 
-class CollectiveTimeoutError(NnScalerError, RuntimeError):
-    """A collective waited longer than the default process group's timeout: `missing` are the
-    ranks of its group that never arrived (alive, but not waiting in any collective of nnscaler),
-    `what` the collective this rank waited in."""
-
-    def __init__(self, message: str, missing: Sequence[int], what: str):
-        super().__init__(message)
-        self.missing, self.what = tuple(missing), what
-
-
-def _arrive(store, what: str) -> Optional[str]:
-    """Record in the store that this rank waits in `what` (only once a wait outlasts a slice);
-    returns the key, None when the store is unreachable."""
-    key = f"{_PREFIX}waiting/{dist.get_rank()}"
-    try:
-        store.set(key, what)
-    except Exception:  # noqa: BLE001 - only a peer's timeout message needs it
-        return None
-    return key
-
-
-def _leave(store, key: Optional[str]) -> None:
-    if key is None:
-        return
-    try:
-        store.delete_key(key)
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def _stalled(state: _State, store, group, what: str, waited_s: float) -> CollectiveTimeoutError:
-    """The error of a wait in `what` that outlasted the default group's timeout: the ranks of the
-    group with no arrival record did not arrive; ranks waiting in another collective are named."""
-    ranks, me = _group_ranks(group), dist.get_rank()
-    missing, elsewhere = [], {}
-    for r in ranks:
-        if r == me:
-            continue
-        try:
-            key = f"{_PREFIX}waiting/{r}"
-            where = store.get(key).decode() if store is not None and store.check([key]) else None
-        except Exception:  # noqa: BLE001 - store unreachable: count it as not arrived
-            where = None
-        if where is None:
-            missing.append(r)
-        elif where != what:
-            elsewhere[r] = where
-    others = "".join(f"; rank {r} waits in {w} instead" for r, w in elsewhere.items())
-    who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive" if missing
-           else "every rank arrived but the collective did not complete")
-    reason = (f"{what} (ranks {list(ranks)}) timed out after {waited_s:.0f} s: {who}{others}. A rank that does "
-              f"not arrive is alive but outside nnscaler's collectives: it raised in its own loop and caught the "
-              f"error (e.g. between forward and backward), stopped in a debugger, or runs a different sequence of "
-              f"steps. The limit is the default process group's timeout (init_process_group(timeout=...); the "
-              f"Trainer's collective_timeout, {default_timeout().total_seconds():.0f} s here); restart the job")
-    state.broken = state.broken or reason
-    return CollectiveTimeoutError(f"{reason}; this rank stopped waiting in {what}", missing, what)
+    """`stalls.timed_out` for a wait of this process; the step is broken from here on."""
+    error = timed_out(store, _group_ranks(group), what, waited_s, _PREFIX)
+    state.broken = state.broken or error.reason
+    return error
 
 
 # gloo runs these collectives inside `work.wait()` itself (the work is not started before, and
@@ -460,7 +411,7 @@ def wait(work, what: str, group=None, tensor: Optional[torch.Tensor] = None, run
                             raise future[0][0]
                     return
             if waiting is None:  # slow path only: say where this rank waits, for a peer's timeout
-                waiting = _arrive(store, what)
+                waiting = _arrive_at(store, what, _PREFIX)
             try:
                 found = _notice(store)
             except Exception:  # noqa: BLE001 - store unreachable: keep waiting, gloo reports the dead peer
