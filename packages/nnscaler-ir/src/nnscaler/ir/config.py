@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 TRACE_STRATEGIES = ("cpu", "cuda", "meta", "cuda_run_cpu_offload", "reuse_cache")
 DEFAULT_BUCKET_CAP_MB = 25.0
 RNG_MODES = ("parallel", "exact")
+ZERO_STAGES = (0, 1, 3)
 
 
 from .errors import ConfigError  # noqa: E402  (re-exported: nnscaler.ir.config.ConfigError)
@@ -29,6 +30,15 @@ def _check_type(name: str, value: Any, types, allow_none: bool = False) -> None:
     if not isinstance(value, types):
         raise ConfigError(
             f"ComputeConfig.{name} must be {_type_names(types)}, got {type(value).__name__} {value!r}")
+
+
+def _check_zero(value: Any) -> None:
+    if isinstance(value, bool) or (isinstance(value, int) and value in ZERO_STAGES):
+        return
+    raise ConfigError(
+        f"ComputeConfig.use_zero must be False/0 (no ZeRO), True/1 (optimizer state sharded over the "
+        f"data-parallel ranks) or 3 (parameters, gradients and optimizer state sharded: fully sharded), "
+        f"got {type(value).__name__} {value!r}")
 
 
 def _type_names(types) -> str:
@@ -61,7 +71,9 @@ class ComputeConfig:
     constant_folding: bool = False
     trace_strategy: str = "cuda_run_cpu_offload"
 
-    use_zero: bool = False
+    # ZeRO: False/0 none; True/1 optimizer state sharded over the data-parallel ranks (stage 1);
+    # 3 parameters, gradients and optimizer state sharded (fully sharded, nnscaler.runtime.zero3)
+    use_zero: Union[bool, int] = False
     zero_ngroups: int = 1
     zero_use_reduce_scatter: bool = False
 
@@ -93,7 +105,8 @@ class ComputeConfig:
                 f"({self.plan_ngpus}): every plan_ngpus ranks hold one copy of the model. "
                 f"Use runtime_ngpus={self.plan_ngpus * max(1, self.runtime_ngpus // self.plan_ngpus)} "
                 f"or change plan_ngpus.")
-        for name in ("constant_folding", "use_zero", "zero_use_reduce_scatter", "use_async_reducer",
+        _check_zero(self.use_zero)
+        for name in ("constant_folding", "zero_use_reduce_scatter", "use_async_reducer",
                      "inference_only", "use_end2end", "sync_batchnorm"):
             _check_type(name, getattr(self, name), bool)
         _check_type("trace_strategy", self.trace_strategy, str)
@@ -136,6 +149,12 @@ class ComputeConfig:
     def dp_size(self) -> int:
         """The data-parallel degree: runtime_ngpus // plan_ngpus."""
         return self.runtime_ngpus // self.plan_ngpus
+
+    @property
+    def zero_stage(self) -> int:
+        """0 (no ZeRO), 1 (optimizer state sharded: use_zero=True/1) or 3 (parameters, gradients and
+        optimizer state sharded: use_zero=3)."""
+        return 3 if self.use_zero == 3 and not isinstance(self.use_zero, bool) else int(bool(self.use_zero))
 
     @property
     def bucket_cap_mb(self) -> float:
@@ -181,7 +200,7 @@ class OptionalComputeConfig:
 
     constant_folding: Optional[bool] = None
     trace_strategy: Optional[str] = None
-    use_zero: Optional[bool] = None
+    use_zero: Optional[Union[bool, int]] = None
     zero_ngroups: Optional[int] = None
     zero_use_reduce_scatter: Optional[bool] = None
     use_async_reducer: Optional[bool] = None

@@ -54,6 +54,8 @@ from .random import RandomStreamsMixin
 from .reducer import Reducer
 from .source_notes import note_source
 from .weight_loading import WeightLoadingMixin
+from .zero3 import FullyShardedParams
+from .zero_groups import make_zero_groups
 
 __all__ = ["ParallelModule", "FullMapEntry", "INIT_WEIGHTS_FILE", "make_compute_config"]
 
@@ -80,6 +82,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         self.device = default_device()
         self.reducer: Optional[Reducer] = None  # the data-parallel gradient sync
         self.pipeline_grads: Optional[PipelineGradSync] = None  # a pipelined module's end-of-step sync
+        self.fully_sharded: Optional[FullyShardedParams] = None  # use_zero=3 (runtime/zero3.py)
         self._pipeline_executor = None
         self._init_full_map()
         if self.RANK is not None and self.RANK % self.grid.plan_ngpus != self.grid.plan_device:
@@ -109,9 +112,46 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
             self.pipeline_grads = PipelineGradSync(self, training, cfg.reducer_bucket_cap_mb)
             shared = self.pipeline_grads.shared_parameters()
             trainable = [p for p in trainable if id(p) not in shared]
-        if self.grid.dp_size > 1 and trainable and training:
+        if cfg.zero_stage == 3 and training:
+            self.fully_sharded = self._fully_sharded_params()
+        elif self.grid.dp_size > 1 and trainable and training:
             self.reducer = Reducer(trainable, group=self.grid.sync_group, bucket_cap_mb=cfg.reducer_bucket_cap_mb,
                                    async_op=cfg.use_async_reducer)
+
+    def _fully_sharded_params(self) -> FullyShardedParams:
+        if self.PIPELINE is not None:
+            raise NnScalerError(f"{type(self).__name__}: ComputeConfig(use_zero=3) (fully sharded parameters) does not "
+                                f"support pipeline parallelism yet: use use_zero=True (optimizer state sharded) with "
+                                f"a pipelined plan, or a plan without pipeline stages (dp, tp) with use_zero=3")
+        cfg = self.compute_config
+        params = [(local, self.fullmap[local].full_name, p) for local, p in self.named_parameters()]
+        units = cfg.pas_config.get("zero3_units", ()) if isinstance(cfg.pas_config, dict) else ()
+        return FullyShardedParams(params, make_zero_groups(self.grid, cfg.zero_ngroups), units)
+
+    def __getattr__(self, name: str):
+        value = super().__getattr__(name)
+        sharded = self.__dict__.get("fully_sharded")
+        if sharded is not None and sharded.redirects(name):
+            return sharded.get(name)
+        return value
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        if self.__dict__.get("fully_sharded") is not None:  # .to(dtype), .cuda(): the shards too
+            self.fully_sharded.apply(fn)
+        return out
+
+    def unsharded(self, writeback: bool = False):
+        """Every parameter holds its whole local value inside (see `GeneratedAttrs.unsharded`):
+        under use_zero=3 the units are all-gathered (COLLECTIVE) and, with `writeback`, stored back
+        into the shards on exit; a no-op otherwise."""
+        if self.fully_sharded is None:
+            return contextlib.nullcontext()
+        return self.fully_sharded.unsharded(writeback)
+
+    def load_full_state(self, tensors, strict: bool = True) -> None:
+        with self.unsharded(writeback=True):
+            super().load_full_state(tensors, strict)
 
     # -- running --------------------------------------------------------------------------------
     def to_device(self, obj: Any) -> Any:
@@ -127,7 +167,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         self.check_mode()
         args, kwargs = self.to_device((args, kwargs))
         try:
-            with self.rng_scope():  # the module's random stream (runtime/random.py)
+            with self.rng_scope(), self._sharded_scope():  # random stream (random.py), zero3.py
                 out = self._forward_impl(*args, **kwargs)
         except Exception as exc:
             bad_call = call_error(self, exc, args, kwargs)  # arguments that do not fit forward's signature
@@ -138,6 +178,9 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
             raise
         watch_backward(out)  # a backward pass through `out` that raises is reported too (backward_watch.py)
         return out
+
+    def _sharded_scope(self):
+        return self.fully_sharded.forward_scope() if self.fully_sharded is not None else contextlib.nullcontext()
 
     def check_mode(self) -> None:
         """Refuse the mode the generated code cannot follow (see MODE_DIVERGENCE)."""
@@ -170,6 +213,8 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         (for a pipelined module: `train_step` leaves them unsynchronised)."""
         if self.pipeline_grads is not None:
             return self.pipeline_grads.pause(cond)
+        if self.fully_sharded is not None:
+            return self.fully_sharded.sync_grad_when(cond)
         return self.reducer.sync_grad_when(cond) if self.reducer is not None else contextlib.nullcontext()
 
     def parameters_for_optimizer(self) -> List[torch.nn.Parameter]:

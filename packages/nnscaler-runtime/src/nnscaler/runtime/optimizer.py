@@ -39,6 +39,7 @@ from .class_mixin import mix_into
 from .module import ParallelModule
 from .reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
+from .zero3_optimizer import FullyShardedOptimizerState
 
 __all__ = ["build_optimizer", "NnScalerOptimizerMixin"]
 
@@ -50,7 +51,7 @@ class NnScalerOptimizerMixin:
     _nnscaler_module: torch.nn.Module
     _nnscaler_grid: RankGrid
     _nnscaler_replicas: Dict[int, int]  # id(param) -> plan devices holding a copy
-    _nnscaler_zero: Optional[ZeroEngine] = None  # set under ZeRO
+    _nnscaler_zero: Optional[ZeroEngine] = None  # set under ZeRO (a FullyShardedOptimizerState under use_zero=3)
 
     @property
     def zero_layout(self) -> Optional[ZeroShardLayout]:
@@ -219,6 +220,26 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
     return optimizer
 
 
+def _fully_sharded(module: torch.nn.Module, pms: List[ParallelModule], params: List[torch.nn.Parameter],
+                   replicas: Dict[int, int]) -> Optional[FullyShardedOptimizerState]:
+    """use_zero=3: the optimizer over the units' shards (`nnscaler.runtime.zero3_optimizer`)."""
+    held = {id(p) for pm in pms for p in pm.parameters()}
+    plain = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    if plain:
+        raise ConfigError(f"build_optimizer with use_zero=3: {type(module).__name__} has trainable parameters outside "
+                          f"its parallelized modules ({', '.join(plain[:4])}{', ...' if len(plain) > 4 else ''}), "
+                          f"which use_zero=3 does not shard: parallelize the whole model (put them inside the "
+                          f"module given to parallelize), freeze them, or use use_zero=True")
+    paths = {id(m): name for name, m in module.named_modules()}
+    sharded = [(paths.get(id(pm), ""), pm) for pm in pms if pm.fully_sharded is not None]
+    if not sharded:  # inference_only modules: nothing to optimize
+        return None
+    state = FullyShardedOptimizerState(sharded)
+    for piece in state.pieces:  # gradient-norm weights of the tensors the optimizer holds
+        replicas[id(piece.tensor)] = piece.entry.replicas
+    return state
+
+
 def _refuse_nothing_to_train(module: torch.nn.Module) -> None:
     """build_optimizer on a model without trainable parameters is refused: the optimizer would
     update nothing. Not checked for a pipelined module: one stage may hold only frozen
@@ -243,6 +264,8 @@ def _zero_engine(module: torch.nn.Module, pms: List[ParallelModule], params: Lis
     use_zero, ngroups, reduce_scatter = settings.pop()
     if not use_zero:
         return None
+    if pms[0].compute_config.zero_stage == 3:
+        return _fully_sharded(module, pms, params, replicas)
     groups = make_zero_groups(grid, ngroups)  # collective: before any other decision that could differ
     paths = {id(m): name for name, m in module.named_modules()}
     entries: List[ZeroParam] = []

@@ -10,6 +10,8 @@ created, decodes the literals that have a typed form (``COMPUTE_CONFIG`` -> `Com
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -69,6 +71,13 @@ class GeneratedAttrs:
         for attr in GENERATED_ATTRS:
             if attr.decode is not None and attr.name in cls.__dict__:
                 setattr(cls, attr.name, attr.decode(cls.__dict__[attr.name]))
+
+    def unsharded(self, writeback: bool = False):
+        """A context in which every local tensor holds its whole local value (what a checkpoint
+        reads or writes). Under fully sharded data parallelism (``use_zero=3``) the runtime gathers
+        the parameters for it and, with `writeback`, stores what was written into them back into
+        the shards on exit (COLLECTIVE then); otherwise it does nothing."""
+        return contextlib.nullcontext()
 
 
 for _attr in GENERATED_ATTRS:

@@ -1,0 +1,414 @@
+"""Fully sharded data parallelism (ZeRO-3, ``ComputeConfig(use_zero=3)``): a ParallelModule's
+parameters, their gradients and the optimizer state are sharded over the ranks of each zero group.
+
+Units. The parameters are grouped into *units*, gathered and freed together (FSDP's wrapped
+modules). Each repeated block of the model is one unit, found from the full (single-device)
+names: the outermost ``<prefix>.<i>.`` whose prefix holds at least two indices (``layers.0``,
+``model.layers.7``, ``h.3``), as FSDP's auto-wrap of each decoder layer; everything else is the
+*root* unit (embeddings, final norm, head). ``unit_modules`` (``ComputeConfig.pas_config
+["zero3_units"]``, module paths or class names resolved by `parallelize`) names other units.
+A unit never mixes dtypes (one unit per dtype then).
+
+Layout. A unit's tensors are laid out in one flat buffer in registration order, padded to a
+multiple of the zero group size z; rank i of the zero group keeps elements ``[i*S, (i+1)*S)``
+(``S = padded / z``) as the unit's *shard*, a leaf tensor, and the registered parameters keep no
+storage (a 0-element tensor). This is the bucket layout of ZeRO stage 1 with one bucket per
+unit, so `ZeroShardLayout` describes it and checkpoints of both stages read alike.
+
+Forward. The generated code reads a parameter as ``self.<name>``; `ParallelModule.__getattr__`
+hands that to `FullyShardedParams.get`, which all-gathers the unit on its first use (through the
+autograd function `_GatherUnit`) and returns the gathered tensor; entering a new repeated block
+frees the previous one, and the end of forward frees all. The gathered tensors that autograd
+saves for backward are stored as references to the unit (saved-tensor hooks), not as tensors, so
+freeing really frees them; backward gathers a unit again when it first unpacks one.
+
+Backward. When every gradient of a unit's gathered tensors is known, `_GatherUnit.backward`
+reduce-scatters them in the zero group (pre-divided by the data-parallel size, then summed: the
+mean over replicas; plus an all-reduce over the cross group when ``zero_ngroups > 1``), and the
+shard's gradient accumulates the result; the unit is freed. Inside ``no_sync()`` (gradient
+accumulation) the unit's full gradients are kept, summed, until the next synchronising backward
+reduce-scatters them with its own (FSDP's ``no_sync``: one reduction per step, full-size
+gradient buffers for the units meanwhile). A plain loop without ``no_sync`` reduce-scatters each
+micro-batch instead (shard-size gradients only). One flag per tensor travels with the gradients,
+so a tensor no rank gave a gradient keeps a None gradient, as in single-device training.
+
+Buffers are not sharded (they are small and read in place). Collectives are recorded in the comm
+stats as ``zero3_all_gather``, ``zero3_reduce_scatter`` and ``zero_all_reduce``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import failures
+from .comm.flat import all_gather_flat, reduce_scatter_rows
+from .comm.stats import record
+from .reducer import pausable
+from .zero_groups import ZeroGroups
+
+__all__ = ["FullyShardedParams", "ShardUnit", "Zero3Stats", "unit_names", "ROOT_UNIT"]
+
+ROOT_UNIT = ""
+
+
+@dataclass
+class Zero3Stats:
+    """Counters for tests and benchmarks."""
+
+    gathers: int = 0  # unit all-gathers (forward and backward)
+    backward_gathers: int = 0  # of which in backward (a unit freed after forward, gathered again)
+    reduce_scatters: int = 0  # unit gradient reductions
+    max_gathered_numel: int = 0  # the most elements gathered at once (all units)
+
+
+def unit_names(full_names: Sequence[str], unit_modules: Sequence[str] = ()) -> Dict[str, str]:
+    """full name -> unit name (see the module docstring); ``""`` is the root unit."""
+    if unit_modules:
+        prefixes = sorted(unit_modules, key=len, reverse=True)
+        return {n: next((p for p in prefixes if n.startswith(p + ".")), ROOT_UNIT) for n in full_names}
+    indices: Dict[Tuple[str, ...], set] = {}
+    for name in full_names:
+        parts = name.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                indices.setdefault(tuple(parts[:i]), set()).add(part)
+    out = {}
+    for name in full_names:
+        parts = name.split(".")
+        out[name] = next((".".join(parts[:i + 1]) for i, part in enumerate(parts[:-1])
+                          if part.isdigit() and len(indices[tuple(parts[:i])]) > 1), ROOT_UNIT)
+    return out
+
+
+class ShardUnit:
+    """One unit: its tensors' flat layout, this rank's shard and, while gathered, the whole."""
+
+    def __init__(self, name: str, local_names: List[str], params: List[torch.nn.Parameter], group_size: int):
+        self.name = name
+        self.local_names = local_names
+        self.params = params
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets, numel = [], 0
+        for n in self.numels:
+            self.offsets.append(numel)
+            numel += n
+        self.numel = numel
+        self.shard_numel = max(1, -(-numel // group_size))
+        self.padded = self.shard_numel * group_size
+        self.trainable = any(p.requires_grad for p in params)
+        self.shard: Optional[torch.nn.Parameter] = None  # set by FullyShardedParams.shard()
+        self.full: Optional[torch.Tensor] = None  # the gathered flat buffer
+        self.views: Optional[Dict[str, torch.Tensor]] = None  # name -> gathered tensor (forward)
+        self.pending: Optional[torch.Tensor] = None  # full gradients summed under no_sync
+        self.pending_flags: Optional[torch.Tensor] = None
+        self.used: Optional[torch.Tensor] = None  # per tensor: a rank gave it a gradient this step
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return (self.shard if self.shard is not None else self.params[0]).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return (self.shard if self.shard is not None else self.params[0]).device
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ROOT_UNIT
+
+    def flat_views(self, full: torch.Tensor) -> List[torch.Tensor]:
+        return [full[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def __repr__(self) -> str:
+        return f"ShardUnit({self.name or '<root>'!r}, {len(self.params)} tensors, {self.numel} elements)"
+
+
+@dataclass
+class _Saved:
+    """A gathered tensor autograd saved for backward, stored as where it sits in its unit."""
+
+    unit: ShardUnit
+    size: torch.Size
+    stride: Tuple[int, ...]
+    offset: int
+
+
+class _GatherUnit(torch.autograd.Function):
+    """shard -> the unit's gathered tensors; backward reduce-scatters their gradients."""
+
+    @staticmethod
+    def forward(ctx, shard, engine, unit):
+        ctx.set_materialize_grads(False)
+        ctx.engine, ctx.unit = engine, unit
+        full = engine._gather(unit)
+        return tuple(unit.flat_views(full))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return ctx.engine._reduce(ctx.unit, grads), None, None
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+class FullyShardedParams:
+    """The fully sharded parameters of one ParallelModule (`pm.fully_sharded`).
+
+    `shard()` (run by the first forward or `build_optimizer`) moves every parameter into its
+    unit's shard; `get(name)` is what ``self.<name>`` returns in forward; `unsharded()` puts the
+    whole local values back into the registered parameters for a while (checkpoints)."""
+
+    def __init__(self, params: Sequence[Tuple[str, str, torch.nn.Parameter]], groups: ZeroGroups,
+                 unit_modules: Sequence[str] = ()):
+        """`params`: (local name, full name, parameter) in registration order."""
+        self.groups = groups
+        names = unit_names([full for _, full, _ in params], unit_modules)
+        by_key: Dict[Tuple[str, torch.dtype], Tuple[List[str], List[torch.nn.Parameter]]] = {}
+        for local, full, p in params:
+            locals_, ps = by_key.setdefault((names[full], p.dtype), ([], []))
+            locals_.append(local)
+            ps.append(p)
+        self.units = [ShardUnit(unit, ls, ps, groups.size) for (unit, _), (ls, ps) in by_key.items()]
+        self.unit_of: Dict[str, ShardUnit] = {n: u for u in self.units for n in u.local_names}
+        self.stats = Zero3Stats()
+        self.sharded = False
+        self._unsharded = 0
+        self._nosync = 0
+        self._current: Optional[ShardUnit] = None  # the repeated block forward is in
+        self._live: Dict[int, ShardUnit] = {}  # storage address of a gathered buffer -> its unit
+        self._cleanup_queued = False
+        pausable(self)
+
+    # -- sharding -------------------------------------------------------------------------------
+    def shard(self) -> None:
+        """Keep only this rank's shard of every unit (once; the registered parameters then hold no
+        storage)."""
+        if self.sharded:
+            return
+        i, size = self.groups.group_index, self.groups.size
+        with torch.no_grad():
+            for u in self.units:
+                flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+                for p, view in zip(u.params, u.flat_views(flat)):
+                    view.copy_(p)
+                own = flat[i * u.shard_numel:(i + 1) * u.shard_numel].clone()
+                u.shard = torch.nn.Parameter(own, requires_grad=u.trainable)
+                u.used = torch.zeros(len(u.params), dtype=torch.bool)
+                for p in u.params:
+                    p.data = _empty(p)
+        self.sharded = True
+
+    def apply(self, fn) -> None:
+        """`Module._apply`'s `fn` (``.to(dtype)``, ``.cuda()``, ...) on the shards too."""
+        if not self.sharded:
+            return
+        with torch.no_grad():
+            for u in self.units:
+                u.shard.data = fn(u.shard.data)
+                for p in u.params:
+                    p.data = _empty(u.shard)
+
+    def redirects(self, name: str) -> bool:
+        """Whether ``self.<name>`` of the module must come from `get` (a sharded parameter now)."""
+        return self.sharded and not self._unsharded and name in self.unit_of
+
+    # -- forward --------------------------------------------------------------------------------
+    def get(self, name: str) -> torch.Tensor:
+        """The gathered parameter `name` (gathers its unit on first use)."""
+        u = self.unit_of[name]
+        if u.views is None:
+            if not u.is_root:
+                if self._current is not None and self._current is not u:
+                    self._free(self._current)
+                self._current = u
+            u.views = dict(zip(u.local_names, _GatherUnit.apply(u.shard, self, u)))
+        return u.views[name]
+
+    @contextlib.contextmanager
+    def forward_scope(self) -> Iterator[None]:
+        """Around the generated forward: gathered tensors saved for backward are stored as
+        references; every unit is freed at the end."""
+        self.shard()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self.free_all()
+
+    def free_all(self) -> None:
+        for u in self.units:
+            self._free(u)
+        self._current = None
+
+    def _free(self, u: ShardUnit) -> None:
+        if u.full is not None:
+            self._live.pop(u.full.untyped_storage().data_ptr(), None)
+        u.full = None
+        u.views = None
+
+    def _gather(self, u: ShardUnit) -> torch.Tensor:
+        """All-gather `u` into `u.full` (a fresh contiguous buffer); COLLECTIVE over the zero group."""
+        g = self.groups
+        shard = u.shard.detach()
+        if g.size > 1:
+            full = all_gather_flat(shard, g.group, g.size, label="zero3_all_gather",
+                                   what="the fully sharded parameter all-gather")
+        else:
+            full = shard.clone()
+        u.full = full
+        self._live[full.untyped_storage().data_ptr()] = u
+        self.stats.gathers += 1
+        gathered = sum(x.numel for x in self.units if x.full is not None)
+        self.stats.max_gathered_numel = max(self.stats.max_gathered_numel, gathered)
+        return full
+
+    def _pack(self, t: torch.Tensor):
+        if not self._live or not isinstance(t, torch.Tensor) or t.is_meta:
+            return t
+        u = self._live.get(t.untyped_storage().data_ptr())
+        if u is None:
+            return t
+        return _Saved(u, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        u = saved.unit
+        if u.full is None:
+            self._gather(u)
+            self.stats.backward_gathers += 1
+            if not self._cleanup_queued:  # whatever backward gathered is freed when it ends
+                self._cleanup_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return u.full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _end_of_backward(self) -> None:
+        self._cleanup_queued = False
+        self.free_all()
+
+    # -- backward -------------------------------------------------------------------------------
+    def no_sync(self):
+        """Backward passes inside keep the units' full gradients (summed) instead of reducing them;
+        the next synchronising backward (or `finish_grads`) reduce-scatters the sum."""
+        return self.sync_grad_when(False)
+
+    @contextlib.contextmanager
+    def sync_grad_when(self, cond: bool) -> Iterator[None]:
+        if cond:
+            yield
+            return
+        self._nosync += 1
+        try:
+            yield
+        finally:
+            self._nosync -= 1
+
+    @property
+    def sync_enabled(self) -> bool:
+        return self._nosync == 0
+
+    def _reduce(self, u: ShardUnit, grads) -> Optional[torch.Tensor]:
+        """The shard gradient of `u` from its gathered tensors' gradients (None under no_sync)."""
+        self._free(u)  # a later use in this backward gathers it again
+        if self._current is u:
+            self._current = None
+        if not u.trainable:
+            return None
+        flags = torch.tensor([g is not None for g in grads], dtype=u.dtype, device=u.device)
+        if not self.sync_enabled:
+            if u.pending is None:
+                u.pending = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+                u.pending_flags = torch.zeros_like(flags)
+            for g, view in zip(grads, u.flat_views(u.pending)):
+                if g is not None:
+                    view.add_(g.reshape(view.shape))
+            u.pending_flags = torch.maximum(u.pending_flags, flags)
+            return None
+        return self._reduce_scatter(u, grads, flags)
+
+    def _reduce_scatter(self, u: ShardUnit, grads, flags: torch.Tensor) -> torch.Tensor:
+        g, width = self.groups, u.shard_numel
+        if u.pending is not None:
+            flat, u.pending = u.pending, None
+            flags = torch.maximum(flags, u.pending_flags)
+        else:
+            flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+        for grad, view in zip(grads, u.flat_views(flat)):
+            if grad is not None:
+                view.add_(grad.reshape(view.shape))
+        # (group size) rows: row i is rank i's shard of the flat gradients, then one flag per tensor
+        send = torch.empty(g.size, width + len(u.params), dtype=u.dtype, device=u.device)
+        send[:, :width] = flat.view(g.size, width)
+        send[:, width:] = flags
+        send.div_(g.dp_size)  # gloo has no AVG: pre-divide, then sum
+        if g.size > 1:
+            out = reduce_scatter_rows(send, g.group, g.group_index, label="zero3_reduce_scatter",
+                                      what="the fully sharded gradient reduce-scatter", may_overwrite=True)
+        else:
+            out = send[0]
+        if g.cross_group is not None:
+            record("zero_all_reduce", out.nbytes)
+            failures.run(dist.all_reduce, out, group=g.cross_group, what="ZeRO's cross-group gradient all-reduce")
+        self.stats.reduce_scatters += 1
+        u.used |= (out[width:] > 0).cpu()
+        return out[:width].clone()
+
+    def finish_grads(self) -> None:
+        """Reduce-scatter what was accumulated under no_sync and not reduced by a synchronising
+        backward (`sync_grads` of the optimizer). COLLECTIVE over the zero group when any unit
+        holds such gradients (the same on every rank)."""
+        for u in self.units:
+            if u.pending is not None:
+                grad = self._reduce_scatter(u, [None] * len(u.params), torch.zeros_like(u.pending_flags))
+                if u.shard.grad is None:
+                    u.shard.grad = grad
+                else:
+                    u.shard.grad.add_(grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for u in self.units:
+            if u.shard is not None and u.shard.grad is not None:
+                if set_to_none:
+                    u.shard.grad = None
+                else:
+                    u.shard.grad.zero_()
+            if u.used is not None:
+                u.used.zero_()
+            u.pending = u.pending_flags = None
+
+    # -- whole values ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unsharded(self, writeback: bool = False) -> Iterator[None]:
+        """The registered parameters hold their whole local values inside (COLLECTIVE: every rank
+        of the zero group enters it); with `writeback` what was written into them is stored back
+        into the shards on exit."""
+        if not self.sharded or self._unsharded:
+            yield
+            return
+        self.free_all()
+        fulls = [self._gather(u) for u in self.units]
+        for u, full in zip(self.units, fulls):
+            for p, view in zip(u.params, u.flat_views(full)):
+                p.data = view
+        self._unsharded += 1
+        try:
+            yield
+        finally:
+            self._unsharded -= 1
+            i = self.groups.group_index
+            with torch.no_grad():
+                for u, full in zip(self.units, fulls):
+                    if writeback:
+                        u.shard.copy_(full[i * u.shard_numel:(i + 1) * u.shard_numel])
+                    for p in u.params:
+                        p.data = _empty(p)
+                    self._free(u)
+
+    def __repr__(self) -> str:
+        return (f"FullyShardedParams({len(self.units)} units, zero group {self.groups.group_ranks}, "
+                f"index {self.groups.group_index})")
