@@ -99,7 +99,7 @@ def test_error_inside_generated_code_points_at_the_users_line(tmp_path):
     (dict(plan_ngpus=1, runtime_ngpus="2"), "runtime_ngpus must be int, got str"),
     (dict(plan_ngpus=1, runtime_ngpus=1, trace_strategy="gpu"), "trace_strategy must be one of"),
     (dict(plan_ngpus=1, runtime_ngpus=1, reducer_bucket_cap_mb=0), "reducer_bucket_cap_mb must be > 0"),
-    (dict(plan_ngpus=1, runtime_ngpus=1, use_zero="yes"), "use_zero must be bool"),
+    (dict(plan_ngpus=1, runtime_ngpus=1, use_zero="yes"), "use_zero must be False/0"),
     (dict(plan_ngpus=1, runtime_ngpus=4, use_zero=True, zero_ngroups=3), "zero_ngroups .3. must divide"),
     (dict(plan_ngpus=1, runtime_ngpus=1, pas_config={"f": object()}), "pas_config must hold only JSON"),
 ])
