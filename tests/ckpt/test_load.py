@@ -92,6 +92,22 @@ def test_reshard_world4(tmp_path, ref):
 
 
 @pytest.mark.multiprocess
+def test_reshard_world2_fully_sharded(tmp_path, ref):
+    """use_zero=3 checkpoints load into ZeRO-1, tp and use_zero=3 plans, ZeRO-1's into use_zero=3
+    (sharded, deduped and merged), and merge to the single-device names and values."""
+    sources = [("dp-zero3", 1), ("dp-zero", 1)]
+    targets = [("dp-zero31", "dp-zero", 1), ("dp-zero31", "tp", 2), ("dp-zero31", "dp-zero3", 1),
+               ("dp-zero1", "dp-zero3", 1), ("dp-zero1", "tp-zero3", 2)]
+    results = run_workers(run_parity, 2, str(tmp_path), sources, targets, timeout=400)
+    for label in ("dp-zero31", "dp-zero1"):
+        assert all(abs(a - b) <= TOL * max(1.0, abs(b)) for a, b in zip(results[0][label]["losses"], ref[0])), label
+    for case in targets:
+        _check(ref, f"{case[0]} -> {case[1]}{case[2]}", results, case)
+    saved = assemble_full(((r, res["dp-zero31"]["shards"]) for r, res in enumerate(results)), "saved")
+    _check_merged(tmp_path / "ckpt" / "dp-zero31-merged", ref, saved)
+
+
+@pytest.mark.multiprocess
 def test_reshard_world2_dp_to_pp(tmp_path, ref):
     results = run_workers(run_parity, 2, str(tmp_path), [("dp", 1)], [("dp1", "pp", 2)], timeout=400)
     _check(ref, "dp2 -> pp2", results, ("dp1", "pp", 2))

@@ -38,6 +38,7 @@ def micro_batches(step: int, dp_rank: int, dp: int):
 PLANS = {  # name -> (policy, plan_ngpus, extra ComputeConfig fields)
     "one": ("dp", 1, {}), "dp": ("dp", 1, {}), "tp": ("tp", None, {}), "tp-zero": ("tp", None, {"use_zero": True}),
     "pp": ("pp", None, {}), "dp-zero": ("dp", 1, {"use_zero": True}),
+    "dp-zero3": ("dp", 1, {"use_zero": 3}), "tp-zero3": ("tp", None, {"use_zero": 3}),
 }
 
 
@@ -73,9 +74,11 @@ def train(pm, opt, first: int, last: int):
 
 
 def shards(pm):
-    """(full name, full shape, slices, value) of every parameter this rank holds."""
-    return [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
-            for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
+    """(full name, full shape, slices, value) of every parameter this rank holds (its whole local
+    tensors: fully sharded parameters are gathered for it)."""
+    with pm.unsharded():
+        return [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
+                for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
 
 
 def reference(steps: int = STEPS):

@@ -26,6 +26,7 @@ import torch
 from nnscaler.ir import NnScalerWarning
 
 from .collectives import all_gather_json
+from .module_tensors import with_whole_tensors
 from .errors import CheckpointError, describe
 from . import after_commit
 from .inflight import set_in_flight, wait_in_flight
@@ -229,6 +230,7 @@ def _copy_into(buffer: torch.Tensor, tensors, layout) -> None:
         torch.cuda.synchronize()
 
 
+@with_whole_tensors(writeback=False)
 def async_save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                kind: str = "sharded", extra: Optional[Dict[str, Any]] = None, overwrite: bool = False,
                files: Optional[Mapping[str, Union[bytes, str]]] = None,

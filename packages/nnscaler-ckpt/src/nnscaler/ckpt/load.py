@@ -21,7 +21,7 @@ from .extra import join_extra
 from .manifest import read_manifest
 from .records import Manifest
 from .dedup_load import DedupSources
-from .module_tensors import LocalTensor, local_tensors, module_plans, parallel_modules
+from .module_tensors import LocalTensor, local_tensors, module_plans, parallel_modules, with_whole_tensors
 from .optimizer_tensors import MASTER, OptimizerSlot, apply_hyper_parameters, optimizer_class, optimizer_slots
 from .reshard import model_region, optimizer_region
 from .rng import restore_rng, rng_keys
@@ -114,6 +114,7 @@ def _raise_if_any(error: Optional[str]) -> None:
     raise CheckpointError(next(e for e in errors if e))
 
 
+@with_whole_tensors(writeback=True)
 def load(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
          verify: Union[str, bool] = "fast") -> Any:
     """Load checkpoint directory `path` into `module` (and `optimizer`); returns the ``extra``

@@ -7,16 +7,21 @@ Full names are prefixed with the parallelized module's path in the container.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
+
+from nnscaler.ir.contracts import GeneratedAttrs
 
 from .errors import CheckpointError
 from .records import ModulePlan
 
-__all__ = ["LocalTensor", "parallel_modules", "local_tensors", "plan_identity", "module_plans", "piece_key"]
+__all__ = ["LocalTensor", "parallel_modules", "local_tensors", "plan_identity", "module_plans", "piece_key",
+           "whole_tensors", "with_whole_tensors"]
 
 
 @dataclass
@@ -51,6 +56,31 @@ def parallel_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module
         raise CheckpointError(f"{type(module).__name__} is not a parallelized module and holds none: pass the "
                               f"module nnscaler.parallelize returned")
     return found
+
+
+@contextlib.contextmanager
+def whole_tensors(module: torch.nn.Module, writeback: bool = False) -> Iterator[None]:
+    """Every parallelized module of `module` holds its whole local tensors inside (the IR contract
+    ``GeneratedAttrs.unsharded``: fully sharded parameters are gathered, and with `writeback`
+    stored back on exit; nothing happens for other modules). COLLECTIVE where parameters are
+    fully sharded."""
+    with contextlib.ExitStack() as stack:
+        if isinstance(module, torch.nn.Module):
+            for _, pm in module.named_modules():
+                if isinstance(pm, GeneratedAttrs):
+                    stack.enter_context(pm.unsharded(writeback))
+        yield
+
+
+def with_whole_tensors(writeback: bool) -> Callable:
+    """Decorator of a function ``fn(path, module, ...)``: runs it inside `whole_tensors`."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(path, module, *args, **kwargs):
+            with whole_tensors(module, writeback):
+                return fn(path, module, *args, **kwargs)
+        return run
+    return wrap
 
 
 def _prefix(path: str, name: str) -> str:

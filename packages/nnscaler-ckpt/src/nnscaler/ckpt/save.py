@@ -30,7 +30,7 @@ from .commit import StagingDir, new_token
 from .replace_guard import check_save_destination
 from .errors import CheckpointError, describe
 from .inflight import wait_in_flight
-from .module_tensors import module_plans
+from .module_tensors import module_plans, with_whole_tensors
 from .names import MANIFEST, is_staging, rank_file
 from .optimizer_tensors import hyper_parameters, optimizer_class
 from .rank_state import RankShare, collect, keep_only, share_of
@@ -201,6 +201,7 @@ def commit_prepared(p: Prepared, manifest: Manifest, keep_replaced: bool = False
     return None
 
 
+@with_whole_tensors(writeback=False)
 def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
          kind: str = "sharded", extra: Optional[Dict[str, Any]] = None, overwrite: bool = False,
          files: Optional[Mapping[str, Union[bytes, str]]] = None) -> Path:
