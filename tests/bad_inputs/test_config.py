@@ -21,6 +21,8 @@ from .models import Small
      "runtime_ngpus=4"),
     (dict(plan_ngpus=1, runtime_ngpus=4, use_zero=True, zero_ngroups=4), "use_zero=True shards nothing",
      "smaller zero_ngroups"),
+    (dict(plan_ngpus=2, runtime_ngpus=2, use_zero=3), "use_zero=3 shards nothing: ZeRO shards the parameters, "
+     "gradients and optimizer state", "runtime_ngpus=4"),
 ])
 def test_setting_that_does_nothing_is_named(kwargs, key, fix):
     [message] = ineffective_settings(ComputeConfig(**kwargs))

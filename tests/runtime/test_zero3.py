@@ -129,6 +129,25 @@ def test_no_sync_accumulates_full_gradients_then_reduces_once():
             assert torch.allclose(getattr(pm, local_name(name)), p, atol=1e-6), name
 
 
+def test_offloaded_optimizer_steps_on_copies_of_the_shards():
+    from nnscaler.runtime.offload import offload_optimizer
+    results = []
+    for use_zero in (False, 3):
+        pm = gen_class(use_zero=use_zero)()
+        pm.load_full_state(initial_state())
+        opt = offload_optimizer(build_optimizer(pm, torch.optim.Adam, lr=UNIT_LR))
+        for s in range(3):
+            opt.zero_grad()
+            pm(**unit_batch(s)).backward()
+            opt.clip_gnorm(0.05)
+            opt.step()
+        with pm.unsharded():
+            results.append({n: p.detach().clone() for n, p in pm.named_parameters()})
+        assert all(c.grad is None for c in opt.offload_copies)
+    for name, value in results[0].items():
+        assert torch.equal(results[1][name], value), name
+
+
 def test_errors():
     from test_zero import _Two
     with pytest.raises(ConfigError, match="same use_zero"):

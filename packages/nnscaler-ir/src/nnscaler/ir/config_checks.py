@@ -28,12 +28,13 @@ def ineffective_settings(cfg) -> List[str]:
             out.append("ComputeConfig.zero_use_reduce_scatter=True has no effect without use_zero=True (it "
                        "changes how ZeRO reduces gradients): set use_zero=True, or leave it False")
     elif dp == 1:
-        out.append(f"ComputeConfig.use_zero=True shards nothing: ZeRO shards the optimizer state across "
+        what = "parameters, gradients and optimizer state" if cfg.zero_stage == 3 else "optimizer state"
+        out.append(f"ComputeConfig.use_zero={cfg.use_zero!r} shards nothing: ZeRO shards the {what} across "
                    f"data-parallel replicas, and runtime_ngpus // plan_ngpus = {cfg.runtime_ngpus} // "
                    f"{cfg.plan_ngpus} = 1 (no replica). Use runtime_ngpus a multiple > 1 of plan_ngpus "
                    f"(e.g. runtime_ngpus={2 * cfg.plan_ngpus}), or set use_zero=False")
     elif cfg.zero_ngroups == dp:
-        out.append(f"ComputeConfig.use_zero=True shards nothing: zero_ngroups={cfg.zero_ngroups} cuts the "
+        out.append(f"ComputeConfig.use_zero={cfg.use_zero!r} shards nothing: zero_ngroups={cfg.zero_ngroups} cuts the "
                    f"{dp} data-parallel replicas into groups of one rank, and each group holds a whole copy "
                    f"of the optimizer state. Use a smaller zero_ngroups (1 shards over all {dp} replicas), or "
                    f"set use_zero=False")

@@ -177,7 +177,9 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, device: Union[str, torch
     if any(optimizer.state.values()):
         raise ConfigError("offload_optimizer: the optimizer already has state; offload it before it steps")
     zero = getattr(optimizer, "_nnscaler_zero", None)
-    pieces = {id(p.tensor): p for p in zero.pieces} if zero is not None else {}
+    # ZeRO-1 pieces are views of the parameters (read from them); use_zero=3 pieces are the storage
+    pieces = {id(p.tensor): p for p in zero.pieces} if zero is not None and not getattr(zero, "owns_storage", False) \
+        else {}
     replicas = getattr(optimizer, "_nnscaler_replicas", None)
     pairs, reads = [], []
     for group in optimizer.param_groups:
