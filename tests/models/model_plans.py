@@ -29,6 +29,10 @@ def zero(**kw):
     return plan("dp-zero", "dp", 1, use_zero=True, **kw)
 
 
+def zero3(**kw):
+    return plan("dp-zero3", "dp", 1, use_zero=3, **kw)
+
+
 def tp(**kw):
     return plan("tp", "tp", 2, **kw)
 
@@ -123,8 +127,9 @@ def train_plan(rank, world, name, case, gen_root):
         t = loss.detach().reshape(1).clone()
         dist.all_reduce(t)
         losses.append(t.item() / world)
-    shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
-              for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
+    with pm.unsharded():  # whole local tensors (use_zero=3 gathers them)
+        shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
+                  for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
     return losses, shards
 
 

@@ -1,11 +1,13 @@
 """Real models (Hugging Face `transformers`, tiny configs built in code) train under every plan
 exactly as in one process: GPT-2, Llama with grouped-query attention (sdpa), BERT, ResNet and
-ViT, each under dp, tp, megatron, dp + ZeRO and pp (1f1b, 2 micro-batches), in float64: after 3
+ViT, each under dp, tp, megatron, dp + ZeRO and pp (1f1b, 2 micro-batches), GPT-2 and Llama also
+under fully sharded dp (use_zero=3), in float64: after 3
 Adam steps every parameter within 1e-10 of single-process training (assembled from the ranks'
 shards; ranks holding the same slice must agree exactly) and every loss within 1e-10.
 
 One spawn of 2 worker processes per model runs all its plans (each its own gen_savedir); one
-spawn of 4 runs megatron tp 2 x dp 2 on Llama. The reference runs with one thread like the
+spawn of 4 runs megatron tp 2 x dp 2 on Llama, without and with use_zero=3, and use_zero=3 over
+dp 4 with zero_ngroups=2. The reference runs with one thread like the
 workers (HF's float32 softmax / RMSNorm round differently per thread split).
 
 Exceptions, by design, each tested as such:
@@ -37,18 +39,20 @@ TOL = 1e-10
 FP32_TOL = 1e-5
 
 CASES = {
-    "gpt2": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp(),
+    "gpt2": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.zero3(), mp.pp(),
              # the alternative docs/megatron.md describes: the fused q/k/v projection row-parallel
              dict(mp.megatron(pas_config={"row": ["*.attn.c_attn", "*.attn.c_proj", "*.mlp.c_proj"]}),
                   label="megatron-row-c_attn")],
-    "llama": [mp.dp(), mp.megatron(), mp.zero(), mp.pp(), dict(mp.tp(), tol=FP32_TOL),
+    "llama": [mp.dp(), mp.megatron(), mp.zero(), mp.zero3(), mp.pp(), dict(mp.tp(), tol=FP32_TOL),
               dict(mp.tp(), model="llama64", label="tp-llama64")],
     "bert": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp()],
     "resnet": [mp.dp(train=False), mp.zero(train=False), mp.tp(), mp.tp(train=False), mp.pp(train=False),
                mp.plan("dp-syncbn", "dp", 1, sync_batchnorm=True)],
     "vit": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp()],
 }
-WORLD4 = [dict(mp.megatron(), model="llama", label="megatron-tp2-dp2")]
+WORLD4 = [dict(mp.megatron(), model="llama", label="megatron-tp2-dp2"),
+          dict(mp.megatron(use_zero=3), model="llama", label="megatron-tp2-dp2-zero3"),
+          dict(mp.zero3(zero_ngroups=2), model="llama", label="dp4-zero3-g2")]
 
 # The projections megatron must shard, by the parameter's suffix (per layer).
 MEGATRON_SHARDED = {

@@ -3,7 +3,7 @@
     nnscaler plan estimate --model-config CONFIG.json --cluster CLUSTER.yaml --gpus N \
         --seq-len S --global-batch-tokens T [--json] [--save PLAN.json] [--top K]
 
-prints the chosen plan (tp, pp, dp, zero, micro-batch, recompute), its predicted step time,
+prints the chosen plan (tp, pp, dp, zero 0/1/3, micro-batch, recompute), its predicted step time,
 tokens/s, TFLOP/s per GPU, MFU and peak memory per GPU, then the best plan of each other
 (tp, pp) family with the reason it lost. ``--json``: one JSON object instead. Exit code 1 with a
 one-line error on a bad config, cluster or workload.
@@ -22,7 +22,7 @@ from nnscaler.ir import ConfigError
 
 from .local import resolve_cluster
 from .model import ModelSpec
-from .plan_cost import Workload
+from .plan_cost import Workload, zero_label
 from .report import result_json, save_estimate
 from .search import search
 
@@ -79,7 +79,8 @@ def _params(n) -> str:
 
 def _plan_name(r: dict) -> str:
     return (f"tp{r['tp']} pp{r['pp']} dp{r['dp']}" + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
-            + (" zero1" if r["zero"] else "") + f" mb{r['micro_batch']}" + (" rc" if r["recompute"] else ""))
+            + zero_label(r["zero"], r.get("zero_ngroups", 1)) + f" mb{r['micro_batch']}"
+            + (" rc" if r["recompute"] else ""))
 
 
 def _print(d: dict, save) -> None:
@@ -88,7 +89,8 @@ def _print(d: dict, save) -> None:
     console.print(f"[bold]{m['name']}[/bold] ({_params(m['params'])} parameters) on {d['gpus']} x "
                   f"{c['gpu']['name']} ({c['name']}), seq {d['seq_len']}, {d['global_batch_tokens']:,} tokens a step",
                   highlight=False)
-    console.print(f"  plan: tp {d['tp']}, pp {d['pp']}, dp {d['dp']}, zero {d['zero']}, micro-batch "
+    zero = f"{d['zero']}" + (f" in {d['zero_ngroups']} groups" if d.get("zero_ngroups", 1) > 1 else "")
+    console.print(f"  plan: tp {d['tp']}, pp {d['pp']}, dp {d['dp']}, zero {zero}, micro-batch "
                   f"{d['micro_batch']} x {d['nmicros']}, recompute {'yes' if d['recompute'] else 'no'}"
                   + (f", interleaved {d['virtual_stages']} stages per GPU" if d["virtual_stages"] > 1 else ""),
                   highlight=False)
@@ -98,11 +100,12 @@ def _print(d: dict, save) -> None:
     console.print("  step parts: " + ", ".join(f"{k} {_s(v)}" for k, v in b.items()), highlight=False)
     console.print(f"  searched {d['plans_evaluated']} plans in {d['search_s']:.2f} s", highlight=False)
     if d["runners_up"]:
-        table = Table("plan", "step", "MFU", "memory GB", "lost on")
-        for col in (1, 2, 3):
+        table = Table("plan", "zero", "step", "MFU", "memory GB", "lost on")
+        for col in (1, 2, 3, 4):
             table.columns[col].justify = "right"
         for r in d["runners_up"]:
-            table.add_row(_plan_name(r), _s(r["step_s"]), f"{r['mfu']:.1%}", _gb(r["memory_gb"]), r["reason"])
+            table.add_row(_plan_name(r), str(r["zero"]), _s(r["step_s"]), f"{r['mfu']:.1%}", _gb(r["memory_gb"]),
+                          r["reason"])
         console.print(table)
     t = d["trainer"]
     console.print(f"  run it: pas_policy {t['pas_policy']!r}, compute_config {json.dumps(t['compute_config'])}, "

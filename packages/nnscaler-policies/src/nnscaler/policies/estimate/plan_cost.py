@@ -3,7 +3,9 @@ the data-parallel sync, the optimizer, and the memory of the busiest GPU.
 
 Ranks are laid out as Megatron-LM does: tensor parallel innermost (consecutive GPUs, inside a
 node), then data parallel, then pipeline stages outermost. A group whose members stay inside one
-node uses the intra-node link, else the inter-node one.
+node uses the intra-node link, else the inter-node one. A ZeRO group is `dp / zero_ngroups`
+consecutive data-parallel ranks (nnscaler.runtime.zero_groups), so it spans `tp * dp / zero_ngroups`
+ranks.
 """
 from __future__ import annotations
 
@@ -11,11 +13,16 @@ import dataclasses
 import math
 from typing import Dict, List
 
+from nnscaler.ir import ConfigError
+
 from . import costs
 from .cluster import Cluster
 from .model import ModelSpec
 
-__all__ = ["Plan", "Estimate", "Workload", "estimate_plan", "gpu_layers", "stage_layers"]
+__all__ = ["Plan", "Estimate", "Workload", "ZERO_STAGES", "estimate_plan", "gpu_layers", "stage_layers", "zero_label",
+           "zero_sync_times"]
+
+ZERO_STAGES = (0, 1, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,18 +30,42 @@ class Plan:
     tp: int
     pp: int
     dp: int
-    zero: int  # 0, or 1: optimizer state sharded over dp (ComputeConfig.use_zero)
+    # ZeRO stage (ComputeConfig.use_zero): 0 none; 1 optimizer state sharded over the zero group;
+    # 3 parameters, gradients and optimizer state sharded (fully sharded; no pipeline: pp must be 1)
+    zero: int
     micro_batch: int  # sequences per micro-batch per data-parallel rank
     recompute: bool  # every decoder layer recomputed in backward
     virtual: int = 1  # pipeline stages per GPU: 1 is 1F1B, more is interleaved 1F1B
+    zero_ngroups: int = 1  # ComputeConfig.zero_ngroups: the dp ranks split into this many zero groups
+
+    def __post_init__(self):
+        if self.zero not in ZERO_STAGES:
+            raise ConfigError(f"Plan.zero must be one of {ZERO_STAGES} (ComputeConfig.use_zero's stages), "
+                              f"got {self.zero!r}")
+        if self.zero == 3 and self.pp > 1:
+            raise ConfigError(f"Plan(zero=3, pp={self.pp}): nnscaler's ZeRO-3 runtime has no pipeline stages; use "
+                              f"zero=1 with a pipeline, or pp=1 with zero=3")
+        if self.zero_ngroups < 1 or self.dp % self.zero_ngroups or (self.zero_ngroups > 1 and not self.zero):
+            raise ConfigError(f"Plan.zero_ngroups ({self.zero_ngroups}) must divide dp ({self.dp}), and needs "
+                              f"zero 1 or 3 when above 1")
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks one ZeRO shard is spread over: dp / zero_ngroups with ZeRO, else 1."""
+        return self.dp // self.zero_ngroups if self.zero else 1
 
     @property
     def family(self) -> str:
         return f"tp{self.tp} pp{self.pp} dp{self.dp}"
 
     def describe(self) -> str:
-        return (f"{self.family}" + (f" v{self.virtual}" if self.virtual > 1 else "") + (" zero1" if self.zero else "")
+        return (f"{self.family}" + (f" v{self.virtual}" if self.virtual > 1 else "") + zero_label(self.zero, self.zero_ngroups)
                 + f" mb{self.micro_batch}" + (" recompute" if self.recompute else ""))
+
+
+def zero_label(zero: int, ngroups: int = 1) -> str:
+    """' zero1', ' zero3', ' zero3/g2' (two zero groups) or '' without ZeRO: a plan name's part."""
+    return (f" zero{zero}" + (f"/g{ngroups}" if ngroups > 1 else "")) if zero else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +88,7 @@ class Estimate:
     bubble_s: float
     tp_comm_s: float
     pp_comm_s: float
-    dp_comm_s: float  # exposed data-parallel sync (+ ZeRO's all-gather)
+    dp_comm_s: float  # exposed data-parallel sync (+ ZeRO-1's all-gather after the step, ZeRO-3's gathers)
     optimizer_s: float
     memory_bytes: float
     memory_parts: Dict[str, float]
@@ -173,18 +204,13 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     last_p = (counts[-1] * layer_p + emb_p) * scale if pp > 1 else first_p
     local_p = max(first_p, last_p)
 
-    # data-parallel gradient sync, overlapped with one micro-batch's backward; ZeRO's all-gather after the step
-    dp_link = _group_link(cluster, tp * dp)
+    # data-parallel gradient sync, overlapped with one micro-batch's backward; ZeRO's all-gathers exposed
     grads = local_p * nbytes
-    if plan.zero:
-        reduce = costs.ring_all_gather_time(grads, dp, dp_link)  # reduce-scatter
-        gather = costs.ring_all_gather_time(grads, dp, dp_link)
-    else:
-        reduce, gather = costs.ring_all_reduce_time(grads, dp, dp_link), 0.0
+    reduce, gather = zero_sync_times(grads, plan, nmicros, cluster)
     dp_comm_s = max(0.0, reduce - counts[0] * bwd / v) + gather
     # Adam reads and writes its state (and fp32 master weights), reads the gradient, writes the weights
     opt_state = costs.optimizer_bytes_per_param(cluster.gpu.dtype)
-    shard = dp if plan.zero else 1
+    shard = plan.zero_group
     opt_bytes = local_p * (2 * opt_state + (2 if cluster.gpu.dtype == "bf16" else 3) * nbytes)
     optimizer_s = costs.memory_bound_time(opt_bytes / shard, cluster) + 2 * overhead / costs.OPS_PER_LAYER
     step_s = compute_s + tp_comm_s + pp_comm_s + bubble_s + dp_comm_s + optimizer_s
@@ -196,10 +222,20 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     transient = 2 * b * seq * (2 if spec.gated else 1) * spec.ffn / tp * nbytes
     logits = b * seq * spec.vocab / tp * 4 * 2  # fp32 logits and their gradient, on the last GPU
 
+    # ZeRO-3 shards the weights and gradients too; the Trainer accumulates micro-batches under no_sync, which
+    # keeps the units' full gradients until the last one reduce-scatters them (nnscaler.runtime.zero3)
+    weight_shard = shard if plan.zero == 3 else 1
+    full_grads = 1.0 if plan.zero == 3 and nmicros > 1 else 0.0
+    # ZeRO-3's gathered units: the root (embeddings, head) for the whole pass, two decoder layers, with gradients
+    root_p = emb_p * (1 if spec.tied else 2) * scale
+    gathered = 2 * (root_p + 2 * layer_p * scale) * nbytes if plan.zero == 3 else 0.0
+
     def parts(params, layers, inflight, with_logits):
         kept = (layer_input if plan.recompute else per_layer_act) * layers * inflight
-        return {"weights": params * nbytes, "gradients": params * nbytes, "optimizer": params * opt_state / shard,
-                "activations": kept + working, "transient": transient + (logits if with_logits else 0.0)}
+        return {"weights": params * nbytes / weight_shard,
+                "gradients": params * nbytes * (1 / weight_shard + full_grads),
+                "optimizer": params * opt_state / shard, "activations": kept + working,
+                "transient": transient + (logits if with_logits else 0.0), "gathered": gathered}
 
     first = parts(first_p, counts[0], min(pp, nmicros) * costs.interleaved_activation_factor(pp, v), pp == 1)
     last = parts(last_p, counts[-1], 1, True) if pp > 1 else first
@@ -210,3 +246,28 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
                     memory, mem_parts, memory <= cluster.gpu.memory_gb * costs.GiB * costs.USABLE_MEMORY, flops,
                     work.global_batch_tokens / step_s, flops / step_s / work.gpus / 1e12,
                     costs.mfu(flops, step_s, work.gpus, cluster.gpu.peak_flops))
+
+
+def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster):
+    """(gradient reduction s, exposed gathers s) of one step's data-parallel traffic for `grads` bytes
+    of local gradients (= local parameters). The reduction may overlap a backward; the gathers do not
+    (nnscaler's runtime gathers on first use, without prefetching).
+
+    * no ZeRO: a ring all-reduce over dp.
+    * ZeRO-1: a reduce-scatter in the zero group, then an all-gather of the updated parameters after
+      the step.
+    * ZeRO-3: each micro-batch all-gathers the parameters twice (forward, and again in backward: they
+      were freed), and the step reduce-scatters the gradients once (the Trainer's last micro-batch).
+
+    With ZeRO and ``zero_ngroups > 1`` the shard's gradient is also all-reduced across the groups.
+    The zero group spans tp·dp/zero_ngroups ranks, the cross-group reduction tp·dp: each on the link
+    its span needs (intra-node inside a node, else inter-node)."""
+    tp, dp, z, g = plan.tp, plan.dp, plan.zero_group, plan.zero_ngroups
+    dp_link = _group_link(cluster, tp * dp)
+    if not plan.zero:
+        return costs.ring_all_reduce_time(grads, dp, dp_link), 0.0
+    zero_link = _group_link(cluster, tp * z)
+    reduce = costs.ring_all_gather_time(grads, z, zero_link)  # a reduce-scatter moves what an all-gather does
+    reduce += costs.ring_all_reduce_time(grads / z, g, dp_link)
+    gathers = 1 if plan.zero == 1 else 2 * nmicros
+    return reduce, gathers * costs.ring_all_gather_time(grads, z, zero_link)

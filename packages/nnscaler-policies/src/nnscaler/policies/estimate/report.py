@@ -4,7 +4,8 @@ configuration fragment (the plan usable as it is), and as the saved plan file (`
 The mapping of a plan onto nnscaler (`trainer_fragment`):
 
 * ``compute_config``: ``plan_ngpus = tp * pp``, ``runtime_ngpus = tp * pp * dp``,
-  ``use_end2end: true``, ``use_zero = zero == 1`` (with ``zero_use_reduce_scatter``).
+  ``use_end2end: true``; ``use_zero``: ``False`` (zero 0), ``True`` (zero 1, with
+  ``zero_use_reduce_scatter``) or ``3`` (zero 3: fully sharded), and ``zero_ngroups`` when above 1.
 * ``pas_policy``: ``dp`` when tp = pp = 1; ``megatron`` (column / row-parallel projections) when
   only tp > 1; ``autodist`` when pp > 1, told the stages (``pipeline_pivots`` = the decoder layer's
   class, ``pipeline_nstages = pp``, ``pipeline_nmicros``) and ``max_partition_degree = tp``, so it
@@ -27,7 +28,7 @@ from .model import ModelSpec
 from .plan_cost import Estimate, Workload
 from .search import SearchResult
 
-__all__ = ["FORMAT", "VERSION", "plan_json", "result_json", "trainer_fragment", "save_estimate"]
+__all__ = ["FORMAT", "VERSION", "plan_json", "result_json", "trainer_fragment", "save_estimate", "use_zero_value"]
 
 FORMAT = "nnscaler-estimate-plan"
 VERSION = 1
@@ -35,7 +36,8 @@ VERSION = 1
 
 def plan_json(est: Estimate) -> dict:
     p = est.plan
-    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero, "micro_batch": p.micro_batch,
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero, "zero_ngroups": p.zero_ngroups,
+            "micro_batch": p.micro_batch,
             "recompute": p.recompute, "virtual_stages": p.virtual, "nmicros": est.nmicros, "step_s": est.step_s,
             "tokens_per_s": est.tokens_per_s, "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
             "memory_gb": est.memory_gb, "fits": est.fits}
@@ -59,9 +61,11 @@ def trainer_fragment(est: Estimate, spec: ModelSpec, cluster: Cluster) -> dict:
     if p.recompute:
         pas["recompute_modules"] = layer
     compute = {"plan_ngpus": p.tp * p.pp, "runtime_ngpus": p.tp * p.pp * p.dp, "use_end2end": True,
-               "use_zero": bool(p.zero), "pas_config": pas}
-    if p.zero:
+               "use_zero": use_zero_value(p.zero), "pas_config": pas}
+    if p.zero == 1:
         compute["zero_use_reduce_scatter"] = True
+    if p.zero_ngroups > 1:
+        compute["zero_ngroups"] = p.zero_ngroups
     return {"pas_policy": policy, "compute_config": compute, "micro_batch_size": p.micro_batch,
             "grad_accumulation_steps": est.nmicros, "precision": cluster.gpu.dtype}
 
@@ -83,6 +87,11 @@ def result_json(result: SearchResult, spec: ModelSpec, cluster: Cluster, work: W
         "trainer": trainer_fragment(best, spec, cluster),
     })
     return out
+
+
+def use_zero_value(zero: int):
+    """ComputeConfig.use_zero for a plan's ZeRO stage: False, True (ZeRO-1) or 3 (fully sharded)."""
+    return 3 if zero == 3 else bool(zero)
 
 
 def save_estimate(path, data: dict) -> None:

@@ -1,5 +1,5 @@
 """The search: every tensor (inside a node, dividing the heads), pipeline and data parallel degree
-of the whole cluster, with ZeRO, micro-batch size and recomputation; the fastest plan that fits
+of the whole cluster, with ZeRO (none, 1, or 3 without a pipeline), micro-batch size and recomputation; the fastest plan that fits
 wins, and the best plan of each other (tp, pp) family is kept with the reason it lost."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .costs import USABLE_MEMORY
 from .model import ModelSpec
 from .plan_cost import Estimate, Plan, Workload, estimate_plan
 
-__all__ = ["NoPlanFitsCluster", "SearchResult", "candidates", "search", "why_lost"]
+__all__ = ["NoPlanFitsCluster", "SearchResult", "candidates", "search", "why_lost", "zero_options"]
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 VIRTUAL = (1, 2, 4)  # pipeline stages per GPU (interleaved 1F1B beyond 1)
@@ -56,9 +56,25 @@ def candidates(spec: ModelSpec, cluster: Cluster, work: Workload):
                     # interleaving: more than one stage per GPU, nmicros a multiple of pp (Megatron-LM's rule)
                     if v > 1 and (pp == 1 or pp * v > spec.layers or nmicros % pp):
                         continue
-                    for zero in ((0, 1) if dp > 1 else (0,)):
+                    for zero, ngroups in zero_options(tp, pp, dp, cluster):
                         for recompute in (False, True):
-                            yield Plan(tp, pp, dp, zero, b, recompute, v)
+                            yield Plan(tp, pp, dp, zero, b, recompute, v, ngroups)
+
+
+def zero_options(tp: int, pp: int, dp: int, cluster: Cluster) -> List[tuple]:
+    """(ZeRO stage, zero_ngroups) pairs for a plan: none; with dp > 1 ZeRO-1 over dp; without a pipeline
+    (nnscaler's ZeRO-3 has none) ZeRO-3 over dp, and, when the dp ranks span nodes, ZeRO-3 sharded
+    inside each node (zero_ngroups = the nodes the dp group spans: FSDP's hybrid sharding, the
+    per-micro-batch gathers on the intra-node link)."""
+    if dp <= 1:
+        return [(0, 1)]
+    out = [(0, 1), (1, 1)]
+    if pp == 1:
+        out.append((3, 1))
+        per_node = cluster.gpus_per_node // tp  # dp ranks in one node
+        if 1 < per_node < dp and dp % per_node == 0:
+            out.append((3, dp // per_node))
+    return out
 
 
 def why_lost(loser: Estimate, best: Estimate, cluster: Cluster) -> str:
