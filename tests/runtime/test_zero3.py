@@ -44,6 +44,13 @@ def test_unit_names_follow_repeated_blocks():
     assert named["model.layers.1.mlp.experts.0.w1"] == "model.layers.1"
 
 
+def test_units_named_in_pas_config():
+    pm = gen_class(use_zero=3, pas_config={"zero3_units": ["layers.0", "layers.2"]})()
+    assert [(u.name, u.local_names) for u in pm.fully_sharded.units] == [
+        ("layers.0", ["layers_0_weight", "layers_0_bias"]), ("", ["layers_1_weight", "layers_1_bias"]),
+        ("layers.2", ["layers_2_weight", "layers_2_bias"])]
+
+
 def test_use_zero_values():
     assert ComputeConfig(1, 2, use_zero=3).zero_stage == 3
     assert ComputeConfig(1, 2, use_zero=True).zero_stage == ComputeConfig(1, 2, use_zero=1).zero_stage == 1

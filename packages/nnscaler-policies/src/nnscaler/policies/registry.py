@@ -15,7 +15,9 @@ _KEYS: Dict[str, Optional[FrozenSet[str]]] = {}  # name -> the pas_config keys i
 _CAPS: Dict[str, Tuple[bool, bool]] = {}  # name -> (pipelines, whole_model)
 
 # pas_config keys every policy accepts: apply_policy reads them itself
-COMMON_KEYS = frozenset({"recompute_modules"})
+# read by every plan: recompute_modules (activation recomputation), zero3_units (use_zero=3's
+# gather units, read by the runtime: nnscaler.runtime.zero3)
+COMMON_KEYS = frozenset({"recompute_modules", "zero3_units"})
 
 
 @dataclasses.dataclass(frozen=True)

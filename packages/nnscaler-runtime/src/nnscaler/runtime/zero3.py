@@ -6,7 +6,7 @@ modules). Each repeated block of the model is one unit, found from the full (sin
 names: the outermost ``<prefix>.<i>.`` whose prefix holds at least two indices (``layers.0``,
 ``model.layers.7``, ``h.3``), as FSDP's auto-wrap of each decoder layer; everything else is the
 *root* unit (embeddings, final norm, head). ``unit_modules`` (``ComputeConfig.pas_config
-["zero3_units"]``, module paths or class names resolved by `parallelize`) names other units.
+["zero3_units"]``, module paths of the single-device model) names the units instead.
 A unit never mixes dtypes (one unit per dtype then).
 
 Layout. A unit's tensors are laid out in one flat buffer in registration order, padded to a
