@@ -9,11 +9,11 @@ import torch.distributed as dist
 from lit_models import Classifier, full_weights, global_losses, trainer
 
 
-def _strategy(root, name, plan_ngpus, policy, **kwargs):
+def _strategy(root, name, plan_ngpus, policy, config=None, **kwargs):
     from nnscaler.ir import ComputeConfig
     from nnscaler.lightning import NnScalerStrategy
-    return NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus, dist.get_world_size()), pas_policy=policy,
-                            gen_savedir=os.path.join(root, "gen"), instance_name=name, **kwargs)
+    return NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus, dist.get_world_size(), **(config or {})),
+                            pas_policy=policy, gen_savedir=os.path.join(root, "gen"), instance_name=name, **kwargs)
 
 
 def _optimizer_state(t):
@@ -22,9 +22,9 @@ def _optimizer_state(t):
 
 
 def _run(root, label, plan, epochs, ckpt_path=None, save=None, callbacks=None, kind="sharded"):
-    name, plan_ngpus, policy = plan
+    name, plan_ngpus, policy, *config = plan  # (name, plan_ngpus, policy[, ComputeConfig fields])
     model = Classifier(batch_size=8 * plan_ngpus)
-    t = trainer(_strategy(root, name, plan_ngpus, policy, state_dict_type=kind), os.path.join(root, label),
+    t = trainer(_strategy(root, name, plan_ngpus, policy, *config, state_dict_type=kind), os.path.join(root, label),
                 max_epochs=epochs, callbacks=callbacks or [], enable_checkpointing=bool(callbacks))
     t.fit(model, ckpt_path=ckpt_path)
     if save:

@@ -1,5 +1,6 @@
 """The multi-process halves of the Fabric tests: the same hand-written loop with Fabric's
-DDPStrategy and with nnscaler's Fabric strategy (dp2, tp2), then a save / load round trip."""
+DDPStrategy and with nnscaler's Fabric strategy (dp2, tp2, dp2 fully sharded), then a save / load
+round trip."""
 from __future__ import annotations
 
 import os
@@ -45,6 +46,10 @@ def _loop(strategy, batch_size, steps_out):
     return fabric, model, opt
 
 
+PLANS = (("dp2", 1, "dp", {}), ("tp2", 2, "tp", {}),
+         ("dp2-zero3", 1, "dp", {"use_zero": 3}))  # fully sharded: parameters, gradients, optimizer state
+
+
 def parity(rank, world, root):
     from lightning.fabric.strategies import DDPStrategy
     from nnscaler.ir import ComputeConfig
@@ -54,9 +59,9 @@ def parity(rank, world, root):
     losses = []
     _, model, _ = _loop(DDPStrategy(), 8, losses)
     out["ddp"] = (torch.stack(losses), {k: v.detach().clone() for k, v in model.module.state_dict().items()})
-    for name, plan, policy in (("dp2", 1, "dp"), ("tp2", 2, "tp")):
+    for name, plan, policy, config in PLANS:
         losses = []
-        strategy = NnScalerStrategy(compute_config=ComputeConfig(plan, world), pas_policy=policy,
+        strategy = NnScalerStrategy(compute_config=ComputeConfig(plan, world, **config), pas_policy=policy,
                                     gen_savedir=os.path.join(root, "gen"), instance_name=name,
                                     dummy_forward_args={"x": torch.randn(8 * plan, FEATURES)})
         fabric, model, opt = _loop(strategy, 8 * plan, losses)
@@ -69,8 +74,9 @@ def parity(rank, world, root):
         path = os.path.join(root, f"{name}.ckpt")
         fabric.save(path, {"model": model, "optimizer": opt, "step": 7, "pair": (1, 2)})
         before = {k: v.clone() for k, v in opt.optimizer.state_dict()["state"][0].items()}
-        with torch.no_grad():
-            for p in model._forward_module.parameters():
+        pm = model._forward_module
+        with pm.unsharded(writeback=True), torch.no_grad():  # use_zero=3: the shards are zeroed too
+            for p in pm.parameters():
                 p.zero_()
         state = {"model": model, "optimizer": opt, "step": 0, "pair": None}
         left = fabric.load(path, state)

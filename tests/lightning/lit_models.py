@@ -77,13 +77,15 @@ def trainer(strategy, root, **kwargs) -> pl.Trainer:
 
 def full_weights(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The full (single-device) state of the parallel module inside `module`, on every rank,
-    assembled from each rank's pieces (public `fullmap`); value-split parts are summed."""
+    assembled from each rank's pieces (public `fullmap`); value-split parts are summed. Fully
+    sharded parameters (use_zero=3) are read inside `pm.unsharded()` (collective)."""
     from nnscaler.lightning.model_setup import pmodule_of
     pm = pmodule_of(module)
-    local = dict(pm.named_parameters())
-    local.update(dict(pm.named_buffers()))
-    pieces = [(e.full_name, tuple(e.full_shape), tuple(e.slices), tuple(e.value_split), local[name].detach().clone())
-              for name, e in pm.fullmap.items() if name in local]
+    with pm.unsharded():
+        local = dict(pm.named_parameters())
+        local.update(dict(pm.named_buffers()))
+        pieces = [(e.full_name, tuple(e.full_shape), tuple(e.slices), tuple(e.value_split),
+                   local[name].detach().clone()) for name, e in pm.fullmap.items() if name in local]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, pieces)
     full: Dict[str, torch.Tensor] = {}

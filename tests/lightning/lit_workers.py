@@ -21,15 +21,17 @@ def _ddp(root, batch_size, **fit_kwargs):
         t.callback_metrics["loss_sum"].clone(), t.callback_metrics["val_loss"].clone()
 
 
-def _nnscaler(root, name, plan_ngpus, policy, batch_size, config=None, **fit_kwargs):
+def _nnscaler(root, name, plan_ngpus, policy, batch_size, config=None, strategy_kwargs=None, **fit_kwargs):
     from nnscaler.ir import ComputeConfig
     from nnscaler.lightning import NnScalerStrategy
     world = dist.get_world_size()
     model = Classifier(batch_size=batch_size)
     strategy = NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus, world, **(config or {})), pas_policy=policy,
-                                gen_savedir=os.path.join(root, "gen"), instance_name=name)
+                                gen_savedir=os.path.join(root, "gen"), instance_name=name, **(strategy_kwargs or {}))
     t = trainer(strategy, os.path.join(root, name), **fit_kwargs)
     t.fit(model)
+    if (strategy_kwargs or {}).get("sharding_strategy") == "FULL_SHARD":  # FSDP's name selected use_zero=3
+        assert strategy.compute_config.zero_stage == 3 and model.nnscaler_pmodule.fully_sharded is not None
     removed = model.net is None
     return global_losses(model.step_losses), full_weights(model), removed, t.callback_metrics["loss_sum"].clone(), \
         t.callback_metrics["val_loss"].clone(), model.logits_dtype
@@ -39,7 +41,7 @@ def parity(rank, world, root, plans, fit_kwargs):
     """DDP (batch 8 per rank) against each (name, plan_ngpus, policy): a plan of plan_ngpus
     devices runs one unit per plan_ngpus ranks, so its batch is 8 * plan_ngpus."""
     out = {"ddp": _ddp(root, 8, **fit_kwargs)}
-    for name, plan_ngpus, policy, *config in plans:
+    for name, plan_ngpus, policy, *config in plans:  # config: [ComputeConfig fields[, strategy arguments]]
         out[name] = _nnscaler(root, name, plan_ngpus, policy, 8 * plan_ngpus, *config, **fit_kwargs)
     return out if rank == 0 else None
 

@@ -1,5 +1,6 @@
 """nnscaler's Fabric strategy against Fabric's own DDPStrategy on the same hand-written loop
-(gradient accumulation with no_backward_sync, clip_gradients, SGD with momentum) at dp2 and tp2,
+(gradient accumulation with no_backward_sync, clip_gradients, SGD with momentum) at dp2, tp2 and
+dp2 with use_zero=3 (fully sharded),
 on 2 real gloo processes: per-step losses and final weights within 1e-5; fabric.save / load
 round trip through nnscaler.ckpt."""
 from __future__ import annotations
@@ -17,7 +18,7 @@ def test_fabric_matches_ddp_and_round_trips(tmp_path):
     out = run_workers(fabric_workers.parity, 2, str(tmp_path), timeout=180)[0]
     ref_losses, ref_weights = out["ddp"]
     assert len(ref_losses) == 8  # 2 epochs of 32 samples per rank, batch 8
-    for name in ("dp2", "tp2"):
+    for name in ("dp2", "tp2", "dp2-zero3"):
         losses, weights, reloaded, step, pair, left, same_optim = out[name]
         torch.testing.assert_close(losses, ref_losses, atol=TOL, rtol=0, msg=lambda m: f"{name}: {m}")
         assert set(weights) == set(ref_weights)

@@ -20,8 +20,12 @@ def _close_weights(a, b, what):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("plan,kind", [(("tp2", 2, "tp"), "sharded"), (("dp2", 1, "dp"), "deduped")])
+@pytest.mark.parametrize("plan,kind", [(("tp2", 2, "tp"), "sharded"),
+                                       (("dp2-zero3", 1, "dp", {"use_zero": 3}), "deduped")])
 def test_resume_equals_straight(tmp_path, plan, kind):
+    """tp2 (sharded) and dp2 fully sharded (use_zero=3: the checkpoint is written and read with
+    the parameters gathered; deduped), each resumed under its own plan and, merged, under the other
+    (tp2 -> dp2, dp2 use_zero=3 -> tp2)."""
     out = run_workers(ckpt_workers.resume, 2, str(tmp_path), plan, kind, timeout=240)
     for r in out:
         straight, first, second = r["straight"], r["first"], r["second"]

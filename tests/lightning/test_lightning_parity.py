@@ -12,6 +12,8 @@ import lit_workers
 
 PLANS = [("dp2", 1, "dp"), ("tp2", 2, "tp")]
 ZERO = ("dp2-zero", 1, "dp", {"use_zero": True})
+# fully sharded (parameters, gradients, optimizer state: use_zero=3), chosen by FSDP's name
+ZERO3 = ("dp2-zero3", 1, "dp", {}, {"sharding_strategy": "FULL_SHARD"})
 TOL = 1e-5
 
 
@@ -59,8 +61,8 @@ def test_dp2_tp2_match_ddp(tmp_path):
 @pytest.mark.multiprocess
 def test_accumulation_and_clipping_match_ddp(tmp_path):
     kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
-    result = run_workers(lit_workers.parity, 2, str(tmp_path), PLANS + [ZERO], kwargs, timeout=180)[0]
-    _check(result, ["dp2", "tp2", "dp2-zero"], steps=2 * 4)
+    result = run_workers(lit_workers.parity, 2, str(tmp_path), PLANS + [ZERO, ZERO3], kwargs, timeout=180)[0]
+    _check(result, ["dp2", "tp2", "dp2-zero", "dp2-zero3"], steps=2 * 4)
 
 
 @pytest.mark.multiprocess

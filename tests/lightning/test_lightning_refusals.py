@@ -114,3 +114,28 @@ def test_refused_configurations_in_fit(tmp_path):
         # a parameter of the module itself, read under no_grad after training: the trained value
         read, trained = result["scaled"]
         assert read == trained and read != 1.5
+
+
+def test_direct_parameter_under_use_zero_3_is_refused_outside_forward():
+    """A trainable parameter the LightningModule holds directly, traced whole, is read under
+    torch.no_grad() outside forward with the other plans; under use_zero=3 the parallel module
+    keeps only a shard of it (its storage is given up), so any use raises, naming use_zero=3."""
+    from types import SimpleNamespace
+    from nnscaler.lightning.param_guard import OutsideForwardParameter, guard_direct_parameters
+    scale = torch.nn.Parameter(torch.ones(3))
+    entry = SimpleNamespace(full_name="scale", full_shape=(3,), value_split=())
+    for sharded in (None, object()):  # fully_sharded unset (dp, tp, ZeRO-1) and set (use_zero=3)
+        module = torch.nn.Module()
+        module.scale = None  # as convert() leaves it
+        pm = SimpleNamespace(named_parameters=lambda: [("scale_1", scale)], fullmap={"scale_1": entry},
+                             fully_sharded=sharded)
+        assert guard_direct_parameters(module, {"scale": scale}, pm, "Model") == ["scale"]
+        assert isinstance(module.scale, OutsideForwardParameter)
+        if sharded is None:
+            with torch.no_grad():
+                assert float(module.scale.sum()) == 3.0
+        else:
+            with pytest.raises(NnScalerError, match=r"Model.scale is used outside forward, but "
+                                                    r"ComputeConfig\(use_zero=3\) shards it over the data-parallel"):
+                with torch.no_grad():
+                    module.scale.sum()

@@ -74,3 +74,30 @@ def test_sharded_arguments_are_checked():
         holder = torch.nn.Sequential(torch.nn.Linear(2, 2), NoReset())
     with pytest.raises(NnScalerLightningError, match=r"built 1 on the meta device, and it has no reset_parameters"):
         materialize_meta(holder, torch.device("cpu"))
+
+
+def test_sharding_strategy_maps_to_use_zero():
+    """FSDPStrategy's sharding_strategy, as a name or torch's ShardingStrategy: FULL_SHARD ->
+    use_zero=3, SHARD_GRAD_OP -> True, NO_SHARD -> False, HYBRID_SHARD -> 3 with zero_ngroups =
+    nodes; a compute_config saying otherwise, an unknown name and one data-parallel rank are refused."""
+    from torch.distributed.fsdp import ShardingStrategy
+    from nnscaler.ir import ComputeConfig
+    from nnscaler.lightning import NnScalerLightningError, NnScalerStrategy
+    from nnscaler.lightning.fabric import NnScalerStrategy as FabricStrategy
+    from nnscaler.lightning.sharded_args import sharding_config, sharding_strategy_name
+    cfg = ComputeConfig(1, 4)
+    for given, zero, ngroups in (("FULL_SHARD", 3, 1), (ShardingStrategy.FULL_SHARD, 3, 1), ("shard_grad_op", True, 1),
+                                 ("NO_SHARD", False, 1), ("HYBRID_SHARD", 3, 2)):
+        out = sharding_config(cfg, sharding_strategy_name(given), num_nodes=2)
+        assert out.use_zero == zero and type(out.use_zero) is type(zero) and out.zero_ngroups == ngroups, given
+    assert sharding_config(ComputeConfig(1, 4, use_zero=3), "FULL_SHARD", 1).zero_stage == 3
+    assert sharding_config(cfg, None, 1) is cfg
+    with pytest.raises(NnScalerLightningError, match=r"sharding_strategy='FULL_SHARD'\) means "
+                                                     r"ComputeConfig\(use_zero=3\), but compute_config has use_zero=True"):
+        sharding_config(ComputeConfig(1, 4, use_zero=True), "FULL_SHARD", 1)
+    with pytest.raises(NnScalerLightningError, match=r"one \(plan_ngpus 2 = runtime_ngpus 2\).*or NO_SHARD"):
+        sharding_config(ComputeConfig(2, 2), "FULL_SHARD", 1)
+    for strategy in (NnScalerStrategy, FabricStrategy):
+        with pytest.raises(NnScalerLightningError, match=r"sharding_strategy='ZERO9'\): give one of FULL_SHARD"):
+            strategy(sharding_strategy="ZERO9")
+        assert strategy(sharding_strategy=ShardingStrategy.HYBRID_SHARD)._sharding == "HYBRID_SHARD"

@@ -49,6 +49,21 @@ def worker(rank, world, data):
     return run_trainer(data)
 
 
+def resume_worker(rank, world, data, resume_at):
+    """`data` straight (saving a checkpoint every `resume_at` steps), then, in the same processes, a
+    second run resumed from the checkpoint of step `resume_at` (into another save_dir) to the same
+    end; returns (the straight run's result, the resumed run's), each as `run_trainer`'s."""
+    import os
+    straight = run_trainer(set_dotted(copy.deepcopy(data), {"checkpoint.no_save": False,
+                                                            "checkpoint.every_n_train_steps": resume_at}))
+    save_dir = data["checkpoint"]["save_dir"]
+    step_dir = next(n for n in sorted(os.listdir(save_dir)) if n.endswith(f"-{resume_at:04d}"))
+    resumed = run_trainer(set_dotted(copy.deepcopy(data), {"checkpoint.no_save": False,
+                                                           "checkpoint.save_dir": save_dir + "-resumed",
+                                                           "checkpoint.resume_from": os.path.join(save_dir, step_dir)}))
+    return straight, resumed
+
+
 def hand_loop(steps=6, mbs=4, gas=2, lr=0.01, sampler_seed=3, size=32):
     """The same run written by hand on one process: the seed's data order, mean over micro-batches."""
     from trainer_models import MLP, RandomDataset

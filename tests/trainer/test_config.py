@@ -159,3 +159,26 @@ def test_pipeline_rules_come_from_the_policy_registry():
     finally:
         for table in (registry._POLICIES, registry._KEYS, registry._CAPS):
             table.pop("_whole_model_test", None)
+
+
+def test_use_zero_3_reaches_compute_config_as_the_int_3(tmp_path):
+    """YAML ``use_zero: 3`` and ``--compute_config.use_zero 3`` give ComputeConfig the int 3 (fully
+    sharded); true / 1 keep meaning ZeRO stage 1, false / 0 none; 2 is refused naming the choices;
+    a pipeline policy with use_zero 3 is refused before any worker starts."""
+    import yaml
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(base(**{"compute_config.use_zero": 3})))
+    for argv, value, stage in (([], 3, 3), (["--compute_config.use_zero", "3"], 3, 3),
+                               (["--compute_config.use_zero", "true"], True, 1),
+                               (["--compute_config.use_zero", "1"], 1, 1), (["--compute_config.use_zero"], True, 1),
+                               (["--compute_config.use_zero", "0"], 0, 0)):
+        cc = TrainerArgs.from_argv(["-f", str(path)] + argv).compute_config
+        assert cc.use_zero == value and type(cc.use_zero) is type(value) and cc.zero_stage == stage, argv
+    a = TrainerArgs.from_dict(base(**{"model.parallel_modules": [
+        {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
+         "compute_config": {"use_zero": "3"}}]}))
+    assert a.model.parallel_modules[0].compute_config.use_zero == 3
+    e = error_of(base(**{"compute_config.use_zero": 2}))
+    assert e.key == "compute_config" and "True/1" in str(e) and "or 3" in str(e), str(e)
+    e = error_of(base(**{"compute_config.use_zero": 3, "pas_policy": "pp", "compute_config.plan_ngpus": 2}))
+    assert e.key == "compute_config.use_zero" and "use_zero: true" in str(e) and "'pp'" in str(e), str(e)

@@ -114,16 +114,18 @@ class RecordingHook:
 
 
 def full_weights(model):
-    """This rank's parameters as (full name, full shape, slices, value) pieces (tests/runtime/parity.assemble_full)."""
+    """This rank's parameters as (full name, full shape, slices, value) pieces (tests/runtime/parity.assemble_full);
+    fully sharded parameters (use_zero: 3) are read inside `pm.unsharded()` (collective)."""
     from nnscaler.runtime import ParallelModule
     pieces = []
     for pm_path, pm in model.named_modules():
         if not isinstance(pm, ParallelModule):
             continue
-        for name, p in pm.named_parameters():
-            e = pm.fullmap[name]
-            prefix = f"{pm_path}." if pm_path else ""
-            pieces.append((prefix + e.full_name, e.full_shape, e.slices, p.detach().clone()))
+        with pm.unsharded():
+            for name, p in pm.named_parameters():
+                e = pm.fullmap[name]
+                prefix = f"{pm_path}." if pm_path else ""
+                pieces.append((prefix + e.full_name, e.full_shape, e.slices, p.detach().clone()))
     return pieces
 
 

@@ -6,7 +6,10 @@ directly by the LightningModule (``self.temperature = nn.Parameter(...)``) is re
 - where the plan keeps it whole on this rank, the guard shares the parallel module's storage, so
   under ``torch.no_grad()`` it reads the trained value (e.g. for logging);
 - used with grad enabled it raises an error naming the attribute (its gradient would never reach
-  the optimizer); where the plan splits it, any use outside forward raises.
+  the optimizer); where the plan splits it, any use outside forward raises;
+- under fully sharded data parallelism (``ComputeConfig(use_zero=3)``) the parallel module keeps
+  only this rank's shard of it (its registered parameter holds no storage outside forward), so
+  any use outside forward raises too, naming use_zero=3.
 A trainable parameter the parallel module does not hold at all is guarded the same way.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ class OutsideForwardParameter(torch.nn.Parameter):
 
     _nnscaler_where = "?"
     _nnscaler_partitioned = False
+    _nnscaler_split_reason = "the plan splits it over the ranks (this rank holds a piece)"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -41,8 +45,8 @@ class OutsideForwardParameter(torch.nn.Parameter):
         split = next((g for g in guards if g._nnscaler_partitioned), None)
         if split is not None and func not in _METADATA:
             raise NnScalerLightningError(
-                f"{split._nnscaler_where} is used outside forward, but the plan splits it over the ranks (this rank "
-                f"holds a piece): use it inside forward only")
+                f"{split._nnscaler_where} is used outside forward, but {split._nnscaler_split_reason}: use it "
+                f"inside forward only")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if torch.is_grad_enabled() and _tracks_grad(out):
@@ -57,13 +61,20 @@ class OutsideForwardParameter(torch.nn.Parameter):
 
 _METADATA = {torch.Tensor.__repr__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
              torch.Tensor.requires_grad.__get__, torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__,
-             torch.Tensor.device.__get__, torch.Tensor.is_meta.__get__}
+             torch.Tensor.device.__get__, torch.Tensor.is_meta.__get__,
+             torch.Tensor.grad_fn.__get__, torch.Tensor.is_leaf.__get__}  # read by Module.__setattr__ (the guard's own)
 
 
-def _guard(value: torch.Tensor, where: str, partitioned: bool) -> OutsideForwardParameter:
+FULLY_SHARDED_REASON = ("ComputeConfig(use_zero=3) shards it over the data-parallel ranks (this rank keeps a shard "
+                        "of it, gathered only inside forward)")
+
+
+def _guard(value: torch.Tensor, where: str, partitioned: bool, reason: str = "") -> OutsideForwardParameter:
     guard = OutsideForwardParameter(value, requires_grad=True)
     guard._nnscaler_where = where
     guard._nnscaler_partitioned = partitioned
+    if reason:
+        guard._nnscaler_split_reason = reason
     return guard
 
 
@@ -73,13 +84,16 @@ def guard_direct_parameters(module: torch.nn.Module, direct: Dict[str, torch.nn.
     `direct` (by attribute; the caller set those attributes to None); returns the names guarded."""
     local = dict(pm.named_parameters())
     by_full = {e.full_name: (n, e) for n, e in pm.fullmap.items() if n in local}
+    # use_zero=3: the parameters give up their storage when sharded, so no guard may share it
+    sharded = getattr(pm, "fully_sharded", None) is not None
     done = []
     for name, original in direct.items():
         hit = by_full.get(name)
         whole = hit is not None and tuple(local[hit[0]].shape) == tuple(hit[1].full_shape) \
-            and tuple(hit[1].value_split)[1:] in ((), (1,))
+            and tuple(hit[1].value_split)[1:] in ((), (1,)) and not sharded
         value = local[hit[0]].detach() if whole else original.detach()
-        setattr(module, name, _guard(value, f"{owner}.{name}", partitioned=not whole))
+        setattr(module, name, _guard(value, f"{owner}.{name}", partitioned=not whole,
+                                     reason=FULLY_SHARDED_REASON if sharded and hit is not None else ""))
         done.append(name)
     return done
 

@@ -7,6 +7,11 @@
 - `cpu_offload`: optimizer state kept on CPU while training on GPU: the optimizer steps on fp32
   copies on `OFFLOAD_DEVICE` (offload.py, a simplified ZeRO-Offload; with ZeRO, of this rank's
   shards). The same machinery runs on CPU (CPU copies), where it is tested.
+- `sharding_strategy`: FSDP's sharding strategies (a name or torch's ``ShardingStrategy``) ->
+  ``ComputeConfig.use_zero``: FULL_SHARD -> 3 (parameters, gradients and optimizer state
+  sharded), SHARD_GRAD_OP -> True (ZeRO stage 1: optimizer state sharded), NO_SHARD -> False,
+  HYBRID_SHARD -> 3 with ``zero_ngroups`` = the number of nodes (sharded within each node,
+  replicated across nodes); `sharding_config` applies it at setup.
 - `configure_model()`: a model built in the hook on the meta device is materialized on the root
   device (``to_empty`` + each submodule's ``reset_parameters()``, in module order, as Lightning
   does for FSDP) before it is traced.
@@ -22,7 +27,7 @@ from nnscaler.ir import ComputeConfig
 from .errors import NnScalerLightningError
 
 __all__ = ["checkpointing_types", "recompute_config", "check_strategy_args", "check_cpu_offload", "offload_device", "materialize_meta",
-           "OFFLOAD_DEVICE"]
+           "OFFLOAD_DEVICE", "SHARDING_STRATEGIES", "sharding_strategy_name", "sharding_config"]
 
 OFFLOAD_DEVICE = torch.device("cpu")  # where cpu_offload=True keeps the optimizer's copies and state
 
@@ -85,6 +90,48 @@ def check_cpu_offload(cpu_offload: Any) -> None:
 def offload_device(cpu_offload: bool) -> Optional[torch.device]:
     """Where the optimizer steps (`rebuild`'s `offload_device`): None without offload."""
     return OFFLOAD_DEVICE if cpu_offload else None
+
+
+SHARDING_STRATEGIES = {  # FSDP's ShardingStrategy name -> ComputeConfig.use_zero
+    "FULL_SHARD": 3, "HYBRID_SHARD": 3, "SHARD_GRAD_OP": True, "NO_SHARD": False}
+
+
+def sharding_strategy_name(strategy: Any) -> Optional[str]:
+    """The FSDP sharding strategy's name (None: not given), from a name (any case) or torch's
+    ``ShardingStrategy`` member; checked."""
+    if strategy is None:
+        return None
+    name = getattr(strategy, "name", strategy)
+    if isinstance(name, str) and name.upper() in SHARDING_STRATEGIES:
+        return name.upper()
+    raise NnScalerLightningError(
+        f"NnScalerStrategy(sharding_strategy={strategy!r}): give one of {', '.join(SHARDING_STRATEGIES)} (a name or "
+        f"torch.distributed.fsdp.ShardingStrategy); _HYBRID_SHARD_ZERO2 has no nnscaler equivalent")
+
+
+def sharding_config(cfg: ComputeConfig, name: Optional[str], num_nodes: int) -> ComputeConfig:
+    """`cfg` with ``use_zero`` (and ``zero_ngroups`` for HYBRID_SHARD) of sharding strategy `name`
+    (`SHARDING_STRATEGIES`). A compute_config whose own use_zero / zero_ngroups say otherwise is
+    refused, naming both."""
+    if name is None:
+        return cfg
+    want = {"use_zero": SHARDING_STRATEGIES[name]}
+    if name == "HYBRID_SHARD":
+        want["zero_ngroups"] = num_nodes
+    default = ComputeConfig(cfg.plan_ngpus, cfg.runtime_ngpus)
+    for field, value in want.items():
+        given = getattr(cfg, field)
+        if given != getattr(default, field) and (given != value or type(given) is not type(value)):
+            raise NnScalerLightningError(
+                f"NnScalerStrategy(sharding_strategy={name!r}) means ComputeConfig({field}={value!r}), but "
+                f"compute_config has {field}={given!r}: give one of the two (leave {field} unset, or drop "
+                f"sharding_strategy)")
+    if want["use_zero"] and cfg.dp_size < 2:
+        raise NnScalerLightningError(
+            f"NnScalerStrategy(sharding_strategy={name!r}) shards over the data-parallel ranks, but the plan has "
+            f"one (plan_ngpus {cfg.plan_ngpus} = runtime_ngpus {cfg.runtime_ngpus}): use more devices, a smaller "
+            f"plan_ngpus, or NO_SHARD")
+    return dataclasses.replace(cfg, **want)
 
 
 def _has_meta(module: torch.nn.Module) -> bool:

@@ -40,7 +40,8 @@ from .model_setup import Conversion, convert, dummy_forward_args, removed_module
 from .optimizers import rebuild, user_optimizer
 from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout
-from .sharded_args import check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta, offload_device, recompute_config
+from .sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta,
+                           offload_device, recompute_config, sharding_config, sharding_strategy_name)
 
 __all__ = ["NnScalerStrategy"]
 
@@ -55,6 +56,9 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
     activation_checkpointing_policy: a set of module types whose ops are recomputed in backward.
     cpu_offload: the optimizer steps on fp32 copies on the CPU (its state lives there), on CUDA
         and on CPU alike (offload.py).
+    sharding_strategy: as FSDPStrategy's (a name or torch's ``ShardingStrategy``): FULL_SHARD ->
+        ``use_zero=3``, SHARD_GRAD_OP -> ``use_zero=True``, NO_SHARD -> ``use_zero=False``,
+        HYBRID_SHARD -> ``use_zero=3`` with ``zero_ngroups`` = the number of nodes (sharded_args.py).
     process_group_backend, timeout, start_method: as Lightning's `DDPStrategy` (``"popen"`` runs
         the script again per device, ``"spawn"`` / ``"fork"`` start processes from this one).
     """
@@ -80,12 +84,14 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         activation_checkpointing_policy: Optional[Any] = None,
         cpu_offload: bool = False,
+        sharding_strategy: Optional[Any] = None,
     ) -> None:
         check_strategy_args(compute_config, state_dict_type, " (merge later with NnScalerStrategy.merge_checkpoint)")
         if checkpoint_io is not None:
             raise NnScalerLightningError("NnScalerStrategy(checkpoint_io=...) is not supported: checkpoints are "
                                          "nnscaler.ckpt directories (state_dict_type); leave checkpoint_io out")
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
+        self._sharding = sharding_strategy_name(sharding_strategy)
         check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -160,7 +166,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
                 f"NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus={cfg.plan_ngpus}, "
                 f"runtime_ngpus={cfg.runtime_ngpus})) but the Trainer runs {self.world_size} process(es) "
                 f"(devices x num_nodes): make them equal")
-        self.compute_config = cfg
+        self.compute_config = cfg = sharding_config(cfg, self._sharding, self.num_nodes)
         cfg = recompute_config(cfg, self._checkpointing_types, module)
         dummy = self.precision_plugin.convert_input(dummy_forward_args(module, trainer, self))
         was_training = module.training

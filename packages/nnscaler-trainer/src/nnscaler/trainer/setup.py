@@ -173,6 +173,7 @@ def build_lr_scheduler(args, optimizer):
 def build_trainer_optimizer(args, model, precision):
     """build_optimizer over the model, then the precision plugin's master weights if needed."""
     from nnscaler.runtime import build_optimizer
+    _refuse_unsharded_trainables(model)
     kind = resolve_object(args.optimizer.type, "optimizer.type")
     kwargs = build_args(args.optimizer.args, "optimizer.args")
     try:
@@ -180,6 +181,23 @@ def build_trainer_optimizer(args, model, precision):
     except TypeError as e:
         raise TrainerError(f"optimizer.args: {args.optimizer.type}(params, **{sorted(kwargs)}) failed: {e}") from None
     return precision.setup_optimizer(optimizer)
+
+
+def _refuse_unsharded_trainables(model: torch.nn.Module) -> None:
+    """Under ``use_zero: 3`` every trainable parameter must live in a parallelized module: a
+    plain neighbour of ``model.parallel_modules`` would be neither sharded nor optimized alike.
+    Refused here with the config keys to change (build_optimizer refuses it too, in its terms)."""
+    from nnscaler.runtime import ParallelModule
+    pms = [m for m in model.modules() if isinstance(m, ParallelModule)]
+    if not any(getattr(pm, "fully_sharded", None) is not None for pm in pms):
+        return
+    held = {id(p) for pm in pms for p in pm.parameters()}
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if plain:
+        raise TrainerError(f"compute_config.use_zero: 3 shards only the parameters of parallelized modules, and "
+                           f"{type(model).__name__} has trainable parameters outside model.parallel_modules "
+                           f"({', '.join(plain[:4])}{', ...' if len(plain) > 4 else ''}): parallelize the whole "
+                           f"model (remove model.parallel_modules), freeze them, or use use_zero: true")
 
 
 def parallelize_model(args, model: torch.nn.Module, dummy: Any, load_module: bool) -> Optional[torch.nn.Module]:

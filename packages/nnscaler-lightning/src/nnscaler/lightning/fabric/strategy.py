@@ -29,7 +29,8 @@ from ..errors import NnScalerLightningError
 from ..internals import BackwardSyncControl, FabricScriptLauncher, FabricSpawnLauncher, sync_ddp_if_available
 from ..optimizers import check_optimizer, rebuild
 from ..precision import adopt_precision_plugin
-from ..sharded_args import check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta, offload_device, recompute_config
+from ..sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta,
+                            offload_device, recompute_config, sharding_config, sharding_strategy_name)
 from ..state_codec import decode, encode
 from .precision import NnScalerPrecision
 
@@ -43,7 +44,8 @@ class _NoSync(BackwardSyncControl):
 
 class NnScalerStrategy(ProcessLayout, ParallelStrategy):
     """Fabric's `ParallelStrategy` arguments, `nnscaler.parallelize`'s, `state_dict_type`, and
-    `dummy_forward_args` (used when the model has no such attribute). See docs/lightning.md."""
+    `dummy_forward_args` (used when the model has no such attribute); `sharding_strategy` as the
+    Trainer strategy's (FSDP's names -> use_zero). See docs/lightning.md."""
 
     def __init__(self, accelerator=None, parallel_devices: Optional[list] = None, cluster_environment=None,
                  precision=None, compute_config: Optional[ComputeConfig] = None,
@@ -52,9 +54,11 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                  broadcast_strategy: str = "none", state_dict_type: str = "sharded",
                  dummy_forward_args: Optional[Dict[str, Any]] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
-                 activation_checkpointing_policy: Optional[Any] = None, cpu_offload: bool = False) -> None:
+                 activation_checkpointing_policy: Optional[Any] = None, cpu_offload: bool = False,
+                 sharding_strategy: Optional[Any] = None) -> None:
         check_strategy_args(compute_config, state_dict_type)
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
+        self._sharding = sharding_strategy_name(sharding_strategy)
         check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -89,7 +93,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                 f"NnScalerStrategy(compute_config=ComputeConfig(plan_ngpus={cfg.plan_ngpus}, runtime_ngpus="
                 f"{cfg.runtime_ngpus})) but Fabric runs {self.world_size} process(es): make them equal")
         self.precision.set_device(self.root_device.type)
-        self.compute_config = cfg
+        self.compute_config = cfg = sharding_config(cfg, self._sharding, self.num_nodes)
         materialize_meta(module, self.root_device)
         cfg = recompute_config(cfg, self._checkpointing_types, module)
         dummy = getattr(module, "dummy_forward_args", None) or self.dummy_forward_args
