@@ -18,7 +18,8 @@ unit, so `ZeroShardLayout` describes it and checkpoints of both stages read alik
 Forward. The generated code reads a parameter as ``self.<name>``; `ParallelModule.__getattr__`
 hands that to `FullyShardedParams.get`, which all-gathers the unit on its first use (through the
 autograd function `_GatherUnit`) and returns the gathered tensor; entering a new repeated block
-frees the previous one, and the end of forward frees all. The gathered tensors that autograd
+frees the previous one and starts the all-gather of the block the first forward used after it
+(prefetch: it runs while this block computes), and the end of forward frees all. The gathered tensors that autograd
 saves for backward are stored as references to the unit (saved-tensor hooks), not as tensors, so
 freeing really frees them; backward gathers a unit again when it first unpacks one.
 
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from . import failures
+from .comm import fallbacks
 from .comm.flat import all_gather_flat, reduce_scatter_rows
 from .comm.stats import record
 from .reducer import pausable
@@ -60,6 +62,7 @@ class Zero3Stats:
     """Counters for tests and benchmarks."""
 
     gathers: int = 0  # unit all-gathers (forward and backward)
+    prefetched: int = 0  # of which started early, while the previous block computed
     backward_gathers: int = 0  # of which in backward (a unit freed after forward, gathered again)
     reduce_scatters: int = 0  # unit gradient reductions
     max_gathered_numel: int = 0  # the most elements gathered at once (all units)
@@ -182,6 +185,9 @@ class FullyShardedParams:
         self._current: Optional[ShardUnit] = None  # the repeated block forward is in
         self._live: Dict[int, ShardUnit] = {}  # storage address of a gathered buffer -> its unit
         self._cleanup_queued = False
+        self._order: List[ShardUnit] = []  # repeated blocks in the order the first forward used them
+        self._next: Dict[int, ShardUnit] = {}  # id(block) -> the block forward uses after it
+        self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
         pausable(self)
 
     # -- sharding -------------------------------------------------------------------------------
@@ -226,8 +232,38 @@ class FullyShardedParams:
                 if self._current is not None and self._current is not u:
                     self._free(self._current)
                 self._current = u
+                if not self._next and u not in self._order:
+                    self._order.append(u)
             u.views = dict(zip(u.local_names, _GatherUnit.apply(u.shard, self, u)))
+            if not u.is_root and id(u) in self._next:
+                self._prefetch(self._next[id(u)])
         return u.views[name]
+
+    def _prefetch(self, u: ShardUnit) -> None:
+        """Start the all-gather of the next block now, so that it runs while this one computes
+        (every rank issues it at the same point: the order comes from the first forward)."""
+        g = self.groups
+        if g.size == 1 or u.full is not None or self._inflight is not None:
+            return
+        shard = u.shard.detach()
+        if fallbacks.uses_fallback("all_gather", str(dist.get_backend(g.group)), shard.device.type):
+            return
+        full = shard.new_empty(u.padded)
+        record("zero3_all_gather", shard.nbytes)
+        work = dist.all_gather_into_tensor(full, shard, group=g.group, async_op=True)
+        self._inflight = (u, work, full)
+
+    def _land(self, u: Optional[ShardUnit]) -> Optional[torch.Tensor]:
+        """Wait for the prefetch in flight; its buffer if it was for `u` (else it is dropped)."""
+        if self._inflight is None:
+            return None
+        unit, work, full = self._inflight
+        self._inflight = None
+        failures.wait(work, "the fully sharded parameter all-gather (prefetch)", self.groups.group, full)
+        if unit is u:
+            self.stats.prefetched += 1
+            return full
+        return None
 
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:
@@ -239,8 +275,11 @@ class FullyShardedParams:
                 yield
         finally:
             self.free_all()
+            if not self._next and len(self._order) > 1:
+                self._next = {id(a): b for a, b in zip(self._order, self._order[1:])}
 
     def free_all(self) -> None:
+        self._land(None)  # a prefetched block forward did not use
         for u in self.units:
             self._free(u)
         self._current = None
@@ -255,11 +294,10 @@ class FullyShardedParams:
         """All-gather `u` into `u.full` (a fresh contiguous buffer); COLLECTIVE over the zero group."""
         g = self.groups
         shard = u.shard.detach()
-        if g.size > 1:
+        full = self._land(u)  # prefetched while the previous block computed
+        if full is None:
             full = all_gather_flat(shard, g.group, g.size, label="zero3_all_gather",
-                                   what="the fully sharded parameter all-gather")
-        else:
-            full = shard.clone()
+                                   what="the fully sharded parameter all-gather") if g.size > 1 else shard.clone()
         u.full = full
         self._live[full.untyped_storage().data_ptr()] = u
         self.stats.gathers += 1
