@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lit_models import Classifier, full_weights, global_losses, trainer
+from nnscaler.runtime.optimizer_state import optimizer_state
 
 SCALER = dict(init_scale=2.0 ** 10, growth_interval=2)  # the scale moves within a short run
 
@@ -122,7 +123,7 @@ def zero_parity(rank, world, root, precision, fit_kwargs, configs):
                          weights={k: v.float() for k, v in weights.items()},
                          dtypes={k: str(v.dtype) for k, v in weights.items()},
                          scaler=t.strategy.precision_plugin.scaler.state_dict(),
-                         zero=opt.zero_layout is not None, syncs=opt._nnscaler_zero.stats.syncs)
+                         zero=opt.zero_layout is not None, syncs=optimizer_state(opt).zero.stats.syncs)
     return out if rank == 0 else None
 
 

@@ -7,6 +7,7 @@ from launch import run_workers
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
 from test_module import DIM, LR, MLP, GenMLP, assert_parity, batch, initial_state, local_name, reference
+from nnscaler.runtime.optimizer_state import module_state, optimizer_state
 
 
 
@@ -68,7 +69,7 @@ def test_optimizer_class_and_back_reference():
     pm = GenMLP()
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR, betas=(0.8, 0.9))
     assert isinstance(opt, torch.optim.Adam) and type(opt).__name__ == "NnScalerAdam"
-    assert opt._nnscaler_module is pm and opt.defaults["betas"] == (0.8, 0.9)
+    assert optimizer_state(opt).module is pm and opt.defaults["betas"] == (0.8, 0.9)
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in pm.parameters_for_optimizer()]
     assert type(build_optimizer(pm, torch.optim.Adam)) is type(opt)  # one subclass per optimizer class
     sgd = build_optimizer(pm, lambda params, lr: torch.optim.SGD(params, lr=lr), lr=0.5)  # a factory
@@ -109,7 +110,7 @@ def test_container_optimizes_all_parameters():
     model = Container(GenBody)
     opt = build_optimizer(model, torch.optim.Adam, lr=LR)
     assert {id(p) for p in opt.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
-    assert opt._nnscaler_module is model
+    assert optimizer_state(opt).module is model
     ref = RefContainer()
     _with_grads(model)
     _with_grads(ref)
@@ -160,7 +161,7 @@ def _optimizer_job(rank, world, steps):
     model = Container(body)
     opt = build_optimizer(model, torch.optim.Adam, lr=LR)
     out["container"] = _loop(model, opt, rank, world, steps)
-    out["extra_reducer"] = model._nnscaler_reducer.num_buckets
+    out["extra_reducer"] = module_state(model).plain_reducer.num_buckets
     # plan_ngpus=2: both plan devices hold the whole model (replicas=2), dp=2
     cls = type("GenMLP", (GenMLP,), {"REPLICAS": 2, "COMPUTE_CONFIG": {"plan_ngpus": 2, "runtime_ngpus": world}})
     pm = cls()

@@ -24,6 +24,7 @@ import torch
 from gpt import GPT, GPTConfig, random_batch
 from launch import run_workers
 from parity import assemble_full
+from nnscaler.runtime.optimizer_state import optimizer_state
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -147,7 +148,7 @@ def _train(rank, world, case, gen_dir):
                      for p, g in zip(params, grads))
                  and all(torch.equal(p, w) for p, w in zip(params, weights)))
 
-    zero = opt._nnscaler_zero
+    zero = optimizer_state(opt).zero
     # ZeRO: (owned optimizer elements, local trainable elements, reduce-scatter buckets?) on this rank
     zero_shard = None if zero is None else (
         sum(p.stop - p.start for p in zero.layout.pieces), sum(p.numel() for p in params if p.requires_grad),

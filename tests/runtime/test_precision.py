@@ -29,6 +29,7 @@ from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.precision import (MixedPrecisionOptimizer, PrecisionConfig, apply_precision, cast_inputs,
                                         get_precision, parse_precision, remove_precision, with_master_weights)
+from nnscaler.runtime.optimizer_state import optimizer_state
 
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -243,7 +244,7 @@ def test_parallel_module_bf16_true_with_build_optimizer_and_clip():
     opt = with_master_weights(build_optimizer(pm, torch.optim.Adam, lr=LR))
     assert isinstance(opt, torch.optim.Adam) and isinstance(opt, MixedPrecisionOptimizer)
     assert all(p.dtype == F32 for g in opt.param_groups for p in g["params"])
-    assert all(id(m) in opt._nnscaler_replicas for m in opt.master_params)
+    assert all(id(m) in optimizer_state(opt).replicas for m in opt.master_params)
     pm(**batch(0)).backward()
     want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in pm.parameters()]))
     norm = opt.clip_gnorm(1e-3)  # on the fp32 master gradients

@@ -39,6 +39,7 @@ from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.runtime.precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin,
                                         apply_precision, with_master_weights)
 from test_precision import BF16, F16, F32, LR, N, STEP0_LOSS_RTOL, STEPS, batch, make_mlp, train
+from nnscaler.runtime.optimizer_state import optimizer_state
 
 
 BF16_LOSS_ULP = 2.0 ** -7  # 2u: bf16-true losses are bf16 numbers
@@ -136,7 +137,7 @@ def test_master_weights_state_dtypes_schedulers_and_state_dict():
     opt3 = with_master_weights(torch.optim.Adam(model2.parameters(), lr=LR))
     plain = {k: v for k, v in saved_opt.items() if k != "master_weights"}
     opt3.load_state_dict(plain)
-    assert all(torch.equal(m, p.float()) for (p, m) in opt3._mp_pairs)
+    assert all(torch.equal(m, p.float()) for (p, m) in optimizer_state(opt3).masters.pairs)
 
 
 def test_master_weights_zero_grad_and_closure():

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from launch import run_workers
+from nnscaler.runtime.optimizer_state import optimizer_state
 
 
 DIM = 8
@@ -56,7 +57,7 @@ def _job(rank, world, gen_dir, zero):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    engine = opt._nnscaler_zero
+    engine = optimizer_state(opt).zero
     return {
         "snapshot": stats.snapshot(),
         "trainable_bytes": sum(p.numel() * p.element_size() for p in trainable),

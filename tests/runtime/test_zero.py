@@ -31,6 +31,7 @@ from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.ir import ComputeConfig
 from nnscaler.runtime.zero import LAYOUT_VERSION, ZeroShardLayout, _segments, make_zero_groups
 from test_module import LR as UNIT_LR, MLP as UnitMLP, batch as unit_batch, gen_class, initial_state, local_name
+from nnscaler.runtime.optimizer_state import optimizer_state
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -94,17 +95,17 @@ def test_sync_once_per_step_scale_grads_and_closure():
     opt = build_optimizer(pm, torch.optim.SGD, lr=0.1)
     pieces = [t for g in opt.param_groups for t in g["params"]]
     pm(**unit_batch(0)).backward()
-    assert all(t.grad is None for t in pieces) and not opt._nnscaler_zero.synced
+    assert all(t.grad is None for t in pieces) and not optimizer_state(opt).zero.synced
     ref(**unit_batch(0)).backward()
     full = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
     opt.scale_grads(0.5)  # syncs, then scales the shard gradients (p.grad is left as backward left it)
-    assert opt._nnscaler_zero.synced and all(t.grad is not None for t in pieces)
+    assert optimizer_state(opt).zero.synced and all(t.grad is not None for t in pieces)
     assert torch.allclose(opt.clip_gnorm(), full * 0.5, rtol=1e-6)
     assert torch.equal(pm.layers_0_bias.grad, ref.layers[0].bias.grad)
     before = pm.layers_0_bias.detach().clone()
     opt.step()
     assert torch.allclose(pm.layers_0_bias, before - 0.1 * 0.5 * ref.layers[0].bias.grad, atol=1e-7)
-    assert opt._nnscaler_zero.stats.syncs == 1 and not opt._nnscaler_zero.synced
+    assert optimizer_state(opt).zero.stats.syncs == 1 and not optimizer_state(opt).zero.synced
     # without zero_grad the next step syncs afresh from the accumulated p.grad
     pm(**unit_batch(1)).backward()
     opt.sync_shard_grad()
@@ -114,7 +115,7 @@ def test_sync_once_per_step_scale_grads_and_closure():
     with torch.no_grad():
         loss = opt.step(lambda: pm(**unit_batch(1)).backward() or torch.tensor(1.0))
     assert loss.item() == 1.0 and all(p.grad is not None for p in pm.parameters())
-    assert opt._nnscaler_zero.stats.syncs == 3
+    assert optimizer_state(opt).zero.stats.syncs == 3
 
 
 def test_with_master_weights_shards_the_masters():
@@ -362,7 +363,7 @@ def train(rank, world, name, gen_dir):
     layout = opt.zero_layout.to_dict()
     json.dumps(layout)  # JSON-able
     state = opt.state_dict()["state"]
-    stats = opt._nnscaler_zero.stats
+    stats = optimizer_state(opt).zero.stats
     return dict(
         losses=losses, norms=norms, layout=layout,
         tensors=[(n, s, sl, t.detach().clone()) for n, s, sl, t in _tensors(model)],

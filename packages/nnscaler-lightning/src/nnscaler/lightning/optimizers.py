@@ -82,10 +82,10 @@ def rebuild(opt: torch.optim.Optimizer, pm: torch.nn.Module,
 class ThroughWrappers:
     """Lightning's optimizer wrappers (Fabric's `_FabricOptimizer`, `LightningOptimizer`) take
     the optimizer's class as a base, so its methods run with the *wrapper* as ``self``; Fabric's
-    wrapper does not copy the optimizer's attributes, and then class defaults win over them
-    (build_optimizer's ``_nnscaler_zero = None``): ``fabric_opt.zero_grad()`` would not clear the
-    parameters' gradients under ZeRO, and they would accumulate across steps. Mixed in last, this
-    sends those calls to the optimizer itself."""
+    wrapper does not copy the optimizer's attributes (nnscaler's state, `optimizer_state`, finds the
+    wrapped optimizer's record, but torch's own state and hooks are the optimizer's):
+    ``fabric_opt.zero_grad()`` must clear the parameters' gradients under ZeRO, or they would
+    accumulate across steps. Mixed in last, this sends those calls to the optimizer itself."""
 
     def _nnscaler_inner(self):
         inner = self.__dict__.get("_optimizer")

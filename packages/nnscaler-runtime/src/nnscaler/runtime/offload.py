@@ -35,45 +35,38 @@ import torch
 from .class_mixin import mix_into, rewrap_scheduler_step
 from .errors import ConfigError
 from .gradients import clear_grads
+from .optimizer_state import OffloadCopies, optimizer_state
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer", "step_gradients"]
 
 
 class OffloadedOptimizer:
-    """Mixed into the optimizer's class by `offload_optimizer` (see the module docstring).
+    """Mixed into the optimizer's class by `offload_optimizer` (see the module docstring). Its
+    state is `optimizer_state(opt).offload` (`OffloadCopies`)."""
 
-    `_offload_pairs`: (the tensor the optimizer was built over: a parameter or a ZeRO piece, its
-    fp32 copy on the offload device); `_offload_reads`: where each copy's value is read from when
-    refreshed (the parameter, or the piece's range of it); `_offload_versions`: their version
-    counters when the copies last matched them."""
-
-    _offload_pairs: List[Tuple[torch.Tensor, torch.Tensor]]
-    _offload_reads: List[Tuple[torch.Tensor, Optional[Tuple[int, int]]]]
-    _offload_versions: List[int]
-    _offload_device: torch.device
     _step_supports_amp_scaling = False  # GradScaler must unscale_ first (on the device gradients)
 
     @property
     def offload_device(self) -> torch.device:
         """Where the copies (and so the optimizer state) live."""
-        return self._offload_device
+        return _copies(self).device
 
     @property
     def offload_sources(self) -> List[torch.Tensor]:
         """The tensors whose gradients the step consumes (the module's parameters, or this rank's
         ZeRO pieces), in ``param_groups`` order."""
-        return [s for s, _ in self._offload_pairs]
+        return [s for s, _ in _copies(self).pairs]
 
     @property
     def offload_copies(self) -> List[torch.Tensor]:
         """The fp32 copies on the offload device the optimizer steps on."""
-        return [c for _, c in self._offload_pairs]
+        return [c for _, c in _copies(self).pairs]
 
     @contextmanager
     def _on_sources(self):
         """``param_groups`` showing the device tensors (for gradient operations written against
         ``param_groups``: build_optimizer's ``clip_gnorm`` / ``scale_grads``)."""
-        lookup = {id(c): s for s, c in self._offload_pairs}
+        lookup = {id(c): s for s, c in _copies(self).pairs}
         saved = [g["params"] for g in self.param_groups]
         for g in self.param_groups:
             g["params"] = [lookup.get(id(p), p) for p in g["params"]]
@@ -93,26 +86,27 @@ class OffloadedOptimizer:
             return super().scale_grads(factor)
 
     def _read(self, i: int) -> torch.Tensor:
-        tensor, span = self._offload_reads[i]
+        tensor, span = _copies(self).reads[i]
         t = tensor.detach()
         return t if span is None else t.reshape(-1)[span[0]:span[1]]
 
     def refresh_offload(self, force: bool = True) -> None:
         """Copy the module's current values into the copies (only those changed since the copies
         last matched them, unless `force`)."""
+        copies = _copies(self)
         with torch.no_grad():
-            for i, (_, copy) in enumerate(self._offload_pairs):
-                tensor = self._offload_reads[i][0]
-                if force or tensor._version != self._offload_versions[i]:
+            for i, (_, copy) in enumerate(copies.pairs):
+                tensor = copies.reads[i][0]
+                if force or tensor._version != copies.versions[i]:
                     copy.copy_(self._read(i))
-                    self._offload_versions[i] = tensor._version
+                    copies.versions[i] = tensor._version
 
-    def _offload_grads(self) -> None:
+    def _grads_to_copies(self) -> None:
         sync = getattr(self, "sync_shard_grad", None)
         if sync is not None:
             sync()  # ZeRO: the shard gradients (no-op when already set)
         with torch.no_grad():
-            for src, copy in self._offload_pairs:
+            for src, copy in _copies(self).pairs:
                 g = src.grad
                 if g is None:
                     copy.grad = None
@@ -130,15 +124,16 @@ class OffloadedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self.refresh_offload(force=False)
-        self._offload_grads()
+        self._grads_to_copies()
         super().step()  # build_optimizer's: under ZeRO it all-gathers from the copies
+        copies = _copies(self)
         with torch.no_grad():
-            if getattr(self, "_nnscaler_zero", None) is None:
-                for src, copy in self._offload_pairs:
+            if optimizer_state(self).zero is None:
+                for src, copy in copies.pairs:
                     src.copy_(copy)
-            for i, (_, copy) in enumerate(self._offload_pairs):
+            for i, (_, copy) in enumerate(copies.pairs):
                 copy.grad = None
-                self._offload_versions[i] = self._offload_reads[i][0]._version
+                copies.versions[i] = copies.reads[i][0]._version
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -150,6 +145,10 @@ class OffloadedOptimizer:
         refreshed from the module (a checkpoint loads the module first)."""
         super().load_state_dict(state_dict)
         self.refresh_offload(force=True)
+
+
+def _copies(optimizer) -> OffloadCopies:
+    return optimizer_state(optimizer).offload
 
 
 OffloadedOptimizer.step.hooked = True  # the inner step (torch-wrapped) runs the step hooks
@@ -171,16 +170,17 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, device: Union[str, torch
             raise ConfigError(f"offload_optimizer: the optimizer is offloaded to {optimizer.offload_device} "
                               f"already, not {device}; offload it once, to one device")
         return optimizer
-    if not hasattr(optimizer, "_nnscaler_module"):
+    state = optimizer_state(optimizer)
+    if state is None or state.module is None:
         raise ConfigError(f"offload_optimizer needs the optimizer built by nnscaler.runtime.build_optimizer, "
                           f"got {type(optimizer).__name__}: build it with build_optimizer(module, ...)")
     if any(optimizer.state.values()):
         raise ConfigError("offload_optimizer: the optimizer already has state; offload it before it steps")
-    zero = getattr(optimizer, "_nnscaler_zero", None)
+    zero = state.zero
     # ZeRO-1 pieces are views of the parameters (read from them); use_zero=3 pieces are the storage
     pieces = {id(p.tensor): p for p in zero.pieces} if zero is not None and not getattr(zero, "owns_storage", False) \
         else {}
-    replicas = getattr(optimizer, "_nnscaler_replicas", None)
+    replicas = state.replicas
     pairs, reads = [], []
     for group in optimizer.param_groups:
         params = group["params"]
@@ -193,15 +193,11 @@ def offload_optimizer(optimizer: torch.optim.Optimizer, device: Union[str, torch
             pairs.append((src, copy))
             piece = pieces.get(id(src))
             reads.append((piece.param.param, (piece.start, piece.stop)) if piece is not None else (src, None))
-            if isinstance(replicas, dict):
-                replicas[id(copy)] = replicas.get(id(src), 1)
+            replicas[id(copy)] = replicas.get(id(src), 1)
     patched = optimizer.__dict__.get("step")
     mix_into(optimizer, OffloadedOptimizer, "Offloaded")
     optimizer.__dict__.pop("_step_supports_amp_scaling", None)
-    optimizer._offload_pairs = pairs
-    optimizer._offload_reads = reads
-    optimizer._offload_versions = [t._version for t, _ in reads]
-    optimizer._offload_device = device
+    state.offload = OffloadCopies(device, pairs, reads, [t._version for t, _ in reads])
     if patched is not None:
         rewrap_scheduler_step(optimizer)
     return optimizer

@@ -3,7 +3,8 @@ operations that need to know about ranks (global gradient norm, gradient scaling
 
 The returned optimizer is an instance of a subclass of the optimizer's own class (so
 `isinstance(opt, torch.optim.Adam)` still holds) that adds `clip_gnorm`, `scale_grads` and
-`sync_shard_grad`, and `opt._nnscaler_module` points back at the module.
+`sync_shard_grad`; what nnscaler keeps about it (the module, the grid, the ZeRO engine, ...) is
+`optimizer_state(opt)` (`nnscaler.runtime.optimizer_state`), nothing stamped on the object.
 
 The gradient norm counts every full gradient element once. Replicas across data-parallel units
 hold identical (already averaged) gradients, so only the ranks of one unit contribute: each
@@ -13,7 +14,7 @@ device), and the sums are all-reduced over the unit group.
 
 A module that is not itself a ParallelModule but contains some keeps its ordinary parameters
 replicated on every rank; their gradients are averaged over all ranks by an extra Reducer that
-`build_optimizer` attaches to the module (`module._nnscaler_reducer`), so they count
+`build_optimizer` keeps in `module_state(module).plain_reducer`, so they count
 `plan_ngpus` times per unit in the norm and are weighted accordingly.
 
 With `ComputeConfig(use_zero=True)` (every ParallelModule in the module must agree on `use_zero`,
@@ -21,7 +22,8 @@ With `ComputeConfig(use_zero=True)` (every ParallelModule in the module must agr
 shards instead of the parameters (ZeRO stage 1, see `nnscaler.runtime.zero`): `step()` sets the
 shard gradients if not done yet, steps, and all-gathers the parameters; `zero_grad()`
 clears the parameters' gradients too; `clip_gnorm` / `scale_grads` act on the shard gradients;
-`opt.zero_layout` is the public `ZeroShardLayout` (None without ZeRO).
+`opt.zero_layout` is the public `ZeroShardLayout` (None without ZeRO). ``use_zero=3``: see
+`nnscaler.runtime.zero3_optimizer`.
 """
 from __future__ import annotations
 
@@ -40,29 +42,26 @@ from .module import ParallelModule
 from .reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
 from .zero3_optimizer import FullyShardedOptimizerState
+from .optimizer_state import module_state, optimizer_state
 
 __all__ = ["build_optimizer", "NnScalerOptimizerMixin"]
 
 
 
 class NnScalerOptimizerMixin:
-    """The methods build_optimizer adds to the optimizer's class."""
-
-    _nnscaler_module: torch.nn.Module
-    _nnscaler_grid: RankGrid
-    _nnscaler_replicas: Dict[int, int]  # id(param) -> plan devices holding a copy
-    _nnscaler_zero: Optional[ZeroEngine] = None  # set under ZeRO (a FullyShardedOptimizerState under use_zero=3)
+    """The methods build_optimizer adds to the optimizer's class (its state: `optimizer_state`)."""
 
     @property
     def zero_layout(self) -> Optional[ZeroShardLayout]:
         """The ZeRO sharding metadata of this rank (`nnscaler.runtime.zero.ZeroShardLayout`), or
         None without ZeRO."""
-        return self._nnscaler_zero.layout if self._nnscaler_zero is not None else None
+        zero = _zero(self)
+        return zero.layout if zero is not None else None
 
     def step(self, closure=None):
         """The optimizer's step; under ZeRO it first sets the shard gradients (if not done yet in
         this step) and afterwards all-gathers the updated parameters (collective)."""
-        zero = self._nnscaler_zero
+        zero = _zero(self)
         if zero is None:
             return super().step(closure)
         loss = None
@@ -76,18 +75,17 @@ class NnScalerOptimizerMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        if self._nnscaler_zero is not None:  # the optimizer holds the shards: clear the parameters' too
-            self._nnscaler_zero.zero_grad(set_to_none)
-
-    def _nnscaler_grads(self) -> List[torch.Tensor]:
-        return [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        zero = _zero(self)
+        if zero is not None:  # the optimizer holds the shards: clear the parameters' too
+            zero.zero_grad(set_to_none)
 
     def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
         """The global L2 norm of all gradients (a 0-d tensor); when `max_norm` is given, scales
         every gradient by min(1, max_norm / (norm + 1e-6)) like `torch.nn.utils.clip_grad_norm_`.
         Collective over the unit group when plan_ngpus > 1; under ZeRO over the units of the zero
         group, on the shard gradients (after `sync_shard_grad`)."""
-        grid, zero = self._nnscaler_grid, self._nnscaler_zero
+        state = optimizer_state(self)
+        grid, zero = state.grid, state.zero
         if zero is not None:
             zero.sync_grads()
             group = zero.groups.norm_group
@@ -98,7 +96,7 @@ class NnScalerOptimizerMixin:
         squares = torch.zeros((), dtype=torch.float32, device=device)
         by_replicas: Dict[int, List[torch.Tensor]] = {}
         for p in params:
-            by_replicas.setdefault(self._nnscaler_replicas.get(id(p), 1), []).append(p.grad)
+            by_replicas.setdefault(state.replicas.get(id(p), 1), []).append(p.grad)
         for replicas, grads in by_replicas.items():
             norms = torch._foreach_norm(grads)
             total = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
@@ -115,9 +113,11 @@ class NnScalerOptimizerMixin:
     def scale_grads(self, factor: float) -> None:
         """Multiply every gradient by `factor` (e.g. 1 / number of accumulated micro-batches);
         under ZeRO the shard gradients (after `sync_shard_grad`)."""
-        if self._nnscaler_zero is not None:
-            self._nnscaler_zero.sync_grads()
-        for grads in _by_device(self._nnscaler_grads()).values():
+        zero = _zero(self)
+        if zero is not None:
+            zero.sync_grads()
+        held = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for grads in _by_device(held).values():
             torch._foreach_mul_(grads, factor)
 
     def sync_grads(self) -> None:
@@ -125,20 +125,26 @@ class NnScalerOptimizerMixin:
         data-parallel reducer of every ParallelModule this optimizer was built over and the one of
         their plain neighbours' parameters (COLLECTIVE over their groups). For a hook that must see
         the local gradients before they are synced (the Trainer's ``before_sync_grad``)."""
-        module = self._nnscaler_module
+        module = optimizer_state(self).module
         for pm in [m for m in module.modules() if isinstance(m, ParallelModule)]:
             if pm.reducer is not None:
                 pm.reducer.sync_grads()
-        plain = getattr(module, "_nnscaler_reducer", None)
-        if plain is not None:
-            plain.sync_grads()
+        plain = module_state(module)
+        if plain is not None and plain.plain_reducer is not None:
+            plain.plain_reducer.sync_grads()
 
     def sync_shard_grad(self) -> None:
         """Under ZeRO: set the shard gradients the optimizer steps on, once per step (with
         zero_use_reduce_scatter this is the reduce-scatter: COLLECTIVE). Called by `clip_gnorm`,
         `scale_grads` and `step`. No-op without ZeRO."""
-        if self._nnscaler_zero is not None:
-            self._nnscaler_zero.sync_grads()
+        zero = _zero(self)
+        if zero is not None:
+            zero.sync_grads()
+
+
+def _zero(optimizer) -> Any:
+    state = optimizer_state(optimizer)
+    return state.zero if state is not None else None
 
 
 # The base class's step (already wrapped by torch) runs the step hooks; keep torch from wrapping
@@ -168,7 +174,7 @@ def _by_device(tensors: List[torch.Tensor]) -> Dict[Any, List[torch.Tensor]]:
 def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.optim.Optimizer],
                     **kwargs) -> torch.optim.Optimizer:
     """`optimizer_fn(params, **kwargs)` over the trainable parameters of `module`, extended
-    with `clip_gnorm`, `scale_grads`, `sync_shard_grad` and `_nnscaler_module`.
+    with `clip_gnorm`, `scale_grads` and `sync_shard_grad` (its state: `optimizer_state(opt)`).
 
     `module` is a ParallelModule, or any module containing ParallelModules (then all its
     trainable parameters are optimized; see the module docstring for the ordinary ones).
@@ -197,11 +203,11 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
     ordinary = [p for p in params if id(p) not in replicas]
     for p in ordinary:
         replicas[id(p)] = grid.plan_ngpus
-    if ordinary and grid.world_size > 1 and getattr(module, "_nnscaler_reducer", None) is None:
-        reducer = Reducer(ordinary, group=grid.group(range(grid.world_size)),
-                          bucket_cap_mb=pms[0].compute_config.reducer_bucket_cap_mb,
-                          async_op=pms[0].compute_config.use_async_reducer)
-        object.__setattr__(module, "_nnscaler_reducer", reducer)
+    mstate = module_state(module, create=True)
+    if ordinary and grid.world_size > 1 and mstate.plain_reducer is None:
+        mstate.plain_reducer = Reducer(ordinary, group=grid.group(range(grid.world_size)),
+                                       bucket_cap_mb=pms[0].compute_config.reducer_bucket_cap_mb,
+                                       async_op=pms[0].compute_config.use_async_reducer)
     zero = _zero_engine(module, pms, params, replicas, grid)
     opt_params = zero.optimizer_params() if zero is not None else params
     # A rank can hold no trainable parameter (a pipeline stage of frozen layers, a ZeRO shard of
@@ -213,10 +219,8 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
     if zero is not None:
         zero.bind(optimizer)
     mix_into(optimizer, NnScalerOptimizerMixin, "NnScaler")
-    optimizer._nnscaler_module = module
-    optimizer._nnscaler_grid = grid
-    optimizer._nnscaler_replicas = replicas
-    optimizer._nnscaler_zero = zero
+    state = optimizer_state(optimizer, create=True)
+    state.module, state.grid, state.replicas, state.zero = module, grid, replicas, zero
     return optimizer
 
 

@@ -45,7 +45,7 @@ from nnscaler.ir.schedules import Action
 from .. import failures
 from ..errors import NnScalerError
 from ..gradients import scaled_loss
-from ..precision.casting import autocast, cast_inputs, cast_outputs, get_precision
+from ..precision.casting import autocast, cast_inputs, cast_outputs, get_precision, precision_hook_ids
 from .finals import broadcast_finals
 from .inbox import OrderedInbox, acks_between, sends_between
 from .p2p import Mailbox, PeerFailure
@@ -231,7 +231,7 @@ class PipelineExecutor:
         hooks the pipeline would skip (apply_precision's are honoured), a mode the generated code
         cannot follow, samples the forward cannot take."""
         module = self.module
-        ours = {h.id for h in module.__dict__.get("_nnscaler_precision_hooks", ())}
+        ours = precision_hook_ids(module)
         hooks = [h for d in (module._forward_pre_hooks, module._forward_hooks) for i, h in d.items() if i not in ours]
         if hooks:
             names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in hooks)

@@ -81,6 +81,18 @@ def cast_outputs(obj: Any, config: Union[PrecisionConfig, str, Mapping, None]) -
     return _map_floating(obj, _to_fp32) if parse_precision(config).mixed else obj
 
 
+class _PrecisionRecord:
+    """A forward pre-hook that does nothing: it carries the module's precision config (what
+    `get_precision` reads), so that the config travels with the module (deepcopy, pickle) and
+    nothing is stored on the module itself."""
+
+    def __init__(self, config: PrecisionConfig):
+        self.config = config
+
+    def __call__(self, module, args):
+        return None
+
+
 class _CastInputs:
     """Forward pre-hook (with kwargs): floating tensor inputs -> `dtype`. Picklable."""
 
@@ -141,26 +153,34 @@ def apply_precision(module: torch.nn.Module, config: Union[PrecisionConfig, str,
                           f"{_device_type(module)!r}")
     remove_precision(module)
     cast_module(module, config)
-    handles = []
+    module.register_forward_pre_hook(_PrecisionRecord(config))
     if config.input is not None:
-        handles.append(module.register_forward_pre_hook(_CastInputs(config.input), with_kwargs=True))
+        module.register_forward_pre_hook(_CastInputs(config.input), with_kwargs=True)
     if config.mixed:
         hook = _Autocast(config.compute_dtype)
-        handles.append(module.register_forward_pre_hook(hook.enter))  # after the input cast
-        handles.append(module.register_forward_hook(hook.exit, prepend=True, always_call=True))
-    module._nnscaler_precision = config
-    module._nnscaler_precision_hooks = handles
+        module.register_forward_pre_hook(hook.enter)  # after the input cast
+        module.register_forward_hook(hook.exit, prepend=True, always_call=True)
     return module
+
+
+def _ours(hook) -> bool:
+    return isinstance(getattr(hook, "__self__", hook), (_PrecisionRecord, _CastInputs, _Autocast))
 
 
 def remove_precision(module: torch.nn.Module) -> None:
     """Remove the input cast and autocast that apply_precision installed (dtypes stay)."""
-    handles = module.__dict__.pop("_nnscaler_precision_hooks", None)
-    for handle in handles or ():
-        handle.remove()
-    module.__dict__.pop("_nnscaler_precision", None)
+    ids = precision_hook_ids(module)
+    for table in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs, module._forward_hooks,
+                  module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+        for hook_id in ids:
+            table.pop(hook_id, None)
 
 
 def get_precision(module: torch.nn.Module) -> Optional[PrecisionConfig]:
     """The config apply_precision installed on `module`, or None."""
-    return module.__dict__.get("_nnscaler_precision")
+    return next((h.config for h in module._forward_pre_hooks.values() if isinstance(h, _PrecisionRecord)), None)
+
+
+def precision_hook_ids(module: torch.nn.Module) -> set:
+    """Ids of the forward (pre-)hooks apply_precision registered on `module`."""
+    return {i for table in (module._forward_pre_hooks, module._forward_hooks) for i, h in table.items() if _ours(h)}

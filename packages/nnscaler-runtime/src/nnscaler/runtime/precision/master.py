@@ -8,6 +8,7 @@ import torch
 from ..class_mixin import mix_into, rewrap_scheduler_step
 from ..errors import ConfigError
 from ..gradients import clear_grads
+from ..optimizer_state import MasterCopies, optimizer_state
 
 from .settings import _LOW
 
@@ -17,29 +18,29 @@ from .settings import _LOW
 class MixedPrecisionOptimizer:
     """Mixed into the optimizer's class by `with_master_weights` (see the module docstring).
 
-    `_mp_pairs`: (model parameter, fp32 master) for every fp16/bf16 parameter; the master
-    replaces the parameter in `param_groups`. Master gradients exist only between
-    `prepare_master_grads()` (called by step, clip_gnorm, scale_grads and GradScaler.unscale_)
-    and the end of `step()` / `zero_grad()` / `GradScaler.update()`.
+    Its state is `optimizer_state(opt).masters` (`MasterCopies`): (model parameter, fp32 master)
+    for every fp16/bf16 parameter; the master replaces the parameter in `param_groups`. Master
+    gradients exist only between `prepare_master_grads()` (called by step, clip_gnorm,
+    scale_grads and GradScaler.unscale_) and the end of `step()` / `zero_grad()` /
+    `GradScaler.update()`.
     """
 
-    _mp_pairs: List[Tuple[torch.Tensor, torch.Tensor]]
-    _mp_grads_ready: bool
     # GradScaler must take the unscale_ path (which calls prepare_master_grads), never the
     # fused-optimizer path that leaves unscaling to step().
     _step_supports_amp_scaling = False
 
-    def _mp_convert_group(self, group: Dict[str, Any]) -> None:
-        replicas = getattr(self, "_nnscaler_replicas", None)
+    def _convert_group(self, group: Dict[str, Any]) -> None:
+        state = optimizer_state(self)
+        replicas, pairs = state.replicas, state.masters.pairs
         params = group["params"]
         for i, p in enumerate(params):
             if not (isinstance(p, torch.Tensor) and p.dtype in _LOW):
                 continue
             master = torch.nn.Parameter(p.detach().to(torch.float32), requires_grad=p.requires_grad)
             params[i] = master
-            self._mp_pairs.append((p, master))
-            if isinstance(replicas, dict):  # build_optimizer's gradient-norm weights
-                replicas[id(master)] = replicas.get(id(p), 1)
+            pairs.append((p, master))
+            if id(p) in replicas:  # build_optimizer's gradient-norm weights
+                replicas[id(master)] = replicas[id(p)]
             if p in self.state:
                 old = self.state.pop(p)
                 self.state[master] = {k: v.to(torch.float32) if isinstance(v, torch.Tensor) and v.is_floating_point()
@@ -48,40 +49,43 @@ class MixedPrecisionOptimizer:
     @property
     def master_params(self) -> List[torch.Tensor]:
         """The fp32 masters, in the order of the low-precision parameters they stand for."""
-        return [m for _, m in self._mp_pairs]
+        return [m for _, m in _masters(self).pairs]
 
     def master_of(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """The fp32 master of a model parameter (None when it has none)."""
-        return next((m for p, m in self._mp_pairs if p is param), None)
+        return next((m for p, m in _masters(self).pairs if p is param), None)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        if hasattr(self, "_mp_pairs"):  # not during the base __init__
-            self._mp_convert_group(self.param_groups[-1])
+        state = optimizer_state(self)
+        if state is not None and state.masters is not None:  # not during the base __init__
+            self._convert_group(self.param_groups[-1])
 
     def prepare_master_grads(self) -> None:
         """Upcast the model parameters' gradients into the masters' `.grad` (once per step).
         Completes pending ZeRO shard gradients first (`sync_shard_grad`, when the optimizer has it)."""
-        if self._mp_grads_ready:
+        masters = _masters(self)
+        if masters.grads_ready:
             return
         sync_shard_grad = getattr(self, "sync_shard_grad", None)
         if sync_shard_grad is not None:
             sync_shard_grad()
         with torch.no_grad():
-            for p, m in self._mp_pairs:
+            for p, m in masters.pairs:
                 if p.grad is None:
                     m.grad = None
                 elif m.grad is None or m.grad.shape != p.grad.shape:
                     m.grad = p.grad.detach().to(torch.float32)
                 else:
                     m.grad.copy_(p.grad)
-        self._mp_grads_ready = True
+        masters.grads_ready = True
 
     def release_master_grads(self) -> None:
         """Drop the masters' gradients (the model's stay)."""
-        for _, m in self._mp_pairs:
+        masters = _masters(self)
+        for _, m in masters.pairs:
             m.grad = None
-        self._mp_grads_ready = False
+        masters.grads_ready = False
 
     def step(self, closure=None):
         loss = None
@@ -91,7 +95,7 @@ class MixedPrecisionOptimizer:
         self.prepare_master_grads()
         super().step()
         with torch.no_grad():
-            for p, m in self._mp_pairs:
+            for p, m in _masters(self).pairs:
                 p.copy_(m)  # round to nearest
         self.release_master_grads()
         return loss
@@ -99,7 +103,7 @@ class MixedPrecisionOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.release_master_grads()
         super().zero_grad(set_to_none=set_to_none)
-        clear_grads([p for p, _ in self._mp_pairs], set_to_none)
+        clear_grads([p for p, _ in _masters(self).pairs], set_to_none)
 
     def clip_gnorm(self, max_norm: Optional[float] = None) -> torch.Tensor:
         """Gradient norm (and clipping) over the fp32 master gradients; see build_optimizer."""
@@ -125,7 +129,7 @@ class MixedPrecisionOptimizer:
         `'master_weights'`: {parameter index (as in 'state'): fp32 master}."""
         sd = super().state_dict()
         index, masters, seen = 0, {}, {}
-        master_ids = {id(m) for _, m in self._mp_pairs}
+        master_ids = {id(m) for _, m in _masters(self).pairs}
         for group in self.param_groups:
             for p in group["params"]:
                 seen.setdefault(id(p), index)
@@ -147,7 +151,7 @@ class MixedPrecisionOptimizer:
                 positions.setdefault(id(p), index)
                 index += 1
         with torch.no_grad():
-            for p, m in self._mp_pairs:
+            for p, m in _masters(self).pairs:
                 i = positions.get(id(m))
                 if saved is not None and i in saved:
                     m.copy_(saved[i])
@@ -155,6 +159,10 @@ class MixedPrecisionOptimizer:
                 else:
                     m.copy_(p)
         self.release_master_grads()
+
+
+def _masters(optimizer) -> MasterCopies:
+    return optimizer_state(optimizer).masters
 
 
 MixedPrecisionOptimizer.step.hooked = True  # step pre/post hooks run around the inner step (masters)
@@ -174,10 +182,9 @@ def with_master_weights(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
                           f"call with_master_weights before wrapping step")
     mix_into(optimizer, MixedPrecisionOptimizer, "MasterWeights")
     optimizer.__dict__.pop("_step_supports_amp_scaling", None)  # fused optimizers set it: unscale_ path
-    optimizer._mp_pairs = []
-    optimizer._mp_grads_ready = False
+    optimizer_state(optimizer, create=True).masters = MasterCopies()
     for group in optimizer.param_groups:
-        optimizer._mp_convert_group(group)
+        optimizer._convert_group(group)
     if patched is not None:  # an LR scheduler wrapped the old class's step: wrap the new one
         rewrap_scheduler_step(optimizer)
     return optimizer
