@@ -29,7 +29,7 @@ from nnscaler.runtime.errors import ConfigError
 from nnscaler.runtime.module import ParallelModule
 from nnscaler.runtime.optimizer import build_optimizer
 from nnscaler.ir import ComputeConfig
-from nnscaler.runtime.zero import LAYOUT_VERSION, ZeroShardLayout, _segments, make_zero_groups
+from nnscaler.runtime.zero import LAYOUT_VERSION, ZeroShardLayout, row_segments, make_zero_groups
 from test_module import LR as UNIT_LR, MLP as UnitMLP, batch as unit_batch, gen_class, initial_state, local_name
 from nnscaler.runtime.optimizer_state import optimizer_state
 
@@ -210,9 +210,9 @@ def test_zero_groups_are_contiguous_slices_of_the_sync_group():
         ComputeConfig(1, 4, use_zero=True, zero_ngroups=3)
 
 
-def test_segments():
-    assert list(_segments(3, 7, 4)) == [(0, 3, 0, 1), (1, 0, 1, 4), (2, 0, 5, 2)]
-    assert list(_segments(8, 4, 4)) == [(2, 0, 0, 4)]
+def test_row_segments():
+    assert list(row_segments(3, 7, 4)) == [(0, 3, 0, 1), (1, 0, 1, 4), (2, 0, 5, 2)]
+    assert list(row_segments(8, 4, 4)) == [(2, 0, 0, 4)]
 
 
 # -- multi-process parity ---------------------------------------------------------------------------

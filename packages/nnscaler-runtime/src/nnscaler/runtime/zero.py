@@ -105,7 +105,7 @@ from .zero_groups import ZeroGroups, make_zero_groups
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
 __all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
-           "ZeroParam", "ZeroEngine", "ZeroStats"]
+           "ZeroParam", "ZeroEngine", "ZeroStats", "row_segments"]
 
 
 
@@ -173,7 +173,7 @@ class _Bucket:
         return self.params[0].param.device
 
 
-def _segments(offset: int, numel: int, width: int) -> Iterator[Tuple[int, int, int, int]]:
+def row_segments(offset: int, numel: int, width: int) -> Iterator[Tuple[int, int, int, int]]:
     """(row, column, source offset, length) of flat range [offset, offset + numel) in rows of `width`."""
     pos, end = offset, offset + numel
     while pos < end:
@@ -315,7 +315,7 @@ class ZeroEngine:
                 continue
             send[:, width + j] = 1
             src = grad.reshape(-1)
-            for row, col, s0, length in _segments(off, zp.param.numel(), width):
+            for row, col, s0, length in row_segments(off, zp.param.numel(), width):
                 send[row, col:col + length].copy_(src[s0:s0 + length])
         send.div_(g.dp_size)  # gloo has no AVG: pre-divide, then sum (as the Reducer)
         if g.size > 1:

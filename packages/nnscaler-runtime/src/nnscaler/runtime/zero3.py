@@ -50,6 +50,7 @@ from .comm import fallbacks
 from .comm.flat import all_gather_flat, reduce_scatter_rows
 from .comm.stats import record
 from .reducer import pausable
+from .zero import row_segments
 from .zero_groups import ZeroGroups
 
 __all__ = ["FullyShardedParams", "ShardUnit", "Zero3Stats", "unit_names", "ROOT_UNIT"]
@@ -107,8 +108,7 @@ class ShardUnit:
         self.shard: Optional[torch.nn.Parameter] = None  # set by FullyShardedParams.shard()
         self.full: Optional[torch.Tensor] = None  # the gathered flat buffer
         self.views: Optional[Dict[str, torch.Tensor]] = None  # name -> gathered tensor (forward)
-        self.pending: Optional[torch.Tensor] = None  # full gradients summed under no_sync
-        self.pending_flags: Optional[torch.Tensor] = None
+        self.pending: Optional[torch.Tensor] = None  # the send buffer summed under no_sync
         self.used: Optional[torch.Tensor] = None  # per tensor: a rank gave it a gradient this step
 
     @property
@@ -357,32 +357,32 @@ class FullyShardedParams:
             self._current = None
         if not u.trainable:
             return None
-        flags = torch.tensor([g is not None for g in grads], dtype=u.dtype, device=u.device)
+        send = self._accumulate(u, grads)
         if not self.sync_enabled:
-            if u.pending is None:
-                u.pending = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
-                u.pending_flags = torch.zeros_like(flags)
-            for g, view in zip(grads, u.flat_views(u.pending)):
-                if g is not None:
-                    view.add_(g.reshape(view.shape))
-            u.pending_flags = torch.maximum(u.pending_flags, flags)
+            u.pending = send
             return None
-        return self._reduce_scatter(u, grads, flags)
+        return self._reduce_scatter(u, send)
 
-    def _reduce_scatter(self, u: ShardUnit, grads, flags: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, u: ShardUnit, grads) -> torch.Tensor:
+        """`grads` added into the unit's send buffer (the one kept under no_sync, or a new one):
+        (group size) rows, row i rank i's shard of the flat gradients followed by one "has a
+        gradient" flag per tensor. Written in place, in row segments: no flat staging copy."""
+        width, n = u.shard_numel, len(u.params)
+        send, u.pending = u.pending, None
+        if send is None:
+            send = torch.zeros(self.groups.size, width + n, dtype=u.dtype, device=u.device)
+        flags = send[:, width:]
+        for j, (grad, off, numel) in enumerate(zip(grads, u.offsets, u.numels)):
+            if grad is None:
+                continue
+            flags[:, j] = 1
+            src = grad.reshape(-1)
+            for row, col, s0, length in row_segments(off, numel, width):
+                send[row, col:col + length].add_(src[s0:s0 + length])
+        return send
+
+    def _reduce_scatter(self, u: ShardUnit, send: torch.Tensor) -> torch.Tensor:
         g, width = self.groups, u.shard_numel
-        if u.pending is not None:
-            flat, u.pending = u.pending, None
-            flags = torch.maximum(flags, u.pending_flags)
-        else:
-            flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
-        for grad, view in zip(grads, u.flat_views(flat)):
-            if grad is not None:
-                view.add_(grad.reshape(view.shape))
-        # (group size) rows: row i is rank i's shard of the flat gradients, then one flag per tensor
-        send = torch.empty(g.size, width + len(u.params), dtype=u.dtype, device=u.device)
-        send[:, :width] = flat.view(g.size, width)
-        send[:, width:] = flags
         send.div_(g.dp_size)  # gloo has no AVG: pre-divide, then sum
         if g.size > 1:
             out = reduce_scatter_rows(send, g.group, g.group_index, label="zero3_reduce_scatter",
@@ -394,7 +394,7 @@ class FullyShardedParams:
             failures.run(dist.all_reduce, out, group=g.cross_group, what="ZeRO's cross-group gradient all-reduce")
         self.stats.reduce_scatters += 1
         u.used |= (out[width:] > 0).cpu()
-        return out[:width].clone()
+        return out[:width]
 
     def finish_grads(self) -> None:
         """Reduce-scatter what was accumulated under no_sync and not reduced by a synchronising
@@ -402,7 +402,8 @@ class FullyShardedParams:
         holds such gradients (the same on every rank)."""
         for u in self.units:
             if u.pending is not None:
-                grad = self._reduce_scatter(u, [None] * len(u.params), torch.zeros_like(u.pending_flags))
+                send, u.pending = u.pending, None
+                grad = self._reduce_scatter(u, send)
                 if u.shard.grad is None:
                     u.shard.grad = grad
                 else:
@@ -417,7 +418,7 @@ class FullyShardedParams:
                     u.shard.grad.zero_()
             if u.used is not None:
                 u.used.zero_()
-            u.pending = u.pending_flags = None
+            u.pending = None
 
     # -- whole values ---------------------------------------------------------------------------
     @contextlib.contextmanager
