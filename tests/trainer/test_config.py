@@ -111,6 +111,12 @@ def test_values_type_value_type_and_guessing():
     ({"hook": {"on_train_strat": "builtins.print"}}, "hook", "on_train_start"),
     ({"model.parallel_modules": [{"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
                                   "pas_policy": "pp"}]}, "model.parallel_modules.0.pas_policy", "cannot be pipelined"),
+    # one optimizer over every parallelized module: their ZeRO settings must agree (refused before any worker)
+    ({"model.parallel_modules": [
+        {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
+         "compute_config": {"use_zero": 3}},
+        {"type": "torch.nn.Linear", "forward_args_gen_fn": "trainer_models.mlp_forward_args"}]},
+     "model.parallel_modules.1.compute_config.use_zero", "same use_zero, zero_ngroups"),
 ])
 def test_bad_input_names_key_and_fix(over, key, words):
     e = error_of(base(**over))

@@ -158,7 +158,7 @@ def _check_model(args) -> None:
         i = next(i for i, pm in enumerate(model.parallel_modules) if pm.tracing_from_weights_prefix)
         raise TrainerConfigError(f"model.parallel_modules.{i}.tracing_from_weights_prefix",
                                  "needs the top-level tracing_from_weights to be set")
-    seen = set()
+    seen, zeros = set(), []
     for i, pm in enumerate(model.parallel_modules):
         key = f"model.parallel_modules.{i}"
         _importable(f"{key}.type", pm.type, required=True, what="the sub-module class to parallelize")
@@ -179,12 +179,23 @@ def _check_model(args) -> None:
         _one_of(f"{key}.gen_reuse", pm.gen_reuse or "auto", REUSE_VALUES)
         _one_of(f"{key}.broadcast_strategy", pm.broadcast_strategy or "none", BROADCAST_STRATEGIES)
         _check_precision(f"{key}.precision", pm.precision)
+        resolved = args.compute_config
         if pm.compute_config is not None:
             from nnscaler.ir import ConfigError
             try:
-                pm.compute_config.resolve(args.compute_config)
+                resolved = pm.compute_config.resolve(args.compute_config)
             except ConfigError as e:
                 raise TrainerConfigError(f"{key}.compute_config", str(e)) from None
+        zero = (resolved.zero_stage, resolved.zero_ngroups, resolved.zero_use_reduce_scatter)
+        if zeros and zero != zeros[0][1]:
+            names = ("use_zero", "zero_ngroups", "zero_use_reduce_scatter")
+            field = next(n for n, a, b in zip(names, zero, zeros[0][1]) if a != b)
+            raise TrainerConfigError(f"{key}.compute_config.{field}", f"differs from {zeros[0][0]}'s "
+                                     f"({getattr(resolved, field)!r} vs the other's setting): one optimizer shards "
+                                     f"every parallelized module alike, so give all parallel_modules the same "
+                                     f"use_zero, zero_ngroups and zero_use_reduce_scatter (or set them once in "
+                                     f"the top-level compute_config)")
+        zeros.append((key, zero))
 
 
 def _check_optimizer(opt) -> None:
