@@ -60,6 +60,8 @@ GOOD = {
     "parallel_profile": ({"parallel_profile": False}, {}, {"parallel_profile": False}),
     "max_partition_degree": ({"max_partition_degree": 2}, {"plan_ngpus": 4}, {"max_partition_degree": 2}),
     "transient_mem_coef": ({"transient_mem_coef": 0}, {}, {"transient_mem_coef": 0.0}),
+    "zero3_units": ({"zero3_units": ["h.0", "h.1"]}, {"use_zero": 3, "runtime_ngpus": 4},
+                    {"zero3_units": ["h.0", "h.1"], "zero_stage": 3}),
 }
 
 
@@ -144,6 +146,10 @@ BAD = [
     ({"_solver_time_limit": 0}, {}, "_solver_time_limit", "> 0"),
     ({"_profile_repeats": 0}, {}, "_profile_repeats", ">= 1"),
     ({"_optimizer_states": -1}, {}, "_optimizer_states", ">= 0"),
+    ({"zero3_units": "h.0,h.1"}, {}, "zero3_units", "list of module paths"),
+    ({"zero3_units": ["h.0", 3]}, {}, "zero3_units", "list of module paths"),
+    ({"pipeline_nstages": 2, "pipeline_pivots": "Block"}, {"use_end2end": True, "plan_ngpus": 2, "runtime_ngpus": 4,
+                                                          "use_zero": 3}, "pipeline_nstages", "use_zero=True"),
 ]
 
 

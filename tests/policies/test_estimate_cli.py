@@ -61,7 +61,7 @@ def test_saved_plan_configures_the_trainer(config, tmp_path, fixed):
     t = data["trainer"]
     cfg = ComputeConfig(**{k: v for k, v in t["compute_config"].items()})
     assert cfg.plan_ngpus == data["tp"] * data["pp"] and cfg.runtime_ngpus == 16
-    assert cfg.use_zero == bool(data["zero"])
+    assert cfg.zero_stage == data["zero"]
     resolve_policy(t["pas_policy"])
     check_pas_config(t["pas_policy"], cfg.pas_config)  # only keys the policy reads
     assert t["micro_batch_size"] * t["grad_accumulation_steps"] * data["dp"] == 64

@@ -80,3 +80,68 @@ def test_data_parallel_across_nodes_uses_the_network(h100):
                            Plan(1, 1, 8, 0, 1, False))
     across = estimate_plan(SPEC, h100, work, Plan(1, 1, 16, 0, 1, False))
     assert across.dp_comm_s > inside.dp_comm_s
+
+
+# -- ZeRO-3 (ComputeConfig(use_zero=3)): parameters, gradients and optimizer state sharded --------
+def test_zero3_shards_weights_gradients_and_optimizer(h100):
+    work = Workload(gpus=4, seq=1024, global_batch_tokens=4 * 1024)  # one micro-batch a step
+    p = SPEC.total_params
+    zero1 = estimate_plan(SPEC, h100, work, Plan(1, 1, 4, 1, 1, False))
+    zero3 = estimate_plan(SPEC, h100, work, Plan(1, 1, 4, 3, 1, False))
+    assert zero3.memory_parts["weights"] == pytest.approx(2 * p / 4)
+    assert zero3.memory_parts["gradients"] == pytest.approx(2 * p / 4)
+    assert zero3.memory_parts["optimizer"] == pytest.approx(12 * p / 4)
+    assert zero1.memory_parts["optimizer"] == pytest.approx(12 * p / 4)
+    # gathered at once: the root unit (embedding and head) and two decoder layers, with their gradients
+    root = 2 * SPEC.vocab * SPEC.hidden
+    assert zero3.memory_parts["gathered"] == pytest.approx(2 * 2 * (root + 2 * SPEC.layer_params), rel=1e-3)
+    assert zero1.memory_parts["gathered"] == 0.0
+    assert zero3.memory_bytes < zero1.memory_bytes
+
+
+def test_zero3_accumulating_micro_batches_keeps_full_gradients(h100):
+    """The Trainer accumulates under no_sync: the units' full gradients wait for the last micro-batch."""
+    work = Workload(gpus=4, seq=1024, global_batch_tokens=16 * 1024)  # 4 micro-batches of 1
+    p = SPEC.total_params
+    zero3 = estimate_plan(SPEC, h100, work, Plan(1, 1, 4, 3, 1, False))
+    assert zero3.nmicros == 4
+    assert zero3.memory_parts["gradients"] == pytest.approx(2 * p / 4 + 2 * p)
+
+
+def test_zero3_traffic_exposes_backward_gathers_and_reduce_scatters_once(h100):
+    from nnscaler.policies.estimate.plan_cost import zero_sync_times
+    grads = 1e9
+    for nmicros in (1, 4):
+        plain = zero_sync_times(grads, Plan(1, 1, 4, 0, 1, False), nmicros, h100)
+        one = zero_sync_times(grads, Plan(1, 1, 4, 1, 1, False), nmicros, h100)
+        three = zero_sync_times(grads, Plan(1, 1, 4, 3, 1, False), nmicros, h100)
+        ag = costs.ring_all_gather_time(grads, 4, h100.intra_node)
+        assert plain == (pytest.approx(costs.ring_all_reduce_time(grads, 4, h100.intra_node)), 0.0)
+        assert one == (pytest.approx(ag), pytest.approx(ag))  # reduce-scatter; the gather after the step
+        # exposed: one pass of gathers a micro-batch (the runtime prefetches in forward and backward)
+        assert three == (pytest.approx(ag), pytest.approx(nmicros * ag))
+        assert sum(three) >= sum(one) and (nmicros == 1 or sum(three) > sum(one))
+
+
+def test_zero3_link_and_groups(h100):
+    """A zero group spanning nodes uses the inter-node link; zero_ngroups keeps it inside a node and adds
+    the all-reduce of the shard across the groups."""
+    from nnscaler.policies.estimate.plan_cost import zero_sync_times
+    grads = 1e9
+    across = zero_sync_times(grads, Plan(1, 1, 16, 3, 1, False), 1, h100)
+    assert across[1] == pytest.approx(costs.ring_all_gather_time(grads, 16, h100.inter_node))
+    grouped = zero_sync_times(grads, Plan(1, 1, 16, 3, 1, False, zero_ngroups=2), 1, h100)
+    assert grouped[1] == pytest.approx(costs.ring_all_gather_time(grads, 8, h100.intra_node))
+    assert grouped[0] == pytest.approx(costs.ring_all_gather_time(grads, 8, h100.intra_node)
+                                       + costs.ring_all_reduce_time(grads / 8, 2, h100.inter_node))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(tp=1, pp=2, dp=2, zero=3, micro_batch=1, recompute=False), "no pipeline stages"),
+    (dict(tp=1, pp=1, dp=2, zero=2, micro_batch=1, recompute=False), "must be one of (0, 1, 3)"),
+    (dict(tp=1, pp=1, dp=4, zero=3, micro_batch=1, recompute=False, zero_ngroups=3), "must divide dp"),
+])
+def test_zero_plans_refused_name_the_fix(kwargs, words):
+    from nnscaler.ir import ConfigError
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Plan(**kwargs)

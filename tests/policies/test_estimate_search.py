@@ -88,3 +88,51 @@ def test_why_a_plan_lost():
     tp = estimate_plan(SMALL, h100, work, Plan(2, 1, 1, 0, 1, False))
     assert why_lost(tp, dp, h100).startswith("compute: +")
     assert why_lost(dp, dp, h100) == "ties the chosen plan"
+
+
+# A 70B Llama-like model on 16 H100s, 8 sequences a step: without a pipeline, ZeRO-1 fits at no dp
+LLAMA_70B = ModelSpec(hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256, gated=True)
+
+
+def test_zero3_is_chosen_where_zero1_does_not_fit():
+    h100 = load_cluster("h100-sxm")
+    work = Workload(gpus=16, seq=4096, global_batch_tokens=8 * 4096)
+    with pytest.raises(NoPlanFitsCluster, match="no plan fits"):
+        search(LLAMA_70B, h100, work, fixed={"pp": 1, "zero": 1})
+    best = search(LLAMA_70B, h100, work, fixed={"pp": 1}).best
+    assert best.fits and best.plan.zero == 3 and best.plan.pp == 1
+    same_zero1 = estimate_plan(LLAMA_70B, h100, work, dataclasses.replace(best.plan, zero=1))
+    assert not same_zero1.fits and best.memory_bytes < same_zero1.memory_bytes
+    # its gathers are the price: per micro-batch one exposed pass (ZeRO-1: one after the step)
+    assert best.dp_comm_s >= same_zero1.dp_comm_s
+    more_micros = estimate_plan(LLAMA_70B, h100, Workload(gpus=16, seq=4096, global_batch_tokens=32 * 4096),
+                                best.plan)
+    assert more_micros.nmicros > 1 and more_micros.dp_comm_s > estimate_plan(
+        LLAMA_70B, h100, Workload(gpus=16, seq=4096, global_batch_tokens=32 * 4096),
+        dataclasses.replace(best.plan, zero=1)).dp_comm_s
+
+
+def test_zero3_is_searched_without_a_pipeline_only():
+    a100 = load_cluster("a100-80gb-sxm")
+    work = Workload(gpus=16, seq=2048, global_batch_tokens=256 * 2048)
+    plans = list(candidates(SMALL, a100, work))
+    assert any(p.zero == 3 for p in plans)
+    assert all(p.pp == 1 and p.dp > 1 for p in plans if p.zero == 3)
+    assert {p.zero for p in plans if p.dp > 1 and p.pp > 1} == {0, 1}
+
+
+def test_zero3_plan_json_and_trainer_fragment(capsys):
+    from nnscaler.ir import ComputeConfig
+    from nnscaler.policies.estimate import result_json
+    from nnscaler.policies.estimate.cli import _print
+    h100 = load_cluster("h100-sxm")
+    work = Workload(gpus=16, seq=4096, global_batch_tokens=8 * 4096)
+    data = result_json(search(LLAMA_70B, h100, work, fixed={"pp": 1}), LLAMA_70B, h100, work)
+    assert data["zero"] == 3 and data["zero_ngroups"] == 1
+    compute = data["trainer"]["compute_config"]
+    assert compute["use_zero"] == 3 and "zero_use_reduce_scatter" not in compute
+    assert ComputeConfig(**compute).zero_stage == 3
+    assert data["memory_parts_gb"]["gathered"] > 0
+    _print(data, None)
+    out = capsys.readouterr().out
+    assert "dp 2, zero 3, micro-batch" in out and '"use_zero": 3' in out

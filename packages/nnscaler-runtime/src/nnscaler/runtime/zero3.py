@@ -19,11 +19,12 @@ Forward. The generated code reads a parameter as ``self.<name>``; `ParallelModul
 hands that to `FullyShardedParams.get`, which all-gathers the unit on its first use (through the
 autograd function `_GatherUnit`) and returns the gathered tensor; entering a new repeated block
 frees the previous one and starts the all-gather of the block the first forward used after it
-(prefetch: it runs while this block computes), and the end of forward frees all. The gathered tensors that autograd
-saves for backward are stored as references to the unit (saved-tensor hooks), not as tensors, so
-freeing really frees them; backward gathers a unit again when it first unpacks one.
+(prefetch: it runs while this block computes), and the end of forward frees all. The gathered
+tensors that autograd saves for backward are stored as references to the unit (saved-tensor
+hooks), not as tensors, so freeing really frees them.
 
-Backward. When every gradient of a unit's gathered tensors is known, `_GatherUnit.backward`
+Backward. A freed block is gathered again when backward first unpacks one of its tensors, and the
+block forward used before it starts gathering then (backward prefetch). When every gradient of a unit's gathered tensors is known, `_GatherUnit.backward`
 reduce-scatters them in the zero group (pre-divided by the data-parallel size, then summed: the
 mean over replicas; plus an all-reduce over the cross group when ``zero_ngroups > 1``), and the
 shard's gradient accumulates the result; the unit is freed. Inside ``no_sync()`` (gradient
@@ -46,8 +47,7 @@ import torch
 import torch.distributed as dist
 
 from . import failures
-from .comm import fallbacks
-from .comm.flat import all_gather_flat, reduce_scatter_rows
+from .comm.flat import all_gather_flat, reduce_scatter_rows, start_all_gather_flat
 from .comm.stats import record
 from .reducer import pausable
 from .zero import row_segments
@@ -187,6 +187,7 @@ class FullyShardedParams:
         self._cleanup_queued = False
         self._order: List[ShardUnit] = []  # repeated blocks in the order the first forward used them
         self._next: Dict[int, ShardUnit] = {}  # id(block) -> the block forward uses after it
+        self._prev: Dict[int, ShardUnit] = {}  # id(block) -> the block forward used before it
         self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
         pausable(self)
 
@@ -239,31 +240,26 @@ class FullyShardedParams:
                 self._prefetch(self._next[id(u)])
         return u.views[name]
 
-    def _prefetch(self, u: ShardUnit) -> None:
-        """Start the all-gather of the next block now, so that it runs while this one computes
+    def _prefetch(self, u: Optional[ShardUnit]) -> None:
+        """Start the all-gather of `u` now, so that it runs while the current block computes
         (every rank issues it at the same point: the order comes from the first forward)."""
         g = self.groups
-        if g.size == 1 or u.full is not None or self._inflight is not None:
+        if u is None or g.size == 1 or u.full is not None or self._inflight is not None:
             return
-        shard = u.shard.detach()
-        if fallbacks.uses_fallback("all_gather", str(dist.get_backend(g.group)), shard.device.type):
-            return
-        full = shard.new_empty(u.padded)
-        record("zero3_all_gather", shard.nbytes)
-        work = dist.all_gather_into_tensor(full, shard, group=g.group, async_op=True)
-        self._inflight = (u, work, full)
+        started = start_all_gather_flat(u.shard.detach(), g.group, g.size, label="zero3_all_gather")
+        if started is not None:
+            self._inflight = (u, *started)
 
     def _land(self, u: Optional[ShardUnit]) -> Optional[torch.Tensor]:
-        """Wait for the prefetch in flight; its buffer if it was for `u` (else it is dropped)."""
+        """Wait for the prefetch in flight (its unit is then gathered); its buffer if it was `u`'s."""
         if self._inflight is None:
             return None
         unit, work, full = self._inflight
         self._inflight = None
         failures.wait(work, "the fully sharded parameter all-gather (prefetch)", self.groups.group, full)
-        if unit is u:
-            self.stats.prefetched += 1
-            return full
-        return None
+        self._hold(unit, full)
+        self.stats.prefetched += 1
+        return full if unit is u else None
 
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:
@@ -277,6 +273,7 @@ class FullyShardedParams:
             self.free_all()
             if not self._next and len(self._order) > 1:
                 self._next = {id(a): b for a, b in zip(self._order, self._order[1:])}
+                self._prev = {id(b): a for a, b in zip(self._order, self._order[1:])}
 
     def free_all(self) -> None:
         self._land(None)  # a prefetched block forward did not use
@@ -293,17 +290,21 @@ class FullyShardedParams:
     def _gather(self, u: ShardUnit) -> torch.Tensor:
         """All-gather `u` into `u.full` (a fresh contiguous buffer); COLLECTIVE over the zero group."""
         g = self.groups
+        self._land(u)  # a prefetch in flight: for `u`, or for another unit, then held for later
+        if u.full is not None:
+            return u.full
         shard = u.shard.detach()
-        full = self._land(u)  # prefetched while the previous block computed
-        if full is None:
-            full = all_gather_flat(shard, g.group, g.size, label="zero3_all_gather",
-                                   what="the fully sharded parameter all-gather") if g.size > 1 else shard.clone()
+        full = all_gather_flat(shard, g.group, g.size, label="zero3_all_gather",
+                               what="the fully sharded parameter all-gather") if g.size > 1 else shard.clone()
+        self._hold(u, full)
+        return full
+
+    def _hold(self, u: ShardUnit, full: torch.Tensor) -> None:
         u.full = full
         self._live[full.untyped_storage().data_ptr()] = u
         self.stats.gathers += 1
         gathered = sum(x.numel for x in self.units if x.full is not None)
         self.stats.max_gathered_numel = max(self.stats.max_gathered_numel, gathered)
-        return full
 
     def _pack(self, t: torch.Tensor):
         if not self._live or not isinstance(t, torch.Tensor) or t.is_meta:
@@ -320,6 +321,8 @@ class FullyShardedParams:
         if u.full is None:
             self._gather(u)
             self.stats.backward_gathers += 1
+            if not u.is_root:  # backward runs the blocks in reverse: start the one before
+                self._prefetch(self._prev.get(id(u)))
             if not self._cleanup_queued:  # whatever backward gathered is freed when it ends
                 self._cleanup_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

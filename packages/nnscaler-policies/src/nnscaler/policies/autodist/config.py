@@ -37,6 +37,7 @@ KEYS: Dict[str, Tuple[str, Any]] = {
     "parallel_profile": ("bool", True),
     "max_partition_degree": ("int >= 1 (default plan_ngpus)", None),
     "transient_mem_coef": ("number >= 0", 2.0),
+    "zero3_units": ("list of module paths (ZeRO-3's gathered units; read by the runtime too)", []),
 }
 
 
@@ -44,7 +45,7 @@ KEYS: Dict[str, Tuple[str, Any]] = {
 class AutodistConfig:
     plan_ngpus: int
     runtime_ngpus: int
-    use_zero: bool = False
+    use_zero: int = 0  # the ZeRO stage (ComputeConfig.zero_stage): 0 none, 1 optimizer state, 3 fully sharded
     zero_ngroups: int = 1
     zero_use_reduce_scatter: bool = False
     update_freq: int = 1
@@ -73,6 +74,19 @@ class AutodistConfig:
     profile_repeats: int = 3
     bucket_cap_bytes: float = 25 * 1024 ** 2  # the reducer's gradient bucket (ComputeConfig.bucket_cap_mb)
     optimizer_states: int = 2  # fp32 tensors of optimizer state per parameter (Adam: exp_avg, exp_avg_sq)
+    zero3_units: List[str] = field(default_factory=list)  # module paths gathered as one unit under ZeRO-3
+
+    @property
+    def zero_stage(self) -> int:
+        """0, 1 or 3: `use_zero` as ComputeConfig.zero_stage reads it (True is stage 1)."""
+        return 3 if self.use_zero == 3 and not isinstance(self.use_zero, bool) else int(bool(self.use_zero))
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks a ZeRO shard is spread over: dp_size // zero_ngroups with ZeRO, else 1."""
+        if not self.use_zero or self.dp_size <= 1:
+            return 1
+        return max(1, self.dp_size // max(1, self.zero_ngroups))
 
     @property
     def dp_size(self) -> int:
@@ -93,7 +107,7 @@ class AutodistConfig:
         if unknown:
             raise ConfigError(f"pas_policy 'autodist' does not know pas_config key(s) {', '.join(map(repr, unknown))}; "
                               f"its keys are {', '.join(sorted(KEYS))} (prefix your own keys with '_')")
-        out = cls(plan_ngpus=cfg.plan_ngpus, runtime_ngpus=cfg.runtime_ngpus, use_zero=bool(cfg.use_zero),
+        out = cls(plan_ngpus=cfg.plan_ngpus, runtime_ngpus=cfg.runtime_ngpus, use_zero=_zero_stage(cfg.use_zero),
                   zero_ngroups=getattr(cfg, "zero_ngroups", 1) or 1,
                   zero_use_reduce_scatter=bool(getattr(cfg, "zero_use_reduce_scatter", False)))
         if getattr(cfg, "bucket_cap_mb", None):
@@ -116,6 +130,8 @@ class AutodistConfig:
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"pas_config[{key!r}] = {path!r}: no such file; give the path of an existing "
                                   f"{'plan JSON (written by save_plan_path)' if key == 'load_plan_path' else 'constraints YAML'}")
+        if pas.get("zero3_units"):
+            out.zero3_units = _path_list("zero3_units", pas["zero3_units"])
         for key in ("recompute_modules", "pipeline_pivots"):
             if pas.get(key):
                 setattr(out, key, _names(key, pas[key]))
@@ -145,6 +161,11 @@ class AutodistConfig:
             if out.pipeline_nstages > 1 and cfg.plan_ngpus % out.pipeline_nstages:
                 raise ConfigError(f"pas_config['pipeline_nstages'] = {out.pipeline_nstages} must divide plan_ngpus "
                                   f"({cfg.plan_ngpus})")
+        if out.zero_stage == 3 and out.pipeline_nstages not in ("auto", 1):
+            raise ConfigError(f"pas_config['pipeline_nstages'] = {out.pipeline_nstages} with "
+                              f"ComputeConfig(use_zero=3): "
+                              f"nnscaler's fully sharded runtime has no pipeline stages; use use_zero=True (optimizer "
+                              f"state sharded) with a pipeline, or pipeline_nstages 'auto' / 1 with use_zero=3")
         if out.pipeline_pivots and not cfg.use_end2end:
             raise ConfigError("pas_config['pipeline_pivots'] lets autodist pipeline the model, which runs only end to "
                               "end: set ComputeConfig(use_end2end=True), or remove pipeline_pivots")
@@ -157,6 +178,24 @@ class AutodistConfig:
         if "_optimizer_states" in pas:
             out.optimizer_states = _int("_optimizer_states", pas["_optimizer_states"], minimum=0)
         return out
+
+
+def _zero_stage(v) -> int:
+    """ComputeConfig.use_zero as a stage: False/0 -> 0, True/1 -> 1, 3 -> 3; anything else is refused."""
+    if isinstance(v, bool) or v in (0, 1):
+        return int(bool(v))
+    if isinstance(v, int) and v == 3:
+        return 3
+    raise ConfigError(f"ComputeConfig.use_zero must be False/0, True/1 (ZeRO-1: optimizer state sharded) or 3 "
+                      f"(ZeRO-3: parameters, gradients and optimizer state sharded), got {v!r}")
+
+
+def _path_list(key, v) -> List[str]:
+    """A list of module paths (the runtime reads the key as a sequence, so a plain string is refused)."""
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in v):
+        raise ConfigError(f"pas_config[{key!r}] must be a list of module paths (e.g. ['model.layers.0', "
+                          f"'model.layers.1']), got {v!r}")
+    return [x.strip() for x in v]
 
 
 def _bool(key, v) -> bool:

@@ -10,7 +10,8 @@ gradient all-reduce across data-parallel units is priced on its local size, once
 the all-reduce latency once per reducer bucket. Times
 are per micro-batch (a step runs `nmicros` of them). Memory per device:
 parameters, gradients and optimizer state (fp32 states, fp32 master weights under fp16/bf16
-unless memory-efficient, ZeRO dividing the optimizer part) of the local shard, and the local
+unless memory-efficient, ZeRO-1 dividing the optimizer part, ZeRO-3 all three) of the local shard,
+under ZeRO-3 the units gathered at once (`gathered_bytes`, a transient), and the local
 outputs autograd keeps for backward (`activations.py`; none inside recomputed modules; of a traced
 decision's two branches, the heavier) and the converted copies a consumer keeps (edge memory).
 """
@@ -30,7 +31,7 @@ from .choices import Choice, is_shape_query, node_choices
 from .comm_model import CommModel
 from .config import AutodistConfig
 
-__all__ = ["OpVar", "Edge", "Problem", "build_problem", "nbytes"]
+__all__ = ["OpVar", "Edge", "Problem", "build_problem", "gathered_bytes", "nbytes", "zero3_unit_names"]
 
 R = Replicate()
 _ELT = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -89,6 +90,8 @@ class Problem:
     const_time: float = 0.0
     const_mem: float = 0.0
     index: Dict[int, int] = field(default_factory=dict)  # node id -> op index
+    # ZeRO-3: unit name -> [(op index, or -1 for a tensor stored whole; its local bytes per choice)]
+    units: Dict[str, List[Tuple[int, List[float]]]] = field(default_factory=dict)
 
     def evaluate(self, pick: List[int]) -> Tuple[float, float]:
         """(estimated seconds, bytes per device) of a complete choice."""
@@ -111,10 +114,9 @@ class _Pricer:
         holds pieces of about 1/group of the tensors), once per step, spread over the step's
         micro-batches: per element and per tensor (`op_profile.optimizer_tensor_cost`)."""
         tensors = 1.0
-        if self.cfg.use_zero and self.cfg.dp_size > 1:
-            group = max(1, self.cfg.dp_size // max(1, self.cfg.zero_ngroups))
-            local_numel /= group
-            tensors /= group
+        group = self.cfg.zero_group
+        local_numel /= group
+        tensors /= group
         return (local_numel * self.opt_rate + tensors * self.opt_tensor) / self.cfg.nmicros
 
     def transition(self, src, dst, value, grad_partial: bool) -> float:
@@ -140,9 +142,12 @@ class _Pricer:
         opt = cfg.optimizer_states * 4 * numel
         if (cfg.use_fp16 and not cfg.use_memory_efficient_fp16) or (cfg.use_bf16 and not cfg.use_memory_efficient_bf16):
             opt += 4 * numel  # fp32 master weights
-        if cfg.use_zero and cfg.dp_size > 1:
-            opt /= max(1, cfg.dp_size // max(1, cfg.zero_ngroups))
-        return 2 * spec_bytes + opt
+        group = cfg.zero_group
+        if cfg.zero_stage == 3:
+            # all three sharded; accumulating micro-batches (the Trainer's no_sync) keeps the units' full
+            # gradients until the last backward reduce-scatters them (nnscaler.runtime.zero3)
+            return (2 * spec_bytes + opt) / group + (spec_bytes if cfg.nmicros > 1 and group > 1 else 0.0)
+        return 2 * spec_bytes + opt / group
 
     def bucket_bytes(self, trainable_bytes: float) -> float:
         """The size of the reducer's buckets: `bucket_cap_bytes`, or all the gradients if fewer."""
@@ -164,6 +169,12 @@ class _Pricer:
         if self.cfg.dp_size <= 1 or local_bytes <= 0:
             return 0.0
         d = self.cfg.dp_size
+        if self.cfg.zero_stage == 3:
+            # ZeRO-3: reduce-scattered in the zero group once a step (the last micro-batch's backward), the
+            # shard's gradient all-reduced across the groups; its copy into the unit's flat gradient
+            group, ngroups = self.cfg.zero_group, d // self.cfg.zero_group
+            t = local_bytes * (self._rate("reduce_scatter", group) + self._rate("all_reduce", ngroups) / group)
+            return (t + local_bytes * self.copy_rate) / self.cfg.nmicros
         if self.cfg.use_zero:
             # ZeRO: the gradients are reduce-scattered (zero_use_reduce_scatter) or all-reduced, and
             # after the step every rank all-gathers the updated shards of its ZeRO group
@@ -175,10 +186,29 @@ class _Pricer:
             return t / self.cfg.nmicros
         return local_bytes * self._rate("all_reduce", d) / self.cfg.nmicros
 
+    def zero3_gathers(self, local_bytes: float) -> float:
+        """ZeRO-3's all-gathers of a local parameter in the zero group, per micro-batch: before its
+        forward and again before its backward (freed in between); their bandwidth share only (the
+        latency per unit: `zero3_latency`)."""
+        if self.cfg.zero_stage != 3 or local_bytes <= 0:
+            return 0.0
+        return 2 * local_bytes * self._rate("all_gather", self.cfg.zero_group)
+
+    def zero3_latency(self, units: int) -> float:
+        """ZeRO-3's collective latencies per micro-batch: two all-gathers per unit, and its reduce-scatter
+        (and the cross-group all-reduce) once a step."""
+        group = self.cfg.zero_group
+        if self.cfg.zero_stage != 3 or group <= 1 or units <= 0:
+            return 0.0
+        ngroups = self.cfg.dp_size // group
+        once = self.comm.latency("reduce_scatter", group) + (self.comm.latency("all_reduce", ngroups)
+                                                             if ngroups > 1 else 0.0)
+        return units * (2 * self.comm.latency("all_gather", group) + once / self.cfg.nmicros)
+
     def dp_sync_latency(self, trainable_bytes: float) -> float:
         """The latency of the reducer's bucket all-reduces per micro-batch: one per bucket of
         `bucket_cap_bytes` (`trainable_bytes`: the replicated size, an upper bound)."""
-        if self.cfg.dp_size <= 1 or trainable_bytes <= 0:
+        if self.cfg.dp_size <= 1 or trainable_bytes <= 0 or self.cfg.zero_stage == 3:  # ZeRO-3: per unit
             return 0.0
         buckets = max(1, math.ceil(trainable_bytes / self.cfg.bucket_cap_bytes))
         per_bucket = self.comm.latency("all_reduce", self.cfg.dp_size)
@@ -201,6 +231,8 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
     trainable = sum(nbytes(graph.value(spec.value).shape, graph.value(spec.value).dtype, cfg)
                     for spec in module_values.values() if spec.requires_grad and spec.value.id in read)
     pricer = _Pricer(graph, n, comm, cfg, opt_rate, trainable, copy_rate, opt_tensor)
+    sharded = cfg.zero_stage == 3 and cfg.zero_group > 1
+    unit_of = zero3_unit_names([spec.name for spec in module_values.values()], cfg.zero3_units) if sharded else {}
     allowed = allowed or {}
     ops: List[OpVar] = []
     index: Dict[int, int] = {}
@@ -247,13 +279,17 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
         value = graph.values[vid]
         spec = module_values.get(vid)
         if spec is not None and len({v for v, _ in uses}) == 1:
-            _price_module_tensor(pricer, problem, spec, value, uses)
+            local = _price_module_tensor(pricer, problem, spec, value, uses)
+            if sharded and spec.requires_grad:
+                problem.units.setdefault(unit_of[spec.name], []).append((uses[0][0], local))
             continue
         if spec is not None:  # stored whole, read by several ops
             size = nbytes(value.shape, value.dtype, cfg)
             problem.const_mem += pricer.param_state(size, math.prod(value.shape or ()), spec.requires_grad)
             problem.const_time += (pricer.dp_sync(size) + pricer.optimizer_step(math.prod(value.shape or ()))
-                                   if spec.requires_grad else 0.0)
+                                   + pricer.zero3_gathers(size) if spec.requires_grad else 0.0)
+            if sharded and spec.requires_grad:
+                problem.units.setdefault(unit_of[spec.name], []).append((-1, [size]))
         src = produced.get(vid)
         for v, k in uses:
             op_v = ops[v]
@@ -284,21 +320,55 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
                 edge_mem[(u, v)] = edge_mem[(u, v)] + mem if (u, v) in edge_mem else mem
     problem.edges = [Edge(u, v, c, edge_mem[(u, v)] if edge_mem[(u, v)].any() else None)
                      for (u, v), c in edges.items() if c.any() or edge_mem[(u, v)].any()]
-    problem.const_time += pricer.dp_sync_latency(trainable)
+    problem.const_time += pricer.dp_sync_latency(trainable) + pricer.zero3_latency(len(problem.units))
     return problem
+
+
+def zero3_unit_names(full_names: List[str], unit_modules: List[str] = ()) -> Dict[str, str]:
+    """full name -> ZeRO-3 unit, as the runtime groups them (nnscaler.runtime.zero3.unit_names, which
+    policies may not import): the module paths in `unit_modules` (pas_config['zero3_units']) when
+    given, else the outermost ``<prefix>.<i>`` whose prefix holds at least two indices (each repeated
+    block); everything else is the root unit ``""``."""
+    if unit_modules:
+        prefixes = sorted(unit_modules, key=len, reverse=True)
+        return {n: next((p for p in prefixes if n.startswith(p + ".")), "") for n in full_names}
+    indices: Dict[Tuple[str, ...], set] = {}
+    for name in full_names:
+        parts = name.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                indices.setdefault(tuple(parts[:i]), set()).add(part)
+    out = {}
+    for name in full_names:
+        parts = name.split(".")
+        out[name] = next((".".join(parts[:i + 1]) for i, part in enumerate(parts[:-1])
+                          if part.isdigit() and len(indices[tuple(parts[:i])]) > 1), "")
+    return out
+
+
+def gathered_bytes(problem: Problem, pick: List[int]) -> float:
+    """ZeRO-3's transient per device for a plan: the units gathered at once, with their full gradients
+    in backward: the root unit (embeddings, head: gathered through the whole pass) and two blocks
+    (the one running and the next), each at its local size under the plan; 0 without ZeRO-3."""
+    sizes = {name: sum(local[pick[op]] if op >= 0 else local[0] for op, local in parts)
+             for name, parts in problem.units.items()}
+    blocks = sorted((b for name, b in sizes.items() if name), reverse=True)
+    return 2 * (sizes.get("", 0.0) + sum(blocks[:2]))
 
 
 def _grad_partial(choice: Choice, place, value) -> bool:
     return choice.partitioned and isinstance(place, Replicate) and _floating(value.dtype)
 
 
-def _price_module_tensor(pricer: _Pricer, problem: Problem, spec, value, uses) -> None:
-    """A parameter / buffer read by one op: stored as that op's choice needs it."""
+def _price_module_tensor(pricer: _Pricer, problem: Problem, spec, value, uses) -> List[float]:
+    """A parameter / buffer read by one op: stored as that op's choice needs it. Returns its local
+    bytes per choice."""
     v = uses[0][0]
     op = problem.ops[v]
     size = nbytes(value.shape, value.dtype, pricer.cfg)
     numel = float(math.prod(value.shape or ()))
     trainable = spec.requires_grad
+    sizes: List[float] = []
     for b, c in enumerate(op.choices):
         t, shard = 0.0, None
         for _, k in uses:
@@ -312,7 +382,10 @@ def _price_module_tensor(pricer: _Pricer, problem: Problem, spec, value, uses) -
         local_numel = numel / pricer.n if shard is not None else numel
         mem = pricer.param_state(local, local_numel, trainable)
         once = pricer.dp_sync(local) + pricer.optimizer_step(local_numel) if trainable else 0.0
-        op.time[b] += t + once
+        gathers = pricer.zero3_gathers(local) if trainable else 0.0
+        op.time[b] += t + once + gathers
         op.once[b] += once
         op.mem[b] += mem
         op.param_mem[b] += mem
+        sizes.append(local)
+    return sizes

@@ -21,7 +21,7 @@ from ..registry import register_policy
 from .comm_profile import measured_comm_model
 from .config import KEYS, AutodistConfig
 from .constraints import load_constraints
-from .cost_model import Problem, build_problem
+from .cost_model import Problem, build_problem, gathered_bytes
 from .cpu_sharing import cpu_scale, shared_cores
 from .graph_timing import calibration
 from .layers import tie_layers
@@ -50,8 +50,10 @@ def local_processes(cfg: AutodistConfig) -> int:
 
 
 def _transient(problem: Problem, pick: List[int], coef: float) -> float:
+    """The plan's transient buffers: `coef` times its two largest op outputs, plus under ZeRO-3 the
+    units gathered at once (`gathered_bytes`)."""
     sizes = sorted((op.out_bytes[c] for op, c in zip(problem.ops, pick)), reverse=True)
-    return coef * sum(sizes[:2])
+    return coef * sum(sizes[:2]) + gathered_bytes(problem, pick)
 
 
 class _Search:
@@ -156,7 +158,7 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
     n = cfg.plan_ngpus
     s = _Search(graph, cfg)
     leads = None
-    if cfg.pipeline_pivots and cfg.pipeline_nstages != 1:
+    if cfg.pipeline_pivots and cfg.pipeline_nstages != 1 and cfg.zero_stage != 3:  # ZeRO-3 has no pipeline
         leads = pivot_leads(graph, cfg.pipeline_pivots)
     stage_counts = [1] if leads is None else (
         [cfg.pipeline_nstages] if cfg.pipeline_nstages != "auto" else [k for k in range(1, n + 1) if n % k == 0])
@@ -164,6 +166,7 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
         stage_counts = [k for k in stage_counts if k == 1 or len([c for c in leads if c > 0]) >= k - 1]
     maxdeg = cfg.max_partition_degree or n
     sizes = {n // k for k in stage_counts} | {cfg.dp_size, cfg.runtime_ngpus} | ({2} if leads else set())
+    sizes |= {cfg.zero_group, cfg.dp_size // cfg.zero_group} - {1}  # ZeRO's group and its cross group
     comm = measured_comm_model(sizes, s.device, cfg.re_profile, cfg.comm_profile, world=s.procs, load=s.scale)
     limit = cfg.mem_limit_bytes
     best = None  # (step time, nstages, problem, solution, stage plan)

@@ -59,7 +59,8 @@ class Plan:
         return f"tp{self.tp} pp{self.pp} dp{self.dp}"
 
     def describe(self) -> str:
-        return (f"{self.family}" + (f" v{self.virtual}" if self.virtual > 1 else "") + zero_label(self.zero, self.zero_ngroups)
+        return (f"{self.family}" + (f" v{self.virtual}" if self.virtual > 1 else "")
+                + zero_label(self.zero, self.zero_ngroups)
                 + f" mb{self.micro_batch}" + (" recompute" if self.recompute else ""))
 
 
@@ -250,8 +251,10 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
 
 def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster):
     """(gradient reduction s, exposed gathers s) of one step's data-parallel traffic for `grads` bytes
-    of local gradients (= local parameters). The reduction may overlap a backward; the gathers do not
-    (nnscaler's runtime gathers on first use, without prefetching).
+    of local gradients (= local parameters). The reduction may overlap a backward. Exposed gathers:
+    ZeRO-1's after the step; ZeRO-3's: one pass of the parameters per micro-batch (the runtime
+    prefetches the next block in forward and in backward, so all but about one block's gather per
+    pass overlap compute; counted as one pass of the two exposed, a conservative middle).
 
     * no ZeRO: a ring all-reduce over dp.
     * ZeRO-1: a reduce-scatter in the zero group, then an all-gather of the updated parameters after
@@ -269,5 +272,5 @@ def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster):
     zero_link = _group_link(cluster, tp * z)
     reduce = costs.ring_all_gather_time(grads, z, zero_link)  # a reduce-scatter moves what an all-gather does
     reduce += costs.ring_all_reduce_time(grads / z, g, dp_link)
-    gathers = 1 if plan.zero == 1 else 2 * nmicros
+    gathers = 1 if plan.zero == 1 else nmicros  # ZeRO-3: see the docstring
     return reduce, gathers * costs.ring_all_gather_time(grads, z, zero_link)

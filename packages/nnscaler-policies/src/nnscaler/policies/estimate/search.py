@@ -1,6 +1,7 @@
 """The search: every tensor (inside a node, dividing the heads), pipeline and data parallel degree
-of the whole cluster, with ZeRO (none, 1, or 3 without a pipeline), micro-batch size and recomputation; the fastest plan that fits
-wins, and the best plan of each other (tp, pp) family is kept with the reason it lost."""
+of the whole cluster, with ZeRO (none, 1, or 3 without a pipeline), micro-batch size and
+recomputation; the fastest plan that fits wins, and the best plan of each other (tp, pp) family is
+kept with the reason it lost."""
 from __future__ import annotations
 
 import dataclasses
@@ -56,25 +57,18 @@ def candidates(spec: ModelSpec, cluster: Cluster, work: Workload):
                     # interleaving: more than one stage per GPU, nmicros a multiple of pp (Megatron-LM's rule)
                     if v > 1 and (pp == 1 or pp * v > spec.layers or nmicros % pp):
                         continue
-                    for zero, ngroups in zero_options(tp, pp, dp, cluster):
+                    for zero in zero_options(tp, pp, dp):
                         for recompute in (False, True):
-                            yield Plan(tp, pp, dp, zero, b, recompute, v, ngroups)
+                            yield Plan(tp, pp, dp, zero, b, recompute, v)
 
 
-def zero_options(tp: int, pp: int, dp: int, cluster: Cluster) -> List[tuple]:
-    """(ZeRO stage, zero_ngroups) pairs for a plan: none; with dp > 1 ZeRO-1 over dp; without a pipeline
-    (nnscaler's ZeRO-3 has none) ZeRO-3 over dp, and, when the dp ranks span nodes, ZeRO-3 sharded
-    inside each node (zero_ngroups = the nodes the dp group spans: FSDP's hybrid sharding, the
-    per-micro-batch gathers on the intra-node link)."""
+def zero_options(tp: int, pp: int, dp: int) -> List[int]:
+    """ZeRO stages for a plan: none; with dp > 1 ZeRO-1; with dp > 1 and no pipeline (nnscaler's ZeRO-3
+    runtime has none) ZeRO-3. One zero group over all of dp: `estimate_plan` prices `zero_ngroups`, but
+    the search does not try it (a node-local group would change ZeRO-1's picks as much as ZeRO-3's)."""
     if dp <= 1:
-        return [(0, 1)]
-    out = [(0, 1), (1, 1)]
-    if pp == 1:
-        out.append((3, 1))
-        per_node = cluster.gpus_per_node // tp  # dp ranks in one node
-        if 1 < per_node < dp and dp % per_node == 0:
-            out.append((3, dp // per_node))
-    return out
+        return [0]
+    return [0, 1, 3] if pp == 1 else [0, 1]
 
 
 def why_lost(loser: Estimate, best: Estimate, cluster: Cluster) -> str:

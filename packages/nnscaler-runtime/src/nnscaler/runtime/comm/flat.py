@@ -17,7 +17,7 @@ from .. import failures
 from . import fallbacks
 from .stats import record
 
-__all__ = ["all_gather_flat", "reduce_scatter_rows"]
+__all__ = ["all_gather_flat", "start_all_gather_flat", "reduce_scatter_rows"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -41,6 +41,18 @@ def all_gather_flat(x: torch.Tensor, group, n: int, *, label: Optional[str], wha
     full = x.new_empty(n * x.numel())
     failures.run(_all_gather_single, full, x.view(-1), group=group, what=what)
     return full
+
+
+def start_all_gather_flat(x: torch.Tensor, group, n: int, *, label: Optional[str]):
+    """`all_gather_flat` launched without waiting: ``(work, out)``, where `out` holds the result once
+    ``work`` completed (wait with `failures.wait`); None where the backend needs the fallback (then
+    call `all_gather_flat`). COLLECTIVE over `group`."""
+    x = x.contiguous()
+    if fallbacks.uses_fallback("all_gather", str(dist.get_backend(group)), x.device.type):
+        return None
+    _record(label, False, x.nbytes)
+    full = x.new_empty(n * x.numel())
+    return _all_gather_single(full, x.view(-1), group=group, async_op=True), full
 
 
 def reduce_scatter_rows(send: torch.Tensor, group, index: int, *, label: Optional[str], what: str,
