@@ -1,61 +1,74 @@
-"""Fully sharded data parallelism: nnscaler `use_zero=3` against torch FSDP2, DDP and ZeRO-1.
+"""Fully sharded data parallelism: nnscaler `use_zero=3` against torch FSDP2, DDP and nnscaler ZeRO-1.
 
-    python bench/fsdp.py [--layers 8] [--embd 640] [--steps 5] [--budget-mib 1400]
+    python bench/fsdp.py [--layers 10] [--embd 768] [--rounds 5] [--budget-mib 1100]
 
-Every case trains the example GPT (examples/gpt.py, seed-0 weights, no SDPA) with Adam (lr 1e-3,
-fp32) on 2 gloo processes (`--nproc`) of this machine, each with max(1, cores // nproc) intra-op
-threads, on the same per-rank batches (rank r takes rows [r*B, (r+1)*B) of the global batch of
-step s, `random_batch`):
+Every case trains the example GPT (examples/gpt.py, seed-0 weights, no SDPA, tied embedding and
+head) with Adam (lr 1e-3, fp32) on `--nproc` (2) gloo processes of this machine, each with
+max(1, cores // nproc) intra-op threads, on the same per-rank batches (rank r takes rows
+[r*B, (r+1)*B) of the global batch of step s, `random_batch`):
 
-* `ddp`    : `torch.nn.parallel.DistributedDataParallel` (25 MB buckets, `gradient_as_bucket_view`
-             False as by default; no buffer broadcast: the buffers are constant causal masks) +
-             `torch.optim.Adam`;
-* `fsdp2`  : torch FSDP2, `torch.distributed.fsdp.fully_shard` on each block `h.i`, then on the
-             root (defaults: `reshard_after_forward=True` for the blocks, the root kept gathered
-             between forward and backward as FSDP2 does for the root) + `torch.optim.Adam`;
-* `zero1`  : `nnscaler.parallelize(model, batch, 'dp', ComputeConfig(1, n, use_zero=True))` +
-             `nnscaler.build_optimizer(pm, torch.optim.Adam)`;
-* `zero3`  : the same with `use_zero=3` (each block `h.i` one unit, the rest the root unit).
+* `ddp`   : `torch.nn.parallel.DistributedDataParallel` (25 MB buckets, `gradient_as_bucket_view`
+            off as by default; no per-forward buffer broadcast: the buffers are constant causal
+            masks) + `torch.optim.Adam`;
+* `fsdp2` : torch FSDP2, `torch.distributed.fsdp.fully_shard` on each block `h.i`, then on the root
+            (defaults: the blocks reshard after forward, the root stays gathered from forward to
+            backward) + `torch.optim.Adam` over its DTensor parameters;
+* `zero1` : `nnscaler.parallelize(model, batch, 'dp', ComputeConfig(1, n, use_zero=True))` +
+            `nnscaler.build_optimizer(pm, torch.optim.Adam)`;
+* `zero3` : the same with `use_zero=3` (each block `h.i` one unit, gathered on first use and freed
+            after; embeddings, final norm and tied head the root unit).
 
-Each case runs in fresh processes (one `torch.multiprocessing.spawn` per case), so a case's memory
-is its own. Per case: build (model, wrapper, optimizer; the single-device model is dropped),
-`--warmup` (2) untimed steps, then `--steps` (5) timed steps (`zero_grad`, forward, backward,
-`step`; a barrier before each step; a step's time is that of the slower rank; reported: the
-median over the steps).
+A step is `zero_grad`, forward (the loss), backward, `step`.
 
-**Memory.** The workers run with glibc's `MALLOC_MMAP_THRESHOLD_=65536` and
-`MALLOC_TRIM_THRESHOLD_=131072` (set in the parent before the spawn: glibc reads them when a process
-starts), so every tensor above 64 KiB is its own mapping, returned to the OS when freed, and RSS
-follows the live tensors (by default glibc keeps freed heap memory and a freed gathered block or the
-freed full model would stay in RSS). After the warm-up steps each rank runs `gc.collect()` and
-`malloc_trim(0)`, resets its peak RSS (`echo 5 > /proc/self/clear_refs`: VmHWM := VmRSS) and reads
-VmHWM after the timed steps: the **steady-state peak RSS** of training, without the one-off build
-(which holds the whole single-device model on every rank; its peak, VmHWM before the reset, is
-reported apart as `build_peak`). Also per rank: the RSS after `import torch` + gloo init, before any
-model exists (`baseline`, the same for every case: torch, gloo, nnscaler), the peak above that
-baseline, and the bytes of the tensors held between steps (parameters, gradients, optimizer state,
-ZeRO-3 shards, nnscaler's reducer buffers; distinct storages; FSDP2's local shards; DDP's C++
-gradient buckets, another 4 Psi, are not reachable from Python and not counted).
+**1. Step time** (one `torch.multiprocessing.spawn`, all the cases built in the same processes,
+glibc's default malloc settings): `--warmup` (1) untimed step of each, then `--rounds` (5) rounds
+in which each case runs a block of `--block` (1) steps, the order rotated every round, a barrier
+before every block; a block's time is that of the slower rank. Interleaving keeps the cases
+comparable while other jobs load the machine. Reported: the median ms/step over the blocks, the
+ratio of the medians and the median of the per-round ratios ("paired"); forward / backward / step
+ms of rank 0 (means).
 
-Targets (the slower/larger rank of each case): peak RSS zero3 / fsdp2 <= 1.05, zero3 / ddp <= 0.6,
-step time zero3 / fsdp2 <= 1.0. Correctness: same initial weights and batches, so the mean loss
-over ranks of every step must agree with DDP's (relative difference <= `--loss-rtol`, 1e-3).
+**2. Memory** (one spawn per case, so a case's memory is its own): the workers run with glibc's
+`MALLOC_MMAP_THRESHOLD_=65536` and `MALLOC_TRIM_THRESHOLD_=131072`, set in the parent before the
+spawn (glibc reads them when a process starts; `--no-malloc-env` drops them): every allocation
+above 64 KiB is its own mapping, unmapped when freed, so RSS follows the live tensors (with glibc's
+defaults freed heap memory stays in RSS, so a freed gathered block or the freed single-device model
+would count as held). Each rank records its RSS after `import torch` + gloo init (`cold baseline`)
+and again after one Adam step of a tiny single-device GPT and one of each collective, released
+(`baseline`: torch, gloo, nnscaler, code pages and thread pools, the same for every case, ~310 MiB
+here; a 117k-parameter GPT's steady RSS is within 5 MiB of it), before any model; it then builds (single-device model,
+wrapper, optimizer; the single-device model is dropped), runs `--mem-warmup` (1) steps (Adam's
+state then exists), `gc.collect()` + `malloc_trim(0)`, resets its peak RSS
+(`echo 5 > /proc/self/clear_refs`: VmHWM := VmRSS) and runs `--mem-steps` (3) steps; the
+**steady-state peak RSS** is VmHWM after them (and at least the largest VmRSS a thread sampled
+every 2 ms), so the one-off build, which holds the whole model on every rank, is excluded; its
+peak (VmHWM before the reset) is reported apart as `build_peak`. Also per rank: the peak above
+the baseline, the RSS at the reset (`steady`: what is held between steps) and the peak above it
+(`transient`: what a step adds: gathered blocks, activations, communication buffers), and the
+bytes of the tensors held between steps that Python can reach (parameters, gradients, optimizer
+state, ZeRO-3 shards, nnscaler's reducer buffers: distinct storages; FSDP2's local shards; DDP's
+C++ gradient buckets, another 4 Psi bytes, are not reachable). Each case's figure is its larger rank.
 
-**Memory budget.** Then `--budget-cases` (ddp zero1 zero3) train a larger GPT (`--demo-layers`,
-`--demo-embd`) under a per-process budget of `--budget-mib` MiB of RSS: a thread samples VmRSS every
-2 ms and VmHWM (reset after the build, as above) is read after every step; when a rank is over the
-budget the ranks stop together after that step (an out-of-memory in a real run) and the case is
-reported as not fitting, with the step and the peak; otherwise it trains `--budget-steps` steps and
-fits. The build is outside the budget (every case builds the whole model first; `build_peak` is
-reported).
+Targets: peak RSS zero3 / fsdp2 <= 1.05 and zero3 / ddp <= 0.6; step time zero3 / fsdp2 <= 1.0.
+Correctness: same initial weights and batches, so the loss of every step (mean over the ranks) of
+each case, in both parts, must match DDP's within `--loss-rtol` (1e-3, relative).
 
-Writes bench/results/fsdp.json.
+**3. Memory budget**: `--budget-cases` (ddp zero1 zero3) train a larger GPT (`--demo-layers` 10,
+`--demo-embd` 768) in fresh processes under a per-process budget of `--budget-mib` MiB of RSS,
+measured as in part 2 from the end of the build (no warm-up: Adam's state is created by the first
+step, inside the budget): after every step the ranks compare their peak RSS (VmHWM, and the 2 ms
+samples) with the budget; when one is over, all stop (what an out-of-memory would do) and the case
+does not fit; otherwise it trains `--budget-steps` (3) steps and fits. The build is outside the
+budget (each case builds the whole single-device model first; its peak is reported).
+
+`--parts time memory budget` picks the parts (default all three). Writes bench/results/fsdp.json.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import gc
+import inspect
 import os
 import statistics
 import sys
@@ -76,9 +89,12 @@ CASES = ("ddp", "fsdp2", "zero1", "zero3")
 LABELS = {"ddp": "torch DDP", "fsdp2": "torch FSDP2 (fully_shard)", "zero1": "nnscaler use_zero=True (ZeRO-1)",
           "zero3": "nnscaler use_zero=3"}
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
-TARGETS = {"mem_zero3_vs_fsdp2": 1.05, "mem_zero3_vs_ddp": 0.6, "time_zero3_vs_fsdp2": 1.0}
+TARGETS = {"peak_rss zero3/fsdp2": 1.05, "peak_rss zero3/ddp": 0.6, "step_time zero3/fsdp2": 1.0}
 MIB = 1 << 20
-_fmt = _common.fmt_bytes
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / MIB:,.1f}"
 
 
 # -- per-process memory ---------------------------------------------------------------------------
@@ -91,24 +107,26 @@ def _status(key: str) -> int:
 
 
 def _release() -> None:
-    """Collect garbage and hand glibc's free memory back (the peak is reset just after)."""
+    """Collect garbage and hand glibc's free memory back to the OS."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
+    except (OSError, AttributeError):
         pass
 
 
 def _reset_peak() -> int:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    """VmHWM := VmRSS; returns VmRSS."""
+    Path("/proc/self/clear_refs").write_text("5")
     return _status("VmRSS")
 
 
 class _Sampler:
-    """VmRSS every `period` seconds in a thread (the budget check; VmHWM is the exact peak)."""
+    """The largest VmRSS seen, sampled every `period` s in a thread (VmHWM is the exact peak; this
+    is a cross-check)."""
 
     def __init__(self, period: float = 0.002):
-        self.period, self.peak, self._stop = period, 0, threading.Event()
+        self.period, self.peak, self._stop = period, _status("VmRSS"), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -134,7 +152,7 @@ def _held_bytes(model, opt) -> int:
         t = getattr(t, "_local_tensor", t)  # DTensor
         s = t.untyped_storage()
         if s.nbytes():
-            seen[(s.data_ptr(), s.nbytes())] = s.nbytes()
+            seen[s.data_ptr()] = s.nbytes()
 
     for p in model.parameters():
         add(p)
@@ -152,13 +170,12 @@ def _held_bytes(model, opt) -> int:
             for u in fs.units:
                 add(u.shard)
                 add(None if u.shard is None else u.shard.grad)
-        reducer = getattr(m, "reducer", None)
-        for b in getattr(reducer, "_buckets", None) or []:
+        for b in getattr(getattr(m, "reducer", None), "_buckets", None) or []:
             add(getattr(b, "buffer", None))
     return sum(seen.values())
 
 
-# -- one case in one process ----------------------------------------------------------------------
+# -- building and stepping ------------------------------------------------------------------------
 
 def _gpt_cfg(a: dict):
     from gpt import GPTConfig
@@ -166,7 +183,7 @@ def _gpt_cfg(a: dict):
                      n_embd=a["embd"], use_sdpa=False)
 
 
-def _batches(a: dict, rank: int, world: int, steps: int):
+def _batches(a: dict, rank: int, world: int, steps: int) -> list:
     from gpt import random_batch
     cfg, per = _gpt_cfg(a), a["batch"]
     out = []
@@ -176,182 +193,387 @@ def _batches(a: dict, rank: int, world: int, steps: int):
     return out
 
 
-def _build(case: str, a: dict, rank: int, world: int, gen_dir: str, example: dict):
-    """(model, optimizer, parameters of the single-device model)."""
-    import inspect
+def _build(case: str, a: dict, world: int, gen_dir: str, example: dict):
+    """(model, optimizer, parameters of the single-device model); the single-device model is
+    not kept apart from what the wrapper holds."""
     from gpt import GPT
     torch.manual_seed(0)
     base = GPT(_gpt_cfg(a))
     n_params = sum(p.numel() for p in base.parameters())
-    lr = a["lr"]
     if case == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
-        kw = {}
-        if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
-            kw["forward_sync_buffers"] = False
-        else:
-            kw["broadcast_buffers"] = False
+        kw = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+              else {"broadcast_buffers": False})
         model = DDP(base, **kw)
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        opt = torch.optim.Adam(model.parameters(), lr=a["lr"])
     elif case == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for block in base.h:
             fully_shard(block)
         model = fully_shard(base)
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        opt = torch.optim.Adam(model.parameters(), lr=a["lr"])
     else:
         from nnscaler import ComputeConfig, build_optimizer, parallelize
         cc = ComputeConfig(1, world, use_zero=3 if case == "zero3" else True, trace_strategy="cpu")
         model = parallelize(base, example, "dp", cc, gen_savedir=gen_dir, instance_name=f"{case}_{a['tag']}",
                             reuse="override")
-        opt = build_optimizer(model, torch.optim.Adam, lr=lr)
+        opt = build_optimizer(model, torch.optim.Adam, lr=a["lr"])
     del base
     return model, opt, n_params
 
 
-def _step(model, opt, b):
+def _step(model, opt, b, phases=None):
+    t0 = time.perf_counter()
     opt.zero_grad()
     loss = model(**b)
+    t1 = time.perf_counter()
     loss.backward()
+    t2 = time.perf_counter()
     opt.step()
+    if phases is not None:
+        t3 = time.perf_counter()
+        phases[0] += t1 - t0
+        phases[1] += t2 - t1
+        phases[2] += t3 - t2
     return loss.detach()
 
 
-def _mean_over_ranks(x: float, world: int) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item() / world
+def _reduce(values: list, op=dist.ReduceOp.SUM) -> list:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
 
 
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+# -- part 1: step time, every case in the same processes ------------------------------------------
+
+def time_cases(rank: int, cases: list, a: dict, gen_dir: str) -> dict:
+    world = dist.get_world_size()
+    nsteps = a["warmup"] + a["rounds"] * a["block"]
+    batches = _batches(a, rank, world, nsteps)
+    built, build_s = {}, {}
+    for c in cases:
+        t0 = time.perf_counter()
+        built[c] = _build(c, a, world, gen_dir, batches[0])[:2]
+        build_s[c] = time.perf_counter() - t0
+        _release()
+    done = {c: 0 for c in cases}
+    losses = {c: [] for c in cases}
+    times = {c: [] for c in cases}
+    rounds = []
+    phases = {c: [0.0, 0.0, 0.0] for c in cases}
+
+    def run(c, n, ph=None):
+        out = []
+        for _ in range(n):
+            out.append(_step(*built[c], batches[done[c]], ph))
+            done[c] += 1
+        return out
+
+    for c in cases:
+        for x in run(c, a["warmup"]):
+            losses[c].append(x.item())
+    for r in range(a["rounds"]):
+        order = cases[r % len(cases):] + cases[:r % len(cases)]
+        this = {}
+        for c in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = run(c, a["block"], phases[c])
+            dt = _reduce([time.perf_counter() - t0], dist.ReduceOp.MAX)[0] / a["block"]
+            times[c].append(dt)
+            this[c] = dt
+            losses[c].extend(x.item() for x in out)
+        rounds.append(this)
+    for c in cases:
+        losses[c] = [x / world for x in _reduce(losses[c])]
+    stats = {c: dict(vars(built[c][0].fully_sharded.stats)) for c in cases
+             if getattr(built[c][0], "fully_sharded", None) is not None}
+    nsteps_timed = a["rounds"] * a["block"]
+    return {"rank": rank, "build_s": build_s, "step_s": times, "rounds": rounds, "losses": losses,
+            "phases_ms": {c: [1e3 * x / nsteps_timed for x in ph] for c, ph in phases.items()},
+            "zero3_stats": stats}
 
 
-def run_case(rank: int, case: str, a: dict, gen_dir: str, budget: int = 0) -> dict:
-    """Build, warm up, then time `a['steps']` steps with the peak RSS reset after the warm-up.
-    With `budget` (bytes): stop (all ranks) after the first step whose peak RSS exceeds it."""
+# -- parts 2 and 3: memory of one case in its own processes ----------------------------------------
+
+def _warm_up_process() -> None:
+    """One step of a tiny single-device GPT (2 x 64, Adam) and one of each collective the cases
+    use, then release: the code pages, thread pools and allocator arenas every case needs are
+    then part of the baseline, not of a case's figure."""
+    from gpt import GPT, GPTConfig, random_batch
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=64)
+    torch.manual_seed(1)
+    m = GPT(cfg)
+    o = torch.optim.Adam(m.parameters(), lr=1e-3)
+    m(**random_batch(0, 2, cfg)).backward()
+    o.step()
+    n = dist.get_world_size()
+    x = torch.ones(4096 * n)
+    dist.all_reduce(x)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(torch.empty(4096), x)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(torch.empty(4096 * n), torch.ones(4096))
+    del m, o, x
+    _release()
+    dist.barrier()
+
+
+def _rss_parts() -> dict:
+    return {k: _status(k) for k in ("RssAnon", "RssFile", "RssShmem")}
+
+
+def memory_case(rank: int, case: str, a: dict, gen_dir: str, budget: int = 0) -> dict:
+    """Build, `mem_warmup` steps, reset the peak RSS, `mem_steps` steps. With `budget` (bytes): all
+    ranks stop after the first step whose peak RSS is over it on some rank."""
     world = dist.get_world_size()
     dist.barrier()
     _release()
+    baseline_cold = _status("VmRSS")
+    _warm_up_process()
     baseline = _status("VmRSS")
-    nsteps = a["warmup"] + a["steps"]
+    nsteps = a["mem_warmup"] + a["mem_steps"]
     batches = _batches(a, rank, world, nsteps)
     t0 = time.perf_counter()
-    model, opt, n_params = _build(case, a, rank, world, gen_dir, batches[0])
-    _release()
+    model, opt, n_params = _build(case, a, world, gen_dir, batches[0])
     build_s = time.perf_counter() - t0
-    build_peak = _status("VmHWM")
-    losses, times = [], []
-    for s in range(a["warmup"]):
-        losses.append(_mean_over_ranks(_step(model, opt, batches[s]).item(), world))
+    losses = [_step(model, opt, batches[s]).item() for s in range(a["mem_warmup"])]
     _release()
+    build_peak = _status("VmHWM")
+    held = _held_bytes(model, opt) if a["mem_warmup"] else None  # grads and Adam state exist after a step
     dist.barrier()
-    held = _held_bytes(model, opt)
-    reset_rss = _reset_peak()
+    steady_parts = _rss_parts()
+    steady = _reset_peak()
     sampler = _Sampler()
-    over_at, peaks = None, []
-    for s in range(a["warmup"], nsteps):
-        dist.barrier()
+    over_at, peaks, times = None, [], []
+    for s in range(a["mem_warmup"], nsteps):
         t = time.perf_counter()
-        loss = _step(model, opt, batches[s])
-        times.append(_max_over_ranks(time.perf_counter() - t))
-        losses.append(_mean_over_ranks(loss.item(), world))
+        losses.append(_step(model, opt, batches[s]).item())
+        times.append(time.perf_counter() - t)
         peaks.append(max(_status("VmHWM"), sampler.peak))
-        if budget and _max_over_ranks(float(peaks[-1] > budget)):
-            over_at = s - a["warmup"]
+        if budget and _reduce([float(peaks[-1] > budget)], dist.ReduceOp.MAX)[0]:
+            over_at = s - a["mem_warmup"]
             break
     sampled = sampler.stop()
     peak = max(_status("VmHWM"), sampled)
-    stats = getattr(getattr(model, "fully_sharded", None), "stats", None)
-    out = {"rank": rank, "case": case, "params": n_params, "baseline_rss": baseline, "build_peak": build_peak,
-           "build_s": build_s, "held_bytes": held, "reset_rss": reset_rss, "peak_rss": peak,
-           "sampled_peak_rss": sampled, "peak_per_step": peaks, "peak_above_baseline": peak - baseline,
-           "step_s": times, "losses": losses, "over_budget_at_step": over_at,
-           "zero3_stats": None if stats is None else dict(vars(stats))}
+    end_parts = _rss_parts()
+    if held is None:
+        held = _held_bytes(model, opt)
+    losses = [x / world for x in _reduce(losses)]
     del model, opt
     dist.barrier()
-    return out
+    return {"rank": rank, "case": case, "params": n_params, "baseline_cold_rss": baseline_cold,
+            "baseline_rss": baseline, "build_peak": build_peak, "steady_rss_parts": steady_parts,
+            "end_rss_parts": end_parts,
+            "build_s": build_s, "held_bytes": held, "steady_rss": steady, "peak_rss": peak,
+            "sampled_peak_rss": sampled, "peak_rss_per_step": peaks, "peak_above_baseline": peak - baseline,
+            "transient": peak - steady, "step_s": times, "losses": losses, "over_budget_at_step": over_at}
 
 
 # -- driver ---------------------------------------------------------------------------------------
 
-def spawn_case(case: str, a: dict, tmp: str, budget: int = 0):
+def _spawn(fn, fn_args: tuple, a: dict, tmp: str, name: str, malloc_env: bool):
     old = {k: os.environ.get(k) for k in MALLOC_ENV}
-    if a["malloc_env"]:
-        os.environ.update(MALLOC_ENV)  # read by glibc at start: the workers inherit it
+    if malloc_env:
+        os.environ.update(MALLOC_ENV)  # read by glibc when a process starts: the workers inherit it
+    else:
+        for k in MALLOC_ENV:
+            os.environ.pop(k, None)
     try:
-        ranks, spawn_s = _common.spawn_gloo(run_case, (case, a, os.path.join(tmp, "gen"), budget), a["nproc"],
-                                            os.path.join(tmp, f"{case}_{a['tag']}.json"))
+        return _common.spawn_gloo(fn, fn_args, a["nproc"], os.path.join(tmp, name + ".json"))
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return ranks, spawn_s
 
 
-def summarize(case: str, ranks: list, spawn_s: float) -> dict:
-    r0 = ranks[0]
-    return {"case": case, "label": LABELS[case], "params": r0["params"], "spawn_s": spawn_s,
-            "peak_rss": max(r["peak_rss"] for r in ranks), "baseline_rss": max(r["baseline_rss"] for r in ranks),
-            "peak_above_baseline": max(r["peak_above_baseline"] for r in ranks),
-            "build_peak": max(r["build_peak"] for r in ranks), "held_bytes": max(r["held_bytes"] for r in ranks),
-            "step_s_median": statistics.median(r0["step_s"]) if r0["step_s"] else float("nan"),
-            "step_s": r0["step_s"], "losses": r0["losses"], "over_budget_at_step": r0["over_budget_at_step"],
-            "per_rank": ranks}
+def _rel_diff(xs: list, ref: list) -> float:
+    n = min(len(xs), len(ref))
+    return max((abs(x - r) / max(abs(r), 1e-12) for x, r in zip(xs[:n], ref[:n])), default=float("nan"))
+
+
+def _mem_summary(case: str, ranks: list, spawn_s: float) -> dict:
+    big = max(ranks, key=lambda r: r["peak_rss"])
+    return {"case": case, "label": LABELS[case], "params": ranks[0]["params"], "spawn_s": spawn_s,
+            **{k: max(r[k] for r in ranks) for k in ("peak_rss", "baseline_rss", "baseline_cold_rss",
+                                                       "peak_above_baseline", "build_peak", "held_bytes",
+                                                       "steady_rss", "transient", "sampled_peak_rss")},
+            "larger_rank": big["rank"], "losses": ranks[0]["losses"],
+            "over_budget_at_step": ranks[0]["over_budget_at_step"],
+            "step_s_median": statistics.median(big["step_s"]) if big["step_s"] else None, "per_rank": ranks}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--embd", type=int, default=640)
+    p.add_argument("--layers", type=int, default=10)
+    p.add_argument("--embd", type=int, default=768)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps of each case (part 1)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--block", type=int, default=1, help="steps per case per round")
+    p.add_argument("--mem-warmup", type=int, default=1)
+    p.add_argument("--mem-steps", type=int, default=3)
     p.add_argument("--loss-rtol", type=float, default=1e-3)
-    p.add_argument("--no-malloc-env", action="store_true", help="leave glibc's malloc defaults in the workers")
+    p.add_argument("--no-malloc-env", action="store_true", help="glibc's malloc defaults in the memory workers")
+    p.add_argument("--parts", nargs="*", default=["time", "memory", "budget"], choices=["time", "memory", "budget"],
+                   help="which parts to run (1: time, 2: memory, 3: budget)")
     p.add_argument("--budget-cases", nargs="*", default=["ddp", "zero1", "zero3"], choices=CASES)
-    p.add_argument("--budget-mib", type=float, default=1400)
-    p.add_argument("--demo-layers", type=int, default=12)
+    p.add_argument("--budget-mib", type=float, default=1100)
+    p.add_argument("--demo-layers", type=int, default=10)
     p.add_argument("--demo-embd", type=int, default=768)
     p.add_argument("--budget-steps", type=int, default=3)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "fsdp.json"))
-    args = _common.parse_args(p, {"layers": 2, "embd": 64, "heads": 2, "block_size": 16, "batch": 2, "warmup": 1,
-                                  "steps": 2, "demo_layers": 2, "demo_embd": 64, "budget_steps": 1},
+    args = _common.parse_args(p, {"layers": 2, "embd": 64, "heads": 2, "block_size": 16, "warmup": 1, "rounds": 1,
+                                  "mem_steps": 1, "demo_layers": 2, "demo_embd": 64, "budget_steps": 1},
                               "fsdp.json")
     t_start = time.perf_counter()
     load_before = _common.loadavg()
+    cases = list(args.cases)
     a = {"vocab": args.vocab, "block_size": args.block_size, "layers": args.layers, "heads": args.heads,
-         "embd": args.embd, "batch": args.batch, "lr": args.lr, "warmup": args.warmup, "steps": args.steps,
-         "nproc": args.nproc, "malloc_env": not args.no_malloc_env, "tag": "main"}
+         "embd": args.embd, "batch": args.batch, "lr": args.lr, "warmup": args.warmup, "rounds": args.rounds,
+         "block": args.block, "mem_warmup": args.mem_warmup, "mem_steps": args.mem_steps, "nproc": args.nproc,
+         "tag": "main"}
     threads = _common.threads_per_rank(args.nproc)
-    results = {}
+    print(f"GPT {args.layers} layers x {args.embd}, {args.heads} heads, T {args.block_size}, vocab {args.vocab}, "
+          f"{args.batch} sequences per rank; {args.nproc} gloo processes x {threads} thread(s)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for case in args.cases:
-            ranks, spawn_s = spawn_case(case, a, tmp)
-            results[case] = summarize(case, ranks, spawn_s)
-            c = results[case]
-            print(f"{case:6s}: peak RSS {c['peak_rss'] / MIB:8.1f} MiB, step {c['step_s_median'] * 1e3:8.1f} ms, "
-                  f"loss {c['losses'][-1]:.6f} ({spawn_s:.1f} s)", flush=True)
-        budget_runs = {}
+        gen = os.path.join(tmp, "gen")
+        timing, time_spawn_s = ([], 0.0)
+        if cases and "time" in args.parts:
+            timing, time_spawn_s = _spawn(time_cases, (cases, a, gen), a, tmp, "time", False)
+            print(f"part 1 (step time, interleaved): {time_spawn_s:.1f} s", flush=True)
+        mem = {}
+        for c in (cases if "memory" in args.parts else []):
+            ranks, s = _spawn(memory_case, (c, a, gen), a, tmp, f"mem_{c}", not args.no_malloc_env)
+            mem[c] = _mem_summary(c, ranks, s)
+            print(f"part 2 (memory) {c}: peak RSS {_mib(mem[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
         budget = int(args.budget_mib * MIB)
-        demo = dict(a, layers=args.demo_layers, embd=args.demo_embd, warmup=1, steps=args.budget_steps, tag="demo")
-        for case in args.budget_cases:
-            ranks, spawn_s = spawn_case(case, demo, tmp, budget)
-            budget_runs[case] = summarize(case, ranks, spawn_s)
-            c = budget_runs[case]
-            print(f"budget {case:6s}: peak RSS {c['peak_rss'] / MIB:8.1f} MiB, over at {c['over_budget_at_step']} "
-                  f"({spawn_s:.1f} s)", flush=True)
-    print(results.keys(), budget_runs.keys(), time.perf_counter() - t_start, load_before)
+        demo = dict(a, layers=args.demo_layers, embd=args.demo_embd, mem_warmup=0, mem_steps=args.budget_steps,
+                    tag="demo")
+        budget_runs = {}
+        for c in (args.budget_cases if "budget" in args.parts else []):
+            ranks, s = _spawn(memory_case, (c, demo, gen, budget), demo, tmp, f"budget_{c}", not args.no_malloc_env)
+            budget_runs[c] = _mem_summary(c, ranks, s)
+            print(f"part 3 (budget) {c}: peak RSS {_mib(budget_runs[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
+
+    # -- report ------------------------------------------------------------------------------------
+    r0 = timing[0] if timing else None
+    step = {c: statistics.median(r0["step_s"][c]) for c in cases} if r0 else {}
+    ref = "ddp" if "ddp" in cases else (cases[0] if cases else None)
+    checks = {}
+    for c in cases:
+        diffs = []
+        x = {}
+        if r0:
+            x["loss_rel_diff_vs_ddp_time"] = _rel_diff(r0["losses"][c], r0["losses"][ref])
+            x["losses_time"] = r0["losses"][c]
+            diffs.append(x["loss_rel_diff_vs_ddp_time"])
+        if mem:
+            x["loss_rel_diff_vs_ddp_mem"] = _rel_diff(mem[c]["losses"], mem[ref]["losses"])
+            diffs.append(x["loss_rel_diff_vs_ddp_mem"])
+        x["losses"] = r0["losses"][c] if r0 else mem[c]["losses"] if mem else []
+        x["max_rel_diff"] = max(diffs) if diffs else None
+        x["ok"] = not diffs or x["max_rel_diff"] <= args.loss_rtol
+        checks[c] = x
+    for c, b in budget_runs.items():
+        bref = "ddp" if "ddp" in budget_runs else next(iter(budget_runs))
+        b["loss_rel_diff_vs_ddp"] = _rel_diff(b["losses"], budget_runs[bref]["losses"])
+        b["fits"] = b["over_budget_at_step"] is None
+
+    params = (mem[cases[0]]["params"] if mem else None) if cases else None
+    print(f"\n== GPT {args.layers} x {args.embd}" + (f": {params:,} parameters" if params else "")
+          + f", Adam fp32, {args.nproc} gloo ranks x {threads} thread(s) ==")
+    rows = []
+    for c in cases:
+        m = mem.get(c, {})
+        row = [c]
+        if mem:
+            row += [_mib(m["baseline_cold_rss"]), _mib(m["baseline_rss"]), _mib(m["build_peak"]),
+                    _mib(m["held_bytes"]), _mib(m["steady_rss"]), _mib(m["transient"]), _mib(m["peak_rss"]),
+                    _mib(m["peak_above_baseline"])]
+        if r0:
+            ph = r0["phases_ms"][c]
+            row += [f"{step[c] * 1e3:,.0f}", f"{min(r0['step_s'][c]) * 1e3:,.0f}",
+                    f"{ph[0]:,.0f} / {ph[1]:,.0f} / {ph[2]:,.0f}"]
+        row += [f"{checks[c]['losses'][-1]:.6f}" if checks[c]["losses"] else "-",
+                "-" if checks[c]["max_rel_diff"] is None else f"{checks[c]['max_rel_diff']:.1e}"]
+        rows.append(row)
+    if rows:
+        head = ["case"]
+        if mem:
+            head += ["cold baseline MiB", "baseline", "build peak", "held tensors", "steady RSS", "transient",
+                     "peak RSS", "peak - baseline"]
+        if r0:
+            head += ["step ms (median)", "min", "fwd / bwd / opt ms"]
+        head += ["final loss", "loss rel diff vs DDP"]
+        print(_common.table(head, rows))
+        if mem:
+            print("RSS in MiB, per case its larger rank. cold baseline: after import + gloo init; baseline: then after "
+                  "one step of a tiny GPT (code pages, thread pools); steady: at the reset after the warm-up; "
+                  "transient = peak - steady; held tensors = params + grads + optimizer state (+ ZeRO-3 shards, "
+                  "nnscaler reducer buffers; not DDP's C++ buckets)")
+    ratios = {}
+    if {"zero3", "fsdp2"} <= set(cases):
+        if mem:
+            ratios["peak_rss zero3/fsdp2"] = mem["zero3"]["peak_rss"] / mem["fsdp2"]["peak_rss"]
+            ratios["peak_above_baseline zero3/fsdp2"] = (mem["zero3"]["peak_above_baseline"]
+                                                         / mem["fsdp2"]["peak_above_baseline"])
+        if r0:
+            ratios["step_time zero3/fsdp2"] = step["zero3"] / step["fsdp2"]
+            ratios["step_time zero3/fsdp2 (paired)"] = statistics.median(
+                rd["zero3"] / rd["fsdp2"] for rd in r0["rounds"])
+    if {"zero3", "ddp"} <= set(cases):
+        if mem:
+            ratios["peak_rss zero3/ddp"] = mem["zero3"]["peak_rss"] / mem["ddp"]["peak_rss"]
+            ratios["peak_above_baseline zero3/ddp"] = (mem["zero3"]["peak_above_baseline"]
+                                                       / mem["ddp"]["peak_above_baseline"])
+        if r0:
+            ratios["step_time zero3/ddp"] = step["zero3"] / step["ddp"]
+    if {"zero1", "ddp"} <= set(cases) and mem:
+        ratios["peak_rss zero1/ddp"] = mem["zero1"]["peak_rss"] / mem["ddp"]["peak_rss"]
+    if {"fsdp2", "ddp"} <= set(cases) and mem:
+        ratios["peak_rss fsdp2/ddp"] = mem["fsdp2"]["peak_rss"] / mem["ddp"]["peak_rss"]
+    if ratios:
+        print()
+        print(_common.table(["ratio", "value", "target", "met"],
+                            [[k, f"{v:.3f}", f"<= {TARGETS[k]}" if k in TARGETS else "-",
+                              ("yes" if v <= TARGETS[k] else "NO") if k in TARGETS else "-"]
+                             for k, v in ratios.items()]))
+    if budget_runs:
+        any_b = next(iter(budget_runs.values()))
+        print(f"\n== budget {args.budget_mib:,.0f} MiB RSS per process: GPT {args.demo_layers} x {args.demo_embd}, "
+              f"{any_b['params']:,} parameters (the build is outside the budget) ==")
+        print(_common.table(
+            ["case", "baseline MiB", "build peak", "peak RSS (training)", "budget", "fits",
+             "steps trained", "loss rel diff vs DDP"],
+            [[c, _mib(b["baseline_rss"]), _mib(b["build_peak"]), _mib(b["peak_rss"]), _mib(budget),
+              "yes" if b["fits"] else "NO", f"{len(b['per_rank'][0]['step_s'])} of {args.budget_steps}"
+              + ("" if b["fits"] else f" (over at step {b['over_budget_at_step']})"),
+              f"{b['loss_rel_diff_vs_ddp']:.1e}"] for c, b in budget_runs.items()]))
+    elapsed = time.perf_counter() - t_start
+    print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
+    data = {**_common.run_header(),
+            "config": {**vars(args), "threads_per_rank": threads,
+                       "malloc_env": None if args.no_malloc_env else MALLOC_ENV},
+            "targets": TARGETS, "ratios": ratios,
+            "targets_met": {k: ratios[k] <= v for k, v in TARGETS.items() if k in ratios},
+            "step_time": {"median_s": step, "per_block_s": r0["step_s"] if r0 else {},
+                          "rounds": r0["rounds"] if r0 else [], "phases_ms_rank0": r0["phases_ms"] if r0 else {},
+                          "build_s_rank0": r0["build_s"] if r0 else {},
+                          "zero3_stats": r0["zero3_stats"] if r0 else {}, "losses": r0["losses"] if r0 else {},
+                          "spawn_s": time_spawn_s, "per_rank": timing},
+            "memory": mem, "loss_checks": checks, "loss_rtol": args.loss_rtol,
+            "all_losses_ok": all(x["ok"] for x in checks.values()),
+            "budget": {"budget_bytes": budget, "demo_layers": args.demo_layers, "demo_embd": args.demo_embd,
+                       "runs": budget_runs},
+            "loadavg_before": load_before, "loadavg_after": _common.loadavg(), "seconds": elapsed}
+    _common.save_results(args.out, data)
 
 
 if __name__ == "__main__":
