@@ -72,3 +72,27 @@ def test_recompute_with_tensor_parallel_collectives(tmp_path):
         assert loss_a == loss_b
         for name, grad in grads_a.items():
             assert torch.allclose(grad, grads_b[name], atol=1e-7, rtol=0), name
+
+
+def test_recompute_under_use_zero_3_trains_like_one_process(tmp_path):
+    """Recomputed blocks read their parameters again inside backward: use_zero=3 gathers the unit for
+    the recomputation, and training matches the plain module exactly."""
+    from nnscaler import build_optimizer
+    results = {}
+    for use_zero, pas in ((False, {}), (3, {"recompute_modules": "Block"})):
+        pm = parallelize(_model(), random_batch(0, 4, GPTConfig(**CFG)), "dp",
+                         ComputeConfig(1, 1, trace_strategy="cpu", use_zero=use_zero, pas_config=pas),
+                         gen_savedir=tmp_path, instance_name=f"rc_zero{int(use_zero)}")
+        opt = build_optimizer(pm, torch.optim.Adam, lr=1e-2)
+        losses = []
+        for step in range(3):
+            opt.zero_grad()
+            loss = pm(**random_batch(step, 4, GPTConfig(**CFG)))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        with pm.unsharded():
+            results[use_zero] = losses, {n: p.detach().clone() for n, p in pm.named_parameters()}
+    assert results[3][0] == results[False][0]
+    for name, value in results[False][1].items():
+        assert torch.equal(results[3][1][name], value), name
