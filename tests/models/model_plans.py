@@ -127,6 +127,9 @@ def train_plan(rank, world, name, case, gen_root):
         t = loss.detach().reshape(1).clone()
         dist.all_reduce(t)
         losses.append(t.item() / world)
+    if cfg.zero_stage == 3:  # the shards hold the values: every registered parameter is empty between steps
+        assert pm.fully_sharded is not None and all(p.numel() == 0 for p in pm.parameters()), case["label"]
+        assert pm.fully_sharded.stats.reduce_scatters > 0 and pm.fully_sharded.groups.size == dp_size // cfg.zero_ngroups
     with pm.unsharded():  # whole local tensors (use_zero=3 gathers them)
         shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
                   for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]

@@ -6,8 +6,8 @@ Adam steps every parameter within 1e-10 of single-process training (assembled fr
 shards; ranks holding the same slice must agree exactly) and every loss within 1e-10.
 
 One spawn of 2 worker processes per model runs all its plans (each its own gen_savedir); one
-spawn of 4 runs megatron tp 2 x dp 2 on Llama, without and with use_zero=3, and use_zero=3 over
-dp 4 with zero_ngroups=2. The reference runs with one thread like the
+spawn of 4 runs megatron tp 2 x dp 2 on Llama, without and with use_zero=3, use_zero=3 over dp 4
+with zero_ngroups=2, and pp 2 x dp 2 with use_zero=3. The reference runs with one thread like the
 workers (HF's float32 softmax / RMSNorm round differently per thread split).
 
 Exceptions, by design, each tested as such:
@@ -52,7 +52,8 @@ CASES = {
 }
 WORLD4 = [dict(mp.megatron(), model="llama", label="megatron-tp2-dp2"),
           dict(mp.megatron(use_zero=3), model="llama", label="megatron-tp2-dp2-zero3"),
-          dict(mp.zero3(zero_ngroups=2), model="llama", label="dp4-zero3-g2")]
+          dict(mp.zero3(zero_ngroups=2), model="llama", label="dp4-zero3-g2"),
+          dict(mp.pp(use_zero=3), model="llama", label="pp2-dp2-zero3")]
 
 # The projections megatron must shard, by the parameter's suffix (per layer).
 MEGATRON_SHARDED = {

@@ -148,8 +148,6 @@ BAD = [
     ({"_optimizer_states": -1}, {}, "_optimizer_states", ">= 0"),
     ({"zero3_units": "h.0,h.1"}, {}, "zero3_units", "list of module paths"),
     ({"zero3_units": ["h.0", 3]}, {}, "zero3_units", "list of module paths"),
-    ({"pipeline_nstages": 2, "pipeline_pivots": "Block"}, {"use_end2end": True, "plan_ngpus": 2, "runtime_ngpus": 4,
-                                                          "use_zero": 3}, "pipeline_nstages", "use_zero=True"),
 ]
 
 

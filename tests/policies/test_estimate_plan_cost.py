@@ -137,7 +137,6 @@ def test_zero3_link_and_groups(h100):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(tp=1, pp=2, dp=2, zero=3, micro_batch=1, recompute=False), "no pipeline stages"),
     (dict(tp=1, pp=1, dp=2, zero=2, micro_batch=1, recompute=False), "must be one of (0, 1, 3)"),
     (dict(tp=1, pp=1, dp=4, zero=3, micro_batch=1, recompute=False, zero_ngroups=3), "must divide dp"),
 ])

@@ -32,7 +32,7 @@ def test_memory_decides_and_is_named_as_the_reason():
     a100 = load_cluster("a100-80gb-sxm")
     small_gpu = dataclasses.replace(a100, gpu=dataclasses.replace(a100.gpu, memory_gb=4))
     work = Workload(gpus=8, seq=2048, global_batch_tokens=64 * 2048)
-    result = search(SMALL, small_gpu, work)
+    result = search(SMALL, small_gpu, work, fixed={"zero": 1})  # (ZeRO-3 plans fit: the runners-up would all fit)
     assert result.best.fits and result.best.memory_gb <= 4
     lost_on_memory = [reason for e, reason in result.runners_up if not e.fits]
     assert lost_on_memory and all(r.startswith("memory: needs") for r in lost_on_memory)
@@ -112,13 +112,16 @@ def test_zero3_is_chosen_where_zero1_does_not_fit():
         dataclasses.replace(best.plan, zero=1)).dp_comm_s
 
 
-def test_zero3_is_searched_without_a_pipeline_only():
+def test_zero3_is_searched_with_and_without_a_pipeline():
     a100 = load_cluster("a100-80gb-sxm")
     work = Workload(gpus=16, seq=2048, global_batch_tokens=256 * 2048)
     plans = list(candidates(SMALL, a100, work))
-    assert any(p.zero == 3 for p in plans)
-    assert all(p.pp == 1 and p.dp > 1 for p in plans if p.zero == 3)
-    assert {p.zero for p in plans if p.dp > 1 and p.pp > 1} == {0, 1}
+    assert all(p.dp > 1 for p in plans if p.zero == 3)
+    assert {p.zero for p in plans if p.dp > 1 and p.pp > 1} == {p.zero for p in plans if p.dp > 1 and p.pp == 1} \
+        == {0, 1, 3}
+    staged = next(p for p in plans if p.zero == 3 and p.pp > 1)
+    one = dataclasses.replace(staged, zero=1)
+    assert estimate_plan(SMALL, a100, work, staged).memory_bytes < estimate_plan(SMALL, a100, work, one).memory_bytes
 
 
 def test_zero3_plan_json_and_trainer_fragment(capsys):

@@ -301,11 +301,25 @@ def async_round_trip(rank, world, gen_dir):
     return all(torch.equal(mine[n], theirs[n]) for n in mine) and len(mine) == len(theirs)
 
 
+def pp_tied_refused(rank, world, gen_dir):
+    """pp 2 of the GPT (its embedding tied to the head: both stages hold it) with use_zero=3: every rank
+    raises the same error, naming the tied tensor and the fix."""
+    from nnscaler import ComputeConfig, parallelize
+    cfg = ComputeConfig(2, world, trace_strategy="cpu", use_zero=3, use_end2end=True,
+                        pas_config={"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b"})
+    try:
+        parallelize(_make("gpt"), _batch("gpt", 0, 2), "pp", cfg, gen_savedir=gen_dir, instance_name="pp_tied")
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def run_cases(rank, world, gen_dir):
     out = {name: train(rank, world, name, gen_dir) for name in CASES[world]}
     if world == 2:
         out["masters"] = train_masters(rank, world)
         out["async"] = async_round_trip(rank, world, gen_dir)
+        out["pp_tied"] = pp_tied_refused(rank, world, gen_dir)
     return out
 
 
@@ -350,6 +364,9 @@ def test_zero3_parity(world, tmp_path):
         _check(world, results)
     if world == 2:
         assert [r["async"] for r in results] == [True, True]  # async_save of use_zero=3, loaded into ZeRO-1
+        for r in results:
+            assert "does not shard tensors that several pipeline stages hold (wte.weight" in r["pp_tied"], r["pp_tied"]
+            assert "tie_word_embeddings=False" in r["pp_tied"] and "use_zero=True" in r["pp_tied"], r["pp_tied"]
         plain, sharded = results[0]["masters"]
         for n, p in plain.items():
             assert p.dtype == torch.bfloat16 and torch.equal(sharded[n], p), n

@@ -119,10 +119,13 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
                                    async_op=cfg.use_async_reducer)
 
     def _fully_sharded_params(self) -> FullyShardedParams:
-        if self.PIPELINE is not None:
-            raise NnScalerError(f"{type(self).__name__}: ComputeConfig(use_zero=3) (fully sharded parameters) does not "
-                                f"support pipeline parallelism yet: use use_zero=True (optimizer state sharded) with "
-                                f"a pipelined plan, or a plan without pipeline stages (dp, tp) with use_zero=3")
+        if self.PIPELINE is not None and self.PIPELINE.shared:  # the same on every rank
+            shared = sorted(self.PIPELINE.shared)
+            raise NnScalerError(f"{type(self).__name__}: ComputeConfig(use_zero=3) does not shard tensors that several "
+                                f"pipeline stages hold ({', '.join(shared[:3])}{', ...' if len(shared) > 3 else ''}: "
+                                f"e.g. an embedding tied to the output head) yet: untie them (e.g. Hugging Face's "
+                                f"tie_word_embeddings=False), keep them in one stage, or use use_zero=True with "
+                                f"this pipelined plan")
         cfg = self.compute_config
         params = [(local, self.fullmap[local].full_name, p) for local, p in self.named_parameters()]
         units = cfg.pas_config.get("zero3_units", ()) if isinstance(cfg.pas_config, dict) else ()

@@ -161,11 +161,6 @@ class AutodistConfig:
             if out.pipeline_nstages > 1 and cfg.plan_ngpus % out.pipeline_nstages:
                 raise ConfigError(f"pas_config['pipeline_nstages'] = {out.pipeline_nstages} must divide plan_ngpus "
                                   f"({cfg.plan_ngpus})")
-        if out.zero_stage == 3 and out.pipeline_nstages not in ("auto", 1):
-            raise ConfigError(f"pas_config['pipeline_nstages'] = {out.pipeline_nstages} with "
-                              f"ComputeConfig(use_zero=3): "
-                              f"nnscaler's fully sharded runtime has no pipeline stages; use use_zero=True (optimizer "
-                              f"state sharded) with a pipeline, or pipeline_nstages 'auto' / 1 with use_zero=3")
         if out.pipeline_pivots and not cfg.use_end2end:
             raise ConfigError("pas_config['pipeline_pivots'] lets autodist pipeline the model, which runs only end to "
                               "end: set ComputeConfig(use_end2end=True), or remove pipeline_pivots")

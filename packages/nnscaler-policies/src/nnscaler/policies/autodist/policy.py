@@ -158,7 +158,7 @@ def search(graph: IRGraph, cfg: AutodistConfig) -> Tuple[PlanRecord, Dict[int, s
     n = cfg.plan_ngpus
     s = _Search(graph, cfg)
     leads = None
-    if cfg.pipeline_pivots and cfg.pipeline_nstages != 1 and cfg.zero_stage != 3:  # ZeRO-3 has no pipeline
+    if cfg.pipeline_pivots and cfg.pipeline_nstages != 1:
         leads = pivot_leads(graph, cfg.pipeline_pivots)
     stage_counts = [1] if leads is None else (
         [cfg.pipeline_nstages] if cfg.pipeline_nstages != "auto" else [k for k in range(1, n + 1) if n % k == 0])

@@ -42,9 +42,6 @@ class Plan:
         if self.zero not in ZERO_STAGES:
             raise ConfigError(f"Plan.zero must be one of {ZERO_STAGES} (ComputeConfig.use_zero's stages), "
                               f"got {self.zero!r}")
-        if self.zero == 3 and self.pp > 1:
-            raise ConfigError(f"Plan(zero=3, pp={self.pp}): nnscaler's ZeRO-3 runtime has no pipeline stages; use "
-                              f"zero=1 with a pipeline, or pp=1 with zero=3")
         if self.zero_ngroups < 1 or self.dp % self.zero_ngroups or (self.zero_ngroups > 1 and not self.zero):
             raise ConfigError(f"Plan.zero_ngroups ({self.zero_ngroups}) must divide dp ({self.dp}), and needs "
                               f"zero 1 or 3 when above 1")
@@ -223,10 +220,11 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     transient = 2 * b * seq * (2 if spec.gated else 1) * spec.ffn / tp * nbytes
     logits = b * seq * spec.vocab / tp * 4 * 2  # fp32 logits and their gradient, on the last GPU
 
-    # ZeRO-3 shards the weights and gradients too; the Trainer accumulates micro-batches under no_sync, which
-    # keeps the units' full gradients until the last one reduce-scatters them (nnscaler.runtime.zero3)
+    # ZeRO-3 shards the weights and gradients too; without a pipeline the Trainer accumulates micro-batches
+    # under no_sync, which keeps the units' full gradients until the last one reduce-scatters them; a
+    # pipeline reduce-scatters every micro-batch's (shard-size gradients only; nnscaler.runtime.zero3)
     weight_shard = shard if plan.zero == 3 else 1
-    full_grads = 1.0 if plan.zero == 3 and nmicros > 1 else 0.0
+    full_grads = 1.0 if plan.zero == 3 and nmicros > 1 and plan.pp == 1 else 0.0
     # ZeRO-3's gathered units: the root (embeddings, head) for the whole pass, two decoder layers, with gradients
     root_p = emb_p * (1 if spec.tied else 2) * scale
     gathered = 2 * (root_p + 2 * layer_p * scale) * nbytes if plan.zero == 3 else 0.0
@@ -260,7 +258,8 @@ def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster):
     * ZeRO-1: a reduce-scatter in the zero group, then an all-gather of the updated parameters after
       the step.
     * ZeRO-3: each micro-batch all-gathers the parameters twice (forward, and again in backward: they
-      were freed), and the step reduce-scatters the gradients once (the Trainer's last micro-batch).
+      were freed), and the step reduce-scatters the gradients once (the Trainer's last micro-batch;
+      with a pipeline every micro-batch's backward reduce-scatters, `nmicros` times a step).
 
     With ZeRO and ``zero_ngroups > 1`` the shard's gradient is also all-reduced across the groups.
     The zero group spans tp·dp/zero_ngroups ranks, the cross-group reduction tp·dp: each on the link
@@ -272,5 +271,7 @@ def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster):
     zero_link = _group_link(cluster, tp * z)
     reduce = costs.ring_all_gather_time(grads, z, zero_link)  # a reduce-scatter moves what an all-gather does
     reduce += costs.ring_all_reduce_time(grads / z, g, dp_link)
+    if plan.zero == 3 and plan.pp > 1:
+        reduce *= nmicros
     gathers = 1 if plan.zero == 1 else nmicros  # ZeRO-3: see the docstring
     return reduce, gathers * costs.ring_all_gather_time(grads, z, zero_link)

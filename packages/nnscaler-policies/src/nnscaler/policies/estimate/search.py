@@ -1,5 +1,5 @@
 """The search: every tensor (inside a node, dividing the heads), pipeline and data parallel degree
-of the whole cluster, with ZeRO (none, 1, or 3 without a pipeline), micro-batch size and
+of the whole cluster, with ZeRO (none, 1 or 3), micro-batch size and
 recomputation; the fastest plan that fits wins, and the best plan of each other (tp, pp) family is
 kept with the reason it lost."""
 from __future__ import annotations
@@ -63,12 +63,11 @@ def candidates(spec: ModelSpec, cluster: Cluster, work: Workload):
 
 
 def zero_options(tp: int, pp: int, dp: int) -> List[int]:
-    """ZeRO stages for a plan: none; with dp > 1 ZeRO-1; with dp > 1 and no pipeline (nnscaler's ZeRO-3
-    runtime has none) ZeRO-3. One zero group over all of dp: `estimate_plan` prices `zero_ngroups`, but
-    the search does not try it (a node-local group would change ZeRO-1's picks as much as ZeRO-3's)."""
-    if dp <= 1:
-        return [0]
-    return [0, 1, 3] if pp == 1 else [0, 1]
+    """ZeRO stages for a plan: none; with dp > 1 ZeRO-1 and ZeRO-3 (with pipelines too: each stage's
+    parameters sharded over its dp ranks). One zero group over all of dp: `estimate_plan` prices
+    `zero_ngroups`, but the search does not try it (a node-local group would change ZeRO-1's picks as
+    much as ZeRO-3's)."""
+    return [0] if dp <= 1 else [0, 1, 3]
 
 
 def why_lost(loser: Estimate, best: Estimate, cluster: Cluster) -> str:

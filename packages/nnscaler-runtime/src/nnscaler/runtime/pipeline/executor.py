@@ -260,7 +260,9 @@ class PipelineExecutor:
             args, kwargs = cast_inputs((args, kwargs), self.precision)
         stage_fn = getattr(self.module, f"_stage_{s}")
         try:
-            with autocast(self.precision, self.module.device.type), self.module.rng_scope():
+            # use_zero=3: gathered units saved as references and freed after the stage (zero3.py)
+            with autocast(self.precision, self.module.device.type), self.module.rng_scope(), \
+                    self.module._sharded_scope():
                 if self.track_activations and training:
                     with _SavedBytes(self.module) as saved:
                         outs = stage_fn(tuple(ins[v] for v in meta.inputs[s]), *args, **kwargs)

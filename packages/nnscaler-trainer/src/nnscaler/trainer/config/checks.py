@@ -65,12 +65,6 @@ def validate(args) -> None:
     policy = _check_policy("pas_policy", args.pas_policy)
     _check_precision("precision", args.precision)
     _check_batches(args)
-    if policy.whole_model and cc.zero_stage == 3:  # (a plan autodist makes with stages is refused at parallelize)
-        raise TrainerConfigError("compute_config.use_zero",
-                                 f"3 (fully sharded parameters) does not support pipeline parallelism yet, and "
-                                 f"pas_policy {policy.name!r} makes a pipeline: use use_zero: true (optimizer "
-                                 f"state sharded) with it, or a policy without pipeline stages (dp, tp) with "
-                                 f"use_zero: 3")
     nmicros = args.compute_config.pas_config.get("pipeline_nmicros")
     if policy.pipelines and nmicros is not None and nmicros != args.update_freq:
         raise TrainerConfigError("compute_config.pas_config.pipeline_nmicros",
