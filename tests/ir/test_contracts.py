@@ -90,3 +90,21 @@ def test_zero_layout_is_a_zero_geometry_and_round_trips():
     layout = ZeroShardLayout(1, 4, 2, 2, 1, (1, 3), 0, 0, (1,), version=1, reduce_scatter=True, buckets=(), pieces=())
     assert ZeroShardLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
     assert layout.group_size == 2
+
+
+def test_unit_names_follow_repeated_blocks():
+    from nnscaler.ir.contracts import unit_names
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.w1",
+             "model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.experts.0.w1", "model.norm.weight",
+             "lm_head.weight", "single.0.weight"]
+    units = unit_names(names)
+    assert units["model.layers.0.self_attn.q_proj.weight"] == units["model.layers.0.mlp.experts.3.w1"] == \
+        "model.layers.0"
+    assert units["model.layers.1.mlp.experts.0.w1"] == "model.layers.1"
+    # not a repeated block: a list holding one module, and everything outside the lists
+    assert {units[n] for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                               "single.0.weight")} == {""}
+    named = unit_names(names, ["model.layers.0.mlp", "model.layers.1"])
+    assert named["model.layers.0.mlp.experts.3.w1"] == "model.layers.0.mlp"
+    assert named["model.layers.0.self_attn.q_proj.weight"] == ""
+    assert named["model.layers.1.mlp.experts.0.w1"] == "model.layers.1"

@@ -12,7 +12,7 @@ from nnscaler.ir import ComputeConfig, trace
 from nnscaler.policies import apply_policy
 from nnscaler.policies.autodist import AutodistConfig
 from nnscaler.policies.autodist.comm_model import CommModel
-from nnscaler.policies.autodist.cost_model import _Pricer, gathered_bytes, zero3_unit_names
+from nnscaler.policies.autodist.cost_model import _Pricer, gathered_bytes
 from nnscaler.policies.autodist.spmd_solver import NoPlanFits
 
 LINE = {c: {"2": [1e-4, 1e9], "4": [1e-4, 1e9]}
@@ -70,11 +70,11 @@ def test_zero3_traffic_is_two_gathers_a_micro_batch_and_one_reduce_scatter_a_ste
 
 
 def test_units_are_grouped_as_the_runtime_groups_them():
-    from nnscaler.runtime.zero3 import unit_names
-    names = ["wte.weight", "h.0.attn.weight", "h.0.mlp.bias", "h.1.attn.weight", "h.1.mlp.bias", "ln_f.weight",
-             "heads.0.weight", "extra.0.weight"]
-    assert zero3_unit_names(names) == unit_names(names)
-    assert zero3_unit_names(names, ["h.0", "h"]) == unit_names(names, ["h.0", "h"])
+    """One rule (nnscaler.ir.contracts.unit_names) for the runtime's units and autodist's pricing."""
+    from nnscaler.ir.contracts import unit_names
+    from nnscaler.policies.autodist import cost_model
+    from nnscaler.runtime import zero3
+    assert cost_model.unit_names is unit_names and zero3.unit_names is unit_names
 
 
 class _Stack(nn.Module):

@@ -22,27 +22,9 @@ from test_zero import GLOBAL_BATCH, LR, STEPS, TOL, CLIP, _assemble_state, _batc
 from nnscaler.ir import ComputeConfig
 from nnscaler.runtime.errors import ConfigError
 from nnscaler.runtime.optimizer import build_optimizer
-from nnscaler.runtime.zero3 import unit_names
 
 
 # -- single process ---------------------------------------------------------------------------------
-
-def test_unit_names_follow_repeated_blocks():
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.w1",
-             "model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.experts.0.w1", "model.norm.weight",
-             "lm_head.weight", "single.0.weight"]
-    units = unit_names(names)
-    assert units["model.layers.0.self_attn.q_proj.weight"] == units["model.layers.0.mlp.experts.3.w1"] == \
-        "model.layers.0"
-    assert units["model.layers.1.mlp.experts.0.w1"] == "model.layers.1"
-    # not a repeated block: a list holding one module, and everything outside the lists
-    assert {units[n] for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-                               "single.0.weight")} == {""}
-    named = unit_names(names, ["model.layers.0.mlp", "model.layers.1"])
-    assert named["model.layers.0.mlp.experts.3.w1"] == "model.layers.0.mlp"
-    assert named["model.layers.0.self_attn.q_proj.weight"] == ""
-    assert named["model.layers.1.mlp.experts.0.w1"] == "model.layers.1"
-
 
 def test_units_named_in_pas_config():
     pm = gen_class(use_zero=3, pas_config={"zero3_units": ["layers.0", "layers.2"]})()

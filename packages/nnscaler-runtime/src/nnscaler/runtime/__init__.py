@@ -22,7 +22,7 @@ from .class_mixin import mix_into, rewrap_scheduler_step
 from .grid import RankGrid
 from .module import ParallelModule
 from .call_arguments import ForwardArgumentError  # a call that does not fit the model's forward
-from .optimizer import build_optimizer
+from .optimizer import build_optimizer, plain_trainables
 from .optimizer_state import ModuleState, OptimizerState, module_state, optimizer_state  # one owner of our state
 from .zero3 import FullyShardedParams  # use_zero=3 (pm.fully_sharded)
 from .offload import OffloadedOptimizer, offload_optimizer, step_gradients  # optimizer state on another device
@@ -43,5 +43,5 @@ __all__ = [
     "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm",
     "PeerFailedError", "StepRefusedError", "CollectiveTimeoutError", "ForwardArgumentError",
     "OffloadedOptimizer", "offload_optimizer", "step_gradients",
-    "OptimizerState", "ModuleState", "optimizer_state", "module_state", "FullyShardedParams",
+    "plain_trainables", "OptimizerState", "ModuleState", "optimizer_state", "module_state", "FullyShardedParams",
 ]

@@ -44,7 +44,7 @@ from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
 from .zero3_optimizer import FullyShardedOptimizerState
 from .optimizer_state import module_state, optimizer_state
 
-__all__ = ["build_optimizer", "NnScalerOptimizerMixin"]
+__all__ = ["build_optimizer", "NnScalerOptimizerMixin", "plain_trainables"]
 
 
 
@@ -224,11 +224,17 @@ def build_optimizer(module: torch.nn.Module, optimizer_fn: Callable[..., torch.o
     return optimizer
 
 
+def plain_trainables(module: torch.nn.Module) -> List[str]:
+    """Names of `module`'s trainable parameters outside its ParallelModules (what use_zero=3 cannot
+    shard: refused by build_optimizer, and by the Trainer in its own terms)."""
+    held = {id(p) for pm in module.modules() if isinstance(pm, ParallelModule) for p in pm.parameters()}
+    return [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+
+
 def _fully_sharded(module: torch.nn.Module, pms: List[ParallelModule], params: List[torch.nn.Parameter],
                    replicas: Dict[int, int]) -> Optional[FullyShardedOptimizerState]:
     """use_zero=3: the optimizer over the units' shards (`nnscaler.runtime.zero3_optimizer`)."""
-    held = {id(p) for pm in pms for p in pm.parameters()}
-    plain = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    plain = plain_trainables(module)
     if plain:
         raise ConfigError(f"build_optimizer with use_zero=3: {type(module).__name__} has trainable parameters outside "
                           f"its parallelized modules ({', '.join(plain[:4])}{', ...' if len(plain) > 4 else ''}), "

@@ -54,7 +54,7 @@ from . import failures
 
 _WHAT = "the data-parallel gradient all-reduce"
 
-__all__ = ["Reducer", "ReducerStats", "sync_grad_when", "DEFAULT_BUCKET_CAP_MB"]
+__all__ = ["Reducer", "ReducerStats", "Pausable", "sync_grad_when", "DEFAULT_BUCKET_CAP_MB"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 # Objects with a `no_sync()` context (live Reducers, pipelined modules' PipelineGradSync): only
@@ -150,7 +150,36 @@ class _Bucket:
                 p.grad = view.clone()
 
 
-class Reducer:
+class Pausable:
+    """``no_sync()`` / ``sync_grad_when(cond)`` / ``sync_enabled`` over one pause counter (DDP's
+    ``no_sync``): inside a ``False`` block, backward passes only accumulate locally; the next
+    synchronising one reduces the sum. Shared by the Reducer and the fully sharded parameters."""
+
+    _paused = 0
+
+    def no_sync(self):
+        """Backward passes inside only accumulate locally."""
+        return self.sync_grad_when(False)
+
+    @contextlib.contextmanager
+    def sync_grad_when(self, cond: bool) -> Iterator[None]:
+        """Like the module-level `sync_grad_when`, for this object only."""
+        if cond:
+            yield
+            return
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether a backward pass starting now would synchronise."""
+        return self._paused == 0
+
+
+class Reducer(Pausable):
     """Averages the gradients of `params` over `group` at the end of every backward pass.
 
     `params`: the trainable parameters in registration order (frozen ones are skipped,
@@ -177,7 +206,6 @@ class Reducer:
         self.async_op = bool(async_op)
         self.stats = ReducerStats()
         self._buckets = self._make_buckets(list(reversed(unique)), int(self.bucket_cap_mb * 1024 * 1024))
-        self._local_nosync = 0
         self._pass_task: Optional[int] = None  # graph task id of the running backward pass
         self._pass_sync = False
         self._next_launch = 0
@@ -215,28 +243,6 @@ class Reducer:
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
-
-    def no_sync(self):
-        """Backward passes inside only accumulate this reducer's gradients locally (DDP's
-        ``no_sync``); the next synchronising pass all-reduces the sum."""
-        return self.sync_grad_when(False)
-
-    @contextlib.contextmanager
-    def sync_grad_when(self, cond: bool) -> Iterator[None]:
-        """Like the module-level `sync_grad_when`, for this reducer only."""
-        if cond:
-            yield
-            return
-        self._local_nosync += 1
-        try:
-            yield
-        finally:
-            self._local_nosync -= 1
-
-    @property
-    def sync_enabled(self) -> bool:
-        """Whether a backward pass starting now would synchronise."""
-        return self._local_nosync == 0
 
     def sync_grads(self) -> None:
         """All-reduce the current gradients now (outside backward), e.g. after accumulating

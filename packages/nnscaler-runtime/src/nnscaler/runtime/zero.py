@@ -105,7 +105,7 @@ from .zero_groups import ZeroGroups, make_zero_groups
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
 __all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
-           "ZeroParam", "ZeroEngine", "ZeroStats", "row_segments"]
+           "ZeroParam", "ZeroEngine", "ZeroStats", "row_segments", "held_order"]
 
 
 
@@ -173,6 +173,21 @@ class _Bucket:
         return self.params[0].param.device
 
 
+def held_order(optimizer: torch.optim.Optimizer, given: Sequence[torch.Tensor], setting: str) -> Dict[int, int]:
+    """id(tensor) -> its position in `optimizer`'s param_groups, checked to be exactly the `given`
+    tensors (the owned shards build_optimizer handed optimizer_fn)."""
+    order: Dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for t in group["params"]:
+            order[id(t)] = len(order)
+    expected = {id(t) for t in given}
+    if set(order) != expected:
+        raise ConfigError(f"build_optimizer with {setting}: optimizer_fn must optimize exactly the tensors it is "
+                          f"given (the owned ZeRO shards of the parameters); it built an optimizer over "
+                          f"{len(order)} tensors, {len(order.keys() & expected)} of the {len(expected)} given")
+    return order
+
+
 def row_segments(offset: int, numel: int, width: int) -> Iterator[Tuple[int, int, int, int]]:
     """(row, column, source offset, length) of flat range [offset, offset + numel) in rows of `width`."""
     pos, end = offset, offset + numel
@@ -238,16 +253,7 @@ class ZeroEngine:
 
     def bind(self, optimizer: torch.optim.Optimizer) -> ZeroShardLayout:
         """Check that `optimizer` holds exactly the pieces and record the layout."""
-        order = {}
-        for group in optimizer.param_groups:
-            for t in group["params"]:
-                order[id(t)] = len(order)
-        expected = {id(t) for t in self.optimizer_params()}
-        if set(order) != expected:
-            raise ConfigError("build_optimizer with use_zero=True: optimizer_fn must optimize exactly the "
-                              "tensors it is given (the owned ZeRO shards of the parameters); it built an "
-                              f"optimizer over {len(order)} tensors, {len(order.keys() & expected)} of the "
-                              f"{len(expected)} given")
+        order = held_order(optimizer, self.optimizer_params(), "use_zero=True")
         g = self.groups
         buckets = tuple(ZeroBucket(b.numel, b.padded, b.shard, str(b.dtype).replace("torch.", ""), b.reduce,
                                    tuple((zp.module_path, zp.entry.local_name, off, zp.param.numel())

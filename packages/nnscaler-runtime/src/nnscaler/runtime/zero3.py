@@ -49,14 +49,12 @@ import torch.distributed as dist
 from . import failures
 from .comm.flat import all_gather_flat, reduce_scatter_rows, start_all_gather_flat
 from .comm.stats import record
-from .reducer import pausable
+from .reducer import Pausable, pausable
 from .zero import row_segments
 from .zero_groups import ZeroGroups
+from nnscaler.ir.contracts import ROOT_UNIT, unit_names
 
 __all__ = ["FullyShardedParams", "ShardUnit", "Zero3Stats", "unit_names", "ROOT_UNIT"]
-
-ROOT_UNIT = ""
-
 
 @dataclass
 class Zero3Stats:
@@ -67,25 +65,6 @@ class Zero3Stats:
     backward_gathers: int = 0  # of which in backward (a unit freed after forward, gathered again)
     reduce_scatters: int = 0  # unit gradient reductions
     max_gathered_numel: int = 0  # the most elements gathered at once (all units)
-
-
-def unit_names(full_names: Sequence[str], unit_modules: Sequence[str] = ()) -> Dict[str, str]:
-    """full name -> unit name (see the module docstring); ``""`` is the root unit."""
-    if unit_modules:
-        prefixes = sorted(unit_modules, key=len, reverse=True)
-        return {n: next((p for p in prefixes if n.startswith(p + ".")), ROOT_UNIT) for n in full_names}
-    indices: Dict[Tuple[str, ...], set] = {}
-    for name in full_names:
-        parts = name.split(".")
-        for i, part in enumerate(parts[:-1]):
-            if part.isdigit():
-                indices.setdefault(tuple(parts[:i]), set()).add(part)
-    out = {}
-    for name in full_names:
-        parts = name.split(".")
-        out[name] = next((".".join(parts[:i + 1]) for i, part in enumerate(parts[:-1])
-                          if part.isdigit() and len(indices[tuple(parts[:i])]) > 1), ROOT_UNIT)
-    return out
 
 
 class ShardUnit:
@@ -159,12 +138,14 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype, device=like.device)
 
 
-class FullyShardedParams:
+class FullyShardedParams(Pausable):
     """The fully sharded parameters of one ParallelModule (`pm.fully_sharded`).
 
     `shard()` (run by the first forward or `build_optimizer`) moves every parameter into its
     unit's shard; `get(name)` is what ``self.<name>`` returns in forward; `unsharded()` puts the
-    whole local values back into the registered parameters for a while (checkpoints)."""
+    whole local values back into the registered parameters for a while (checkpoints). Inside
+    ``no_sync()`` (`Pausable`) the units' full gradients are kept, summed, instead of reduced; the
+    next synchronising backward (or `finish_grads`) reduce-scatters the sum."""
 
     def __init__(self, params: Sequence[Tuple[str, str, torch.nn.Parameter]], groups: ZeroGroups,
                  unit_modules: Sequence[str] = ()):
@@ -181,7 +162,6 @@ class FullyShardedParams:
         self.stats = Zero3Stats()
         self.sharded = False
         self._unsharded = 0
-        self._nosync = 0
         self._current: Optional[ShardUnit] = None  # the repeated block forward is in
         self._live: Dict[int, ShardUnit] = {}  # storage address of a gathered buffer -> its unit
         self._cleanup_queued = False
@@ -333,26 +313,6 @@ class FullyShardedParams:
         self.free_all()
 
     # -- backward -------------------------------------------------------------------------------
-    def no_sync(self):
-        """Backward passes inside keep the units' full gradients (summed) instead of reducing them;
-        the next synchronising backward (or `finish_grads`) reduce-scatters the sum."""
-        return self.sync_grad_when(False)
-
-    @contextlib.contextmanager
-    def sync_grad_when(self, cond: bool) -> Iterator[None]:
-        if cond:
-            yield
-            return
-        self._nosync += 1
-        try:
-            yield
-        finally:
-            self._nosync -= 1
-
-    @property
-    def sync_enabled(self) -> bool:
-        return self._nosync == 0
-
     def _reduce(self, u: ShardUnit, grads) -> Optional[torch.Tensor]:
         """The shard gradient of `u` from its gathered tensors' gradients (None under no_sync)."""
         self._free(u)  # a later use in this backward gathers it again

@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .errors import ConfigError
-from .zero import ZeroStats
+from .zero import ZeroStats, held_order
 from .zero3 import FullyShardedParams, ShardUnit
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
@@ -86,15 +86,7 @@ class FullyShardedOptimizerState:
 
     def bind(self, optimizer: torch.optim.Optimizer) -> ZeroShardLayout:
         """Check that `optimizer` holds exactly the pieces and record the layout."""
-        order = {}
-        for group in optimizer.param_groups:
-            for t in group["params"]:
-                order[id(t)] = len(order)
-        expected = {id(t) for t in self.optimizer_params()}
-        if set(order) != expected:
-            raise ConfigError("build_optimizer with use_zero=3: optimizer_fn must optimize exactly the tensors it is "
-                              f"given (the owned shards of the parameters); it built an optimizer over {len(order)} "
-                              f"tensors, {len(order.keys() & expected)} of the {len(expected)} given")
+        order = held_order(optimizer, self.optimizer_params(), "use_zero=3")
         pieces = []
         for piece in self.pieces:
             piece.index = order[id(piece.tensor)]

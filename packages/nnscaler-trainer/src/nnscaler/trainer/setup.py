@@ -187,12 +187,10 @@ def _refuse_unsharded_trainables(model: torch.nn.Module) -> None:
     """Under ``use_zero: 3`` every trainable parameter must live in a parallelized module: a
     plain neighbour of ``model.parallel_modules`` would be neither sharded nor optimized alike.
     Refused here with the config keys to change (build_optimizer refuses it too, in its terms)."""
-    from nnscaler.runtime import ParallelModule
-    pms = [m for m in model.modules() if isinstance(m, ParallelModule)]
-    if not any(getattr(pm, "fully_sharded", None) is not None for pm in pms):
+    from nnscaler.runtime import ParallelModule, plain_trainables
+    if not any(m.fully_sharded is not None for m in model.modules() if isinstance(m, ParallelModule)):
         return
-    held = {id(p) for pm in pms for p in pm.parameters()}
-    plain = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    plain = plain_trainables(model)
     if plain:
         raise TrainerError(f"compute_config.use_zero: 3 shards only the parameters of parallelized modules, and "
                            f"{type(model).__name__} has trainable parameters outside model.parallel_modules "

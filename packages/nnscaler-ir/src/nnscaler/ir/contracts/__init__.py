@@ -7,16 +7,18 @@ no runtime import needed).
 - `PipelineMeta`: a pipelined module's stages and crossing values (its ``PIPELINE``);
 - `Piece`: one piece of an op as a policy plans it (``Node.pieces``), read by codegen;
 - `FullMapEntry`: where a rank's local tensor sits in its full tensor;
-- `ZeroShardLayout` (`ZeroBucket`, `ZeroPiece`): how ZeRO shards the optimizer state.
+- `ZeroShardLayout` (`ZeroBucket`, `ZeroPiece`): how ZeRO shards the optimizer state;
+- `unit_names`: how ``use_zero=3`` groups parameters into gathered units.
 """
 from . import files
 from .files import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, gencode_file, is_gencode_file
 from .full_map import FullMapEntry
 from .generated_module import GENERATED_ATTR_NAMES, GENERATED_ATTRS, GeneratedAttr, GeneratedAttrs
 from .piece import Piece
+from .shard_units import ROOT_UNIT, unit_names
 from .pipeline_meta import PipelineMeta
 from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroGeometry, ZeroPiece, ZeroShardLayout
 
 __all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", "gencode_file", "is_gencode_file",
            "FullMapEntry", "GENERATED_ATTR_NAMES", "GENERATED_ATTRS", "GeneratedAttr", "GeneratedAttrs", "Piece",
-           "PipelineMeta", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]
+           "PipelineMeta", "ROOT_UNIT", "unit_names", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]

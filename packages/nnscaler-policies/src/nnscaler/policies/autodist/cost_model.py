@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nnscaler.ir import IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
+from nnscaler.ir.contracts import unit_names
 
 from ..plan import tensor_inputs, tensor_outputs
 from .activations import counted_branches, direct_keeps, runs_in, saved_for_backward
@@ -31,7 +32,7 @@ from .choices import Choice, is_shape_query, node_choices
 from .comm_model import CommModel
 from .config import AutodistConfig
 
-__all__ = ["OpVar", "Edge", "Problem", "build_problem", "gathered_bytes", "nbytes", "zero3_unit_names"]
+__all__ = ["OpVar", "Edge", "Problem", "build_problem", "gathered_bytes", "nbytes"]
 
 R = Replicate()
 _ELT = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -232,7 +233,7 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
                     for spec in module_values.values() if spec.requires_grad and spec.value.id in read)
     pricer = _Pricer(graph, n, comm, cfg, opt_rate, trainable, copy_rate, opt_tensor)
     sharded = cfg.zero_stage == 3 and cfg.zero_group > 1
-    unit_of = zero3_unit_names([spec.name for spec in module_values.values()], cfg.zero3_units) if sharded else {}
+    unit_of = unit_names([spec.name for spec in module_values.values()], cfg.zero3_units) if sharded else {}
     allowed = allowed or {}
     ops: List[OpVar] = []
     index: Dict[int, int] = {}
@@ -322,28 +323,6 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
                      for (u, v), c in edges.items() if c.any() or edge_mem[(u, v)].any()]
     problem.const_time += pricer.dp_sync_latency(trainable) + pricer.zero3_latency(len(problem.units))
     return problem
-
-
-def zero3_unit_names(full_names: List[str], unit_modules: List[str] = ()) -> Dict[str, str]:
-    """full name -> ZeRO-3 unit, as the runtime groups them (nnscaler.runtime.zero3.unit_names, which
-    policies may not import): the module paths in `unit_modules` (pas_config['zero3_units']) when
-    given, else the outermost ``<prefix>.<i>`` whose prefix holds at least two indices (each repeated
-    block); everything else is the root unit ``""``."""
-    if unit_modules:
-        prefixes = sorted(unit_modules, key=len, reverse=True)
-        return {n: next((p for p in prefixes if n.startswith(p + ".")), "") for n in full_names}
-    indices: Dict[Tuple[str, ...], set] = {}
-    for name in full_names:
-        parts = name.split(".")
-        for i, part in enumerate(parts[:-1]):
-            if part.isdigit():
-                indices.setdefault(tuple(parts[:i]), set()).add(part)
-    out = {}
-    for name in full_names:
-        parts = name.split(".")
-        out[name] = next((".".join(parts[:i + 1]) for i, part in enumerate(parts[:-1])
-                          if part.isdigit() and len(indices[tuple(parts[:i])]) > 1), "")
-    return out
 
 
 def gathered_bytes(problem: Problem, pick: List[int]) -> float:
