@@ -108,3 +108,15 @@ def test_unit_names_follow_repeated_blocks():
     assert named["model.layers.0.mlp.experts.3.w1"] == "model.layers.0.mlp"
     assert named["model.layers.0.self_attn.q_proj.weight"] == ""
     assert named["model.layers.1.mlp.experts.0.w1"] == "model.layers.1"
+
+
+def test_resolve_unit_modules_takes_classes_globs_and_paths():
+    from nnscaler.ir import ConfigError
+    from nnscaler.ir.contracts import resolve_unit_modules
+    types = {"": "gpt.GPT", "h": "torch.nn.modules.container.ModuleList", "h.0": "gpt.Block", "h.1": "gpt.Block",
+             "h.0.mlp": "gpt.MLP", "h.1.mlp": "gpt.MLP", "wte": "torch.nn.modules.sparse.Embedding"}
+    assert resolve_unit_modules(types, ["Block"]) == resolve_unit_modules(types, "gpt.Block") == ["h.0", "h.1"]
+    assert resolve_unit_modules(types, "h.*.mlp, wte") == ["h.0.mlp", "h.1.mlp", "wte"]
+    assert resolve_unit_modules(types, ["h.1"]) == ["h.1"]
+    with pytest.raises(ConfigError, match=r"'Blok' matches no module .* types there: Block, Embedding, MLP, ModuleList"):
+        resolve_unit_modules(types, ["Blok"])

@@ -146,8 +146,8 @@ BAD = [
     ({"_solver_time_limit": 0}, {}, "_solver_time_limit", "> 0"),
     ({"_profile_repeats": 0}, {}, "_profile_repeats", ">= 1"),
     ({"_optimizer_states": -1}, {}, "_optimizer_states", ">= 0"),
-    ({"zero3_units": "h.0,h.1"}, {}, "zero3_units", "list of module paths"),
-    ({"zero3_units": ["h.0", 3]}, {}, "zero3_units", "list of module paths"),
+    ({"zero3_units": ["h.0", 3]}, {}, "zero3_units", "module classes, path globs or module paths"),
+    ({"zero3_units": " , "}, {}, "zero3_units", "module classes, path globs or module paths"),
 ]
 
 

@@ -33,6 +33,20 @@ def test_units_named_in_pas_config():
         ("layers.2", ["layers_2_weight", "layers_2_bias"])]
 
 
+def test_units_named_by_module_class_or_glob_are_resolved_by_codegen(tmp_path):
+    """pas_config['zero3_units'] as FSDP's wrap policy: module classes or path globs, resolved against the
+    traced model into the generated SHARD_UNITS."""
+    from nnscaler import parallelize
+    for name, units, want in (("cls", "Block", ["h.0", "h.1"]), ("glob", ["h.*.mlp"], ["h.0.mlp", "h.1.mlp"])):
+        cfg = ComputeConfig(1, 1, trace_strategy="cpu", use_zero=3, pas_config={"zero3_units": units})
+        pm = parallelize(_make("gpt"), _batch("gpt", 0, 2), "dp", cfg, gen_savedir=tmp_path, instance_name=name)
+        assert type(pm).SHARD_UNITS == want
+        assert sorted({u.name for u in pm.fully_sharded.units}) == ["", *want], name
+    with pytest.raises(ConfigError, match="'Blok' matches no module"):
+        parallelize(_make("gpt"), _batch("gpt", 0, 2), "dp", ComputeConfig(1, 1, trace_strategy="cpu", use_zero=3,
+                    pas_config={"zero3_units": "Blok"}), gen_savedir=tmp_path, instance_name="bad")
+
+
 def test_use_zero_values():
     assert ComputeConfig(1, 2, use_zero=3).zero_stage == 3
     assert ComputeConfig(1, 2, use_zero=True).zero_stage == ComputeConfig(1, 2, use_zero=1).zero_stage == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from nnscaler.ir import IRGraph, Replicate, Shard, as_compute_config, iter_refs
+from nnscaler.ir.contracts import resolve_unit_modules
 
 from .arguments import forward_signature, untraced_checks
 from .body import BodyEmitter
@@ -52,11 +53,21 @@ def emit_rank(graph: IRGraph, compute_config, rank: int, policy: str, fingerprin
     attrs = {"COMPUTE_CONFIG": compute_config.to_dict(), "RANK": rank, "GRAPH_FINGERPRINT": fingerprint,
              "TRACED_TRAINING": bool(graph.traced_training),
              "RANDOM": rewrites["rnd"].class_attr() if rewrites["rnd"].nops else None,
-             "MODE_DIVERGENCE": graph.mode_divergence, "PIPELINE": meta.to_dict() if meta is not None else None}
+             "MODE_DIVERGENCE": graph.mode_divergence, "PIPELINE": meta.to_dict() if meta is not None else None,
+             "SHARD_UNITS": _shard_units(graph, compute_config)}
     header = dict(rank=rank, world=compute_config.runtime_ngpus, device=device, plan=n,
                   module_class=graph.module_class, policy=policy, fingerprint=fingerprint)
     return module_text(graph, class_name or graph.module_class.rsplit(".", 1)[-1], attrs,
                        init_lines(graph, naming.local, unit, device, compute_config), methods, header)
+
+
+def _shard_units(graph: IRGraph, compute_config) -> Optional[List[str]]:
+    """use_zero=3's units named in pas_config['zero3_units'], as module paths (None: the runtime's
+    default, each repeated block)."""
+    names = compute_config.pas_config.get("zero3_units")
+    if compute_config.zero_stage != 3 or not names:
+        return None
+    return resolve_unit_modules(graph.module_types, names)
 
 
 def _forward_method(graph: IRGraph, naming: Naming, unit: UnitPlan, ranks: tuple, rewrites: dict) -> Method:

@@ -128,7 +128,11 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
                                 f"this pipelined plan")
         cfg = self.compute_config
         params = [(local, self.fullmap[local].full_name, p) for local, p in self.named_parameters()]
-        units = cfg.pas_config.get("zero3_units", ()) if isinstance(cfg.pas_config, dict) else ()
+        # codegen resolves pas_config['zero3_units'] (classes, globs) into SHARD_UNITS; a module written
+        # by hand may give module paths in pas_config
+        units = self.SHARD_UNITS if self.SHARD_UNITS is not None else cfg.pas_config.get("zero3_units", ())
+        if isinstance(units, str):
+            units = [u.strip() for u in units.split(",") if u.strip()]
         return FullyShardedParams(params, make_zero_groups(self.grid, cfg.zero_ngroups), units)
 
     def __getattr__(self, name: str):

@@ -15,10 +15,10 @@ from .files import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, gencode_f
 from .full_map import FullMapEntry
 from .generated_module import GENERATED_ATTR_NAMES, GENERATED_ATTRS, GeneratedAttr, GeneratedAttrs
 from .piece import Piece
-from .shard_units import ROOT_UNIT, unit_names
+from .shard_units import ROOT_UNIT, resolve_unit_modules, unit_names
 from .pipeline_meta import PipelineMeta
 from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroGeometry, ZeroPiece, ZeroShardLayout
 
 __all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", "gencode_file", "is_gencode_file",
            "FullMapEntry", "GENERATED_ATTR_NAMES", "GENERATED_ATTRS", "GeneratedAttr", "GeneratedAttrs", "Piece",
-           "PipelineMeta", "ROOT_UNIT", "unit_names", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]
+           "PipelineMeta", "ROOT_UNIT", "unit_names", "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]

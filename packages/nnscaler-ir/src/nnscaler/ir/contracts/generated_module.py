@@ -55,6 +55,9 @@ GENERATED_ATTRS: Tuple[GeneratedAttr, ...] = (
                   "self.training): that mode is refused; written when there is one"),
     GeneratedAttr("PIPELINE", "the pipeline's stages and crossing values (PipelineMeta, written as its dict "
                   "literal); written for a pipelined plan only", None, decode_pipeline),
+    GeneratedAttr("SHARD_UNITS", "use_zero=3's gather units as module paths of the model, resolved from "
+                  "pas_config['zero3_units'] (module classes, path globs, paths) against the traced module types "
+                  "(contracts.shard_units); written when the config names units"),
     GeneratedAttr("SOURCE_MAP", "generated line number -> the user's source line it runs (error notes); "
                   "always written, filled after the class body", {}),
 )

@@ -3,9 +3,12 @@ runtime applies (`nnscaler.runtime.zero3`) and the policies' cost models price
 (`nnscaler.policies.autodist`), so both see the same units."""
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+import fnmatch
+from typing import Dict, List, Mapping, Sequence, Tuple, Union
 
-__all__ = ["ROOT_UNIT", "unit_names"]
+from ..errors import ConfigError
+
+__all__ = ["ROOT_UNIT", "unit_names", "resolve_unit_modules"]
 
 ROOT_UNIT = ""
 
@@ -32,3 +35,24 @@ def unit_names(full_names: Sequence[str], unit_modules: Sequence[str] = ()) -> D
         out[name] = next((".".join(parts[:i + 1]) for i, part in enumerate(parts[:-1])
                           if part.isdigit() and len(indices[tuple(parts[:i])]) > 1), ROOT_UNIT)
     return out
+
+
+def resolve_unit_modules(module_types: Mapping[str, str], names: Union[str, Sequence[str]]) -> List[str]:
+    """The module paths `names` (``pas_config["zero3_units"]``) stand for in a traced model
+    (`module_types`: module path -> "pkg.mod.Class", `IRGraph.module_types`), as FSDP's wrap policy
+    takes module classes: each name is a module class (``LlamaDecoderLayer``), a qualified class
+    (``gpt.Block``), a path glob (``model.layers.*.mlp``) or a module path; a string holds them
+    separated by commas. Raises ConfigError for a name that matches no module, naming the module
+    types there are."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    out: List[str] = []
+    for name in names:
+        hits = [path for path, cls in module_types.items() if path and (
+            cls == name or cls.rsplit(".", 1)[-1] == name or fnmatch.fnmatchcase(path, name))]
+        if not hits:
+            kinds = sorted({c.rsplit(".", 1)[-1] for p, c in module_types.items() if p})
+            raise ConfigError(f"pas_config['zero3_units']: {name!r} matches no module of the model; module types "
+                             f"there: {', '.join(kinds)} (or give a module path or a path glob)")
+        out.extend(h for h in hits if h not in out)
+    return sorted(out)

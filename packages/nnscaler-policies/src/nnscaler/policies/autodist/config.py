@@ -37,7 +37,8 @@ KEYS: Dict[str, Tuple[str, Any]] = {
     "parallel_profile": ("bool", True),
     "max_partition_degree": ("int >= 1 (default plan_ngpus)", None),
     "transient_mem_coef": ("number >= 0", 2.0),
-    "zero3_units": ("list of module paths (ZeRO-3's gathered units; read by the runtime too)", []),
+    "zero3_units": ("module classes, path globs or module paths, a list or comma-separated (ZeRO-3's gathered "
+                    "units; read by the code generator too)", []),
 }
 
 
@@ -131,7 +132,7 @@ class AutodistConfig:
                 raise ConfigError(f"pas_config[{key!r}] = {path!r}: no such file; give the path of an existing "
                                   f"{'plan JSON (written by save_plan_path)' if key == 'load_plan_path' else 'constraints YAML'}")
         if pas.get("zero3_units"):
-            out.zero3_units = _path_list("zero3_units", pas["zero3_units"])
+            out.zero3_units = _name_list("zero3_units", pas["zero3_units"])
         for key in ("recompute_modules", "pipeline_pivots"):
             if pas.get(key):
                 setattr(out, key, _names(key, pas[key]))
@@ -185,11 +186,14 @@ def _zero_stage(v) -> int:
                       f"(ZeRO-3: parameters, gradients and optimizer state sharded), got {v!r}")
 
 
-def _path_list(key, v) -> List[str]:
-    """A list of module paths (the runtime reads the key as a sequence, so a plain string is refused)."""
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x.strip() for x in v):
-        raise ConfigError(f"pas_config[{key!r}] must be a list of module paths (e.g. ['model.layers.0', "
-                          f"'model.layers.1']), got {v!r}")
+def _name_list(key, v) -> List[str]:
+    """Module classes, path globs or paths: a list, or one string separated by commas."""
+    if isinstance(v, str):
+        v = [x for x in v.split(",") if x.strip()]
+    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, str) and x.strip() for x in v):
+        raise ConfigError(f"pas_config[{key!r}] must name module classes, path globs or module paths (a list, "
+                          f"or a string separated by commas: e.g. 'LlamaDecoderLayer' or ['model.layers.*']), "
+                          f"got {v!r}")
     return [x.strip() for x in v]
 
 

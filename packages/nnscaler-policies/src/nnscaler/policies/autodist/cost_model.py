@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nnscaler.ir import IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
-from nnscaler.ir.contracts import unit_names
+from nnscaler.ir.contracts import resolve_unit_modules, unit_names
 
 from ..plan import tensor_inputs, tensor_outputs
 from .activations import counted_branches, direct_keeps, runs_in, saved_for_backward
@@ -233,7 +233,8 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
                     for spec in module_values.values() if spec.requires_grad and spec.value.id in read)
     pricer = _Pricer(graph, n, comm, cfg, opt_rate, trainable, copy_rate, opt_tensor)
     sharded = cfg.zero_stage == 3 and cfg.zero_group > 1
-    unit_of = unit_names([spec.name for spec in module_values.values()], cfg.zero3_units) if sharded else {}
+    units = resolve_unit_modules(graph.module_types, cfg.zero3_units) if sharded and cfg.zero3_units else ()
+    unit_of = unit_names([spec.name for spec in module_values.values()], units) if sharded else {}
     allowed = allowed or {}
     ops: List[OpVar] = []
     index: Dict[int, int] = {}
