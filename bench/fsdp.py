@@ -61,11 +61,18 @@ samples) with the budget; when one is over, all stop (what an out-of-memory woul
 does not fit; otherwise it trains `--budget-steps` (3) steps and fits. The build is outside the
 budget (each case builds the whole single-device model first; its peak is reported).
 
-`--parts time memory budget` picks the parts (default all three). Writes bench/results/fsdp.json.
+**4. Gradient accumulation** (`--parts accum`): `use_zero=3` with `--accum-micros` (4) micro-batches
+a step of one sequence each, measured as in part 2, in two modes: `no_sync` (the micro-batches but
+the last inside `model.no_sync()`: each unit's full gradients kept and summed, one reduce-scatter a
+step) and `each` (every micro-batch reduce-scatters into the shard gradients): their peak RSS, step
+time and reduce-scatters a step.
+
+`--parts time memory budget accum` picks the parts (default all four). Writes bench/results/fsdp.json.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import inspect
@@ -75,6 +82,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -222,9 +230,26 @@ def _build(case: str, a: dict, world: int, gen_dir: str, example: dict):
     return model, opt, n_params
 
 
-def _step(model, opt, b, phases=None):
+def _step(model, opt, b, phases=None, micros: int = 1, accum: str = "no_sync"):
+    """One step; with `micros` > 1 the batch is cut into that many micro-batches, accumulated
+    inside ``no_sync()`` but the last (`accum` "no_sync": full gradients kept, one reduction) or
+    reduced each (`accum` "each")."""
     t0 = time.perf_counter()
     opt.zero_grad()
+    if micros > 1:
+        n = len(next(iter(b.values()))) // micros
+        parts = [{k: v[i * n:(i + 1) * n] for k, v in b.items()} for i in range(micros)]
+        loss = 0.0
+        for i, part in enumerate(parts):
+            local = accum == "no_sync" and i < micros - 1
+            with (model.no_sync() if local else contextlib.nullcontext()):
+                (model(**part) / micros).backward()
+        t1 = t2 = time.perf_counter()
+        opt.step()
+        if phases is not None:
+            phases[0] += t1 - t0
+            phases[2] += time.perf_counter() - t2
+        return torch.zeros(())
     loss = model(**b)
     t1 = time.perf_counter()
     loss.backward()
@@ -317,6 +342,10 @@ def _warm_up_process() -> None:
     dist.barrier()
 
 
+def _reduce_scatters(sharded) -> Optional[int]:
+    return sharded.stats.reduce_scatters if sharded is not None else None
+
+
 def _rss_parts() -> dict:
     return {k: _status(k) for k in ("RssAnon", "RssFile", "RssShmem")}
 
@@ -335,7 +364,8 @@ def memory_case(rank: int, case: str, a: dict, gen_dir: str, budget: int = 0) ->
     t0 = time.perf_counter()
     model, opt, n_params = _build(case, a, world, gen_dir, batches[0])
     build_s = time.perf_counter() - t0
-    losses = [_step(model, opt, batches[s]).item() for s in range(a["mem_warmup"])]
+    losses = [_step(model, opt, batches[s], micros=a.get("micros", 1), accum=a.get("accum")).item()
+              for s in range(a["mem_warmup"])]
     _release()
     build_peak = _status("VmHWM")
     held = _held_bytes(model, opt) if a["mem_warmup"] else None  # grads and Adam state exist after a step
@@ -346,7 +376,7 @@ def memory_case(rank: int, case: str, a: dict, gen_dir: str, budget: int = 0) ->
     over_at, peaks, times = None, [], []
     for s in range(a["mem_warmup"], nsteps):
         t = time.perf_counter()
-        losses.append(_step(model, opt, batches[s]).item())
+        losses.append(_step(model, opt, batches[s], micros=a.get("micros", 1), accum=a.get("accum")).item())
         times.append(time.perf_counter() - t)
         peaks.append(max(_status("VmHWM"), sampler.peak))
         if budget and _reduce([float(peaks[-1] > budget)], dist.ReduceOp.MAX)[0]:
@@ -357,6 +387,7 @@ def memory_case(rank: int, case: str, a: dict, gen_dir: str, budget: int = 0) ->
     end_parts = _rss_parts()
     if held is None:
         held = _held_bytes(model, opt)
+    model_stats = getattr(model, "fully_sharded", None)
     losses = [x / world for x in _reduce(losses)]
     del model, opt
     dist.barrier()
@@ -365,7 +396,8 @@ def memory_case(rank: int, case: str, a: dict, gen_dir: str, budget: int = 0) ->
             "end_rss_parts": end_parts,
             "build_s": build_s, "held_bytes": held, "steady_rss": steady, "peak_rss": peak,
             "sampled_peak_rss": sampled, "peak_rss_per_step": peaks, "peak_above_baseline": peak - baseline,
-            "transient": peak - steady, "step_s": times, "losses": losses, "over_budget_at_step": over_at}
+            "transient": peak - steady, "step_s": times, "losses": losses, "over_budget_at_step": over_at,
+            "reduce_scatters": _reduce_scatters(model_stats)}
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -421,8 +453,10 @@ def main() -> None:
     p.add_argument("--mem-steps", type=int, default=3)
     p.add_argument("--loss-rtol", type=float, default=1e-3)
     p.add_argument("--no-malloc-env", action="store_true", help="glibc's malloc defaults in the memory workers")
-    p.add_argument("--parts", nargs="*", default=["time", "memory", "budget"], choices=["time", "memory", "budget"],
-                   help="which parts to run (1: time, 2: memory, 3: budget)")
+    p.add_argument("--parts", nargs="*", default=["time", "memory", "budget", "accum"],
+                   choices=["time", "memory", "budget", "accum"],
+                   help="which parts to run (1: time, 2: memory, 3: budget, 4: accum)")
+    p.add_argument("--accum-micros", type=int, default=4, help="part 4: micro-batches a step")
     p.add_argument("--budget-cases", nargs="*", default=["ddp", "zero1", "zero3"], choices=CASES)
     p.add_argument("--budget-mib", type=float, default=1100)
     p.add_argument("--demo-layers", type=int, default=10)
@@ -430,7 +464,11 @@ def main() -> None:
     p.add_argument("--budget-steps", type=int, default=3)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "fsdp.json"))
     args = _common.parse_args(p, {"layers": 2, "embd": 64, "heads": 2, "block_size": 16, "warmup": 1, "rounds": 1,
-                                  "mem_steps": 1, "demo_layers": 2, "demo_embd": 64, "budget_steps": 1},
+                                  "mem_steps": 1, "demo_layers": 2, "demo_embd": 64, "budget_steps": 1,
+                                  "accum_micros": 2,
+                                  # every code path once, in few process launches (the test suite's time)
+                                  "cases": ["ddp", "fsdp2", "zero3"], "parts": ["time", "budget", "accum"],
+                                  "budget_cases": ["zero3"]},
                               "fsdp.json")
     t_start = time.perf_counter()
     load_before = _common.loadavg()
@@ -461,6 +499,16 @@ def main() -> None:
             ranks, s = _spawn(memory_case, (c, demo, gen, budget), demo, tmp, f"budget_{c}", not args.no_malloc_env)
             budget_runs[c] = _mem_summary(c, ranks, s)
             print(f"part 3 (budget) {c}: peak RSS {_mib(budget_runs[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
+
+        accum_runs = {}
+        for mode in (("no_sync", "each") if "accum" in args.parts else ()):
+            acc = dict(a, batch=args.accum_micros, micros=args.accum_micros, accum=mode, tag="accum")
+            ranks, s = _spawn(memory_case, ("zero3", acc, gen), acc, tmp, f"accum_{mode}", not args.no_malloc_env)
+            accum_runs[mode] = _mem_summary("zero3", ranks, s)
+            accum_runs[mode]["reduce_scatters_per_step"] = ranks[0]["reduce_scatters"] / (acc["mem_warmup"]
+                                                                                      + acc["mem_steps"])
+            print(f"part 4 (accumulation, {mode}) zero3: peak RSS {_mib(accum_runs[mode]['peak_rss'])} MiB "
+                  f"({s:.1f} s)", flush=True)
 
     # -- report ------------------------------------------------------------------------------------
     r0 = timing[0] if timing else None
@@ -556,6 +604,14 @@ def main() -> None:
               "yes" if b["fits"] else "NO", f"{len(b['per_rank'][0]['step_s'])} of {args.budget_steps}"
               + ("" if b["fits"] else f" (over at step {b['over_budget_at_step']})"),
               f"{b['loss_rel_diff_vs_ddp']:.1e}"] for c, b in budget_runs.items()]))
+    if accum_runs:
+        print(f"\n== gradient accumulation under use_zero=3: {args.accum_micros} micro-batches a step "
+              f"(GPT {args.layers} x {args.embd}) ==")
+        print(_common.table(
+            ["mode", "steady RSS", "peak RSS", "transient", "reduce-scatters a step", "step ms (median)"],
+            [[m, _mib(r["steady_rss"]), _mib(r["peak_rss"]), _mib(r["transient"]),
+              f"{r['reduce_scatters_per_step']:.0f}", f"{r['step_s_median'] * 1e3:,.0f}"]
+             for m, r in accum_runs.items()]))
     elapsed = time.perf_counter() - t_start
     print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
     data = {**_common.run_header(),
@@ -572,6 +628,9 @@ def main() -> None:
             "all_losses_ok": all(x["ok"] for x in checks.values()),
             "budget": {"budget_bytes": budget, "demo_layers": args.demo_layers, "demo_embd": args.demo_embd,
                        "runs": budget_runs},
+            "accumulation": {"micros": args.accum_micros, "runs": accum_runs,
+                             "note": "no_sync: the first micro-batches keep the units' full gradients, the last "
+                                     "reduce-scatters the sum; each: every micro-batch reduce-scatters"},
             "loadavg_before": load_before, "loadavg_after": _common.loadavg(), "seconds": elapsed}
     _common.save_results(args.out, data)
 

@@ -9,7 +9,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "trainer", "hf_llama.yaml")
 TOKENIZER = os.path.join(ROOT, "examples", "trainer", "hf_llama")
-PLANS = {"dp2": ["--pas_policy", "dp"], "tp2": ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"]}
+PLANS = {"dp2": ["--pas_policy", "dp"], "tp2": ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"],
+         "dp2-zero3": ["--pas_policy", "dp", "--compute_config.use_zero", "3"]}
 
 
 def write_configs(folder):

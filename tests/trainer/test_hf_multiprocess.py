@@ -1,5 +1,6 @@
 """Hugging Face in and out, on real gloo processes: a tiny Llama and GPT-2 trained 2 steps from
-examples/trainer/hf_llama.yaml under dp 2 and tp 2 (one spawn runs the four), each checkpoint
+examples/trainer/hf_llama.yaml under dp 2 and tp 2, and the Llama under fully sharded dp 2
+(`--compute_config.use_zero 3`) (one spawn runs the five), each checkpoint
 merged with `--hf`, loaded by `AutoModelForCausalLM.from_pretrained`: its weights are the parallel
 model's (assembled from the ranks' shards, logits equal) and its loss on the same batch equals the
 parallel model's."""
@@ -23,8 +24,9 @@ def test_llama_and_gpt2_dp2_tp2_merge_hf_from_pretrained(tmp_path):
     configs = write_configs(tmp_path / "configs")
     text = tmp_path / "text.txt"
     text.write_text(open(os.path.join(ROOT, "docs", "trainer.md")).read()[:3000])
+    cases = [(model, plan) for model in ("llama", "gpt2") for plan in ("dp2", "tp2")] + [("llama", "dp2-zero3")]
     runs = {f"{model}-{plan}": overrides(str(tmp_path / f"{model}-{plan}"), configs[model], plan, str(text))
-            for model in ("llama", "gpt2") for plan in ("dp2", "tp2")}
+            for model, plan in cases}
     results = run_workers(worker, 2, runs, timeout=600)
     for label in runs:
         loss, batch, _ = results[0][label]
