@@ -13,19 +13,18 @@ from typing import Any, Dict, List
 
 import torch
 
-from .reducer import Reducer, pausable
+from .reducer import Pausable, Reducer, pausable
 
 __all__ = ["PipelineGradSync"]
 
 
-class PipelineGradSync:
+class PipelineGradSync(Pausable):
     """The end-of-step gradient sync of one pipelined module."""
 
     def __init__(self, module, training: bool, bucket_cap_mb):
         self.module = module
         self.reducers: List[Reducer] = []  # pipeline devices holding one tensor: sum their grads
         self._synced = False
-        self._paused = 0
         for group, params in self._shared_param_groups().items():
             if params and training:
                 self.reducers.append(Reducer(params, group=group, bucket_cap_mb=bucket_cap_mb,
@@ -61,11 +60,7 @@ class PipelineGradSync:
     @property
     def paused(self) -> bool:
         """Inside the module's ``sync_grad_when(False)``."""
-        return self._paused > 0
-
-    def no_sync(self):
-        """This module's end-of-step sync paused (the module's ``no_sync()``)."""
-        return self.pause(False)
+        return not self.sync_enabled
 
     def hold(self) -> contextlib.ExitStack:
         """Inside a pipeline step: this module's reducers only accumulate (the step syncs once,
@@ -76,17 +71,9 @@ class PipelineGradSync:
             stack.enter_context(r.no_sync())
         return stack
 
-    @contextlib.contextmanager
     def pause(self, cond: bool):
         """``sync_grad_when(cond)`` of a pipelined module."""
-        if cond:
-            yield
-            return
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
+        return self.sync_grad_when(cond)
 
     def sync(self) -> None:
         """End of a pipeline step: every reducer synchronises the accumulated gradients once."""

@@ -105,7 +105,7 @@ from .zero_groups import ZeroGroups, make_zero_groups
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
 __all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
-           "ZeroParam", "ZeroEngine", "ZeroStats", "row_segments", "held_order"]
+           "ZeroParam", "ZeroEngine", "ZeroStats", "row_segments", "held_order", "reduce_rows"]
 
 
 
@@ -171,6 +171,21 @@ class _Bucket:
     @property
     def device(self) -> torch.device:
         return self.params[0].param.device
+
+
+def reduce_rows(send: torch.Tensor, groups: ZeroGroups, *, label: str, what: str) -> torch.Tensor:
+    """This rank's row of the mean over the data-parallel replicas of `send` ((zero group size)
+    rows, overwritten): pre-divided by the replica count (gloo has no AVG), reduce-scattered in the
+    zero group, then all-reduced over the cross group when zero_ngroups > 1. COLLECTIVE."""
+    send.div_(groups.dp_size)
+    if groups.size > 1:
+        out = reduce_scatter_rows(send, groups.group, groups.group_index, label=label, what=what, may_overwrite=True)
+    else:
+        out = send[0]
+    if groups.cross_group is not None:
+        record("zero_all_reduce", out.nbytes)
+        failures.run(dist.all_reduce, out, group=groups.cross_group, what="ZeRO's cross-group gradient all-reduce")
+    return out
 
 
 def held_order(optimizer: torch.optim.Optimizer, given: Sequence[torch.Tensor], setting: str) -> Dict[int, int]:
@@ -323,16 +338,9 @@ class ZeroEngine:
             src = grad.reshape(-1)
             for row, col, s0, length in row_segments(off, zp.param.numel(), width):
                 send[row, col:col + length].copy_(src[s0:s0 + length])
-        send.div_(g.dp_size)  # gloo has no AVG: pre-divide, then sum (as the Reducer)
-        if g.size > 1:
-            out = self._reduce_scatter(send, g.group)
-            self.stats.reduce_scatter_calls += 1
-        else:
-            out = send[0]
-        if g.cross_group is not None:
-            record("zero_all_reduce", out.nbytes)
-            failures.run(dist.all_reduce, out, group=g.cross_group, what="ZeRO's cross-group gradient all-reduce")
-            self.stats.cross_all_reduce_calls += 1
+        out = reduce_rows(send, g, label="zero_reduce_scatter", what="ZeRO's gradient reduce-scatter")
+        self.stats.reduce_scatter_calls += g.size > 1
+        self.stats.cross_all_reduce_calls += g.cross_group is not None
         used = None
         if missing:  # read the flags back (a device sync on CUDA) only when a local gradient is missing
             used = {id(zp) for zp, flag in zip(bucket.params, out[width:].tolist()) if flag > 0}
@@ -341,10 +349,6 @@ class ZeroEngine:
                 piece.tensor.grad = None
             else:
                 piece.tensor.grad = out[piece.shard_offset:piece.shard_offset + piece.numel]
-
-    def _reduce_scatter(self, send: torch.Tensor, group) -> torch.Tensor:
-        return reduce_scatter_rows(send, group, self.groups.group_index, label="zero_reduce_scatter",
-                                   what="ZeRO's gradient reduce-scatter", may_overwrite=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' and the pieces' gradients (the optimizer clears those of the

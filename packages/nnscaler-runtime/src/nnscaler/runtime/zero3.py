@@ -44,13 +44,11 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from . import failures
-from .comm.flat import all_gather_flat, reduce_scatter_rows, start_all_gather_flat
-from .comm.stats import record
+from .comm.flat import all_gather_flat, start_all_gather_flat
 from .reducer import Pausable, pausable
-from .zero import row_segments
+from .zero import reduce_rows, row_segments
 from .zero_groups import ZeroGroups
 from nnscaler.ir.contracts import ROOT_UNIT, unit_names
 
@@ -345,16 +343,9 @@ class FullyShardedParams(Pausable):
         return send
 
     def _reduce_scatter(self, u: ShardUnit, send: torch.Tensor) -> torch.Tensor:
-        g, width = self.groups, u.shard_numel
-        send.div_(g.dp_size)  # gloo has no AVG: pre-divide, then sum
-        if g.size > 1:
-            out = reduce_scatter_rows(send, g.group, g.group_index, label="zero3_reduce_scatter",
-                                      what="the fully sharded gradient reduce-scatter", may_overwrite=True)
-        else:
-            out = send[0]
-        if g.cross_group is not None:
-            record("zero_all_reduce", out.nbytes)
-            failures.run(dist.all_reduce, out, group=g.cross_group, what="ZeRO's cross-group gradient all-reduce")
+        width = u.shard_numel
+        out = reduce_rows(send, self.groups, label="zero3_reduce_scatter",
+                          what="the fully sharded gradient reduce-scatter")
         self.stats.reduce_scatters += 1
         u.used |= (out[width:] > 0).cpu()
         return out[:width]
