@@ -65,6 +65,14 @@ def test_sharded_arguments_are_checked():
         recompute_config(ComputeConfig(1, 1), {torch.nn.Conv2d}, net)
     cfg = recompute_config(ComputeConfig(1, 1, pas_config={"recompute_modules": "h.*"}), {torch.nn.Linear}, net)
     assert cfg.pas_config["recompute_modules"] == ["h.*", "torch.nn.modules.linear.Linear"]
+    # FSDP's auto_wrap_policy: use_zero=3's gather units, as qualified classes codegen resolves
+    from nnscaler.lightning.sharded_args import wrap_config
+    with pytest.raises(NnScalerLightningError, match=r"auto_wrap_policy=.*give a set of torch.nn"):
+        NnScalerStrategy(auto_wrap_policy="Linear")
+    with pytest.raises(NnScalerLightningError, match=r"auto_wrap_policy=\.\.\.\): Sequential has no submodule of type Conv2d"):
+        wrap_config(ComputeConfig(1, 2, use_zero=3), {torch.nn.Conv2d}, net)
+    cfg = wrap_config(ComputeConfig(1, 2, use_zero=3), {torch.nn.Linear}, net)
+    assert cfg.pas_config["zero3_units"] == ["torch.nn.modules.linear.Linear"] and cfg.zero_stage == 3
 
     class NoReset(torch.nn.Module):
         def __init__(self):

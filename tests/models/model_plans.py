@@ -90,7 +90,8 @@ def _reference(name, train, pad, dtype, halves):
 
 def train_plan(rank, world, name, case, gen_root):
     """Train `name` under `case` for STEPS Adam steps; (mean loss per step, this rank's parameter
-    shards as (full name, full shape, slices, value))."""
+    shards as (full name, full shape, slices, value)). Under use_zero=3 the weights are read from a
+    saved and merged checkpoint instead (every tensor whole, on every rank)."""
     import torch.distributed as dist
     from nnscaler import ComputeConfig, build_optimizer, parallelize
     from nnscaler.runtime import GuardError
@@ -130,10 +131,27 @@ def train_plan(rank, world, name, case, gen_root):
     if cfg.zero_stage == 3:  # the shards hold the values: every registered parameter is empty between steps
         assert pm.fully_sharded is not None and all(p.numel() == 0 for p in pm.parameters()), case["label"]
         assert pm.fully_sharded.stats.reduce_scatters > 0 and pm.fully_sharded.groups.size == dp_size // cfg.zero_ngroups
+        return losses, _merged_weights(pm, opt, os.path.join(gen_root, case["label"], "ckpt"))
     with pm.unsharded():  # whole local tensors (use_zero=3 gathers them)
         shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
                   for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
     return losses, shards
+
+
+def _merged_weights(pm, opt, path):
+    """The weights as a saved and merged checkpoint holds them: (full name, full shape, whole
+    slices, value) of every tensor of the merged model file (the same on every rank)."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from nnscaler.ckpt import merge, save
+    save(os.path.join(path, "sharded"), pm, opt)
+    if dist.get_rank() == 0:
+        merge(os.path.join(path, "sharded"), os.path.join(path, "merged"), model_only=True)
+    dist.barrier()
+    params = {pm.fullmap[local].full_name for local, _ in pm.named_parameters()}
+    weights = load_file(os.path.join(path, "merged", "model.safetensors"))
+    assert params <= set(weights), sorted(params - set(weights))
+    return [(n, tuple(v.shape), tuple((0, d) for d in v.shape), v) for n, v in weights.items() if n in params]
 
 
 def run_plans(rank, world, cases, gen_root):

@@ -3,7 +3,8 @@ exactly as in one process: GPT-2, Llama with grouped-query attention (sdpa), BER
 ViT, each under dp, tp, megatron, dp + ZeRO and pp (1f1b, 2 micro-batches), Llama also under fully
 sharded dp (use_zero=3), in float64: after 3
 Adam steps every parameter within 1e-10 of single-process training (assembled from the ranks'
-shards; ranks holding the same slice must agree exactly) and every loss within 1e-10.
+shards; ranks holding the same slice must agree exactly; under use_zero=3 read from a saved and
+merged checkpoint) and every loss within 1e-10.
 
 One spawn of 2 worker processes per model runs all its plans (each its own gen_savedir); one
 spawn of 4 runs megatron tp 2 x dp 2 on Llama, without and with use_zero=3, use_zero=3 over dp 4

@@ -4,6 +4,8 @@
   those modules is recomputed in backward: the types go to the plan as ``ComputeConfig.pas_config
   ["recompute_modules"]``, which every policy honours (nnscaler.policies.recompute_modules), so
   the generated forward runs them under ``torch.utils.checkpoint``.
+- `auto_wrap_policy`: a set of module types (as FSDPStrategy's) -> under ``use_zero=3`` each such
+  submodule is one gather unit: ``pas_config["zero3_units"]`` (resolved by code generation).
 - `cpu_offload`: optimizer state kept on CPU while training on GPU: the optimizer steps on fp32
   copies on `OFFLOAD_DEVICE` (offload.py, a simplified ZeRO-Offload; with ZeRO, of this rank's
   shards). The same machinery runs on CPU (CPU copies), where it is tested.
@@ -26,14 +28,16 @@ from nnscaler.ir import ComputeConfig
 
 from .errors import NnScalerLightningError
 
-__all__ = ["checkpointing_types", "recompute_config", "check_strategy_args", "check_cpu_offload", "offload_device", "materialize_meta",
+__all__ = ["checkpointing_types", "recompute_config", "wrap_config", "check_strategy_args", "check_cpu_offload", "offload_device", "materialize_meta",
            "OFFLOAD_DEVICE", "SHARDING_STRATEGIES", "sharding_strategy_name", "sharding_config"]
 
 OFFLOAD_DEVICE = torch.device("cpu")  # where cpu_offload=True keeps the optimizer's copies and state
 
 
-def checkpointing_types(policy: Any) -> Optional[Set[Type[torch.nn.Module]]]:
-    """The module types of ``activation_checkpointing_policy`` (None: none), checked."""
+def checkpointing_types(policy: Any, argument: str = "activation_checkpointing_policy"
+                        ) -> Optional[Set[Type[torch.nn.Module]]]:
+    """The module types of ``activation_checkpointing_policy`` (or `argument`, e.g. ``auto_wrap_policy``;
+    None: none), checked."""
     if policy is None:
         return None
     if isinstance(policy, type):
@@ -41,7 +45,7 @@ def checkpointing_types(policy: Any) -> Optional[Set[Type[torch.nn.Module]]]:
     if not isinstance(policy, (set, frozenset, list, tuple)) or not all(
             isinstance(t, type) and issubclass(t, torch.nn.Module) for t in policy):
         raise NnScalerLightningError(
-            f"NnScalerStrategy(activation_checkpointing_policy={policy!r}): give a set of torch.nn.Module types, "
+            f"NnScalerStrategy({argument}={policy!r}): give a set of torch.nn.Module types, "
             f"e.g. {{torch.nn.TransformerEncoderLayer}} (wrap policies and callables are not supported)")
     return set(policy)
 
@@ -52,6 +56,16 @@ def _qualified(t: type) -> str:
 
 def recompute_config(cfg, types: Optional[Set[type]], module: torch.nn.Module):
     """`cfg` with the submodules of `types` in ``pas_config["recompute_modules"]``."""
+    return _types_config(cfg, types, module, "recompute_modules", "activation_checkpointing_policy")
+
+
+def wrap_config(cfg, types: Optional[Set[type]], module: torch.nn.Module):
+    """`cfg` with the submodules of `types` (FSDP's ``auto_wrap_policy``) as use_zero=3's gather units,
+    ``pas_config["zero3_units"]`` (resolved by code generation; nothing without use_zero=3)."""
+    return _types_config(cfg, types, module, "zero3_units", "auto_wrap_policy")
+
+
+def _types_config(cfg, types: Optional[Set[type]], module: torch.nn.Module, key: str, argument: str):
     if not types:
         return cfg
     present = {type(m) for name, m in module.named_modules() if name}
@@ -59,14 +73,14 @@ def recompute_config(cfg, types: Optional[Set[type]], module: torch.nn.Module):
     if missing:
         kinds = sorted({t.__name__ for t in present})
         raise NnScalerLightningError(
-            f"NnScalerStrategy(activation_checkpointing_policy=...): {type(module).__name__} has no submodule of "
+            f"NnScalerStrategy({argument}=...): {type(module).__name__} has no submodule of "
             f"type {', '.join(missing)}; its submodule types: {', '.join(kinds) or 'none'}")
     names = sorted(_qualified(t) for t in types)
     pas = dict(cfg.pas_config)
-    given = pas.get("recompute_modules")
+    given = pas.get(key)
     if given:
         names = ([given] if isinstance(given, str) else list(given)) + names
-    pas["recompute_modules"] = names
+    pas[key] = names
     return dataclasses.replace(cfg, pas_config=pas)
 
 

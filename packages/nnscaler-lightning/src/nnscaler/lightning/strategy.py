@@ -41,7 +41,8 @@ from .optimizers import rebuild, user_optimizer
 from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout
 from .sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta,
-                           offload_device, recompute_config, sharding_config, sharding_strategy_name)
+                           offload_device, recompute_config, sharding_config, sharding_strategy_name,
+                           wrap_config)
 
 __all__ = ["NnScalerStrategy"]
 
@@ -54,6 +55,8 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
     gen_savedir, reuse, instance_name, broadcast_strategy: as `nnscaler.parallelize`.
     state_dict_type: ``"sharded"`` or ``"deduped"`` (nnscaler.ckpt kinds).
     activation_checkpointing_policy: a set of module types whose ops are recomputed in backward.
+    auto_wrap_policy: a set of module types, each such submodule one gather unit under use_zero=3
+        (FSDPStrategy's wrap policy; by default each repeated block is one).
     cpu_offload: the optimizer steps on fp32 copies on the CPU (its state lives there), on CUDA
         and on CPU alike (offload.py).
     sharding_strategy: as FSDPStrategy's (a name or torch's ``ShardingStrategy``): FULL_SHARD ->
@@ -85,12 +88,14 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         activation_checkpointing_policy: Optional[Any] = None,
         cpu_offload: bool = False,
         sharding_strategy: Optional[Any] = None,
+        auto_wrap_policy: Optional[Any] = None,
     ) -> None:
         check_strategy_args(compute_config, state_dict_type, " (merge later with NnScalerStrategy.merge_checkpoint)")
         if checkpoint_io is not None:
             raise NnScalerLightningError("NnScalerStrategy(checkpoint_io=...) is not supported: checkpoints are "
                                          "nnscaler.ckpt directories (state_dict_type); leave checkpoint_io out")
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
+        self._wrap_types = checkpointing_types(auto_wrap_policy, "auto_wrap_policy")
         self._sharding = sharding_strategy_name(sharding_strategy)
         check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
@@ -167,7 +172,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
                 f"runtime_ngpus={cfg.runtime_ngpus})) but the Trainer runs {self.world_size} process(es) "
                 f"(devices x num_nodes): make them equal")
         self.compute_config = cfg = sharding_config(cfg, self._sharding, self.num_nodes)
-        cfg = recompute_config(cfg, self._checkpointing_types, module)
+        cfg = wrap_config(recompute_config(cfg, self._checkpointing_types, module), self._wrap_types, module)
         dummy = self.precision_plugin.convert_input(dummy_forward_args(module, trainer, self))
         was_training = module.training
         module.train()

@@ -30,7 +30,8 @@ from ..internals import BackwardSyncControl, FabricScriptLauncher, FabricSpawnLa
 from ..optimizers import check_optimizer, rebuild
 from ..precision import adopt_precision_plugin
 from ..sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta,
-                            offload_device, recompute_config, sharding_config, sharding_strategy_name)
+                            offload_device, recompute_config, sharding_config, sharding_strategy_name,
+                            wrap_config)
 from ..state_codec import decode, encode
 from .precision import NnScalerPrecision
 
@@ -55,9 +56,10 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                  dummy_forward_args: Optional[Dict[str, Any]] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
                  activation_checkpointing_policy: Optional[Any] = None, cpu_offload: bool = False,
-                 sharding_strategy: Optional[Any] = None) -> None:
+                 sharding_strategy: Optional[Any] = None, auto_wrap_policy: Optional[Any] = None) -> None:
         check_strategy_args(compute_config, state_dict_type)
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
+        self._wrap_types = checkpointing_types(auto_wrap_policy, "auto_wrap_policy")
         self._sharding = sharding_strategy_name(sharding_strategy)
         check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
@@ -95,7 +97,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
         self.precision.set_device(self.root_device.type)
         self.compute_config = cfg = sharding_config(cfg, self._sharding, self.num_nodes)
         materialize_meta(module, self.root_device)
-        cfg = recompute_config(cfg, self._checkpointing_types, module)
+        cfg = wrap_config(recompute_config(cfg, self._checkpointing_types, module), self._wrap_types, module)
         dummy = getattr(module, "dummy_forward_args", None) or self.dummy_forward_args
         if not isinstance(dummy, dict):
             raise NnScalerLightningError(
