@@ -144,6 +144,7 @@ def _merged_weights(pm, opt, path):
     import torch.distributed as dist
     from safetensors.torch import load_file
     from nnscaler.ckpt import merge, save
+    os.makedirs(path, exist_ok=True)
     save(os.path.join(path, "sharded"), pm, opt)
     if dist.get_rank() == 0:
         merge(os.path.join(path, "sharded"), os.path.join(path, "merged"), model_only=True)
