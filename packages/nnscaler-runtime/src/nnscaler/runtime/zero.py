@@ -105,7 +105,7 @@ from .zero_groups import ZeroGroups, make_zero_groups
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
 __all__ = ["ZeroPiece", "ZeroBucket", "ZeroShardLayout", "LAYOUT_VERSION", "ZeroGroups", "make_zero_groups",
-           "ZeroParam", "ZeroEngine", "ZeroStats", "row_segments", "held_order", "reduce_rows"]
+           "ZeroParam", "ZeroEngine", "ZeroStats", "row_segments", "held_order", "reduce_rows", "flat_layout", "owned_ranges"]
 
 
 
@@ -150,16 +150,34 @@ class _Piece:
         return self.stop - self.start
 
 
+def flat_layout(numels: Sequence[int], group_size: int, min_shard: int = 0) -> Tuple[List[int], int, int, int]:
+    """Tensors of `numels` elements laid out back to back in one flat buffer padded to a multiple of
+    `group_size`: (offsets, real elements, elements each rank owns (at least `min_shard`), padded size)."""
+    offsets, numel = [], 0
+    for n in numels:
+        offsets.append(numel)
+        numel += n
+    shard = max(min_shard, -(-numel // group_size))  # ceil
+    return offsets, numel, shard, shard * group_size
+
+
+def owned_ranges(offsets: Sequence[int], numels: Sequence[int], shard: int, index: int
+                 ) -> Iterator[Tuple[int, int, int, int, int]]:
+    """The parts of a flat layout's tensors that rank `index` owns (elements ``[index*shard,
+    (index+1)*shard)``): (tensor position, start, stop within the tensor, offset in the flat buffer,
+    offset in the shard), for each tensor with an owned part."""
+    lo, hi = index * shard, (index + 1) * shard
+    for pos, (off, n) in enumerate(zip(offsets, numels)):
+        a, b = max(off, lo), min(off + n, hi)
+        if a < b:
+            yield pos, a - off, b - off, a, a - lo
+
+
 class _Bucket:
     def __init__(self, params: List[ZeroParam], group_size: int, reduce: bool):
         self.params = params
-        self.offsets, numel = [], 0
-        for zp in params:
-            self.offsets.append(numel)
-            numel += zp.param.numel()
-        self.numel = numel
-        self.shard = -(-numel // group_size)  # ceil
-        self.padded = self.shard * group_size
+        self.offsets, self.numel, self.shard, self.padded = flat_layout([zp.param.numel() for zp in params],
+                                                                        group_size)
         self.reduce = reduce  # the engine reduce-scatters this bucket (else: copies the owned ranges)
         self.pieces: List[_Piece] = []
         self.shard_grad: Optional[torch.Tensor] = None  # copied buckets: persistent buffer
@@ -230,13 +248,12 @@ class ZeroEngine:
         self._buckets = self._make_buckets(self.params, int(float(bucket_cap_mb) * 1024 * 1024))
         self.pieces: List[_Piece] = []
         for bucket in self._buckets:
-            lo, hi = groups.group_index * bucket.shard, (groups.group_index + 1) * bucket.shard
-            for zp, off in zip(bucket.params, bucket.offsets):
-                a, b = max(off, lo), min(off + zp.param.numel(), hi)
-                if a < b:
-                    piece = _Piece(zp, a - off, b - off, a, a - lo)
-                    bucket.pieces.append(piece)
-                    self.pieces.append(piece)
+            numels = [zp.param.numel() for zp in bucket.params]
+            for pos, start, stop, flat, local in owned_ranges(bucket.offsets, numels, bucket.shard,
+                                                              groups.group_index):
+                piece = _Piece(bucket.params[pos], start, stop, flat, local)
+                bucket.pieces.append(piece)
+                self.pieces.append(piece)
         self._placeholder: Optional[torch.Tensor] = None
         if not self.pieces:
             self._placeholder = torch.empty(0, device=self.params[0].param.device if self.params else "cpu")

@@ -35,7 +35,9 @@ micro-batch instead (shard-size gradients only). One flag per tensor travels wit
 so a tensor no rank gave a gradient keeps a None gradient, as in single-device training.
 
 Buffers are not sharded (they are small and read in place). Collectives are recorded in the comm
-stats as ``zero3_all_gather``, ``zero3_reduce_scatter`` and ``zero_all_reduce``.
+stats as ``zero3_all_gather``, ``zero3_reduce_scatter`` and ``zero_all_reduce``. (One file: the
+gather, prefetch, free and reduce-scatter of a unit share its state through one cycle; the
+optimizer's side is `zero3_optimizer`.)
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ import torch
 from . import failures
 from .comm.flat import all_gather_flat, start_all_gather_flat
 from .reducer import Pausable, pausable
-from .zero import reduce_rows, row_segments
+from .zero import flat_layout, reduce_rows, row_segments
 from .zero_groups import ZeroGroups
 from nnscaler.ir.contracts import ROOT_UNIT, unit_names
 
@@ -74,13 +76,7 @@ class ShardUnit:
         self.params = params
         self.shapes = [tuple(p.shape) for p in params]
         self.numels = [p.numel() for p in params]
-        self.offsets, numel = [], 0
-        for n in self.numels:
-            self.offsets.append(numel)
-            numel += n
-        self.numel = numel
-        self.shard_numel = max(1, -(-numel // group_size))
-        self.padded = self.shard_numel * group_size
+        self.offsets, self.numel, self.shard_numel, self.padded = flat_layout(self.numels, group_size, min_shard=1)
         self.trainable = any(p.requires_grad for p in params)
         self.shard: Optional[torch.nn.Parameter] = None  # set by FullyShardedParams.shard()
         self.full: Optional[torch.Tensor] = None  # the gathered flat buffer

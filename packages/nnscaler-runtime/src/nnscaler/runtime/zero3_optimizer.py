@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .errors import ConfigError
-from .zero import ZeroStats, held_order
+from .zero import ZeroStats, held_order, owned_ranges
 from .zero3 import FullyShardedParams, ShardUnit
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
@@ -68,15 +68,11 @@ class FullyShardedOptimizerState:
                 self._buckets.append(ZeroBucket(u.numel, u.padded, u.shard_numel, str(u.dtype).replace("torch.", ""),
                                                 True, tuple((path, n, o, c) for n, o, c in
                                                             zip(u.local_names, u.offsets, u.numels))))
-                lo, hi = lo_index * u.shard_numel, (lo_index + 1) * u.shard_numel
                 shard = u.shard.detach()
-                for pos, (name, off, numel) in enumerate(zip(u.local_names, u.offsets, u.numels)):
-                    if not u.params[pos].requires_grad:
-                        continue
-                    a, b = max(off, lo), min(off + numel, hi)
-                    if a < b:
-                        self.pieces.append(_Piece(path, u, pos, pm.fullmap[name], a - off, b - off, bi, a, a - lo,
-                                                  shard[a - lo:b - lo]))
+                for pos, start, stop, flat, local in owned_ranges(u.offsets, u.numels, u.shard_numel, lo_index):
+                    if u.params[pos].requires_grad:
+                        self.pieces.append(_Piece(path, u, pos, pm.fullmap[u.local_names[pos]], start, stop, bi, flat,
+                                                  local, shard[local:local + stop - start]))
         self._placeholder = None if self.pieces else torch.empty(0, device=self.engines[0].units[0].device
                                                                  if self.engines[0].units else "cpu")
 
