@@ -17,6 +17,7 @@ _EXPORTS = {
     "ComputeConfig": "nnscaler.ir",
     "OptionalComputeConfig": "nnscaler.ir",
     "register_op": "nnscaler.ir",
+    "routed_experts": "nnscaler.ir.ops.moe",
     "trace": "nnscaler.ir",
     "NnScalerError": "nnscaler.ir",
     "NnScalerWarning": "nnscaler.ir",

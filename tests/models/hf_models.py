@@ -56,22 +56,54 @@ def gpt2():
     return CausalLM(GPT2LMHeadModel(cfg))
 
 
+class MoeCausalLM(CausalLM):
+    """Mixtral / Qwen2-MoE: the next-token loss plus the router's load-balancing loss over the whole
+    batch, times `router_aux_loss_coef`. The loss is HF's formula (Switch Transformer's, as
+    `load_balancing_loss_func`) computed in the logits' dtype: HF sums it in float32, whose rounding
+    then depends on how a plan splits the tokens, so float64 parity would be held to float32's bar."""
+
+    def forward(self, input_ids, labels, attention_mask=None):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True)
+        logits = out.logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        cfg = self.model.config
+        experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        aux = load_balancing_loss(out.router_logits, experts, cfg.num_experts_per_tok)
+        return loss + cfg.router_aux_loss_coef * aux
+
+
+def load_balancing_loss(router_logits, num_experts, top_k):
+    """The fraction of tokens routed to each expert times its mean router probability, summed over
+    experts and averaged over layers, times the number of experts (in the logits' dtype)."""
+    logits = torch.cat(list(router_logits), dim=0)
+    probs = torch.softmax(logits, dim=-1)
+    _, chosen = torch.topk(probs, top_k, dim=-1)
+    routed = F.one_hot(chosen, num_experts).to(probs.dtype)  # (tokens, k, experts)
+    fraction = routed.mean(dim=0)
+    return (fraction * probs.mean(dim=0).unsqueeze(0)).sum() * num_experts
+
+
 def _same_dtype_rms_norm(model):
     """Llama's RMSNorm computes in float32 whatever the model's dtype (HF upcasts on purpose); its
     float32 rounding then depends on the tensor's layout (a tp plan that splits the batch differs
     from one process by ~1e-7). `llama64` swaps in the same formula computed in the input's
     dtype, so that float64 parity is element-wise."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.__class__ = _same_dtype_class(type(module))
+    return model
 
-    class SameDtypeRMSNorm(LlamaRMSNorm):
+
+_SAME_DTYPE = {}
+
+
+def _same_dtype_class(cls):
+    if cls not in _SAME_DTYPE:
         def forward(self, hidden_states):
             variance = hidden_states.pow(2).mean(-1, keepdim=True)
             return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-    for module in model.modules():
-        if type(module) is LlamaRMSNorm:
-            module.__class__ = SameDtypeRMSNorm
-    return model
+        _SAME_DTYPE[cls] = type(f"SameDtype{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    return _SAME_DTYPE[cls]
 
 
 def llama64():
@@ -84,6 +116,28 @@ def llama():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                       attention_dropout=0.0, attn_implementation="sdpa", use_cache=False)
     return CausalLM(LlamaForCausalLM(cfg))
+
+
+def mixtral(experts_implementation="eager"):
+    """A tiny Mixtral: 4 experts, top-2, with the load-balancing loss (RMSNorm in the input's dtype,
+    as `llama64`, so that float64 parity is element-wise)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=SEQ, attention_dropout=0.0, router_aux_loss_coef=0.02,
+                        attn_implementation="sdpa", experts_implementation=experts_implementation, use_cache=False)
+    return _same_dtype_rms_norm(MoeCausalLM(MixtralForCausalLM(cfg)))
+
+
+def qwen2_moe(experts_implementation="eager"):
+    """A tiny Qwen2-MoE: 4 routed experts, top-2, a gated shared expert."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                         max_position_embeddings=SEQ, attention_dropout=0.0, router_aux_loss_coef=0.02,
+                         attn_implementation="sdpa", experts_implementation=experts_implementation, use_cache=False)
+    return _same_dtype_rms_norm(MoeCausalLM(Qwen2MoeForCausalLM(cfg)))
 
 
 def bert():
@@ -109,8 +163,9 @@ def vit():
     return Classifier(ViTForImageClassification(cfg))
 
 
-BUILDERS = {"gpt2": gpt2, "llama": llama, "llama64": llama64, "bert": bert, "resnet": resnet, "vit": vit}
-TEXT = ("gpt2", "llama", "llama64", "bert")
+BUILDERS = {"gpt2": gpt2, "llama": llama, "llama64": llama64, "bert": bert, "resnet": resnet, "vit": vit,
+            "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+TEXT = ("gpt2", "llama", "llama64", "bert", "mixtral", "qwen2_moe")
 
 
 def make(name, dtype=torch.float64, train=True):

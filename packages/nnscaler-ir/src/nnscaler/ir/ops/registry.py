@@ -21,6 +21,7 @@ import torch
 
 from nnscaler.ir.errors import TraceError
 from nnscaler.ir.ops.annotation import AnnotationError, parse_annotation
+from nnscaler.ir.ops import moe
 from nnscaler.ir.ops.builtin_ops import register_builtins
 from nnscaler.ir.ops.custom_op_check import check_custom_op
 from nnscaler.ir.tracer.tracing_context import current_tracer
@@ -242,3 +243,5 @@ def _validate(annotation: Annotation, label: str) -> None:
 
 
 register_builtins(REGISTRY)
+for _fn in (moe.routed_experts, moe.routed_experts.__nnscaler_op__):  # nnscaler's own op: no numeric check
+    REGISTRY.register(_fn, moe.routed_experts_annotation, moe.ROUTED_EXPERTS)

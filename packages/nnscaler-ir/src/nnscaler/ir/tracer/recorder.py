@@ -172,8 +172,10 @@ class Tracer:
             objs = [p[1] for p in pairs]
             if isinstance(result, list):
                 return refs, objs
-            if hasattr(result, "_fields"):  # namedtuple (torch.return_types.max ...)
+            if hasattr(result, "_fields"):  # namedtuple
                 return tuple(refs), type(result)(*objs)
+            if hasattr(result, "n_fields"):  # structseq (torch.return_types.max ...: .values, .indices)
+                return tuple(refs), type(result)(objs)
             return tuple(refs), tuple(objs)
         if isinstance(result, int) and not isinstance(result, bool) and not self.constant_folding:
             ref = self.new_value(result, hint)

@@ -18,6 +18,7 @@ import torch
 from . import tracing_context
 from ..graph import IRGraph, InputSpec, TensorSpec, dtype_name, encode, iter_refs
 from .branches import decisions_of, merge_branches
+from .moe_modules import experts_recorded_whole
 from .kept_functions import keep_functions, settle_grad_modes
 from .guards import is_guard, warn_guards
 from .example_inputs import check_trace_inputs
@@ -161,6 +162,8 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
         for path, ref in spec.leaves:
             tracer.input_names[ref.id] = spec.name + "".join(f"[{p!r}]" for p in path)
     warn_module_hooks(module)
+    experts = experts_recorded_whole(module)  # transformers' experts modules: one routed_experts op each
+    experts.__enter__()
     saved = tracer.saved = SavedState(module)
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer._pre_hook),
              torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
@@ -177,6 +180,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
         for h in hooks:
             h.remove()
         saved.restore()
+        experts.__exit__(None, None, None)
     if unrestorable:
         raise TraceError(f"forward changed the parameter(s) {', '.join(unrestorable)} in place by a route the "
                          f"trace cannot follow (inside a custom op or autograd Function), so the model now "

@@ -1,0 +1,94 @@
+"""`ep`: expert parallelism for mixture-of-experts models, data parallelism inside the plan.
+
+Each routed-experts op (``nnscaler.ir.ops.moe.routed_experts``: what transformers' experts
+modules trace to) is split over the plan's devices along its experts dim: device i holds experts
+``[i * E/n, (i + 1) * E/n)`` and 1/n of the tokens, and the tokens travel to their experts' devices
+by all-to-all (``nnscaler.runtime.moe``). Every other op is split along its first input's leading
+dim (the batch, or the tokens), or replicated where that does not split: the plan computes the
+whole batch, so the router's statistics and auxiliary loss are those of one process on the whole
+batch. Data parallelism across units (``runtime_ngpus > plan_ngpus``) and ZeRO compose as usual.
+
+Pipeline keys (as ``hybrid``, needs ``use_end2end=True``): ``pp_size`` > 1 cuts the model into
+``pipeline_nstages`` (default ``pp_size``) stages, each on ``plan_ngpus // pp_size`` devices over which
+its experts are split; ``pipeline_nmicros``, ``pipeline_scheduler``, ``pipeline_pivots`` as there.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from nnscaler.ir import ConfigError
+from nnscaler.ir.layout import Shard
+from nnscaler.ir.ops.moe import EXPERT_DIM, ROUTED_EXPERTS
+
+from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
+from ..pipeline import pivot_leads
+from ..registry import register_policy
+from ._spread import split_batch_or_replicate
+from .hybrid import COMMON_KEYS as PIPELINE_KEYS, _common, _int, _pipeline
+
+__all__ = ["ep", "split_experts"]
+
+_EXPERT_HINTS = ("expert", "moe")
+
+
+@register_policy("ep", keys=PIPELINE_KEYS, pipelines=True)
+def ep(graph, cfg):
+    pas = dict(cfg.pas_config or {})
+    ngpus = cfg.plan_ngpus
+    pp_size = _int("pp_size", pas.get("pp_size", 1))
+    experts = [n for n in graph.nodes if n.target == ROUTED_EXPERTS]
+    if not experts:
+        raise PlanError(_no_experts(graph))
+    if ngpus % pp_size:
+        raise ConfigError(f"pas_policy 'ep': plan_ngpus ({ngpus}) must be a multiple of pp_size ({pp_size})")
+    if pp_size > 1:
+        pas_, nmicros, scheduler = _common("ep", cfg)
+        nstages = _int("pipeline_nstages", pas_.get("pipeline_nstages", pp_size))
+        pivots = pas_.get("pipeline_pivots")
+        _pipeline(graph, cfg, nstages, pp_size, nmicros, scheduler, pivot_leads(graph, pivots) if pivots else None)
+    for node in graph.nodes:
+        devices = graph.pipeline.home_devices(node.stage) if graph.pipeline is not None else tuple(range(ngpus))
+        if node.target == ROUTED_EXPERTS and len(devices) > 1:
+            split_experts(graph, node, devices)
+        else:
+            split_batch_or_replicate(graph, node, devices)
+    return graph
+
+
+def split_experts(graph, node, devices: Sequence[int]) -> None:
+    """Piece i of routed-experts op `node` on ``devices[i]``: 1/n of its tokens and of its experts."""
+    n = len(devices)
+    ins = tensor_inputs(graph, node)
+    tokens, k = graph.value(ins[1]).shape
+    num_experts = graph.value(ins[3]).shape[0]
+    where = f"the mixture-of-experts layer {node.module_path or node.describe()}"
+    if k > num_experts:
+        raise PlanError(f"{where} routes each token to top-k = {k} experts but has only {num_experts}: "
+                        f"num_experts_per_tok must be at most the number of experts")
+    if num_experts % n:
+        raise PlanError(f"{where} has {num_experts} experts, which do not split over the expert-parallel size "
+                        f"{n} (plan_ngpus / pp_size): use an ep size that divides {num_experts} "
+                        f"(e.g. plan_ngpus={_divisor(num_experts, n)}), or a model whose expert count it divides")
+    if tokens % n:
+        raise PlanError(f"{where} receives {tokens} tokens when traced (batch x sequence), which do not split "
+                        f"into {n} equal parts: make the micro-batch size times the sequence length a multiple of {n}")
+    outs = [Shard(0)] * len(tensor_outputs(graph, node))
+    node.pieces = [Piece(i, n, [Shard(0)] * len(ins), list(outs), EXPERT_DIM, device)
+                   for i, device in enumerate(devices)]
+
+
+def _divisor(total: int, n: int) -> int:
+    return max(d for d in range(1, n + 1) if total % d == 0)
+
+
+def _no_experts(graph) -> str:
+    found = sorted({path for path, cls in graph.module_types.items()
+                    if any(h in cls.rsplit(".", 1)[-1].lower() for h in _EXPERT_HINTS)})
+    found += sorted({name.split(".experts.")[0] + ".experts" for name in graph.params if ".experts." in name} - set(found))
+    seen = (f"; modules that look like experts but were traced op by op: {', '.join(found[:6])}"
+            + (" ..." if len(found) > 6 else "")) if found else ""
+    return (f"pas_policy 'ep' found no routed-experts op in {graph.module_class}{seen}. nnscaler recognises "
+            f"transformers' experts modules (classes marked use_experts_implementation: Mixtral, Qwen2/3-MoE, "
+            f"DeepSeek-V3, gpt-oss, ...); for your own MoE module call nnscaler.routed_experts(hidden, top_k_index, "
+            f"top_k_weights, gate_up, down, ...) in its forward (docs/moe.md \"Your own MoE module\"), or use "
+            f"another policy for a model without experts")

@@ -1,0 +1,152 @@
+"""Expert parallelism: the routed experts of a mixture-of-experts layer split over a unit's ranks.
+
+Under the `ep` policy the generated code calls ``nr.moe.expert_parallel(hidden, top_k_index,
+top_k_weights, gate_up, down, ..., ranks=(...))`` in place of ``routed_experts``
+(``nnscaler.ir.ops.moe``): piece i of the unit holds 1/n of the tokens and experts
+``[i * E/n, (i + 1) * E/n)``. Each rank sorts its (token, slot) pairs by expert, tells every rank
+how many rows it sends to each of its experts (an all-gather of the per-expert counts), sends the
+rows to their experts' ranks (all-to-all with variable counts: dropless, nothing padded), runs its
+experts' MLPs on what it received, sends the outputs back the same way, and combines them with the
+routing weights. Forward and backward are exactly `routed_experts` on the whole batch: the
+backward of each exchange is the exchange the other way.
+
+`expert_load()` holds what the last forward routed (tokens per expert, per layer call) on this
+rank's pieces; `stats` counts the exchanged rows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from nnscaler.ir.ops.moe import ExpertMLP, combine, dispatch_order, expert_mlp
+
+from . import failures
+from .comm import fallbacks
+from .comm.flat import all_gather_flat
+from .comm.primitives import CommError, as_ranks, resolve
+from .comm.stats import record
+
+__all__ = ["expert_parallel", "ExpertLoad", "expert_load"]
+
+
+@dataclass
+class ExpertLoad:
+    """Tokens (token-slot pairs) each expert received in the forwards since the last `reset`, summed
+    over the ranks of each call's unit: one row per routed-experts call, in call order."""
+
+    per_call: List[torch.Tensor] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.per_call.clear()
+
+    def add(self, counts: torch.Tensor) -> None:
+        self.per_call.append(counts.detach().to("cpu", torch.float64))
+
+    def imbalance(self) -> float:
+        """The busiest expert's load over the mean load, averaged over the calls (1.0: balanced)."""
+        ratios = [float(c.max() / c.mean()) for c in self.per_call if float(c.sum()) > 0]
+        return sum(ratios) / len(ratios) if ratios else 1.0
+
+
+_LOAD = ExpertLoad()
+
+
+def expert_load() -> ExpertLoad:
+    """This process's record of the expert-parallel forwards (see `ExpertLoad`)."""
+    return _LOAD
+
+
+def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, down_bias=None, *,
+                    activation: str = "silu", gate: str = "glu", transposed: bool = False, alpha: float = 1.0,
+                    limit: float = 0.0, ranks) -> torch.Tensor:
+    """`routed_experts` on this rank's tokens, with this rank's share of the experts (see the module
+    docstring). COLLECTIVE over `ranks` (every rank of the unit calls it for the same layer)."""
+    ranks = as_ranks(ranks)
+    mlp = ExpertMLP(activation, gate, transposed, float(alpha), float(limit))
+    n, local = len(ranks), gate_up.shape[0]
+    num_experts = local * n
+    rs = resolve(ranks, "moe.expert_parallel")
+    tokens, k = top_k_index.shape
+    if top_k_index.numel() and int(top_k_index.max()) >= num_experts:
+        raise CommError(f"nnscaler.runtime.moe.expert_parallel: an expert index is {int(top_k_index.max())}, "
+                        f"but the layer has {num_experts} experts ({local} on each of {n} ranks)")
+    order, counts = dispatch_order(top_k_index, num_experts)
+    # every rank's counts per expert, rows in piece order: matrix[src piece, expert]
+    gathered = all_gather_flat(counts.to(torch.int64), rs.group, n, label=None,
+                               what=f"the expert-parallel count exchange over ranks {ranks}").view(n, num_experts)
+    rows = gathered.tolist()  # group order; piece k is group rank to_piece[k]
+    matrix = rows if rs.to_piece is None else [rows[int(g)] for g in rs.to_piece]
+    me = rs.index
+    _LOAD.add(gathered.sum(0))
+    send = [sum(matrix[me][j * local:(j + 1) * local]) for j in range(n)]  # rows to piece j
+    recv = [sum(matrix[j][me * local:(me + 1) * local]) for j in range(n)]  # rows from piece j
+    x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    xr = _ExchangeRows.apply(x, send, recv, rs)
+    # received rows are grouped by source piece, then expert: regroup them by expert
+    mine = [matrix[j][me * local:(me + 1) * local] for j in range(n)]
+    expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(n),
+                                            torch.tensor([c for row in mine for c in row], dtype=torch.int64))
+    regroup = torch.argsort(expert_of_row, stable=True).to(hidden.device)  # small: built on the CPU
+    per_expert = [sum(row[e] for row in mine) for e in range(local)]
+    y = expert_mlp(xr.index_select(0, regroup), per_expert, gate_up, down, gate_up_bias, down_bias, mlp)
+    y = y.index_select(0, torch.argsort(regroup))
+    back = _ExchangeRows.apply(y, recv, send, rs)
+    return combine(back, order, top_k_weights, hidden.dtype)
+
+
+class _ExchangeRows(Function):
+    """Rows to other ranks: `send[j]` rows (in order) to piece j, `recv[j]` rows from piece j. The
+    backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, rs):
+        ctx.send, ctx.recv, ctx.rs = send, recv, rs
+        return _exchange(x, send, recv, rs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.recv, ctx.send, ctx.rs), None, None, None
+
+
+def _exchange(x: torch.Tensor, send: List[int], recv: List[int], rs) -> torch.Tensor:
+    x = x.contiguous()
+    row = tuple(x.shape[1:])
+    width = math.prod(row)
+    send_g, recv_g = _group_order(send, rs), _group_order(recv, rs)
+    what = f"the expert-parallel all_to_all over ranks {rs.ranks}"
+    if not fallbacks.uses_fallback("all_to_all", rs.backend, x.device.type):
+        record("all_to_all", x.nbytes)
+        out = x.new_empty((sum(recv),) + row)
+        failures.run(dist.all_to_all_single, out, x, recv_g, send_g, group=rs.group, what=what)
+        return out
+    # fallback: every rank's rows, padded to the longest, gathered; keep what was sent here
+    record("all_to_all(fallback)", x.nbytes)
+    longest = int(all_gather_flat(torch.tensor([x.shape[0]], device=x.device), rs.group, rs.n,
+                                  label=None, what=what).max())
+    padded = torch.cat([x.reshape(x.shape[0], width), x.new_zeros(longest - x.shape[0], width)])
+    every = all_gather_flat(padded, rs.group, rs.n, label=None, what=what).view(rs.n, longest, width)
+    sizes = _all_splits(send_g, rs, x.device)  # sizes[src group rank][dst group rank]
+    me = rs.key.index(dist.get_rank())
+    parts = []
+    for src in range(rs.n):
+        start = sum(sizes[src][:me])
+        parts.append(every[src, start:start + sizes[src][me]])
+    return torch.cat(parts).reshape((sum(recv),) + row)
+
+
+def _group_order(sizes: List[int], rs) -> List[int]:
+    """Per-piece sizes -> per-group-rank sizes (torch orders a group's ranks ascending)."""
+    if rs.to_group is None:
+        return list(sizes)
+    return [sizes[int(p)] for p in rs.to_group]
+
+
+def _all_splits(send_g: List[int], rs, device) -> List[List[int]]:
+    flat = all_gather_flat(torch.tensor(send_g, device=device), rs.group, rs.n, label=None,
+                           what=f"the expert-parallel all_to_all over ranks {rs.ranks}")
+    return flat.view(rs.n, rs.n).tolist()

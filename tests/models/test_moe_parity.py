@@ -1,0 +1,82 @@
+"""Mixture-of-experts models of transformers (tiny Mixtral and Qwen2-MoE, built in code) train
+under expert parallelism exactly as in one process, in float64: every loss (next-token loss plus
+the router's load-balancing loss over the whole batch) and every parameter after 3 Adam steps
+within 1e-10 of single-process training on the global batch.
+
+- ``ep`` 2 on 2 processes: each rank holds half the experts of every layer (asserted on the
+  local shapes) and half the tokens; the plan computes the whole batch (SPMD), so ``ep`` 2 equals
+  one process, the auxiliary loss included.
+- ``ep`` 2 x dp 2 on 4 processes: two units of 2, each with half the global batch. The auxiliary
+  loss is then per replica (each unit's batch), so the reference is the mean over the two halves
+  of the batch (gradient accumulation in one process: ``reference(halves=True)``).
+- ``ep`` 2 + use_zero=3, and ``ep`` with a pipeline (pp 2 x ep 2).
+- ``dp`` and ``tp`` on the same models: the experts op splits along the tokens under tp (held to
+  the float32 bar, 1e-5 relative: tp also splits HF's float32 router softmax and load-balancing
+  sums, whose rounding then depends on the layout).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import model_plans as mp
+from launch import run_workers
+from parity import assemble_full
+
+TOL = 1e-10
+FP32_TOL = 1e-5  # tp splits the router's float32 softmax and load-balancing sums (HF computes them in float32)
+
+EP2 = [dict(mp.plan("ep2", "ep", 2), model="mixtral"), dict(mp.plan("ep2", "ep", 2), model="qwen2_moe", label="q-ep2"),
+       dict(mp.tp(), model="mixtral", label="m-tp", tol=FP32_TOL), dict(mp.dp(), model="qwen2_moe", label="q-dp")]
+EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
+           dict(mp.plan("ep2-dp2-zero3", "ep", 2, use_zero=3), model="qwen2_moe"),
+           dict(mp.plan("pp2-ep2", "ep", 4, use_end2end=True,
+                        pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}), model="mixtral")]
+
+
+def _check(results, cases, halves_for=()):
+    refs = {}
+    for case in cases:
+        label, tol = case["label"], case.get("tol", TOL)
+        halves = label in halves_for
+        key = (case["model"], halves)
+        if key not in refs:
+            refs[key] = mp.reference(case["model"], halves=halves)
+        ref_losses, ref_params = refs[key]
+        losses = results[0][label][0]
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= tol * max(1.0, abs(want)), f"{label} step {step}: {got} vs {want}"
+        params = assemble_full(((r, per_rank[label][1]) for r, per_rank in enumerate(results)), label)
+        assert set(params) == set(ref_params), f"{label}: {set(params) ^ set(ref_params)}"
+        for name, value in params.items():
+            want = ref_params[name]
+            diff = ((value - want).abs().max() if tol == TOL else (value - want).norm() / want.norm()).item()
+            assert diff <= tol, f"{label}: {name} differs by {diff}"
+
+
+def _expert_shapes(results, label):
+    """(full shape, local shape) of every expert weight on rank 0."""
+    return {name: (tuple(shape), tuple(value.shape)) for name, shape, _, value in results[0][label][1]
+            if ".experts." in name}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_moe_ep2(tmp_path):
+    results = run_workers(mp.run_plans, 2, EP2, str(tmp_path / "gen"), timeout=300)
+    _check(results, EP2, halves_for=("q-dp",))  # dp: the load-balancing loss per replica
+    for label in ("ep2", "q-ep2"):
+        shapes = _expert_shapes(results, label)
+        assert shapes and all(local[0] * 2 == full[0] and local[1:] == full[1:] for full, local in shapes.values()), shapes
+    assert all(full == local for full, local in _expert_shapes(results, "m-tp").values())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_moe_ep2_dp2(tmp_path):
+    results = run_workers(mp.run_plans, 4, EP2_DP2, str(tmp_path / "gen"), timeout=400)
+    # per replica (dp) or per micro-batch (the pipeline): the load-balancing loss of each half batch
+    _check(results, EP2_DP2, halves_for=("ep2-dp2", "ep2-dp2-zero3", "pp2-ep2"))
+    for label in ("ep2-dp2", "pp2-ep2"):  # rank 0 holds half of every expert weight it holds
+        shapes = _expert_shapes(results, label)
+        assert shapes and all(local[0] * 2 == full[0] for full, local in shapes.values()), (label, shapes)
