@@ -49,8 +49,8 @@ def test_bad_configs(tmp_path):
         ModelSpec.from_hf_config(_text(tmp_path, "{oops"))
     with pytest.raises(ModelConfigError, match="has no 'model_type'"):
         ModelSpec.from_hf_config(write(tmp_path, {"hidden_size": 8}, "plain.json"))
-    moe = dict(LLAMA, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
-    with pytest.raises(ModelConfigError, match="mixture-of-experts model \\(8 experts\\) is not modelled"):
+    moe = dict(LLAMA, model_type="mixtral", num_local_experts=8, num_experts_per_tok=9)  # (test_estimate_moe.py)
+    with pytest.raises(ModelConfigError, match="moe.json: 'num_experts_per_tok' \\(9\\) exceeds the 8 routed experts"):
         ModelSpec.from_hf_config(write(tmp_path, moe, "moe.json"))
 
 

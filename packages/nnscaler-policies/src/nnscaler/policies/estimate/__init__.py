@@ -1,9 +1,10 @@
 """Planning a cluster you do not have: an analytic cost model (roofline per op class, ring
 collectives per link, the 1F1B bubble, memory with ZeRO and recomputation) over a described
 cluster (`load_cluster`), a decoder-only transformer read from a Hugging Face config on the meta
-device (`ModelSpec`), and a search over tensor, pipeline and data parallel degrees, ZeRO,
-micro-batch size and recomputation (`search`). ``nnscaler plan estimate`` is its command;
-docs/autodist.md ("Planning a cluster you do not have") states every constant and its source.
+device (`ModelSpec`, mixture-of-experts models included), and a search over tensor, pipeline, data
+and expert parallel degrees, ZeRO, micro-batch size and recomputation (`search`).
+``nnscaler plan estimate`` is its command; docs/autodist.md ("Planning a cluster you do not have")
+states every constant and its source.
 """
 from .cluster import Cluster, ClusterError, GPU, KNOWN_GPUS, Link, SHIPPED, load_cluster, parse_cluster
 from .model import ModelConfigError, ModelSpec

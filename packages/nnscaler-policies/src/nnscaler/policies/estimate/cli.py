@@ -1,9 +1,11 @@
 """``nnscaler plan estimate``: plan a described cluster (a command of the ``plan`` plug-in).
 
     nnscaler plan estimate --model-config CONFIG.json --cluster CLUSTER.yaml --gpus N \
-        --seq-len S --global-batch-tokens T [--json] [--save PLAN.json] [--top K]
+        --seq-len S --global-batch-tokens T [--json] [--save PLAN.json] [--top K] \
+        [--ep E] [--moe-imbalance F]
 
-prints the chosen plan (tp, pp, dp, zero 0/1/3, micro-batch, recompute), its predicted step time,
+prints the chosen plan (tp, pp, dp, ep for mixture-of-experts models, zero 0/1/3, micro-batch,
+recompute), its predicted step time,
 tokens/s, TFLOP/s per GPU, MFU and peak memory per GPU, then the best plan of each other
 (tp, pp) family with the reason it lost. ``--json``: one JSON object instead. Exit code 1 with a
 one-line error on a bad config, cluster or workload.
@@ -22,7 +24,7 @@ from nnscaler.ir import ConfigError
 
 from .local import resolve_cluster
 from .model import ModelSpec
-from .plan_cost import Workload, zero_label
+from .plan_cost import MOE_IMBALANCE, Workload, zero_label
 from .report import result_json, save_estimate
 from .search import search
 
@@ -42,13 +44,18 @@ def estimate(model_config: Path = typer.Option(..., "--model-config", help="A Hu
              as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
              save: Optional[Path] = typer.Option(None, "--save", help="Write the plan (JSON, with the Trainer "
                                                  "configuration that runs it) to this file."),
-             top: int = typer.Option(8, "--top", min=0, help="Other plan families to list.")) -> None:
+             top: int = typer.Option(8, "--top", min=0, help="Other plan families to list."),
+             ep: Optional[int] = typer.Option(None, "--ep", help="Mixture of experts: force this expert-parallel "
+                                              "degree (default: searched)."),
+             moe_imbalance: float = typer.Option(MOE_IMBALANCE, "--moe-imbalance", help="Mixture of experts: the "
+                                                 "busiest rank's expert compute over the mean (1 = perfect "
+                                                 "balance).")) -> None:
     """Plan a cluster you do not have: predicted step time, memory and MFU of the best plan."""
     try:
         spec = ModelSpec.from_hf_config(model_config)
         described = resolve_cluster(cluster, gpus)
-        work = Workload(gpus, seq_len, global_batch_tokens)
-        result = search(spec, described, work, top=top)
+        work = Workload(gpus, seq_len, global_batch_tokens, moe_imbalance)
+        result = search(spec, described, work, top=top, fixed=None if ep is None else {"ep": ep})
         data = result_json(result, spec, described, work)
         if save is not None:
             save_estimate(save, data)
@@ -78,36 +85,47 @@ def _params(n) -> str:
 
 
 def _plan_name(r: dict) -> str:
-    return (f"tp{r['tp']} pp{r['pp']} dp{r['dp']}" + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+    return (f"tp{r['tp']} pp{r['pp']} dp{r['dp']}" + (f" ep{r['ep']}" if r.get("ep", 1) > 1 else "")
+            + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
             + zero_label(r["zero"], r.get("zero_ngroups", 1)) + f" mb{r['micro_batch']}"
             + (" rc" if r["recompute"] else ""))
 
 
 def _print(d: dict, save) -> None:
     console = Console()
-    m, c = d["model"], d["cluster"]
-    console.print(f"[bold]{m['name']}[/bold] ({_params(m['params'])} parameters) on {d['gpus']} x "
+    m, c, moe = d["model"], d["cluster"], d.get("moe")
+    active = f", {_params(moe['active_params'])} active" if moe else ""
+    console.print(f"[bold]{m['name']}[/bold] ({_params(m['params'])} parameters{active}) on {d['gpus']} x "
                   f"{c['gpu']['name']} ({c['name']}), seq {d['seq_len']}, {d['global_batch_tokens']:,} tokens a step",
                   highlight=False)
     zero = f"{d['zero']}" + (f" in {d['zero_ngroups']} groups" if d.get("zero_ngroups", 1) > 1 else "")
-    console.print(f"  plan: tp {d['tp']}, pp {d['pp']}, dp {d['dp']}, zero {zero}, micro-batch "
+    console.print(f"  plan: tp {d['tp']}, pp {d['pp']}, dp {d['dp']}, " + (f"ep {d['ep']}, " if moe else "")
+                  + f"zero {zero}, micro-batch "
                   f"{d['micro_batch']} x {d['nmicros']}, recompute {'yes' if d['recompute'] else 'no'}"
                   + (f", interleaved {d['virtual_stages']} stages per GPU" if d["virtual_stages"] > 1 else ""),
                   highlight=False)
     console.print(f"  step {_s(d['step_s'])}, {d['tokens_per_s']:,.0f} tokens/s, {_tflops(d['tflops_per_gpu'])} "
                   f"per GPU, MFU {d['mfu']:.1%}, memory {_gb(d['memory_gb'])} GB per GPU", highlight=False)
-    b = d["breakdown_s"]
+    if moe:
+        console.print(f"  mixture of experts: {moe['experts']} experts, top {moe['top_k']}, expert ffn "
+                      f"{moe['expert_ffn']}" + (f", shared ffn {moe['shared_ffn']}" if moe["shared_ffn"] else "")
+                      + f", {moe['moe_layers']} of {m['layers']} layers; {_params(moe['active_params'])} of "
+                      f"{_params(moe['total_params'])} parameters active; expert load imbalance "
+                      f"{moe['imbalance']:g} assumed (the busiest rank's expert compute)", highlight=False)
+    b = {k: v for k, v in d["breakdown_s"].items() if moe or k != "ep_comm"}
     console.print("  step parts: " + ", ".join(f"{k} {_s(v)}" for k, v in b.items()), highlight=False)
     console.print(f"  searched {d['plans_evaluated']} plans in {d['search_s']:.2f} s", highlight=False)
     if d["runners_up"]:
-        table = Table("plan", "zero", "step", "MFU", "memory GB", "lost on")
-        for col in (1, 2, 3, 4):
+        table = Table("plan", "zero", *(["ep"] if moe else []), "step", "MFU", "memory GB", "lost on")
+        for col in range(1, len(table.columns) - 1):
             table.columns[col].justify = "right"
         for r in d["runners_up"]:
-            table.add_row(_plan_name(r), str(r["zero"]), _s(r["step_s"]), f"{r['mfu']:.1%}", _gb(r["memory_gb"]),
-                          r["reason"])
+            table.add_row(_plan_name(r), str(r["zero"]), *([str(r["ep"])] if moe else []), _s(r["step_s"]),
+                          f"{r['mfu']:.1%}", _gb(r["memory_gb"]), r["reason"])
         console.print(table)
     t = d["trainer"]
     console.print(f"  run it: pas_policy {t['pas_policy']!r}, compute_config {json.dumps(t['compute_config'])}, "
                   f"micro_batch_size {t['micro_batch_size']}, grad_accumulation_steps {t['grad_accumulation_steps']}"
                   + (f" (saved to {save})" if save else ""), highlight=False, soft_wrap=True)
+    if d.get("trainer_note"):
+        console.print(f"  note: {d['trainer_note']}", highlight=False, soft_wrap=True)

@@ -10,7 +10,8 @@ from typing import Dict
 from .cluster import Cluster, Link
 
 __all__ = ["EFFICIENCY", "USABLE_MEMORY", "GiB", "efficiency", "matmul_time", "memory_bound_time",
-           "attention_time", "ring_all_reduce_time", "ring_all_gather_time", "p2p_time", "bubble_fraction",
+           "attention_time", "ring_all_reduce_time", "ring_all_gather_time", "all_to_all_time", "p2p_time",
+           "bubble_fraction",
            "interleaved_activation_factor",
            "optimizer_bytes_per_param", "model_flops", "attention_flops_per_token", "mfu"]
 
@@ -64,6 +65,14 @@ def ring_all_reduce_time(nbytes: float, n: int, link: Link) -> float:
 
 def ring_all_gather_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather (or reduce-scatter) of a `nbytes` whole: (n-1)/n · bytes / bandwidth + (n-1) latencies."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bytes_per_s + (n - 1) * link.latency_s
+
+
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """All-to-all over `n` ranks of a rank's `nbytes` (1/n of it to each rank, itself included): the
+    (n-1)/n that leaves, sent and received at once, / bandwidth + (n-1) latencies (one message a peer)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (n - 1) / n * nbytes / link.bytes_per_s + (n - 1) * link.latency_s

@@ -5,13 +5,18 @@ builds the model on the meta device (no memory, so a trillion parameters cost no
 its parameters exactly, to tell a gated (SwiGLU) MLP from a plain one, whether the output
 embedding is tied, and the class of its decoder layer (the pipeline pivot of the saved plan).
 The search itself never walks the model: every cost comes from these numbers.
+
+Mixture of experts: the routed experts E, top-k, one expert's ffn width, the shared experts' total
+width and which layers are MoE are read from the config (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
+gpt-oss field names); the routed experts' parameters are counted on the meta model (modules named
+``experts``), and the active parameters are the total less the unrouted (E - k) / E of them.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from nnscaler.ir import ConfigError
 
@@ -36,6 +41,19 @@ class ModelSpec:
     params: Optional[int] = None  # counted on the meta model; None: the analytic count
     layer_class: str = ""  # the decoder layer's class name
     name: str = ""
+    # mixture of experts (experts = 0: dense). An MoE layer's MLP: a router (hidden x experts), `experts`
+    # routed experts of width `expert_ffn` (top_k of them per token) and shared experts of total width
+    # `shared_ffn`; the other layers have the dense MLP of width `ffn`.
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    moe_layer_ids: Optional[Tuple[int, ...]] = None  # None: every layer when experts > 0
+    routed: Optional[int] = None  # routed experts' parameters counted on the meta model; None: analytic
+
+    def __post_init__(self):
+        if self.moe_layer_ids is None:
+            object.__setattr__(self, "moe_layer_ids", tuple(range(self.layers)) if self.experts else ())
 
     # -------------------------------------------------------------- analytic counts
     @property
@@ -47,9 +65,61 @@ class ModelSpec:
         return (3 if self.gated else 2) * self.hidden * self.ffn
 
     @property
-    def layer_params(self) -> int:
-        """Matrices of one layer plus its two norms (biases left out)."""
+    def layer_params(self) -> float:
+        """Matrices of one layer plus its two norms (biases left out); MoE: the mean over the layers."""
+        if not self.is_moe:
+            return self.dense_layer_params
+        return self.layers_params / self.layers
+
+    @property
+    def dense_layer_params(self) -> int:
+        """A layer with the dense MLP of width `ffn` (every layer of a dense model)."""
         return self.attn_params + self.mlp_params + 2 * self.hidden
+
+    # -------------------------------------------------------------- mixture of experts
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's matrices."""
+        return (3 if self.gated else 2) * self.hidden * self.expert_ffn
+
+    @property
+    def moe_layer_params(self) -> int:
+        """An MoE layer's parameters other than the routed experts: attention, norms, router, shared experts."""
+        return self.attn_params + 2 * self.hidden + self.hidden * self.experts \
+            + (3 if self.gated else 2) * self.hidden * self.shared_ffn
+
+    @property
+    def routed_layer_params(self) -> int:
+        """An MoE layer's routed experts (analytic)."""
+        return self.experts * self.expert_params
+
+    @property
+    def layers_params(self) -> int:
+        """All decoder layers (analytic)."""
+        if not self.is_moe:
+            return self.layers * self.layer_params
+        return (self.layers - self.moe_layers) * self.dense_layer_params \
+            + self.moe_layers * (self.moe_layer_params + self.routed_layer_params)
+
+    @property
+    def routed_params(self) -> int:
+        """Every routed expert's parameters: counted on the meta model, else analytic."""
+        return self.routed if self.routed is not None else self.moe_layers * self.routed_layer_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through: the total less the unrouted (E - k) / E of the routed experts."""
+        if not self.is_moe:
+            return self.total_params
+        return round(self.total_params - self.routed_params * (self.experts - self.top_k) / self.experts)
 
     @property
     def embedding_params(self) -> int:
@@ -59,7 +129,7 @@ class ModelSpec:
     def total_params(self) -> int:
         if self.params is not None:
             return self.params
-        return self.layers * self.layer_params + self.embedding_params * (1 if self.tied else 2) + self.hidden
+        return self.layers_params + self.embedding_params * (1 if self.tied else 2) + self.hidden
 
     def act_elements_per_token(self) -> float:
         """Elements one layer keeps for backward per token (flash attention: no s x s scores): the
@@ -67,6 +137,13 @@ class ModelSpec:
         (gated: gate, up, act(gate), product; plain: fc1 output and the activation's output)."""
         return 4 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.head_dim \
             + (4 if self.gated else 2) * self.ffn
+
+    def moe_act_elements_per_token(self, imbalance: float = 1.0) -> float:
+        """The same for an MoE layer: the router's logits, the k dispatched copies of the token, the
+        top-k experts' inner tensors (x `imbalance` on the busiest rank) and the shared experts'."""
+        inner = 4 if self.gated else 2
+        return 4 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.head_dim + self.experts \
+            + self.top_k * self.hidden + inner * (self.top_k * self.expert_ffn * imbalance + self.shared_ffn)
 
     # -------------------------------------------------------------- reading a config
     @classmethod
@@ -107,11 +184,6 @@ class ModelSpec:
                 raise ModelConfigError(f"{where}: none of {', '.join(repr(n) for n in names)} is set; this estimate "
                                        f"models decoder-only transformers and needs it")
             return default
-        experts = [getattr(config, n, None) for n in ("num_local_experts", "num_experts", "n_routed_experts")]
-        if any(isinstance(e, int) and e > 1 for e in experts):
-            raise ModelConfigError(f"{where}: a mixture-of-experts model ({max(e for e in experts if e)} experts) is "
-                                   f"not modelled by the estimate (expert parallelism is not searched); give a dense "
-                                   f"model's config")
         hidden = int(field("hidden_size", "n_embd", "d_model"))
         heads = int(field("num_attention_heads", "n_head"))
         head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
@@ -125,7 +197,56 @@ class ModelSpec:
                            ("kv heads", spec.kv_heads), ("vocab", spec.vocab), ("ffn", spec.ffn)):
             if value <= 0:
                 raise ModelConfigError(f"{where}: {key} must be > 0, got {value}")
+        spec = _with_experts(spec, config, where)
         return _counted(spec, config, where) if meta else spec
+
+
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "experts_per_token")
+
+
+def _first(config, names):
+    """(field name, value) of the first of `names` set on `config`, else (names[0], None)."""
+    for n in names:
+        v = getattr(config, n, None)
+        if v is not None:
+            return n, v
+    return names[0], None
+
+
+def _with_experts(spec: ModelSpec, config, where: str) -> ModelSpec:
+    """`spec` with the config's mixture-of-experts fields; unchanged for a dense config."""
+    e_name, experts = _first(config, EXPERT_FIELDS)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 1:
+        return spec
+    k_name, top_k = _first(config, TOP_K_FIELDS)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ModelConfigError(f"{where}: '{k_name}' must be a whole number >= 1 (the experts each token is routed "
+                               f"to) for this mixture-of-experts model of {experts} experts ('{e_name}'), got "
+                               f"{top_k!r}; set it in the config")
+    if top_k > experts:
+        raise ModelConfigError(f"{where}: '{k_name}' ({top_k}) exceeds the {experts} routed experts ('{e_name}'); "
+                               f"set '{k_name}' to at most {experts}")
+    ffn_name, expert_ffn = _first(config, ("moe_intermediate_size", "intermediate_size"))
+    if not isinstance(expert_ffn, int) or expert_ffn < 1:
+        raise ModelConfigError(f"{where}: '{ffn_name}' (one expert's ffn width) must be a whole number >= 1, got "
+                               f"{expert_ffn!r}; set it in the config")
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    if shared is None:
+        shared = int(getattr(config, "n_shared_experts", None) or 0) * expert_ffn
+    return dataclasses.replace(spec, experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_ffn=int(shared),
+                               moe_layer_ids=_moe_layer_ids(config, spec.layers))
+
+
+def _moe_layer_ids(config, layers: int) -> Tuple[int, ...]:
+    """The MoE layers as the transformers models choose them: Qwen-MoE's `mlp_only_layers` and
+    `decoder_sparse_step`, DeepSeek's `first_k_dense_replace` and `moe_layer_freq`; else every layer."""
+    dense_only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = int(getattr(config, "decoder_sparse_step", None) or 1)
+    first = int(getattr(config, "first_k_dense_replace", None) or 0)
+    freq = int(getattr(config, "moe_layer_freq", None) or 1)
+    return tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0 and i >= first
+                 and i % freq == 0)
 
 
 def _counted(spec: ModelSpec, config, where: str) -> ModelSpec:
@@ -146,10 +267,22 @@ def _counted(spec: ModelSpec, config, where: str) -> ModelSpec:
     per_layer = sum(p.numel() for p in layers[0].parameters())
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
+    extra = {}
+    if spec.is_moe:  # the routed experts: modules named `experts` (shared ones are `shared_expert(s)`)
+        routed = {i: sum(p.numel() for name, mod in layer.named_modules() if name.rsplit(".", 1)[-1] == "experts"
+                         for p in mod.parameters()) for i, layer in enumerate(layers)}
+        if any(routed.values()):
+            extra = dict(routed=sum(routed.values()), moe_layer_ids=tuple(i for i, n in routed.items() if n))
+
+    def layer0(s: ModelSpec) -> float:  # the analytic count of layers[0]
+        if 0 in s.moe_layer_ids:
+            return s.moe_layer_params + s.routed_layer_params
+        return s.dense_layer_params
+
     # gated or plain MLP: whichever analytic layer count is nearer the real one
-    gated = min((True, False), key=lambda g: abs(dataclasses.replace(spec, gated=g).layer_params - per_layer))
+    gated = min((True, False), key=lambda g: abs(layer0(dataclasses.replace(spec, gated=g)) - per_layer))
     return dataclasses.replace(spec, gated=gated, tied=tied, params=total, layer_class=type(layers[0]).__name__,
-                               name=type(model).__name__)
+                               name=type(model).__name__, **extra)
 
 
 def _layer_list(model, n: int):

@@ -6,6 +6,14 @@ node), then data parallel, then pipeline stages outermost. A group whose members
 node uses the intra-node link, else the inter-node one. A ZeRO group is `dp / zero_ngroups`
 consecutive data-parallel ranks (nnscaler.runtime.zero_groups), so it spans `tp * dp / zero_ngroups`
 ranks.
+
+Mixture of experts (`Plan.ep`, as Megatron-LM and torchtitan carve expert parallelism out of data
+parallelism): `ep` consecutive data-parallel ranks split each MoE layer's routed experts (E / ep
+each, the expert matrices also split over tp: expert tensor parallelism = tp), so an ep group spans
+`tp * ep` ranks; the experts' gradients are reduced over the other dp / ep ranks (with ZeRO, their
+shards spread over those). Tokens reach their experts by an all-to-all (dispatch) and return by
+another (combine), forward and backward; the busiest rank's expert compute is `Workload.moe_imbalance`
+times the mean.
 """
 from __future__ import annotations
 
@@ -19,10 +27,13 @@ from . import costs
 from .cluster import Cluster
 from .model import ModelSpec
 
-__all__ = ["Plan", "Estimate", "Workload", "ZERO_STAGES", "estimate_plan", "gpu_layers", "stage_layers", "zero_label",
-           "zero_sync_times"]
+__all__ = ["MOE_IMBALANCE", "Plan", "Estimate", "Workload", "ZERO_STAGES", "estimate_plan", "gpu_layer_ids",
+           "gpu_layers", "stage_layers", "zero_label", "zero_sync_times"]
 
 ZERO_STAGES = (0, 1, 3)
+# The busiest expert-parallel rank's routed tokens over the mean (router load imbalance left after
+# the auxiliary balancing loss): an assumption, not a measurement; `--moe-imbalance` changes it.
+MOE_IMBALANCE = 1.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +48,7 @@ class Plan:
     recompute: bool  # every decoder layer recomputed in backward
     virtual: int = 1  # pipeline stages per GPU: 1 is 1F1B, more is interleaved 1F1B
     zero_ngroups: int = 1  # ComputeConfig.zero_ngroups: the dp ranks split into this many zero groups
+    ep: int = 1  # expert parallel: the routed experts split over ep of the dp ranks (mixture of experts)
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -45,6 +57,9 @@ class Plan:
         if self.zero_ngroups < 1 or self.dp % self.zero_ngroups or (self.zero_ngroups > 1 and not self.zero):
             raise ConfigError(f"Plan.zero_ngroups ({self.zero_ngroups}) must divide dp ({self.dp}), and needs "
                               f"zero 1 or 3 when above 1")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
+            raise ConfigError(f"Plan.ep ({self.ep!r}) must be a whole number >= 1 dividing dp ({self.dp}): the "
+                              f"expert-parallel ranks are carved out of the data-parallel ones")
 
     @property
     def zero_group(self) -> int:
@@ -53,7 +68,7 @@ class Plan:
 
     @property
     def family(self) -> str:
-        return f"tp{self.tp} pp{self.pp} dp{self.dp}"
+        return f"tp{self.tp} pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
 
     def describe(self) -> str:
         return (f"{self.family}" + (f" v{self.virtual}" if self.virtual > 1 else "")
@@ -71,6 +86,7 @@ class Workload:
     gpus: int
     seq: int
     global_batch_tokens: int
+    moe_imbalance: float = MOE_IMBALANCE  # mixture of experts: the busiest rank's expert compute over the mean
 
     @property
     def sequences(self) -> int:
@@ -95,10 +111,11 @@ class Estimate:
     tokens_per_s: float
     tflops_per_gpu: float
     mfu: float
+    ep_comm_s: float = 0.0  # the MoE layers' dispatch and combine all-to-alls
 
     @property
     def comm_s(self) -> float:
-        return self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+        return self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.ep_comm_s
 
     @property
     def memory_gb(self) -> float:
@@ -127,24 +144,52 @@ def _group_link(cluster: Cluster, span: int):
     return cluster.intra_node if span <= cluster.gpus_per_node else cluster.inter_node
 
 
-def _layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster):
-    """(forward s, backward s, tp comm s per forward pass) of one decoder layer on one micro-batch."""
+def _layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, moe: tuple = ()):
+    """(forward s, backward s, tp comm s per forward pass) of one decoder layer on one micro-batch;
+    `moe`: (ep, imbalance) for an MoE layer."""
     m = b * seq
     h, hd = spec.hidden, spec.head_dim
-    mats = [(m, h, (spec.heads + 2 * spec.kv_heads) * hd / tp),  # q, k, v
-            (m, spec.heads * hd / tp, h),  # attention output projection
-            (m, h, (2 if spec.gated else 1) * spec.ffn / tp),  # up (and gate)
-            (m, spec.ffn / tp, h)]  # down
-    mm = sum(costs.matmul_time(*shape, cluster) for shape in mats)
+    mats = [(1, m, h, (spec.heads + 2 * spec.kv_heads) * hd / tp),  # q, k, v
+            (1, m, spec.heads * hd / tp, h)]  # attention output projection
+    if moe:
+        mlp_mats, mlp_elements = _moe_mlp(spec, m, tp, *moe)
+    else:
+        mlp_mats = [(1, m, h, (2 if spec.gated else 1) * spec.ffn / tp),  # up (and gate)
+                    (1, m, spec.ffn / tp, h)]  # down
+        mlp_elements = (3 if spec.gated else 2) * spec.ffn
+    mm = sum(n * costs.matmul_time(*shape, cluster) for n, *shape in mats + mlp_mats)
     att = costs.attention_time(b, seq, spec.heads / tp, hd, cluster)
     # norms, residual adds, rotary on q and k, the MLP activation: elements read + written per token
-    elementwise = 10 * h + 2 * (spec.heads + spec.kv_heads) * hd + (3 if spec.gated else 2) * spec.ffn
+    elementwise = 10 * h + 2 * (spec.heads + spec.kv_heads) * hd + mlp_elements
     ew = costs.memory_bound_time(m * elementwise / tp * cluster.gpu.dtype_bytes, cluster)
     fwd = mm + att + ew
     bwd = 2 * mm + costs.ATTENTION_BACKWARD * att + 2 * ew
     # Megatron TP (sequence parallel): 2 all-gathers + 2 reduce-scatters of b·s·h a pass (= 2 all-reduces)
     comm = 2 * costs.ring_all_reduce_time(m * h * cluster.gpu.dtype_bytes, tp, cluster.intra_node)
     return fwd, bwd, comm
+
+
+def _moe_mlp(spec: ModelSpec, m: int, tp: int, ep: int, imbalance: float):
+    """An MoE layer's MLP on one rank of m tokens: ([(count, m, k, n) matmuls], elementwise elements a
+    token). The router; E / ep local experts, each on m·k·ep / E tokens (x imbalance on the busiest
+    rank), their width split over tp; the shared experts on every token; the activation's elements
+    and the dispatch's permute and un-permute (a read and a write of k copies of the token, twice)."""
+    h, f, s, w = spec.hidden, spec.expert_ffn, spec.shared_ffn, 2 if spec.gated else 1
+    local, per_expert = spec.experts // ep, m * spec.top_k * ep / spec.experts * imbalance
+    mats = [(1, m / tp, h, spec.experts),  # router (on the sequence-parallel shard)
+            (local, per_expert, h, w * f / tp), (local, per_expert, f / tp, h)]
+    if s:
+        mats += [(1, m, h, w * s / tp), (1, m, s / tp, h)]
+    act = (w + 1) * (spec.top_k * f * imbalance + s)
+    return mats, act + 4 * spec.top_k * h
+
+
+def _all_to_all_time(spec: ModelSpec, b: int, seq: int, tp: int, ep: int, cluster: Cluster) -> float:
+    """Dispatch + combine of one forward pass of an MoE layer: two all-to-alls over ep ranks, each of the
+    rank's b·s/tp tokens (sequence parallel) x top_k copies x hidden, on the link an ep group of tp·ep
+    consecutive ranks needs."""
+    nbytes = b * seq / tp * spec.top_k * spec.hidden * cluster.gpu.dtype_bytes
+    return 2 * costs.all_to_all_time(nbytes, ep, _group_link(cluster, tp * ep))
 
 
 def _head_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster):
@@ -162,8 +207,20 @@ def gpu_layers(layers: int, pp: int, virtual: int = 1) -> List[int]:
     return [sum(chunks[i::pp]) for i in range(pp)]
 
 
+def gpu_layer_ids(layers: int, pp: int, virtual: int = 1) -> List[List[int]]:
+    """The layer indices on each pipeline GPU (as `gpu_layers` counts them)."""
+    chunks = stage_layers(layers, pp * virtual)
+    starts = [sum(chunks[:j]) for j in range(len(chunks))]
+    return [[i for j in range(g, len(chunks), pp) for i in range(starts[j], starts[j] + chunks[j])]
+            for g in range(pp)]
+
+
 def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan) -> Estimate:
-    tp, pp, dp, b, v = plan.tp, plan.pp, plan.dp, plan.micro_batch, plan.virtual
+    tp, pp, dp, b, v, ep = plan.tp, plan.pp, plan.dp, plan.micro_batch, plan.virtual, plan.ep
+    if ep > 1 and (not spec.is_moe or spec.experts % ep):
+        raise ConfigError(f"Plan.ep ({ep}) must divide the model's routed experts ({spec.experts}): each expert-"
+                          f"parallel rank holds experts / ep of them" + ("" if spec.is_moe else "; a dense model "
+                          "has none, use ep 1"))
     seq, nbytes = work.seq, cluster.gpu.dtype_bytes
     nmicros = work.sequences // (dp * b)
     overhead = costs.OPS_PER_LAYER * cluster.op_overhead_us * 1e-6
@@ -172,82 +229,112 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     if plan.recompute:
         bwd += fwd
     layer_comm = tp_comm * (3 if plan.recompute else 2)  # forward, backward, and the recomputed forward
+    # an MoE layer: the same with its MLP, and the dispatch and combine all-to-alls in every pass
+    fwd_m = bwd_m = layer_comm_m = a2a = 0.0
+    if spec.is_moe:
+        fwd_m, bwd_m, tp_comm_m = _layer_times(spec, b, seq, tp, cluster, moe=(ep, work.moe_imbalance))
+        fwd_m, bwd_m = fwd_m + overhead, bwd_m + 2 * overhead
+        if plan.recompute:
+            bwd_m += fwd_m
+        layer_comm_m = tp_comm_m * (3 if plan.recompute else 2)
+        a2a = _all_to_all_time(spec, b, seq, tp, ep, cluster) * (3 if plan.recompute else 2)
     head_f, head_b = _head_times(spec, b, seq, tp, cluster)
     emb = costs.memory_bound_time(3 * b * seq * spec.hidden / tp * nbytes, cluster)  # lookup + its gradient
-    counts = gpu_layers(spec.layers, pp, v)
+    ids = gpu_layer_ids(spec.layers, pp, v)
+    moe_ids = set(spec.moe_layer_ids)
+    counts = [len(x) for x in ids]
+    nm = [sum(1 for i in x if i in moe_ids) for x in ids]  # MoE layers on each GPU
+    nd = [c - n for c, n in zip(counts, nm)]  # dense layers
     # pipeline messages: the boundary activation (sequence-parallel: 1/tp of it) forward and its gradient
     # back, once per stage a GPU holds
     pp_link = _group_link(cluster, tp * dp + 1)  # neighbouring stages are tp·dp ranks apart
     p2p = 2 * v * costs.p2p_time(b * seq * spec.hidden / tp * nbytes, pp_link) if pp > 1 else 0.0
 
     def gpu_time(i):
-        c = counts[i] * (fwd + bwd)
+        c = nd[i] * (fwd + bwd) + nm[i] * (fwd_m + bwd_m)
         if i == 0:
             c += emb
         if i == pp - 1:
             c += head_f + head_b
-        return c, counts[i] * layer_comm
+        return c, nd[i] * layer_comm + nm[i] * layer_comm_m, nm[i] * a2a
 
     times = [gpu_time(i) for i in sorted({0, pp - 1, min(1, pp - 1)})]
-    comp, comm = max(times, key=sum)
-    per_micro = comp + comm + p2p
-    compute_s, tp_comm_s, pp_comm_s = nmicros * comp, nmicros * comm, nmicros * p2p
+    comp, comm, ep_comm = max(times, key=sum)
+    per_micro = comp + comm + ep_comm + p2p
+    compute_s, tp_comm_s, pp_comm_s, ep_comm_s = nmicros * comp, nmicros * comm, nmicros * p2p, nmicros * ep_comm
     bubble_s = (pp - 1) * per_micro / v
 
-    # parameters per GPU of the first and last pipeline GPUs (biases, position embeddings: in proportion)
-    layer_p, emb_p = spec.layer_params / tp, spec.embedding_params / tp
-    scale = spec.total_params / max(1.0, spec.layers * spec.layer_params
-                                    + spec.embedding_params * (1 if spec.tied else 2))
-    first_p = (counts[0] * layer_p + emb_p + (emb_p if pp == 1 and not spec.tied else 0.0)) * scale
-    last_p = (counts[-1] * layer_p + emb_p) * scale if pp > 1 else first_p
-    local_p = max(first_p, last_p)
+    # parameters per GPU of the first and last pipeline GPUs (biases, position embeddings: in proportion);
+    # the routed experts apart (split over tp·ep, their gradients reduced over dp / ep)
+    layer_p, emb_p = spec.dense_layer_params / tp, spec.embedding_params / tp
+    moe_p, routed_p = spec.moe_layer_params / tp, spec.routed_layer_params / (tp * ep)
+    scale = spec.total_params / max(1.0, spec.layers_params + spec.embedding_params * (1 if spec.tied else 2))
+    first_p = (nd[0] * layer_p + nm[0] * moe_p + emb_p + (emb_p if pp == 1 and not spec.tied else 0.0)) * scale
+    last_p = (nd[-1] * layer_p + nm[-1] * moe_p + emb_p) * scale if pp > 1 else first_p
+    first_e, last_e = nm[0] * routed_p * scale, nm[-1] * routed_p * scale
+    local_p, local_e = max((first_p, first_e), (last_p, last_e), key=sum)
 
     # data-parallel gradient sync, overlapped with one micro-batch's backward; ZeRO's all-gathers exposed
     grads = local_p * nbytes
     reduce, gather = zero_sync_times(grads, plan, nmicros, cluster)
-    dp_comm_s = max(0.0, reduce - counts[0] * bwd / v) + gather
+    experts_plan = dataclasses.replace(plan, dp=dp // ep, ep=1, zero_ngroups=1)  # the expert-data-parallel group
+    if local_e:
+        r_e, g_e = zero_sync_times(local_e * nbytes, experts_plan, nmicros, cluster, stride=ep)
+        reduce, gather = reduce + r_e, gather + g_e
+    dp_comm_s = max(0.0, reduce - (nd[0] * bwd + nm[0] * bwd_m) / v) + gather
     # Adam reads and writes its state (and fp32 master weights), reads the gradient, writes the weights
     opt_state = costs.optimizer_bytes_per_param(cluster.gpu.dtype)
-    shard = plan.zero_group
-    opt_bytes = local_p * (2 * opt_state + (2 if cluster.gpu.dtype == "bf16" else 3) * nbytes)
-    optimizer_s = costs.memory_bound_time(opt_bytes / shard, cluster) + 2 * overhead / costs.OPS_PER_LAYER
-    step_s = compute_s + tp_comm_s + pp_comm_s + bubble_s + dp_comm_s + optimizer_s
+    shard, e_shard = plan.zero_group, experts_plan.zero_group
+    per_param = 2 * opt_state + (2 if cluster.gpu.dtype == "bf16" else 3) * nbytes
+    opt_bytes = local_p * per_param
+    optimizer_s = costs.memory_bound_time(opt_bytes / shard + local_e * per_param / e_shard, cluster) \
+        + 2 * overhead / costs.OPS_PER_LAYER
+    step_s = compute_s + tp_comm_s + pp_comm_s + bubble_s + dp_comm_s + optimizer_s + ep_comm_s
 
     # memory: the first GPU keeps min(pp, nmicros) micro-batches of activations (1F1B), more interleaved
     per_layer_act = b * seq * spec.act_elements_per_token() / tp * nbytes
+    moe_act = b * seq * spec.moe_act_elements_per_token(work.moe_imbalance) / tp * nbytes if spec.is_moe else 0.0
     layer_input = b * seq * spec.hidden / tp * nbytes
-    working = per_layer_act if plan.recompute else 0.0  # the layer being recomputed
-    transient = 2 * b * seq * (2 if spec.gated else 1) * spec.ffn / tp * nbytes
+    working = (max(per_layer_act if any(nd) else 0.0, moe_act) if spec.is_moe else per_layer_act) \
+        if plan.recompute else 0.0  # the layer being recomputed
+    widest = spec.ffn if not spec.is_moe else max(spec.ffn if spec.moe_layers < spec.layers else 0,
+                                                   spec.top_k * spec.expert_ffn * work.moe_imbalance, spec.shared_ffn)
+    transient = 2 * b * seq * (2 if spec.gated else 1) * widest / tp * nbytes
     logits = b * seq * spec.vocab / tp * 4 * 2  # fp32 logits and their gradient, on the last GPU
 
     # ZeRO-3 shards the weights and gradients too; without a pipeline the Trainer accumulates micro-batches
     # under no_sync, which keeps the units' full gradients until the last one reduce-scatters them; a
     # pipeline reduce-scatters every micro-batch's (shard-size gradients only; nnscaler.runtime.zero3)
     weight_shard = shard if plan.zero == 3 else 1
+    weight_shard_e = e_shard if plan.zero == 3 else 1
     full_grads = 1.0 if plan.zero == 3 and nmicros > 1 and plan.pp == 1 else 0.0
     # ZeRO-3's gathered units: the root (embeddings, head) for the whole pass, two decoder layers, with gradients
     root_p = emb_p * (1 if spec.tied else 2) * scale
-    gathered = 2 * (root_p + 2 * layer_p * scale) * nbytes if plan.zero == 3 else 0.0
+    unit_p = max(layer_p, moe_p + routed_p) if spec.is_moe else layer_p
+    gathered = 2 * (root_p + 2 * unit_p * scale) * nbytes if plan.zero == 3 else 0.0
 
-    def parts(params, layers, inflight, with_logits):
-        kept = (layer_input if plan.recompute else per_layer_act) * layers * inflight
-        return {"weights": params * nbytes / weight_shard,
-                "gradients": params * nbytes * (1 / weight_shard + full_grads),
-                "optimizer": params * opt_state / shard, "activations": kept + working,
+    def parts(params, experts, i, inflight, with_logits):
+        kept = (layer_input * counts[i] if plan.recompute else nd[i] * per_layer_act + nm[i] * moe_act) * inflight
+        return {"weights": params * nbytes / weight_shard + experts * nbytes / weight_shard_e,
+                "gradients": params * nbytes * (1 / weight_shard + full_grads)
+                + experts * nbytes * (1 / weight_shard_e + full_grads),
+                "optimizer": params * opt_state / shard + experts * opt_state / e_shard,
+                "activations": kept + working,
                 "transient": transient + (logits if with_logits else 0.0), "gathered": gathered}
 
-    first = parts(first_p, counts[0], min(pp, nmicros) * costs.interleaved_activation_factor(pp, v), pp == 1)
-    last = parts(last_p, counts[-1], 1, True) if pp > 1 else first
+    first = parts(first_p, first_e, 0, min(pp, nmicros) * costs.interleaved_activation_factor(pp, v), pp == 1)
+    last = parts(last_p, last_e, -1, 1, True) if pp > 1 else first
     mem_parts = max(first, last, key=lambda d: sum(d.values()))
     memory = sum(mem_parts.values())
-    flops = costs.model_flops(spec.total_params, work.global_batch_tokens, spec.layers, spec.heads, spec.head_dim, seq)
+    flops = costs.model_flops(spec.active_params, work.global_batch_tokens, spec.layers, spec.heads, spec.head_dim,
+                              seq)
     return Estimate(plan, nmicros, step_s, compute_s, bubble_s, tp_comm_s, pp_comm_s, dp_comm_s, optimizer_s,
                     memory, mem_parts, memory <= cluster.gpu.memory_gb * costs.GiB * costs.USABLE_MEMORY, flops,
                     work.global_batch_tokens / step_s, flops / step_s / work.gpus / 1e12,
-                    costs.mfu(flops, step_s, work.gpus, cluster.gpu.peak_flops))
+                    costs.mfu(flops, step_s, work.gpus, cluster.gpu.peak_flops), ep_comm_s)
 
 
-def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster):
+def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster, stride: int = 1):
     """(gradient reduction s, exposed gathers s) of one step's data-parallel traffic for `grads` bytes
     of local gradients (= local parameters). The reduction may overlap a backward. Exposed gathers:
     ZeRO-1's after the step; ZeRO-3's: one pass of the parameters per micro-batch (the runtime
@@ -263,12 +350,13 @@ def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster):
 
     With ZeRO and ``zero_ngroups > 1`` the shard's gradient is also all-reduced across the groups.
     The zero group spans tp·dp/zero_ngroups ranks, the cross-group reduction tp·dp: each on the link
-    its span needs (intra-node inside a node, else inter-node)."""
+    its span needs (intra-node inside a node, else inter-node). `stride`: the group's ranks are that
+    many dp ranks apart (the experts' dp / ep ranks, `stride = ep`), widening the spans as much."""
     tp, dp, z, g = plan.tp, plan.dp, plan.zero_group, plan.zero_ngroups
-    dp_link = _group_link(cluster, tp * dp)
+    dp_link = _group_link(cluster, tp * dp * stride)
     if not plan.zero:
         return costs.ring_all_reduce_time(grads, dp, dp_link), 0.0
-    zero_link = _group_link(cluster, tp * z)
+    zero_link = _group_link(cluster, tp * z * stride)
     reduce = costs.ring_all_gather_time(grads, z, zero_link)  # a reduce-scatter moves what an all-gather does
     reduce += costs.ring_all_reduce_time(grads / z, g, dp_link)
     if plan.zero == 3 and plan.pp > 1:

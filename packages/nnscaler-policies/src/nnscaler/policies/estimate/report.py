@@ -14,6 +14,8 @@ The mapping of a plan onto nnscaler (`trainer_fragment`):
   whose stages split their ops over the tp GPUs by batch, not as Megatron's tensor parallelism.
 * recomputation: ``pas_config['recompute_modules']`` = the decoder layer's class (every policy reads it).
 * ``micro_batch_size``, ``grad_accumulation_steps`` (micro-batches per step) and ``precision``.
+* expert parallelism (``ep``) is not mapped: the fragment runs the experts replicated over dp (as
+  ep 1, with more memory than estimated); ``trainer_note`` says so when ep > 1.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ VERSION = 1
 
 def plan_json(est: Estimate) -> dict:
     p = est.plan
-    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "zero": p.zero, "zero_ngroups": p.zero_ngroups,
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "zero": p.zero, "zero_ngroups": p.zero_ngroups,
             "micro_batch": p.micro_batch,
             "recompute": p.recompute, "virtual_stages": p.virtual, "nmicros": est.nmicros, "step_s": est.step_s,
             "tokens_per_s": est.tokens_per_s, "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
@@ -75,17 +77,27 @@ def result_json(result: SearchResult, spec: ModelSpec, cluster: Cluster, work: W
     out = plan_json(best)
     out.update({
         "breakdown_s": {"compute": best.compute_s, "bubble": best.bubble_s, "tp_comm": best.tp_comm_s,
-                        "pp_comm": best.pp_comm_s, "dp_comm": best.dp_comm_s, "optimizer": best.optimizer_s},
+                        "pp_comm": best.pp_comm_s, "dp_comm": best.dp_comm_s, "ep_comm": best.ep_comm_s,
+                        "optimizer": best.optimizer_s},
         "memory_parts_gb": {k: v / 2 ** 30 for k, v in best.memory_parts.items()},
         "model": {"name": spec.name, "params": spec.total_params, "layers": spec.layers, "hidden": spec.hidden,
                   "heads": spec.heads, "kv_heads": spec.kv_heads, "ffn": spec.ffn, "vocab": spec.vocab,
-                  "gated_mlp": spec.gated, "tied_embeddings": spec.tied, "layer_class": spec.layer_class},
+                  "gated_mlp": spec.gated, "tied_embeddings": spec.tied, "layer_class": spec.layer_class,
+                  "active_params": spec.active_params},
         "cluster": cluster.to_json(),
         "gpus": work.gpus, "seq_len": work.seq, "global_batch_tokens": work.global_batch_tokens,
         "model_flops": best.model_flops, "search_s": result.search_s, "plans_evaluated": result.evaluated,
         "runners_up": [dict(plan_json(e), reason=why) for e, why in result.runners_up],
         "trainer": trainer_fragment(best, spec, cluster),
     })
+    if spec.is_moe:
+        out["moe"] = {"experts": spec.experts, "top_k": spec.top_k, "expert_ffn": spec.expert_ffn,
+                      "shared_ffn": spec.shared_ffn, "moe_layers": spec.moe_layers, "total_params": spec.total_params,
+                      "active_params": spec.active_params, "imbalance": work.moe_imbalance}
+    if best.plan.ep > 1:
+        out["trainer_note"] = (f"the fragment does not map expert parallelism: it runs the experts replicated over "
+                               f"dp (as ep 1), needing more memory than the ep {best.plan.ep} estimate; --ep 1 plans "
+                               f"what it runs")
     return out
 
 

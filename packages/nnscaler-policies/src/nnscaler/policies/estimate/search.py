@@ -1,6 +1,7 @@
 """The search: every tensor (inside a node, dividing the heads), pipeline and data parallel degree
 of the whole cluster, with ZeRO (none, 1 or 3), micro-batch size and
-recomputation; the fastest plan that fits wins, and the best plan of each other (tp, pp) family is
+recomputation, and for a mixture-of-experts model every expert-parallel degree dividing dp and the
+experts; the fastest plan that fits wins, and the best plan of each other (tp, pp, ep) family is
 kept with the reason it lost."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .costs import USABLE_MEMORY
 from .model import ModelSpec
 from .plan_cost import Estimate, Plan, Workload, estimate_plan
 
-__all__ = ["NoPlanFitsCluster", "SearchResult", "candidates", "search", "why_lost", "zero_options"]
+__all__ = ["NoPlanFitsCluster", "SearchResult", "candidates", "ep_options", "search", "why_lost", "zero_options"]
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 VIRTUAL = (1, 2, 4)  # pipeline stages per GPU (interleaved 1F1B beyond 1)
@@ -28,7 +29,7 @@ class NoPlanFitsCluster(ConfigError):
 @dataclasses.dataclass
 class SearchResult:
     best: Estimate
-    runners_up: List[tuple]  # (Estimate, reason it lost), the best of each other (tp, pp) family
+    runners_up: List[tuple]  # (Estimate, reason it lost), the best of each other (tp, pp, ep) family
     evaluated: int
     search_s: float
 
@@ -57,9 +58,15 @@ def candidates(spec: ModelSpec, cluster: Cluster, work: Workload):
                     # interleaving: more than one stage per GPU, nmicros a multiple of pp (Megatron-LM's rule)
                     if v > 1 and (pp == 1 or pp * v > spec.layers or nmicros % pp):
                         continue
-                    for zero in zero_options(tp, pp, dp):
-                        for recompute in (False, True):
-                            yield Plan(tp, pp, dp, zero, b, recompute, v)
+                    for ep in ep_options(spec, dp):
+                        for zero in zero_options(tp, pp, dp):
+                            for recompute in (False, True):
+                                yield Plan(tp, pp, dp, zero, b, recompute, v, ep=ep)
+
+
+def ep_options(spec: ModelSpec, dp: int) -> List[int]:
+    """Expert-parallel degrees: each divisor of dp that divides the routed experts (1 for a dense model)."""
+    return [e for e in _divisors(dp) if spec.experts % e == 0] if spec.is_moe else [1]
 
 
 def zero_options(tp: int, pp: int, dp: int) -> List[int]:
@@ -91,6 +98,7 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
     """The fastest plan that fits; `fixed` pins plan fields (e.g. ``{"tp": 8, "pp": 16}``)."""
     start = time.perf_counter()
     _check_workload(spec, cluster, work)
+    _check_fixed_ep(spec, (fixed or {}).get("ep"))
     best_fit: Optional[Estimate] = None
     smallest: Optional[Estimate] = None
     family_best = {}
@@ -104,7 +112,7 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
             smallest = est
         if est.fits and (best_fit is None or est.step_s < best_fit.step_s):
             best_fit = est
-        key = (plan.tp, plan.pp)
+        key = (plan.tp, plan.pp, plan.ep)
         old = family_best.get(key)
         if old is None or (est.fits, -est.step_s) > (old.fits, -old.step_s):
             family_best[key] = est
@@ -112,13 +120,16 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
         raise NoPlanFitsCluster(f"no plan splits this model over {work.gpus} GPUs (tensor parallel must divide "
                                 f"the {spec.heads} heads and fit in a node of {cluster.gpus_per_node}, the data-parallel "
                                 f"degree must divide the {work.sequences} sequences of a step"
+                                + (f", the expert-parallel degree dp and the {spec.experts} experts" if spec.is_moe
+                                   else "")
                                 + (f", and the fixed {fixed}" if fixed else "") + "); change --gpus or "
                                 f"--global-batch-tokens")
     if best_fit is None:
         raise NoPlanFitsCluster(f"no plan fits {cluster.gpu.memory_gb:g} GB per GPU ({USABLE_MEMORY:.0%} usable): "
                                 f"the smallest, {smallest.plan.describe()}, needs {smallest.memory_gb:.1f} GB; use "
                                 f"more GPUs, GPUs with more memory, or a shorter --seq-len")
-    others = sorted((e for k, e in family_best.items() if k != (best_fit.plan.tp, best_fit.plan.pp)),
+    chosen = (best_fit.plan.tp, best_fit.plan.pp, best_fit.plan.ep)
+    others = sorted((e for k, e in family_best.items() if k != chosen),
                     key=lambda e: (not e.fits, e.step_s))[:top]
     return SearchResult(best_fit, [(e, why_lost(e, best_fit, cluster)) for e in others], n,
                         time.perf_counter() - start)
@@ -131,6 +142,24 @@ def _check_workload(spec: ModelSpec, cluster: Cluster, work: Workload) -> None:
     if work.global_batch_tokens % work.seq:
         raise ConfigError(f"--global-batch-tokens ({work.global_batch_tokens}) must be a multiple of --seq-len "
                           f"({work.seq}): a step is whole sequences")
+    imbalance = work.moe_imbalance
+    if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or not 1 <= imbalance < float("inf"):
+        raise ConfigError(f"--moe-imbalance must be a number >= 1 (the busiest expert-parallel rank's tokens over "
+                          f"the mean; 1 is perfect balance), got {imbalance!r}")
     if work.gpus > cluster.gpus_per_node and work.gpus % cluster.gpus_per_node:
         raise ConfigError(f"--gpus ({work.gpus}) must fill whole nodes of {cluster.gpus_per_node} "
                           f"(gpus_per_node of {cluster.source or cluster.name})")
+
+
+def _check_fixed_ep(spec: ModelSpec, ep) -> None:
+    """A forced expert-parallel degree (``--ep``) must fit the model's experts."""
+    if ep is None:
+        return
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"--ep must be a whole number >= 1, got {ep!r}")
+    if ep > 1 and not spec.is_moe:
+        raise ConfigError(f"--ep {ep} needs a mixture-of-experts model; {spec.name or 'this model'} is dense: drop "
+                          f"--ep (or give --ep 1)")
+    if spec.is_moe and spec.experts % ep:
+        raise ConfigError(f"--ep {ep} must divide the model's {spec.experts} routed experts (each expert-parallel "
+                          f"rank holds experts / ep); use one of {', '.join(map(str, _divisors(spec.experts)))}")
