@@ -84,7 +84,12 @@ def _divisor(total: int, n: int) -> int:
 def _no_experts(graph) -> str:
     found = sorted({path for path, cls in graph.module_types.items()
                     if any(h in cls.rsplit(".", 1)[-1].lower() for h in _EXPERT_HINTS)})
-    found += sorted({name.split(".experts.")[0] + ".experts" for name in graph.params if ".experts." in name} - set(found))
+    by_params = set()
+    for name in graph.params:
+        parts = name.split(".")
+        if "experts" in parts[:-1]:
+            by_params.add(".".join(parts[:parts.index("experts") + 1]))
+    found += sorted(by_params - set(found))
     seen = (f"; modules that look like experts but were traced op by op: {', '.join(found[:6])}"
             + (" ..." if len(found) > 6 else "")) if found else ""
     return (f"pas_policy 'ep' found no routed-experts op in {graph.module_class}{seen}. nnscaler recognises "
