@@ -89,3 +89,20 @@ def test_pipeline_needs_end2end():
     with pytest.raises(ConfigError, match="use_end2end=True"):
         apply_policy(_graph(TinyMoE(), torch.randn(4, 2, 8)),
                      ComputeConfig(4, 4, pas_config={"pp_size": 2, "pipeline_nmicros": 2}), "ep")
+
+
+def test_autodist_sees_the_expert_dimension(tmp_path, monkeypatch):
+    from nnscaler.policies.autodist.choices import node_choices
+    monkeypatch.setenv("NNSCALER_CACHE_DIR", str(tmp_path))
+    graph = _graph(TinyMoE(experts=8, width=64), torch.randn(2, 8, 64))
+    node = next(n for n in graph.nodes if n.target == ROUTED_EXPERTS)
+    assert [c.label for c in node_choices(graph, node, 2)] == ["R", "t", "e"]
+    assert [c.label for c in node_choices(graph, node, 16)] == ["R", "t"]  # 8 experts do not split 16 ways
+    # the experts' weights, gradients and Adam state take 3.1 MB replicated, 1.6 MB split in two:
+    # only expert parallelism fits 2.5 MB
+    comm = {"backend": "given", "collectives": {c: {"2": [1e-5, 5e9]} for c in
+                                                ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}}
+    planned = apply_policy(graph, ComputeConfig(2, 2, pas_config={"mem_constraint": 0.0025, "_comm_profile": comm,
+                                                                  "_profile_repeats": 1}), "autodist")
+    ops = [n for n in planned.nodes if n.target == ROUTED_EXPERTS]
+    assert all(n.pieces[0].dim == EXPERT_DIM and len(n.pieces) == 2 for n in ops)

@@ -1,4 +1,5 @@
-"""The partition choices of each op: replicate it, or split it along one annotated dim.
+"""The partition choices of each op: replicate it, or split it along one annotated dim (and, for
+a routed-experts op, split its experts: expert parallelism, `EXPERT_DIM`).
 
 Codegen runs every op on all devices of the unit (or of its pipeline stage): either whole on
 each (replicated) or as `n` pieces, piece i on device i. So an op's choices are ``R`` and each
@@ -11,7 +12,8 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from nnscaler.ir import IRGraph, Node, Replicate
+from nnscaler.ir import IRGraph, Node, Replicate, Shard
+from nnscaler.ir.ops.moe import EXPERT_DIM, ROUTED_EXPERTS
 
 from ..plan import tensor_inputs, tensor_outputs
 from ..primitives import bind_annotation
@@ -55,9 +57,19 @@ def node_choices(graph: IRGraph, node: Node, n: int, allowed: Optional[Sequence[
             for dim in bound.splittable_dims(n):
                 ins, outs = bound.partition(dim, n)
                 out.append(Choice(dim, tuple(ins), tuple(outs)))
+        if node.target == ROUTED_EXPERTS and expert_parallel_fits(graph, node, n):
+            out.append(Choice(EXPERT_DIM, (Shard(0),) * n_in, (Shard(0),) * n_out))  # builtin/ep.py
     if allowed is not None:
         out = [c for c in out if c.label in allowed]
     return out
+
+
+def expert_parallel_fits(graph: IRGraph, node: Node, n: int) -> bool:
+    """A routed-experts op whose experts and tokens split evenly over `n` (expert parallelism)."""
+    ins = tensor_inputs(graph, node)
+    tokens, k = graph.value(ins[1]).shape
+    experts = graph.value(ins[3]).shape[0]
+    return experts % n == 0 and tokens % n == 0 and k <= experts
 
 
 def matches_module(node: Node, module_types: Dict[str, str], pattern: str) -> bool:

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nnscaler.ir import IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
+from nnscaler.ir.ops.moe import EXPERT_DIM
 from nnscaler.ir.contracts import resolve_unit_modules, unit_names
 
 from ..plan import tensor_inputs, tensor_outputs
@@ -257,6 +258,10 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
         op = OpVar(node, choices, [], [])
         for c in choices:
             t = whole if not c.partitioned else min(whole, overhead) + max(0.0, whole - overhead) / n
+            if c.dim == EXPERT_DIM:  # dispatch and combine, forward (and backward): all-to-all of the routed rows
+                tokens, k = graph.value(ins[1]).shape
+                rows = nbytes((tokens * k, graph.value(ins[0]).shape[-1]), graph.value(ins[0]).dtype, cfg)
+                t += (4 if needs_grad else 2) * comm.time("all_to_all", rows, n)
             local = [nbytes(graph.value(r).shape, graph.value(r).dtype, cfg) / (n if isinstance(p, Shard) else 1)
                      for r, p in zip(outs, c.outs)]
             act = 0.0 if node.recompute else sum(b for r, b in zip(outs, local)

@@ -12,9 +12,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from nnscaler.ir import IRGraph, warn_user
+from nnscaler.ir.ops.moe import EXPERT_DIM, ROUTED_EXPERTS
 
 from ..builtin._nothing_split import PolicyWarning
 from ..builtin._spread import replicate_over_unit, split_over_unit
+from ..builtin.ep import split_experts
 from ..pipeline import pivot_leads, schedule, stage
 from ..recompute import recompute_modules
 from ..registry import register_policy
@@ -253,6 +255,8 @@ def apply_record(graph: IRGraph, record: PlanRecord) -> IRGraph:
         choice = by_key[keys[node.id]].choice
         if choice == "R" or len(devices) == 1:
             replicate_over_unit(graph, node, len(devices), devices)
+        elif choice == EXPERT_DIM and node.target == ROUTED_EXPERTS:
+            split_experts(graph, node, devices)
         else:
             split_over_unit(graph, node, choice, len(devices), devices)
     return graph
