@@ -1,0 +1,704 @@
+"""Mixture of experts: nnscaler's `ep` policy against `dp` on a tiny Mixtral, 2 ranks of this machine.
+
+    python bench/moe.py [--hidden 256] [--intermediate 512] [--layers 2] [--experts 8] [--top-k 2]
+                        [--seq 128] [--batch 8] [--rounds 10] [--parts time memory]
+
+The model is transformers' `MixtralForCausalLM` built from a config in code (nothing downloaded;
+seed-0 weights, float32, `experts_implementation="eager"`: transformers' own experts module, which
+nnscaler traces to its one `routed_experts` op whatever the implementation), sdpa attention, no
+dropout, wrapped so that forward(input_ids, labels) returns the next-token cross-entropy. No
+load-balancing loss: under `dp` each rank's would see half the batch, under `ep` the whole batch
+(the plan computes the whole batch), so the two would train different objectives; without it they
+train the same one and their losses must agree within `--loss-rtol` (float32 rounding). Adam (lr
+1e-3). `--nproc` (2) gloo processes, each with max(1, cores // nproc) intra-op threads, the same
+global batch of `--batch` sequences of `--seq` random tokens a step (step s: generator seed 1000 + s):
+
+* `dp` : `parallelize(model, sample, "dp", ComputeConfig(1, n))`: every rank the whole model and
+         rows [r*B/n, (r+1)*B/n) of the batch; the gradients all-reduced;
+* `ep` : `parallelize(model, sample, "ep", ComputeConfig(n, n))`: one unit of n ranks; each MoE
+         layer's experts split over it (rank r holds experts [r*E/n, (r+1)*E/n)), the tokens sent
+         to their experts' ranks and back by all-to-all (`nnscaler.runtime.moe.expert_parallel`);
+         every other op split along its first input's leading dim, or replicated where that does
+         not split (the policy's rule: mostly the batch / tokens with the weights replicated and
+         their gradients all-reduced; RMSNorm's `weight * x` splits along the weight, i.e. the
+         hidden dim, with an all-to-all of the activations either side; the router's softmax and
+         the logits are all-gathered). Every rank passes the whole batch; the generated code takes
+         its rows.
+
+Both with `build_optimizer(pm, torch.optim.Adam)`. A step is `zero_grad`, forward (the loss),
+backward, `step`.
+
+**1. Step time** (`--parts time`; one spawn, both cases built in the same processes, glibc's
+default malloc settings): `--warmup` (2) untimed steps of each, then `--rounds` (10) rounds in
+which each case runs a block of `--block` (2) steps, the order rotated every round, a barrier
+before every block; a block's time is that of the slower rank. Reported: the median ms/step over
+the blocks, tokens/s = batch * seq / that median, the ratio ep/dp of the medians and the median of
+the per-round ratios ("paired"); forward / backward / optimizer ms of rank 0 (means). In the same
+processes: the parameter bytes each rank holds (its local parameters: the experts' -
+`gate_up_proj` and `down_proj` of every layer - and in all), the bytes of the tensors held between
+steps (parameters, gradients, Adam state, reducer buffers: distinct storages) and, for every step,
+the collectives it ran (`nnscaler.runtime.comm.stats.count_collectives()`: calls and payload bytes
+by collective) and, under `ep`, the rows each expert received (`nnscaler.runtime.moe.expert_load()`).
+
+**All-to-all bytes, analytic.** Payload convention of stats.py: the bytes a rank hands into the
+collective (the rows it sends to itself included). With L MoE layers, T = batch * seq tokens a
+step, top-k k, hidden size h, b bytes an element (4: float32) and n ranks in the unit, rank r
+holds T/n tokens, i.e. T*k/n (token, expert) rows, and receives R_r rows for its own experts
+(R_r: the rows routed to experts [r*E/n, (r+1)*E/n), from every rank). Per layer and step it hands
+into the all-to-all
+
+    forward  dispatch  T*k/n * h * b     (its rows to their experts' ranks)
+    forward  combine   R_r   * h * b     (its experts' outputs back to the tokens' ranks)
+    backward combine   T*k/n * h * b     (the gradients of the combined rows, the other way)
+    backward dispatch  R_r   * h * b
+
+so   bytes_r = 2 * L * (T*k/n + R_r) * h * b   in 4 * L calls,  and, as sum_r R_r = T*k,
+
+    sum over the unit's ranks = 4 * L * T * k * h * b      (whatever the routing)
+    mean per rank             = 4 * L * (T/n) * k * h * b  (each rank sends its tokens * top_k rows
+                                                            in dispatch and as many in combine; the
+                                                            backward the same again)
+
+Reported: measured / analytic for the unit's total (`sum_over_ranks`, 1.0 exactly), for each rank
+against its exact count with its R_r read from `expert_load()` (1.0 exactly) and against the
+balanced count 4 * L * (T/n) * k * h * b (off by the routing's imbalance: R_r differs from T*k/n);
+the wire bytes (ring / pairwise: (n-1)/n of the payload) next to `dp`'s all-reduce of the
+gradients. The counts of the experts exchange (an all-gather of E int64 per layer) are not
+recorded by stats.py (label None).
+
+**2. Memory** (`--parts memory`; one spawn per case, so a case's memory is its own): the workers
+run with glibc's `MALLOC_MMAP_THRESHOLD_=65536` and `MALLOC_TRIM_THRESHOLD_=131072`, set in the
+parent before the spawn (`--no-malloc-env` drops them), so that every allocation above 64 KiB is
+its own mapping, unmapped when freed, and RSS follows the live tensors. Each rank records its RSS
+after one Adam step of a tiny single-device Mixtral and one of each collective, released
+(`baseline`: torch, transformers, gloo, nnscaler, code pages, thread pools), builds (single-device
+model, parallelized module, optimizer; the single-device model dropped), runs `--mem-warmup` (1)
+steps (Adam's state then exists), `gc.collect()` + `malloc_trim(0)`, resets its peak RSS
+(`echo 5 > /proc/self/clear_refs`: VmHWM := VmRSS) and runs `--mem-steps` (3) steps; the
+**steady-state peak RSS** is VmHWM after them (and at least the largest VmRSS a thread sampled
+every 2 ms): the one-off build, which holds the whole model on every rank, is excluded (its peak
+is `build_peak`). Also: the RSS at the reset (`steady`) and the peak above it (`transient`), the
+peak above the baseline. Each case's figure is its larger rank.
+
+Ratios ep/dp (`ratios`): expert parameter bytes per rank (1/n: each rank holds E/n experts), total
+parameter bytes per rank, held tensors per rank, steady-state peak RSS, step time, tokens/s.
+Writes bench/results/moe.json (`--out`); `--smoke` a tiny model, a few steps, both parts.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+CASES = ("dp", "ep")
+LABELS = {"dp": "nnscaler dp: ComputeConfig(1, n)", "ep": "nnscaler ep: ComputeConfig(n, n)"}
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+A2A = ("all_to_all", "all_to_all" + _common.FALLBACK)
+MIB = 1 << 20
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / MIB:,.1f}"
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+class MixtralLM(torch.nn.Module):
+    """forward(input_ids, labels) -> next-token cross-entropy (no load-balancing loss)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        logits = self.model(input_ids=input_ids).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _mixtral(a: dict, seed: int = 0) -> MixtralLM:
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["intermediate"],
+                        num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
+                        num_key_value_heads=a["kv_heads"], num_local_experts=a["experts"],
+                        num_experts_per_tok=a["top_k"], max_position_embeddings=a["seq"], attention_dropout=0.0,
+                        router_aux_loss_coef=0.0, attn_implementation="sdpa", experts_implementation="eager",
+                        use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return MixtralLM(MixtralForCausalLM(cfg)).float().train()
+
+
+def _global_batch(a: dict, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + step)
+    shape = (a["batch"], a["seq"])
+    return {"input_ids": torch.randint(0, a["vocab"], shape, generator=g),
+            "labels": torch.randint(0, a["vocab"], shape, generator=g)}
+
+
+def _inputs(case: str, a: dict, rank: int, world: int, step: int) -> dict:
+    """What rank `rank` passes to the module at `step`: under dp its rows, under ep the whole batch."""
+    full = _global_batch(a, step)
+    if case == "ep":
+        return full
+    per = a["batch"] // world
+    return {k: v[rank * per:(rank + 1) * per].contiguous() for k, v in full.items()}
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def _build(case: str, a: dict, world: int, gen_dir: str):
+    """(parallelized module, optimizer, parameters of the single-device model, its expert parameters)."""
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+    base = _mixtral(a)
+    n_params = sum(p.numel() for p in base.parameters())
+    n_expert = sum(p.numel() for n, p in base.named_parameters() if _is_expert(n))
+    plan = world if case == "ep" else 1
+    cc = ComputeConfig(plan, world, trace_strategy="cpu")
+    pm = parallelize(base, _inputs(case, a, 0, world, 0), case, cc, gen_savedir=gen_dir,
+                     instance_name=f"moe_{case}_{a['tag']}", reuse="override")
+    pm.train()
+    opt = build_optimizer(pm, torch.optim.Adam, lr=a["lr"])
+    del base
+    return pm, opt, n_params, n_expert
+
+
+def _param_bytes(pm) -> dict:
+    """This rank's local parameters: expert (gate_up_proj, down_proj) and all, in bytes and elements,
+    and the local / full shapes of the first expert weight."""
+    named = dict(pm.named_parameters())
+    out = {"total": 0, "expert": 0, "total_numel": 0, "expert_numel": 0, "expert_shapes": {}}
+    for local, entry in pm.fullmap.items():
+        p = named.get(local)
+        if p is None:
+            continue
+        nbytes = p.numel() * p.element_size()
+        out["total"] += nbytes
+        out["total_numel"] += p.numel()
+        if _is_expert(entry.full_name):
+            out["expert"] += nbytes
+            out["expert_numel"] += p.numel()
+            if len(out["expert_shapes"]) < 2:
+                out["expert_shapes"][entry.full_name] = {"local": list(p.shape), "full": list(entry.full_shape)}
+    counted = sum(p.numel() for p in named.values())
+    assert counted == out["total_numel"], (counted, out["total_numel"])  # every parameter is in the fullmap
+    return out
+
+
+def _held_bytes(model, opt) -> int:
+    """Bytes of the distinct storages of parameters, gradients, Adam state and reducer buffers."""
+    seen = {}
+
+    def add(t):
+        if t is None or not torch.is_tensor(t):
+            return
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for g in opt.param_groups:
+        for p in g["params"]:
+            add(p)
+            add(p.grad)
+    for st in opt.state.values():
+        for v in st.values():
+            add(v)
+    for m in model.modules():
+        for b in getattr(getattr(m, "reducer", None), "_buckets", None) or []:
+            add(getattr(b, "buffer", None))
+    return sum(seen.values())
+
+
+def _step(model, opt, b, phases=None):
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    loss = model(**b)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    if phases is not None:
+        t3 = time.perf_counter()
+        phases[0] += t1 - t0
+        phases[1] += t2 - t1
+        phases[2] += t3 - t2
+    return loss.detach()
+
+
+def _reduce(values: list, op=dist.ReduceOp.SUM) -> list:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+# -- part 1: step time, parameter bytes, collectives ----------------------------------------------
+
+_EXCHANGES: dict = {}  # collective -> {"calls", "bytes"}: the expert-parallel exchanges since the last clear
+_WRAPPED = False
+
+
+def _expert_exchanges() -> dict:
+    """The collectives of the expert-parallel exchanges alone: `nnscaler.runtime.moe._exchange` (the
+    rows to the experts' ranks and back, forward and backward: one all-to-all each call) is wrapped,
+    once per process, in a `count_collectives()` block whose counts are added to the dict returned.
+    A step's own `count_collectives()` block sees these too, and the plan's other all-to-alls
+    (adapters between layouts) besides."""
+    global _WRAPPED
+    if not _WRAPPED:
+        import nnscaler.runtime.moe as rt_moe
+        from nnscaler.runtime.comm.stats import count_collectives
+        inner = rt_moe._exchange
+
+        def counted(*args, **kwargs):
+            with count_collectives() as st:
+                out = inner(*args, **kwargs)
+            for key, v in st.snapshot().items():
+                mine = _EXCHANGES.setdefault(key, {"calls": 0, "bytes": 0})
+                mine["calls"] += v["calls"]
+                mine["bytes"] += v["bytes"]
+            return out
+        rt_moe._exchange = counted
+        _WRAPPED = True
+    return _EXCHANGES
+
+
+def _counted_step(case, built, b, phases, rank, world, a):
+    """One step inside count_collectives(); (loss, its collectives, those of the expert-parallel
+    exchanges alone, rows received by this rank's experts per MoE call (ep))."""
+    from nnscaler.runtime.comm.stats import count_collectives
+    from nnscaler.runtime.moe import expert_load
+    load, exchanges = expert_load(), _expert_exchanges()
+    load.reset()
+    exchanges.clear()
+    with count_collectives() as stats:
+        loss = _step(*built, b, phases)
+    local = a["experts"] // world
+    received = [int(c[rank * local:(rank + 1) * local].sum()) for c in load.per_call] if case == "ep" else []
+    load.reset()
+    return loss, stats.snapshot(), {k: dict(v) for k, v in sorted(exchanges.items())}, received
+
+
+def time_cases(rank: int, cases: list, a: dict, gen_dir: str) -> dict:
+    world = dist.get_world_size()
+    nsteps = a["warmup"] + a["rounds"] * a["block"]
+    built, build_s, params, held, sizes = {}, {}, {}, {}, {}
+    for c in cases:
+        t0 = time.perf_counter()
+        pm, opt, n_params, n_expert = _build(c, a, world, gen_dir)
+        built[c] = (pm, opt)
+        build_s[c] = time.perf_counter() - t0
+        params[c] = _param_bytes(pm)
+        sizes = {"params": n_params, "expert_params": n_expert}
+        gc.collect()
+    done = {c: 0 for c in cases}
+    losses = {c: [] for c in cases}
+    times = {c: [] for c in cases}
+    comm = {c: [] for c in cases}
+    received = {c: [] for c in cases}
+    exchanges = {c: [] for c in cases}
+    rounds = []
+    phases = {c: [0.0, 0.0, 0.0] for c in cases}
+
+    def run(c, n, ph=None):
+        out = []
+        for _ in range(n):
+            loss, st, ex, rec = _counted_step(c, built[c], _inputs(c, a, rank, world, done[c]), ph, rank, world, a)
+            out.append(loss)
+            comm[c].append(st)
+            exchanges[c].append(ex)
+            received[c].append(rec)
+            done[c] += 1
+        return out
+
+    for c in cases:
+        losses[c].extend(x.item() for x in run(c, a["warmup"]))
+        held[c] = _held_bytes(*built[c])  # gradients and Adam state exist after a step
+    for r in range(a["rounds"]):
+        order = cases[r % len(cases):] + cases[:r % len(cases)]
+        this = {}
+        for c in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = run(c, a["block"], phases[c])
+            dt = _reduce([time.perf_counter() - t0], dist.ReduceOp.MAX)[0] / a["block"]
+            times[c].append(dt)
+            this[c] = dt
+            losses[c].extend(x.item() for x in out)
+        rounds.append(this)
+    for c in cases:
+        losses[c] = [x / world for x in _reduce(losses[c])]
+    nsteps_timed = a["rounds"] * a["block"]
+    assert all(done[c] == nsteps for c in cases)
+    return {"rank": rank, "build_s": build_s, "step_s": times, "rounds": rounds, "losses": losses,
+            "phases_ms": {c: [1e3 * x / max(1, nsteps_timed) for x in ph] for c, ph in phases.items()},
+            "param_bytes": params, "held_bytes": held, "sizes": sizes, "collectives": comm,
+            "expert_exchanges": exchanges, "received_rows": received}
+
+
+# -- part 2: memory of one case in its own processes ----------------------------------------------
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _release() -> None:
+    """Collect garbage and hand glibc's free memory back to the OS."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak() -> int:
+    """VmHWM := VmRSS; returns VmRSS."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+class _Sampler:
+    """The largest VmRSS seen, sampled every `period` s in a thread (a cross-check of VmHWM)."""
+
+    def __init__(self, period: float = 0.002):
+        self.period, self.peak, self._stop = period, _status("VmRSS"), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _status("VmRSS"))
+            time.sleep(self.period)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _warm_up_process() -> None:
+    """One Adam step of a tiny single-device Mixtral and one of each collective the cases use,
+    released: code pages, thread pools and allocator arenas are then part of the baseline."""
+    tiny = dict(vocab=64, hidden=32, intermediate=48, layers=1, heads=4, kv_heads=2, experts=4, top_k=2, seq=8)
+    m = _mixtral(tiny, seed=1)
+    o = torch.optim.Adam(m.parameters(), lr=1e-3)
+    m(**_global_batch(dict(tiny, batch=2), 0)).backward()
+    o.step()
+    n = dist.get_world_size()
+    x = torch.ones(4096 * n)
+    dist.all_reduce(x)
+    dist.all_to_all_single(torch.empty_like(x), x)
+    dist.all_gather_into_tensor(torch.empty(4096 * n), torch.ones(4096))
+    del m, o, x
+    _release()
+    dist.barrier()
+
+
+def memory_case(rank: int, case: str, a: dict, gen_dir: str) -> dict:
+    """Build, `mem_warmup` steps, reset the peak RSS, `mem_steps` steps."""
+    world = dist.get_world_size()
+    dist.barrier()
+    _release()
+    baseline_cold = _status("VmRSS")
+    _warm_up_process()
+    baseline = _status("VmRSS")
+    t0 = time.perf_counter()
+    model, opt, _, _ = _build(case, a, world, gen_dir)
+    build_s = time.perf_counter() - t0
+    losses = [_step(model, opt, _inputs(case, a, rank, world, s)).item() for s in range(a["mem_warmup"])]
+    _release()
+    build_peak = _status("VmHWM")
+    held = _held_bytes(model, opt)
+    params = _param_bytes(model)
+    dist.barrier()
+    steady = _reset_peak()
+    sampler = _Sampler()
+    peaks, times = [], []
+    for s in range(a["mem_warmup"], a["mem_warmup"] + a["mem_steps"]):
+        b = _inputs(case, a, rank, world, s)
+        t = time.perf_counter()
+        losses.append(_step(model, opt, b).item())
+        times.append(time.perf_counter() - t)
+        peaks.append(max(_status("VmHWM"), sampler.peak))
+    sampled = sampler.stop()
+    peak = max(_status("VmHWM"), sampled)
+    losses = [x / world for x in _reduce(losses)]
+    del model, opt
+    dist.barrier()
+    return {"rank": rank, "case": case, "baseline_cold_rss": baseline_cold, "baseline_rss": baseline,
+            "build_peak": build_peak, "build_s": build_s, "held_bytes": held, "param_bytes": params,
+            "steady_rss": steady, "peak_rss": peak, "sampled_peak_rss": sampled, "peak_rss_per_step": peaks,
+            "peak_above_baseline": peak - baseline, "transient": peak - steady, "step_s": times, "losses": losses}
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+def _spawn(fn, fn_args: tuple, a: dict, tmp: str, name: str, malloc_env: bool):
+    old = {k: os.environ.get(k) for k in MALLOC_ENV}
+    if malloc_env:
+        os.environ.update(MALLOC_ENV)  # read by glibc when a process starts: the workers inherit it
+    else:
+        for k in MALLOC_ENV:
+            os.environ.pop(k, None)
+    try:
+        return _common.spawn_gloo(fn, fn_args, a["nproc"], os.path.join(tmp, name + ".json"))
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rel_diff(xs: list, ref: list) -> float:
+    n = min(len(xs), len(ref))
+    return max((abs(x - r) / max(abs(r), 1e-12) for x, r in zip(xs[:n], ref[:n])), default=float("nan"))
+
+
+def _mem_summary(case: str, ranks: list, spawn_s: float) -> dict:
+    big = max(ranks, key=lambda r: r["peak_rss"])
+    return {"case": case, "label": LABELS[case], "spawn_s": spawn_s,
+            **{k: max(r[k] for r in ranks) for k in ("peak_rss", "baseline_rss", "baseline_cold_rss",
+                                                       "peak_above_baseline", "build_peak", "held_bytes",
+                                                       "steady_rss", "transient", "sampled_peak_rss")},
+            "larger_rank": big["rank"], "losses": ranks[0]["losses"],
+            "step_s_median": statistics.median(big["step_s"]) if big["step_s"] else None, "per_rank": ranks}
+
+
+def _a2a_bytes(snapshot: dict) -> tuple:
+    return (sum(snapshot.get(k, {}).get("bytes", 0) for k in A2A),
+            sum(snapshot.get(k, {}).get("calls", 0) for k in A2A))
+
+
+def _wire(key: str, payload: int, n: int):
+    """Ring / pairwise wire bytes a rank sends (bench/_common.py); the data-parallel reducer's
+    ``dp_all_reduce`` is an all-reduce. None for a collective without a model."""
+    w = _common.wire_bytes(key[3:] if key.startswith("dp_") else key, payload, n)
+    return None if w != w else w
+
+
+def _all_to_all_report(timing: list, a: dict, n: int) -> dict:
+    """The expert-parallel exchanges' all-to-all payload on every step of part 1 against the analytic
+    counts (module docstring), and the step's other collectives."""
+    L, k, h, b = a["layers"], a["top_k"], a["hidden"], 4
+    T = a["batch"] * a["seq"]
+    unit = 4 * L * T * k * h * b
+    balanced = 4 * L * (T // n) * k * h * b
+    steps, exact_every_step = [], True
+    for s in range(len(timing[0]["expert_exchanges"]["ep"])):
+        measured = [_a2a_bytes(r["expert_exchanges"]["ep"][s]) for r in timing]
+        in_step = [_a2a_bytes(r["collectives"]["ep"][s]) for r in timing]
+        total = sum(m[0] for m in measured)
+        row = {"step": s, "measured_bytes_sum_over_ranks": total, "measured_over_analytic": total / unit,
+               "per_rank": []}
+        ok = total == unit
+        for r, rr in enumerate(timing):
+            rec = rr["received_rows"]["ep"][s]
+            exact = sum(2 * (T * k // n + x) * h * b for x in rec)
+            ok &= len(rec) == L and measured[r][0] == exact and measured[r][1] == 4 * L
+            row["per_rank"].append({
+                "rank": r, "measured_bytes": measured[r][0], "calls": measured[r][1], "analytic_bytes_exact": exact,
+                "measured_over_exact": measured[r][0] / exact, "measured_over_balanced": measured[r][0] / balanced,
+                "rows_received_per_layer": rec, "step_all_to_all_bytes": in_step[r][0],
+                "step_all_to_all_calls": in_step[r][1]})
+        row["exact"] = ok
+        exact_every_step &= ok
+        steps.append(row)
+    dp_exchanges = [x for r in timing for x in r["expert_exchanges"]["dp"] if x]
+    ratios = [x["measured_over_analytic"] for x in steps]
+    first = steps[-1]  # the last step: all are reported in "steps"
+    per_step = {}
+    for case in timing[0]["collectives"]:
+        snap = timing[0]["collectives"][case][-1]  # rank 0, the last step
+        per_step[case] = {key: {**v, "wire_bytes": _wire(key, v["bytes"], n)} for key, v in snap.items()}
+    return {
+        "formula": "per MoE layer and step, rank r hands into the all-to-all T*k/n*h*b (forward dispatch) + R_r*h*b "
+                   "(forward combine) + T*k/n*h*b (backward of combine) + R_r*h*b (backward of dispatch), in 4 calls; "
+                   "R_r = rows routed to rank r's experts, sum_r R_r = T*k; so the sum over the ranks is "
+                   "4*L*T*k*h*b and the mean per rank 4*L*(T/n)*k*h*b (payload: bytes handed into the collective)",
+        "L": L, "T_tokens_per_step": T, "top_k": k, "hidden": h, "bytes_per_element": b, "n": n,
+        "analytic_bytes_per_step_sum_over_ranks": unit, "analytic_bytes_per_step_per_rank_mean": unit // n,
+        "analytic_calls_per_step_per_rank": 4 * L,
+        "measured_bytes_per_step_sum_over_ranks": first["measured_bytes_sum_over_ranks"],
+        "measured_bytes_per_step_per_rank": [p["measured_bytes"] for p in first["per_rank"]],
+        "measured_over_analytic": first["measured_over_analytic"],
+        "measured_over_analytic_min_max_over_steps": [min(ratios), max(ratios)],
+        "per_rank_measured_over_exact": [p["measured_over_exact"] for p in first["per_rank"]],
+        "per_rank_measured_over_balanced": [p["measured_over_balanced"] for p in first["per_rank"]],
+        "exact_every_step": exact_every_step and not dp_exchanges, "steps_checked": len(steps),
+        "wire_bytes_per_step_per_rank_mean": _wire("all_to_all", unit // n, n),
+        "step_all_to_all_bytes_per_rank": [p["step_all_to_all_bytes"] for p in first["per_rank"]],
+        "adapter_all_to_all_bytes_per_rank": [p["step_all_to_all_bytes"] - p["measured_bytes"]
+                                              for p in first["per_rank"]],
+        "adapter_note": "the step's other all-to-alls: adapters of the ep plan between layouts (not the experts')",
+        "collectives_per_step_rank0": per_step,
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences a step (the global batch)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each case (part 1)")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--block", type=int, default=2, help="steps per case per round")
+    p.add_argument("--mem-warmup", type=int, default=1)
+    p.add_argument("--mem-steps", type=int, default=3)
+    p.add_argument("--loss-rtol", type=float, default=1e-3)
+    p.add_argument("--no-malloc-env", action="store_true", help="glibc's malloc defaults in the memory workers")
+    p.add_argument("--parts", nargs="*", default=["time", "memory"], choices=["time", "memory"],
+                   help="1: step time, parameter bytes, all-to-all bytes; 2: peak RSS")
+    p.add_argument("--out", default=str(_common.RESULTS_DIR / "moe.json"))
+    args = _common.parse_args(p, {"hidden": 64, "intermediate": 96, "layers": 2, "heads": 4, "kv_heads": 2,
+                                  "experts": 4, "vocab": 128, "seq": 16, "batch": 4, "warmup": 1, "rounds": 1,
+                                  "block": 1, "mem_steps": 1},
+                              "moe.json")
+    if "time" not in args.parts:
+        p.error("--parts needs 'time' (the parameter and all-to-all figures come from it)")
+    n = args.nproc
+    if args.batch % n or args.experts % n:
+        p.error(f"--batch ({args.batch}) and --experts ({args.experts}) must be multiples of --nproc ({n})")
+    t_start = time.perf_counter()
+    load_before = _common.loadavg()
+    cases = list(CASES)
+    a = {k: getattr(args, k) for k in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "experts",
+                                       "top_k", "seq", "batch", "lr", "warmup", "rounds", "block", "mem_warmup",
+                                       "mem_steps", "nproc")}
+    a["tag"] = "main"
+    threads = _common.threads_per_rank(n)
+    tokens = args.batch * args.seq
+    print(f"Mixtral {args.layers} layers x {args.hidden} (experts {args.experts} x {args.intermediate}, top-"
+          f"{args.top_k}), seq {args.seq}, {args.batch} sequences a step ({tokens} tokens); {n} gloo processes x "
+          f"{threads} thread(s)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        gen = os.path.join(tmp, "gen")
+        timing, time_spawn_s = _spawn(time_cases, (cases, a, gen), a, tmp, "time", False)
+        print(f"part 1 (step time, parameters, collectives): {time_spawn_s:.1f} s", flush=True)
+        mem = {}
+        for c in (cases if "memory" in args.parts else []):
+            ranks, s = _spawn(memory_case, (c, a, gen), a, tmp, f"mem_{c}", not args.no_malloc_env)
+            mem[c] = _mem_summary(c, ranks, s)
+            print(f"part 2 (memory) {c}: peak RSS {_mib(mem[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
+
+    # -- report ------------------------------------------------------------------------------------
+    r0 = timing[0]
+    step = {c: statistics.median(r0["step_s"][c]) for c in cases}
+    tps = {c: tokens / step[c] for c in cases}
+    params = {c: {"per_rank": [r["param_bytes"][c] for r in timing],
+                  "expert_bytes": max(r["param_bytes"][c]["expert"] for r in timing),
+                  "total_bytes": max(r["param_bytes"][c]["total"] for r in timing),
+                  "held_bytes": max(r["held_bytes"][c] for r in timing)} for c in cases}
+    sizes = r0["sizes"]
+    a2a = _all_to_all_report(timing, a, n)
+    loss_diff = _rel_diff(r0["losses"]["ep"], r0["losses"]["dp"])
+    losses_ok = loss_diff <= args.loss_rtol
+    if mem:
+        for c in cases:
+            mem[c]["loss_rel_diff_vs_part1"] = _rel_diff(mem[c]["losses"], r0["losses"][c])
+    print(f"\n== Mixtral {args.layers} x {args.hidden}: {sizes['params']:,} parameters, {sizes['expert_params']:,} "
+          f"in experts; Adam fp32; {n} gloo ranks x {threads} thread(s); {tokens} tokens a step ==")
+    head = ["case", "step ms (median)", "min", "fwd / bwd / opt ms", "tokens/s", "expert params MiB/rank",
+            "params MiB/rank", "held tensors MiB/rank"]
+    if mem:
+        head += ["baseline RSS", "steady RSS", "peak RSS", "peak - baseline"]
+    head += ["experts' all-to-all MiB/step/rank", "final loss"]
+    rows = []
+    for c in cases:
+        ph = r0["phases_ms"][c]
+        pb = params[c]
+        row = [c, f"{step[c] * 1e3:,.0f}", f"{min(r0['step_s'][c]) * 1e3:,.0f}",
+               f"{ph[0]:,.0f} / {ph[1]:,.0f} / {ph[2]:,.0f}", f"{tps[c]:,.0f}", _mib(pb["expert_bytes"]),
+               _mib(pb["total_bytes"]), _mib(pb["held_bytes"])]
+        if mem:
+            m = mem[c]
+            row += [_mib(m["baseline_rss"]), _mib(m["steady_rss"]), _mib(m["peak_rss"]), _mib(m["peak_above_baseline"])]
+        row += [_mib(max(_a2a_bytes(r["expert_exchanges"][c][-1])[0] for r in timing)),
+                f"{r0['losses'][c][-1]:.6f}"]
+        rows.append(row)
+    print(_common.table(head, rows))
+    print("MiB; per case its larger rank. held tensors: parameters, gradients, Adam state, reducer buffers; RSS: "
+          "baseline after a tiny Mixtral's step, steady at the reset after the warm-up, peak over the steps after it")
+    print(f"loss rel diff ep vs dp (every step of part 1): {loss_diff:.1e} ({'ok' if losses_ok else 'NOT OK'}, "
+          f"rtol {args.loss_rtol})")
+    print(f"\nexperts' all-to-all payload a step (ep, L={a2a['L']}, T={a2a['T_tokens_per_step']}, k={a2a['top_k']}, "
+          f"h={a2a['hidden']}, b=4, n={n}): measured {a2a['measured_bytes_per_step_sum_over_ranks']:,} B over the "
+          f"ranks, "
+          f"analytic 4*L*T*k*h*b = {a2a['analytic_bytes_per_step_sum_over_ranks']:,} B: measured/analytic "
+          f"{a2a['measured_over_analytic']:.6f}; exact on every rank and step ({a2a['steps_checked']}): "
+          f"{a2a['exact_every_step']}. Per rank against 4*L*(T/n)*k*h*b = "
+          f"{a2a['analytic_bytes_per_step_per_rank_mean']:,} B: "
+          + ", ".join(f"{x:.3f}" for x in a2a["per_rank_measured_over_balanced"])
+          + " (the routing's imbalance: R_r is not T*k/n)")
+    print(f"the ep step's other all-to-alls (adapters between layouts), per rank: "
+          + ", ".join(f"{x:,} B" for x in a2a["adapter_all_to_all_bytes_per_rank"]))
+    print("collectives a step, rank 0: " + "; ".join(
+        f"{c}: " + ", ".join(f"{k} {v['calls']} x {_mib(v['bytes'])} MiB" for k, v in r0["collectives"][c][-1].items())
+        for c in cases))
+    ratios = {"expert_param_bytes_per_rank ep/dp": params["ep"]["expert_bytes"] / params["dp"]["expert_bytes"],
+              "param_bytes_per_rank ep/dp": params["ep"]["total_bytes"] / params["dp"]["total_bytes"],
+              "held_bytes_per_rank ep/dp": params["ep"]["held_bytes"] / params["dp"]["held_bytes"],
+              "step_time ep/dp": step["ep"] / step["dp"],
+              "step_time ep/dp (paired)": statistics.median(rd["ep"] / rd["dp"] for rd in r0["rounds"]),
+              "tokens_per_s ep/dp": tps["ep"] / tps["dp"]}
+    if mem:
+        ratios["peak_rss ep/dp"] = mem["ep"]["peak_rss"] / mem["dp"]["peak_rss"]
+        ratios["peak_above_baseline ep/dp"] = mem["ep"]["peak_above_baseline"] / mem["dp"]["peak_above_baseline"]
+        ratios["steady_rss ep/dp"] = mem["ep"]["steady_rss"] / mem["dp"]["steady_rss"]
+    print()
+    print(_common.table(["ratio", "value"], [[k, f"{v:.3f}"] for k, v in ratios.items()]))
+    elapsed = time.perf_counter() - t_start
+    print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
+    data = {**_common.run_header(),
+            "config": {**vars(args), "threads_per_rank": threads, "tokens_per_step": tokens,
+                       "malloc_env": None if args.no_malloc_env else MALLOC_ENV, "dtype": "float32",
+                       "experts_implementation": "eager", "labels": LABELS},
+            "model": {"params": sizes["params"], "expert_params": sizes["expert_params"],
+                      "param_bytes": 4 * sizes["params"], "expert_param_bytes": 4 * sizes["expert_params"]},
+            "ratios": ratios,
+            "step_time": {"median_s": step, "tokens_per_s": tps, "per_block_s": r0["step_s"],
+                          "rounds": r0["rounds"], "phases_ms_rank0": r0["phases_ms"], "build_s_rank0": r0["build_s"],
+                          "spawn_s": time_spawn_s},
+            "param_bytes": params,
+            "all_to_all": a2a,
+            "memory": mem,
+            "losses": r0["losses"], "loss_rel_diff_ep_vs_dp": loss_diff, "loss_rtol": args.loss_rtol,
+            "losses_ok": losses_ok, "all_to_all_exact": a2a["exact_every_step"],
+            "loadavg_before": load_before, "loadavg_after": _common.loadavg(), "seconds": elapsed}
+    _common.save_results(args.out, data)
+
+
+if __name__ == "__main__":
+    main()
