@@ -31,6 +31,21 @@ def split_batch_or_replicate(graph, node, devices: Sequence[int]) -> None:
         replicate_over_unit(graph, node, n, devices)
 
 
+def split_activation_batch_or_replicate(graph, node, devices: Sequence[int]) -> None:
+    """As `split_batch_or_replicate`, with the leading dim of the first input that is an activation
+    (not a parameter, buffer or constant): ``weight * x`` splits along x's batch, not the weight's
+    width."""
+    n = len(devices)
+    module = {spec.value.id for spec in graph.tensor_specs()}
+    ins = tensor_inputs(graph, node)
+    first = next((i for i, r in enumerate(ins) if r.id not in module), None)
+    batch = dim_of_input_axis(graph, node, first, 0) if n > 1 and first is not None else None
+    if batch is not None and batch in splittable(graph, node, n):
+        split_over_unit(graph, node, batch, n, devices)
+    else:
+        replicate_over_unit(graph, node, n, devices)
+
+
 def splittable(graph, node, n: int) -> list:
     """The annotated dims of `node` that split evenly into n (empty when unannotated)."""
     bound = bind_annotation(graph, node)

@@ -3,8 +3,9 @@
 Each routed-experts op (``nnscaler.ir.ops.moe.routed_experts``: what transformers' experts
 modules trace to) is split over the plan's devices along its experts dim: device i holds experts
 ``[i * E/n, (i + 1) * E/n)`` and 1/n of the tokens, and the tokens travel to their experts' devices
-by all-to-all (``nnscaler.runtime.moe``). Every other op is split along its first input's leading
-dim (the batch, or the tokens), or replicated where that does not split: the plan computes the
+by all-to-all (``nnscaler.runtime.moe``). Every other op is split along the leading dim of its
+first activation input (the batch, or the tokens; a norm's ``weight * x`` along x's batch, not the
+weight's width), or replicated where that does not split: the plan computes the
 whole batch, so the router's statistics and auxiliary loss are those of one process on the whole
 batch. Data parallelism across units (``runtime_ngpus > plan_ngpus``) and ZeRO compose as usual.
 
@@ -23,7 +24,7 @@ from nnscaler.ir.ops.moe import EXPERT_DIM, ROUTED_EXPERTS
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..pipeline import pivot_leads
 from ..registry import register_policy
-from ._spread import split_batch_or_replicate
+from ._spread import split_activation_batch_or_replicate
 from .hybrid import COMMON_KEYS as PIPELINE_KEYS, _common, _int, _pipeline
 
 __all__ = ["ep", "split_experts"]
@@ -51,7 +52,7 @@ def ep(graph, cfg):
         if node.target == ROUTED_EXPERTS and len(devices) > 1:
             split_experts(graph, node, devices)
         else:
-            split_batch_or_replicate(graph, node, devices)
+            split_activation_batch_or_replicate(graph, node, devices)
     return graph
 
 
