@@ -199,3 +199,17 @@ def test_command_errors_are_one_line(tmp_path, args, model, words):
     assert out.exit_code == 1 and "Traceback" not in out.output
     for w in words:
         assert w in out.output.replace("\n", " ")
+
+
+def test_trainer_fragment_runs_expert_parallelism_with_the_ep_policy(mixtral, h100):
+    """ep > 1 with tp 1 maps onto pas_policy ep (plan = pp x ep, units of dp / ep); with tp > 1 it does not."""
+    from nnscaler.policies.estimate.report import trainer_fragment
+    work = Workload(gpus=64, seq=4096, global_batch_tokens=1024 * 4096)
+    plan = Plan(tp=1, pp=2, dp=32, ep=8, zero=1, micro_batch=1, recompute=False, virtual=2)
+    t = trainer_fragment(estimate_plan(mixtral, h100, work, plan), mixtral, h100)
+    c = t["compute_config"]
+    assert t["pas_policy"] == "ep" and (c["plan_ngpus"], c["runtime_ngpus"]) == (16, 64)
+    assert (c["pas_config"]["pp_size"], c["pas_config"]["pipeline_nstages"]) == (2, 4)
+    assert c["pas_config"]["pipeline_scheduler"] == "1f1b_interleaved"
+    with_tp = dataclasses.replace(plan, tp=2, dp=16, virtual=1)
+    assert trainer_fragment(estimate_plan(mixtral, h100, work, with_tp), mixtral, h100)["pas_policy"] != "ep"

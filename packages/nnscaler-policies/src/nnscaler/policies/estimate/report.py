@@ -14,8 +14,11 @@ The mapping of a plan onto nnscaler (`trainer_fragment`):
   whose stages split their ops over the tp GPUs by batch, not as Megatron's tensor parallelism.
 * recomputation: ``pas_config['recompute_modules']`` = the decoder layer's class (every policy reads it).
 * ``micro_batch_size``, ``grad_accumulation_steps`` (micro-batches per step) and ``precision``.
-* expert parallelism (``ep``) is not mapped: the fragment runs the experts replicated over dp (as
-  ep 1, with more memory than estimated); ``trainer_note`` says so when ep > 1.
+* expert parallelism (``ep`` > 1) with tp = 1: ``pas_policy: ep`` (docs/moe.md), ``plan_ngpus = pp * ep``,
+  ``runtime_ngpus = pp * dp`` (dp / ep units), and with pp > 1 the pipeline keys (``pp_size``,
+  ``pipeline_pivots``, ``pipeline_nstages = pp * virtual``, ``pipeline_nmicros``, the interleaved
+  scheduler when virtual > 1). With tp > 1 it is not mapped: the fragment runs the experts replicated
+  over dp (as ep 1, with more memory than estimated); ``trainer_note`` says so.
 """
 from __future__ import annotations
 
@@ -50,7 +53,16 @@ def trainer_fragment(est: Estimate, spec: ModelSpec, cluster: Cluster) -> dict:
     p = est.plan
     layer = spec.layer_class or "DecoderLayer"
     pas: dict = {}
-    if p.pp > 1 and p.virtual > 1:  # interleaved: autodist plans 1F1B only, hybrid runs the interleaved schedule
+    plan_ngpus, runtime_ngpus = p.tp * p.pp, p.tp * p.pp * p.dp
+    if p.ep > 1 and p.tp == 1:  # the ep policy: each stage's experts over ep devices, dp / ep units
+        policy = "ep"
+        plan_ngpus, runtime_ngpus = p.pp * p.ep, p.pp * p.dp
+        if p.pp > 1:
+            pas.update(pp_size=p.pp, pipeline_pivots=layer, pipeline_nstages=p.pp * p.virtual,
+                       pipeline_nmicros=est.nmicros)
+            if p.virtual > 1:
+                pas["pipeline_scheduler"] = "1f1b_interleaved"
+    elif p.pp > 1 and p.virtual > 1:  # interleaved: autodist plans 1F1B only, hybrid runs the interleaved schedule
         policy = "hybrid"
         pas.update(pipeline_pivots=layer, pipeline_nstages=p.pp * p.virtual, pp_size=p.pp,
                    pipeline_nmicros=est.nmicros, pipeline_scheduler="1f1b_interleaved")
@@ -62,7 +74,7 @@ def trainer_fragment(est: Estimate, spec: ModelSpec, cluster: Cluster) -> dict:
         policy = "megatron" if p.tp > 1 else "dp"
     if p.recompute:
         pas["recompute_modules"] = layer
-    compute = {"plan_ngpus": p.tp * p.pp, "runtime_ngpus": p.tp * p.pp * p.dp, "use_end2end": True,
+    compute = {"plan_ngpus": plan_ngpus, "runtime_ngpus": runtime_ngpus, "use_end2end": True,
                "use_zero": use_zero_value(p.zero), "pas_config": pas}
     if p.zero == 1:
         compute["zero_use_reduce_scatter"] = True
@@ -94,10 +106,10 @@ def result_json(result: SearchResult, spec: ModelSpec, cluster: Cluster, work: W
         out["moe"] = {"experts": spec.experts, "top_k": spec.top_k, "expert_ffn": spec.expert_ffn,
                       "shared_ffn": spec.shared_ffn, "moe_layers": spec.moe_layers, "total_params": spec.total_params,
                       "active_params": spec.active_params, "imbalance": work.moe_imbalance}
-    if best.plan.ep > 1:
-        out["trainer_note"] = (f"the fragment does not map expert parallelism: it runs the experts replicated over "
-                               f"dp (as ep 1), needing more memory than the ep {best.plan.ep} estimate; --ep 1 plans "
-                               f"what it runs")
+    if best.plan.ep > 1 and best.plan.tp > 1:
+        out["trainer_note"] = (f"the fragment does not map expert parallelism with tensor parallelism: it runs the "
+                               f"experts replicated over dp (as ep 1), needing more memory than the ep "
+                               f"{best.plan.ep} estimate; --ep 1 plans what it runs")
     return out
 
 
