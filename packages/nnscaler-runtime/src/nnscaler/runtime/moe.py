@@ -114,14 +114,29 @@ class _ExchangeRows(Function):
 
 
 def _exchange(x: torch.Tensor, send: List[int], recv: List[int], rs) -> torch.Tensor:
+    """`x`'s rows in piece order (`send[j]` for piece j) -> the rows received, in piece order."""
+    if rs.to_group is None:
+        return _exchange_in_group_order(x, send, recv, rs)
+    order = [int(p) for p in rs.to_group]  # group rank g holds piece order[g]
+    out = _exchange_in_group_order(_reorder(x, send, order), [send[p] for p in order], [recv[p] for p in order], rs)
+    back = [order.index(p) for p in range(rs.n)]
+    return _reorder(out, [recv[p] for p in order], back)
+
+
+def _reorder(x: torch.Tensor, sizes: List[int], order: List[int]) -> torch.Tensor:
+    """The chunks of `x` (of `sizes`) concatenated in `order`."""
+    chunks = torch.split(x, sizes)
+    return torch.cat([chunks[i] for i in order]) if chunks else x
+
+
+def _exchange_in_group_order(x: torch.Tensor, send_g: List[int], recv_g: List[int], rs) -> torch.Tensor:
     x = x.contiguous()
     row = tuple(x.shape[1:])
     width = math.prod(row)
-    send_g, recv_g = _group_order(send, rs), _group_order(recv, rs)
     what = f"the expert-parallel all_to_all over ranks {rs.ranks}"
     if not fallbacks.uses_fallback("all_to_all", rs.backend, x.device.type):
         record("all_to_all", x.nbytes)
-        out = x.new_empty((sum(recv),) + row)
+        out = x.new_empty((sum(recv_g),) + row)
         failures.run(dist.all_to_all_single, out, x, recv_g, send_g, group=rs.group, what=what)
         return out
     # fallback: every rank's rows, padded to the longest, gathered; keep what was sent here
@@ -136,14 +151,7 @@ def _exchange(x: torch.Tensor, send: List[int], recv: List[int], rs) -> torch.Te
     for src in range(rs.n):
         start = sum(sizes[src][:me])
         parts.append(every[src, start:start + sizes[src][me]])
-    return torch.cat(parts).reshape((sum(recv),) + row)
-
-
-def _group_order(sizes: List[int], rs) -> List[int]:
-    """Per-piece sizes -> per-group-rank sizes (torch orders a group's ranks ascending)."""
-    if rs.to_group is None:
-        return list(sizes)
-    return [sizes[int(p)] for p in rs.to_group]
+    return torch.cat(parts).reshape((sum(recv_g),) + row)
 
 
 def _all_splits(send_g: List[int], rs, device) -> List[List[int]]:

@@ -1,0 +1,99 @@
+"""nnscaler.runtime.moe.expert_parallel on real gloo processes: on n ranks, each holding 1/n of the
+tokens and of the experts, the outputs and every gradient (tokens, routing weights, expert
+weights and biases) equal `routed_experts` on the whole batch in one process (float64, 1e-12);
+the native all-to-all with variable counts and its all-gather fallback alike, with ranks in any
+order, an expert that receives no token, and a rank that sends none; the payload counted is the
+rows exchanged; `expert_load` records the tokens per expert of the unit. One launch of 4 ranks
+runs every case."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launch import run_workers
+
+TOKENS, HIDDEN, FFN, EXPERTS, K = 12, 6, 5, 4, 2
+
+
+def _problem(seed, skewed=False):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=g, dtype=torch.float64)
+    index = torch.stack([torch.randperm(EXPERTS, generator=g)[:K] for _ in range(TOKENS)])
+    if skewed:  # expert 3 gets nothing; the first tokens all go to experts 0 and 1
+        index = torch.where(index == 3, torch.zeros_like(index), index)
+        index[:, 1] = torch.where(index[:, 0] == index[:, 1], (index[:, 0] + 1) % 3, index[:, 1])
+    weights = torch.rand(TOKENS, K, generator=g, dtype=torch.float64)
+    up = torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=g, dtype=torch.float64) * 0.3
+    down = torch.randn(EXPERTS, HIDDEN, FFN, generator=g, dtype=torch.float64) * 0.3
+    up_bias = torch.randn(EXPERTS, 2 * FFN, generator=g, dtype=torch.float64)
+    down_bias = torch.randn(EXPERTS, HIDDEN, generator=g, dtype=torch.float64)
+    return hidden, index, weights, up, down, up_bias, down_bias
+
+
+SEED_OF_OUT = torch.linspace(-1, 1, TOKENS * HIDDEN, dtype=torch.float64).view(TOKENS, HIDDEN)
+
+
+def _grads(fn, out_weight, hidden, index, weights, up, down, up_bias, down_bias):
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weights, up, down, up_bias, down_bias)]
+    h, w, u, d, ub, db = leaves
+    out = fn(h, index, w, u, d, ub, db)
+    (out * out_weight).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _job(rank, world, cases):
+    import torch.distributed as dist
+    from nnscaler.ir.ops.moe import routed_experts
+    from nnscaler.runtime import comm, moe
+    from nnscaler.runtime.comm import group_for
+    out = {}
+    for label, ranks, seed, skewed, fallback in cases:
+        group_for(sorted(ranks))
+        if rank not in ranks:
+            continue
+        n, piece = len(ranks), ranks.index(rank)
+        problem = _problem(seed, skewed)
+        tok = slice(piece * TOKENS // n, (piece + 1) * TOKENS // n)
+        exp = slice(piece * EXPERTS // n, (piece + 1) * EXPERTS // n)
+        hidden, index, weights, up, down, up_bias, down_bias = problem
+        moe.expert_load().reset()
+
+        def parallel(h, i, w, u, d, ub, db):
+            return moe.expert_parallel(h, i, w, u, d, ub, db, gate="clamped_swiglu", transposed=False, alpha=1.7,
+                                       limit=2.0, ranks=ranks)
+        with (comm.force_fallback("all_to_all") if fallback else _nothing()), comm.count_collectives() as stats:
+            got, grads = _grads(parallel, SEED_OF_OUT[tok], hidden[tok], index[tok], weights[tok], up[exp], down[exp], up_bias[exp],
+                                down_bias[exp])
+        want, want_grads = _grads(lambda h, i, w, u, d, ub, db: routed_experts(
+            h, i, w, u, d, ub, db, gate="clamped_swiglu", alpha=1.7, limit=2.0), SEED_OF_OUT, *problem)
+        pieces = [want[tok], want_grads[0][tok], want_grads[1][tok], want_grads[2][exp], want_grads[3][exp],
+                  want_grads[4][exp], want_grads[5][exp]]
+        diffs = [(a - b).abs().max().item() for a, b in zip([got] + grads, pieces)]
+        name = "all_to_all(fallback)" if fallback else "all_to_all"
+        out[label] = (diffs, stats.calls(name), stats.bytes(name), moe.expert_load().per_call[0].tolist(),
+                      torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist())
+    dist.barrier()
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+CASES = [("native", (0, 1, 2, 3), 1, False, False), ("fallback", (0, 1, 2, 3), 2, False, True),
+         ("reordered-pair", (3, 1), 3, True, False), ("pair-fallback", (0, 2), 4, True, True)]
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_equals_one_process():
+    results = run_workers(_job, 4, CASES, timeout=120)
+    for label, ranks, *_ in CASES:
+        for rank in ranks:
+            diffs, calls, nbytes, load, want_load = results[rank][label]
+            assert max(diffs) <= 1e-12, (label, rank, diffs)
+            assert calls == 4, (label, calls)  # dispatch and combine, forward and backward
+            assert nbytes > 0 and load == want_load, (label, load, want_load)
