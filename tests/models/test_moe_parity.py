@@ -9,7 +9,8 @@ within 1e-10 of single-process training on the global batch.
 - ``ep`` 2 x dp 2 on 4 processes: two units of 2, each with half the global batch. The auxiliary
   loss is then per replica (each unit's batch), so the reference is the mean over the two halves
   of the batch (gradient accumulation in one process: ``reference(halves=True)``).
-- ``ep`` 2 + use_zero=3, and ``ep`` with a pipeline (pp 2 x ep 2).
+- ``ep`` 2 + use_zero=3, ``ep`` with a pipeline (pp 2 x ep 2), and ``ep`` 2 with attention split
+  Megatron-style over the same ranks (``tp_modules``).
 - ``dp`` and ``tp`` on the same models: the experts op splits along the tokens under tp (held to
   the float32 bar, 1e-5 relative: tp also splits HF's float32 router softmax and load-balancing
   sums, whose rounding then depends on the layout).
@@ -27,7 +28,8 @@ TOL = 1e-10
 FP32_TOL = 1e-5  # tp splits the router's float32 softmax and load-balancing sums (HF computes them in float32)
 
 EP2 = [dict(mp.plan("ep2", "ep", 2), model="mixtral"), dict(mp.plan("ep2", "ep", 2), model="qwen2_moe", label="q-ep2"),
-       dict(mp.tp(), model="mixtral", label="m-tp", tol=FP32_TOL), dict(mp.dp(), model="qwen2_moe", label="q-dp")]
+       dict(mp.tp(), model="mixtral", label="m-tp", tol=FP32_TOL), dict(mp.dp(), model="qwen2_moe", label="q-dp"),
+       dict(mp.plan("ep2-attn-tp", "ep", 2, pas_config={"tp_modules": ["*.self_attn"]}), model="mixtral")]
 EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
            dict(mp.plan("ep2-dp2-zero3", "ep", 2, use_zero=3), model="qwen2_moe"),
            dict(mp.plan("pp2-ep2", "ep", 4, use_end2end=True,
@@ -69,6 +71,9 @@ def test_moe_ep2(tmp_path):
         shapes = _expert_shapes(results, label)
         assert shapes and all(local[0] * 2 == full[0] and local[1:] == full[1:] for full, local in shapes.values()), shapes
     assert all(full == local for full, local in _expert_shapes(results, "m-tp").values())
+    attention = {n: (tuple(full), tuple(v.shape)) for n, full, _, v in results[0]["ep2-attn-tp"][1]
+                 if ".self_attn." in n and n.endswith("_proj.weight")}
+    assert len(attention) == 8 and all(full != local for full, local in attention.values()), attention
 
 
 @pytest.mark.multiprocess

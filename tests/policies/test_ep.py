@@ -106,3 +106,29 @@ def test_autodist_sees_the_expert_dimension(tmp_path, monkeypatch):
                                                                   "_profile_repeats": 1}), "autodist")
     ops = [n for n in planned.nodes if n.target == ROUTED_EXPERTS]
     assert all(n.pieces[0].dim == EXPERT_DIM and len(n.pieces) == 2 for n in ops)
+
+
+def test_tp_modules_follow_megatron_inside_them():
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.o_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.o_proj(torch.relu(self.q_proj(x)))
+
+    class Block(TinyMoE):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attn()
+
+        def forward(self, x):
+            return super().forward(self.self_attn(x))
+
+    graph = apply_policy(_graph(Block(), torch.randn(4, 2, 8)),
+                         ComputeConfig(2, 2, pas_config={"tp_modules": ["*self_attn"]}), "ep")
+    dims = {n.module_path: n.pieces[0].dim for n in graph.nodes if n.target.endswith("linear")}
+    assert dims["self_attn.q_proj"] == "n" and dims["self_attn.o_proj"] == "k"  # column, then row parallel
+    assert all(n.pieces[0].dim == EXPERT_DIM for n in graph.nodes if n.target == ROUTED_EXPERTS)
+    with pytest.raises(ConfigError, match=r"pas_config\['tp_modules'\] must be a module path glob"):
+        apply_policy(_graph(Block(), torch.randn(4, 2, 8)), ComputeConfig(2, 2, pas_config={"tp_modules": [3]}), "ep")

@@ -12,27 +12,32 @@ batch. Data parallelism across units (``runtime_ngpus > plan_ngpus``) and ZeRO c
 Pipeline keys (as ``hybrid``, needs ``use_end2end=True``): ``pp_size`` > 1 cuts the model into
 ``pipeline_nstages`` (default ``pp_size``) stages, each on ``plan_ngpus // pp_size`` devices over which
 its experts are split; ``pipeline_nmicros``, ``pipeline_scheduler``, ``pipeline_pivots`` as there.
+
+Tensor parallelism where asked: ``tp_modules`` (module path globs, e.g. ``["*.self_attn"]``) makes
+the ops inside those modules follow Megatron's rule over the same devices (column / row-parallel
+projections by the ``column`` / ``row`` / ``heads`` globs of ``megatron``, defaults included);
+the layouts between them and the token-split ops are converted by the usual adapters.
 """
 from __future__ import annotations
 
+import fnmatch
 from typing import Sequence
 
-from nnscaler.ir import ConfigError
-from nnscaler.ir.layout import Shard
-from nnscaler.ir.ops.moe import EXPERT_DIM, ROUTED_EXPERTS
+from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, ConfigError, Shard
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..pipeline import pivot_leads
 from ..registry import register_policy
-from ._spread import split_activation_batch_or_replicate
-from .hybrid import COMMON_KEYS as PIPELINE_KEYS, _common, _int, _pipeline
+from ._spread import split_activation_batch_or_replicate, split_over_unit
+from .megatron import megatron_dim, megatron_globs, note_split
+from .hybrid import COMMON_KEYS as PIPELINE_KEYS, _int, _pipeline, _scheduler
 
 __all__ = ["ep", "split_experts"]
 
 _EXPERT_HINTS = ("expert", "moe")
 
 
-@register_policy("ep", keys=PIPELINE_KEYS, pipelines=True)
+@register_policy("ep", keys=PIPELINE_KEYS | {"tp_modules", "column", "row", "heads"}, pipelines=True)
 def ep(graph, cfg):
     pas = dict(cfg.pas_config or {})
     ngpus = cfg.plan_ngpus
@@ -43,17 +48,42 @@ def ep(graph, cfg):
     if ngpus % pp_size:
         raise ConfigError(f"pas_policy 'ep': plan_ngpus ({ngpus}) must be a multiple of pp_size ({pp_size})")
     if pp_size > 1:
-        pas_, nmicros, scheduler = _common("ep", cfg)
-        nstages = _int("pipeline_nstages", pas_.get("pipeline_nstages", pp_size))
-        pivots = pas_.get("pipeline_pivots")
+        if not cfg.use_end2end:
+            raise ConfigError("pas_policy 'ep' with pp_size > 1 pipelines the whole model and needs "
+                              "ComputeConfig(use_end2end=True) (train_step runs the micro-batches)")
+        if "pipeline_nmicros" not in pas:
+            raise ConfigError("pas_policy 'ep' with pp_size > 1 needs pas_config['pipeline_nmicros'] (micro-batches "
+                              "per step)")
+        nmicros, scheduler = _int("pipeline_nmicros", pas["pipeline_nmicros"]), _scheduler("ep", cfg, pas)
+        nstages = _int("pipeline_nstages", pas.get("pipeline_nstages", pp_size))
+        pivots = pas.get("pipeline_pivots")
         _pipeline(graph, cfg, nstages, pp_size, nmicros, scheduler, pivot_leads(graph, pivots) if pivots else None)
+    tp_modules = _globs("tp_modules", pas.get("tp_modules", ()))
+    globs, split_on = megatron_globs(pas), {}
     for node in graph.nodes:
         devices = graph.pipeline.home_devices(node.stage) if graph.pipeline is not None else tuple(range(ngpus))
+        tp_dim = megatron_dim(graph, node, len(devices), globs, split_on) \
+            if len(devices) > 1 and _inside(node.module_path, tp_modules) else None
         if node.target == ROUTED_EXPERTS and len(devices) > 1:
             split_experts(graph, node, devices)
+        elif tp_dim is not None:
+            split_over_unit(graph, node, tp_dim, len(devices), devices)
+            note_split(graph, node, split_on)
         else:
             split_activation_batch_or_replicate(graph, node, devices)
     return graph
+
+
+def _globs(key: str, value) -> tuple:
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, (list, tuple)) or not all(isinstance(g, str) and g for g in value):
+        raise ConfigError(f"pas_config[{key!r}] must be a module path glob or a list of them (e.g. "
+                          f"['*.self_attn']), got {value!r}")
+    return tuple(value)
+
+
+def _inside(path: str, globs) -> bool:
+    return any(fnmatch.fnmatchcase(path, g) or fnmatch.fnmatchcase(path, g + ".*") for g in globs)
 
 
 def split_experts(graph, node, devices: Sequence[int]) -> None:

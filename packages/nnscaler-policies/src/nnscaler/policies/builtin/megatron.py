@@ -26,7 +26,8 @@ from ..registry import register_policy
 from ._nothing_split import PolicyWarning
 from ._spread import dim_of_input_axis, replicate_over_unit, split_over_unit, splittable
 
-__all__ = ["COLUMN", "ROW", "HEADS", "MegatronPatternWarning", "megatron_policy"]
+__all__ = ["COLUMN", "ROW", "HEADS", "MegatronPatternWarning", "megatron_policy", "megatron_dim", "megatron_globs",
+           "note_split"]
 
 COLUMN = (
     "*.q_proj", "*.k_proj", "*.v_proj", "*.c_fc",  # example GPT, GPT-2 MLP, Llama attention
@@ -63,33 +64,53 @@ def _matches(path: str, globs) -> bool:
 def megatron_policy(graph, compute_config):
     n = compute_config.plan_ngpus
     pas = compute_config.pas_config
-    column, row, heads = (tuple(pas.get(key, default)) for key, default in
-                          (("column", COLUMN), ("row", ROW), ("heads", HEADS)))
+    globs = megatron_globs(pas)
     split_on = {}  # value id -> axis it is split along
     projections = 0
     for node in graph.nodes:
-        dim = None
-        projection = node.short_name in _PROJECTIONS and node.target.startswith(("torch.",))
-        if n > 1 and projection and _matches(node.module_path, column):
-            dim = "n"
-        elif n > 1 and projection and _matches(node.module_path, row):
-            dim = "k"
-        elif n > 1:
-            dim = _follow(graph, node, split_on, n)
-            if dim is None and _matches(node.module_path, heads):
-                dim = _heads_dim(graph, node, n)
-        if dim is not None and dim in splittable(graph, node, n):
+        dim = megatron_dim(graph, node, n, globs, split_on) if n > 1 else None
+        if dim is not None:
             split_over_unit(graph, node, dim, n)
-            projections += projection and dim in ("n", "k")
-            for ref, place in zip([r for r in node.output_refs() if graph.value(r).is_tensor],
-                                  node.pieces[0].outputs):
-                if getattr(place, "dim", None) is not None:
-                    split_on[ref.id] = place.dim
+            projections += _is_projection(node) and dim in ("n", "k")
+            note_split(graph, node, split_on)
         else:
             replicate_over_unit(graph, node, n)
     if n > 1:
-        _warn_unmatched(graph, pas, column, row, heads, projections)
+        _warn_unmatched(graph, pas, *globs, projections)
     return graph
+
+
+def megatron_globs(pas) -> tuple:
+    """(column, row, heads) module globs: ``pas_config``'s, else the defaults."""
+    return tuple(tuple(pas.get(key, default)) for key, default in (("column", COLUMN), ("row", ROW), ("heads", HEADS)))
+
+
+def _is_projection(node) -> bool:
+    return node.short_name in _PROJECTIONS and node.target.startswith(("torch.",))
+
+
+def megatron_dim(graph, node, n, globs, split_on):
+    """The dim Megatron's rule splits `node` along over `n` devices (None: replicate it):
+    column / row projections by module glob, other ops follow an input already split (`split_on`:
+    value id -> axis), a view to heads in a `heads` module splits the heads."""
+    column, row, heads = globs
+    projection = _is_projection(node)
+    if projection and _matches(node.module_path, column):
+        dim = "n"
+    elif projection and _matches(node.module_path, row):
+        dim = "k"
+    else:
+        dim = _follow(graph, node, split_on, n)
+        if dim is None and _matches(node.module_path, heads):
+            dim = _heads_dim(graph, node, n)
+    return dim if dim is not None and dim in splittable(graph, node, n) else None
+
+
+def note_split(graph, node, split_on) -> None:
+    """Record along which axis each output of the (split) `node` is split, for `megatron_dim`."""
+    for ref, place in zip([r for r in node.output_refs() if graph.value(r).is_tensor], node.pieces[0].outputs):
+        if getattr(place, "dim", None) is not None:
+            split_on[ref.id] = place.dim
 
 
 def _follow(graph, node, split_on, n):
