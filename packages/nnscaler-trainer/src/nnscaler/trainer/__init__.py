@@ -13,11 +13,12 @@ from .config import (CheckpointConfig, DataloaderConfig, DatasetConfig, DatasetS
 from .errors import TrainerConfigError, TrainerConfigWarning, TrainerError
 from .hooks import TrainHook
 from .loggers import LoggerBase, TensorBoardLogger, WandbLogger
-from .metrics import TrainStepMetrics, ValMetrics
+from .metrics import MoEMetrics, TrainStepMetrics, ValMetrics
+from .moe import MoEModel
 from .trainer import Trainer
 
 __all__ = ["AggregatedOutputs", "CheckpointConfig", "DataloaderConfig", "DatasetConfig", "DatasetSamplerConfig",
            "HookConfig", "HookMapConfig", "LogConfig", "LoggerBase", "LRSchedulerConfig", "ModelConfig",
-           "ModuleParallelizeConfig", "OptimizerConfig", "OptionalComputeConfig", "TensorBoardLogger", "Trainer",
+           "ModuleParallelizeConfig", "MoEMetrics", "MoEModel", "OptimizerConfig", "OptionalComputeConfig", "TensorBoardLogger", "Trainer",
            "TrainerArgs", "TrainerConfigError", "TrainerConfigWarning", "TrainerError", "TrainHook",
            "TrainStepMetrics", "ValMetrics", "WandbLogger"]

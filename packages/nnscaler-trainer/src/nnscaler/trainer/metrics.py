@@ -4,7 +4,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-__all__ = ["TrainStepMetrics", "ValMetrics"]
+__all__ = ["MoEMetrics", "TrainStepMetrics", "ValMetrics"]
+
+
+@dataclass
+class MoEMetrics:
+    """A mixture-of-experts step (`nnscaler.trainer.moe`); a value is None when the run has none."""
+
+    # the router's auxiliary (load-balancing) loss before router_aux_loss_coef: the mean over the
+    # micro-batches of all replicas (each computed over its whole micro-batch, as the plan runs it)
+    aux_loss: Optional[float] = None
+    # the busiest expert's tokens over the mean tokens per expert (1.0: balanced), averaged over the
+    # expert-parallel layer calls of the step and the ranks; None without expert parallelism
+    expert_imbalance: Optional[float] = None
+
+    def scalars(self) -> Dict[str, float]:
+        out = {"aux_loss": self.aux_loss, "expert_imbalance": self.expert_imbalance}
+        return {k: float(v) for k, v in out.items() if v is not None}
 
 
 @dataclass
@@ -20,6 +36,7 @@ class TrainStepMetrics:
     tokens_per_s: Optional[float] = None
     step_time_s: Optional[float] = None
     memory_mb: Optional[float] = None
+    moe: Optional[MoEMetrics] = None  # mixture-of-experts models: aux_loss, expert_imbalance
     extra: Dict[str, Any] = field(default_factory=dict)  # anything a hook adds; logged too
 
     def scalars(self) -> Dict[str, float]:
@@ -27,6 +44,8 @@ class TrainStepMetrics:
         out = {"loss": self.train_loss, "lr": self.lr, "gnorm": self.gnorm, "samples_per_s": self.samples_per_s,
                "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s, "memory_mb": self.memory_mb,
                "epoch": self.epoch}
+        if self.moe is not None:
+            out.update(self.moe.scalars())
         out.update(self.extra)
         return {k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 

@@ -29,6 +29,7 @@ from .errors import TrainerError
 from .hooks import HookChain, TrainHook
 from .loggers.console import ConsoleReporter
 from .metrics import TrainStepMetrics, ValMetrics
+from .moe import MoEMeter
 from .preemption import PreemptionWatch
 from .prechecks import check_paths
 from .state import TrainState
@@ -53,6 +54,7 @@ class Trainer:
         self._owns_group = False
         self.aggregate_outputs_fn = None
         self._val_step: Optional[int] = None
+        self._moe: Optional[MoEMeter] = None  # mixture-of-experts models: aux loss, expert load
 
     # -- entry points ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -135,6 +137,7 @@ class Trainer:
             self.model = build.parallelize_model(args, original, build.dummy_batch(args, self.train_dataset), True)
             self.model = self.precision.setup_module(self.model)
         self.model.train()
+        self._moe = MoEMeter.for_run(args, original)
         self.optimizer = build.build_trainer_optimizer(args, self.model, self.precision)
         self.lr_scheduler = build.build_lr_scheduler(args, self.optimizer)
         if args.optimizer.aggregate_outputs_fn:
@@ -275,11 +278,15 @@ class Trainer:
 
     def _train_step(self, epoch: int, idx: int, batches: List[Any]) -> Tuple[TrainStepMetrics, Any]:
         """on_step_start, one optimizer step (`step.train_step`, with its hooks), the counters;
-        returns the step's metrics (the LR it used) and aggregated outputs."""
+        returns the step's metrics (the LR it used; a mixture-of-experts model's aux loss and expert
+        load) and aggregated outputs."""
         self.hooks.on_step_start(self, epoch, idx)
+        if self._moe is not None:
+            self._moe.begin()
         start = time.perf_counter()
-        _, agg, loss, gnorm = train_step(self, batches)
+        outputs, agg, loss, gnorm = train_step(self, batches)
         elapsed = time.perf_counter() - start
+        moe = self._moe.end(outputs) if self._moe is not None else None  # collective
         self.state.step += 1
         self.state.idx_in_epoch = idx + 1
         self.state.samples_in_epoch = samples_in_epoch(idx + 1, self.train_args.resolved_global_batch_size)
@@ -289,7 +296,7 @@ class Trainer:
         metrics = TrainStepMetrics(epoch=epoch, step=self.state.step, train_loss=loss, lr=lr, gnorm=gnorm,
                                    samples_per_s=samples / elapsed if elapsed > 0 else None,
                                    tokens_per_s=tokens / elapsed if tokens and elapsed > 0 else None,
-                                   step_time_s=elapsed, memory_mb=_memory_mb())
+                                   step_time_s=elapsed, memory_mb=_memory_mb(), moe=moe)
         return metrics, agg
 
     def _lr_step(self, interval: str) -> None:

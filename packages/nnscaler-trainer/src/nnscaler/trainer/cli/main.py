@@ -4,10 +4,13 @@ processes started through torch's own launcher, ``torch.distributed.run``, which
 up to ``--max_restarts N`` times after a failure).
 
 Exit codes: 0 finished (or stopped by a preemption signal the workers received: they committed a
-checkpoint), 1 failed, 2 a bad config, `PREEMPTED_EXIT` (143) the launcher itself received SIGTERM
-(it forwards it; the workers finish their step, commit a checkpoint and exit)."""
+checkpoint), 1 failed, 2 a bad config (found before any worker starts, or a setting the engine
+refuses in the workers: a policy's `PlanError`, a `ConfigError`; rank 0 prints it, one line),
+`PREEMPTED_EXIT` (143) the launcher itself received SIGTERM (it forwards it; the workers finish
+their step, commit a checkpoint and exit)."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -33,6 +36,7 @@ def _launch(nproc: int, argv: List[str], max_restarts: int = 0) -> int:
             *argv]
     threads = max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # each rank: cores // ranks threads
+    agent_log = _AgentLog(logging.getLogger("torch.distributed.elastic.multiprocessing.api"))
     try:
         torchrun.main(args)
     except SignalException as e:  # the agent forwarded it and waited for the workers
@@ -43,10 +47,94 @@ def _launch(nproc: int, argv: List[str], max_restarts: int = 0) -> int:
               file=sys.stderr)
         return PREEMPTED_EXIT if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
     except Exception as e:  # the workers' failure; their own output said why
+        first = e.get_first_failure()[1] if hasattr(e, "get_first_failure") else None
+        if getattr(first, "exitcode", None) == CONFIG_EXIT:  # a bad setting: rank 0 printed it, one line
+            agent_log.close(emit=False)
+            return CONFIG_EXIT
         print(f"nnscaler: training failed on a worker process ({type(e).__name__}); see the worker output above",
               file=sys.stderr)
         return 1
+    finally:
+        agent_log.close(emit=True)
     return 0
+
+
+CONFIG_EXIT = 2
+
+
+class _AgentLog(logging.Filter):
+    """On torch's agent logger while the workers run: when a worker exits on a bad setting
+    (exit code `CONFIG_EXIT`, its one-line error printed), the agent's records of it (the
+    'Sending process N closing signal' warnings to the other workers, then 'failed (exitcode: 2)')
+    are dropped; every other record passes, the warnings held only until the agent's next record."""
+
+    def __init__(self, logger: logging.Logger):
+        super().__init__()
+        self.logger, self.held, self.replaying = logger, [], False
+        logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.replaying:
+            return True
+        message = record.getMessage()
+        if message.startswith("Sending process "):
+            self.held.append(record)
+            return False
+        self._release(emit=not message.startswith(f"failed (exitcode: {CONFIG_EXIT})"))
+        return not message.startswith(f"failed (exitcode: {CONFIG_EXIT})")
+
+    def _release(self, emit: bool) -> None:
+        held, self.held = self.held, []
+        if emit:
+            self.replaying = True
+            try:
+                for record in held:
+                    self.logger.handle(record)
+            finally:
+                self.replaying = False
+
+    def close(self, emit: bool) -> None:
+        self._release(emit)
+        self.logger.removeFilter(self)
+_RELAYED = "rank 0 failed to generate code: "  # GenerationError: rank 0's failure, raised on the other ranks
+
+
+def _config_errors() -> tuple:
+    """The kinds of a bad setting: the Trainer's own, and what the engine refuses (ConfigError, a
+    policy's PlanError)."""
+    from nnscaler.ir import ConfigError
+    from nnscaler.policies import PlanError
+    return TrainerConfigError, ConfigError, PlanError
+
+
+def _config_error(e: BaseException) -> bool:
+    return isinstance(e, _config_errors())
+
+
+def _config_error_name(name: str) -> bool:
+    """Whether `name` is the class name of a bad-setting error (or of a subclass imported here)."""
+    kinds, seen = list(_config_errors()), set()
+    while kinds:
+        kind = kinds.pop()
+        if kind not in seen:
+            seen.add(kind)
+            kinds.extend(kind.__subclasses__())
+    return name in {k.__name__ for k in seen}
+
+
+def _report(e: NnScalerError) -> int:
+    """Print a worker's (or the single process's) error, one line; returns the exit code. A
+    TrainerConfigError (every rank raises it) and rank 0's generation failure (the other ranks
+    raise it too, as a GenerationError) are printed by rank 0 only."""
+    rank = os.environ.get("RANK")
+    text = str(e)
+    if rank not in (None, "0") and text.startswith(_RELAYED):  # rank 0 printed the cause; its name
+        name = text[len(_RELAYED):].split(":", 1)[0]             # says whether it was a bad setting
+        return CONFIG_EXIT if _config_error_name(name) else 1
+    if rank in (None, "0") or not isinstance(e, TrainerConfigError):
+        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+        print(f"{prefix}error: {text}", file=sys.stderr)
+    return CONFIG_EXIT if _config_error(e) else 1
 
 
 def _without_option(argv: List[str], name: str) -> List[str]:
@@ -134,8 +222,4 @@ def main(argv: Optional[List[str]] = None, run_mode: Optional[str] = None) -> in
         Trainer(train_args=args).run()
         return 0
     except NnScalerError as e:
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        if rank in (None, "0") or not isinstance(e, TrainerConfigError):
-            print(f"{prefix}error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, TrainerConfigError) else 1
+        return _report(e)

@@ -148,6 +148,9 @@ def _check_model(args) -> None:
         if not isinstance(cls, type):
             raise TrainerConfigError("model.type", f"must be a class (an nn.Module subclass), not a factory "
                                                    f"function: {model.type!r}")
+        check = getattr(cls, "validate_trainer_args", None)
+        if callable(check):  # the model class's own rules (e.g. hf.CausalLM's config), before any worker
+            check(args)
     if args.tracing_from_weights is None and any(pm.tracing_from_weights_prefix for pm in model.parallel_modules):
         i = next(i for i, pm in enumerate(model.parallel_modules) if pm.tracing_from_weights_prefix)
         raise TrainerConfigError(f"model.parallel_modules.{i}.tracing_from_weights_prefix",

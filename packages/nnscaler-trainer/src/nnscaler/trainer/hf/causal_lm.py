@@ -6,13 +6,23 @@ of ``{input_ids, attention_mask?, labels?}``; labels default to the inputs with 
 every checkpoint (config.json, the ``model.`` prefix, the tied names, the tokenizer's files on
 rank 0), from which ``nnscaler ckpt merge SRC DST --hf`` writes a ``from_pretrained`` directory.
 Nothing is downloaded: paths are local.
+
+Mixture-of-experts configs (experts in ``num_local_experts`` / ``num_experts`` /
+``n_routed_experts``, ``num_experts_per_tok`` routed per token): when the architecture returns
+router logits, forward asks for them and returns ``(loss, aux_loss)``: the loss is transformers'
+own with labels, the next-token loss plus ``router_aux_loss_coef * aux_loss`` (the router's
+load-balancing loss); the Trainer logs ``aux_loss`` (`nnscaler.trainer.MoEModel`). The config is
+checked before any worker starts (`CausalLM.validate_trainer_args`): top-k against the experts,
+and under ``pas_policy: ep`` experts present and divisible by the expert-parallel size.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import tempfile
-from typing import Any, Dict, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -20,8 +30,9 @@ from nnscaler.ckpt import HF_EXTRA_KEY, HFRecord
 
 from ..errors import TrainerConfigError
 from ..hooks import TrainHook
+from ..moe import MoEModel
 
-__all__ = ["CausalLM", "import_transformers", "tokenizer_files"]
+__all__ = ["CausalLM", "Experts", "experts_of", "import_transformers", "load_hf_config", "tokenizer_files"]
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -60,42 +71,133 @@ def tokenizer_files(path: str, key: str) -> Dict[str, bytes]:
                 if os.path.isfile(os.path.join(tmp, n))}
 
 
-def _read_generation_config(config: str, from_pretrained: Optional[str]) -> Optional[str]:
+def load_hf_config(config: Union[str, Mapping[str, Any]], key: str = "model.args.config"):
+    """The transformers config `config` names: a config.json file, a local directory holding one,
+    or a mapping of config.json's fields (``model_type`` required)."""
+    transformers = import_transformers("model.type")
+    if isinstance(config, Mapping):
+        fields = dict(config)
+        model_type = fields.pop("model_type", None)
+        if not isinstance(model_type, str):
+            raise TrainerConfigError(key, "a config given as a mapping needs model_type (e.g. mixtral, llama): the "
+                                          "fields of a config.json")
+        try:
+            return transformers.AutoConfig.for_model(model_type, **fields)
+        except (ValueError, TypeError, KeyError) as e:
+            raise TrainerConfigError(key, f"transformers cannot build a {model_type!r} config from the mapping: "
+                                          f"{e}") from None
+    if not isinstance(config, str) or (not os.path.isfile(config) and not os.path.isfile(os.path.join(config, CONFIG))):
+        raise TrainerConfigError(key, f"{config!r} is neither a config.json file nor a directory holding one "
+                                      f"(resolved from {os.getcwd()}): give a local path (nothing is downloaded) or "
+                                      f"the config's fields as a mapping")
+    try:
+        return transformers.AutoConfig.from_pretrained(config)
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainerConfigError(key, f"transformers cannot read {config!r}: {e}") from None
+
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts config's routing: `count` experts per layer (in the config field
+    `key`), `top_k` (``num_experts_per_tok``) of them per token."""
+
+    count: int
+    top_k: Optional[int]
+    key: str
+
+
+def experts_of(hf_config) -> Optional[Experts]:
+    """The routed experts of a transformers config; None for a dense model."""
+    for key in EXPERT_KEYS:
+        count = getattr(hf_config, key, None)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            top_k = getattr(hf_config, "num_experts_per_tok", None)
+            return Experts(count, top_k if isinstance(top_k, int) else None, key)
+    return None
+
+
+def check_experts(hf_config, key: str = "model.args.config") -> Optional[Experts]:
+    """`experts_of`, with num_experts_per_tok checked against the experts (a TrainerConfigError
+    naming the values and the fix)."""
+    experts = experts_of(hf_config)
+    if experts is not None and experts.top_k is not None and not 1 <= experts.top_k <= experts.count:
+        raise TrainerConfigError(key, f"num_experts_per_tok is {experts.top_k} but the model has {experts.count} "
+                                      f"experts ({experts.key}): each token is routed to num_experts_per_tok of "
+                                      f"them, so set it between 1 and {experts.count} (or raise {experts.key})")
+    return experts
+
+
+def _check_ep(args, hf_config, experts: Optional[Experts]) -> None:
+    """Under ``pas_policy: ep``: experts present and divisible by the expert-parallel size (the
+    policy's own refusals, said before any worker starts)."""
+    from nnscaler.policies import resolve_policy
+    if resolve_policy(args.pas_policy).name != "ep":
+        return
+    if experts is None:
+        raise TrainerConfigError("pas_policy", f"'ep' splits the experts of mixture-of-experts layers, but the "
+                                               f"{getattr(hf_config, 'model_type', '?')!r} model of model.args.config "
+                                               f"has none (no {' / '.join(EXPERT_KEYS)}): use dp, tp or another "
+                                               f"policy for a dense model, or give a mixture-of-experts config")
+    cc = args.compute_config
+    pp = (cc.pas_config or {}).get("pp_size", 1)
+    pp = pp if isinstance(pp, int) and pp > 0 else 1
+    ep = cc.plan_ngpus // pp
+    if ep > 1 and experts.count % ep:
+        sizes = [n for n in range(2, experts.count + 1) if experts.count % n == 0][:4]
+        how = f"plan_ngpus {' or '.join(str(n * pp) for n in sizes)}" if sizes else "another plan"
+        raise TrainerConfigError("compute_config.plan_ngpus",
+                                 f"is {cc.plan_ngpus}: pas_policy 'ep' splits each layer's {experts.count} experts "
+                                 f"({experts.key}) over the expert-parallel size {ep} (plan_ngpus"
+                                 f"{f' / pp_size {pp}' if pp > 1 else ''}), which does not divide {experts.count}: "
+                                 f"use {how} (an expert-parallel size dividing {experts.count}; runtime_ngpus a "
+                                 f"multiple of plan_ngpus), or a model whose expert count {ep} divides")
+
+
+def _routes_aux_loss(model_class, hf_config) -> bool:
+    """The architecture returns router logits and adds router_aux_loss_coef * aux_loss to its loss."""
+    return (hasattr(hf_config, "router_aux_loss_coef")
+            and "output_router_logits" in inspect.signature(model_class.forward).parameters)
+
+
+def _read_generation_config(config: Union[str, Mapping[str, Any]],
+                            from_pretrained: Optional[str]) -> Optional[str]:
     """generation_config.json of the weights' directory, else of the config's; None if neither has one."""
-    for folder in (from_pretrained, config if os.path.isdir(config) else None):
+    for folder in (from_pretrained, config if isinstance(config, str) and os.path.isdir(config) else None):
         if folder is not None and os.path.isfile(os.path.join(folder, GENERATION_CONFIG)):
             with open(os.path.join(folder, GENERATION_CONFIG), encoding="utf-8") as f:
                 return f.read()
     return None
 
 
-class CausalLM(torch.nn.Module, TrainHook):
+class CausalLM(torch.nn.Module, TrainHook, MoEModel):
     """``model.type: nnscaler.trainer.hf.CausalLM``.
 
-    `config`: a config.json file or a local model directory holding one; `from_pretrained`: a
+    `config`: a config.json file, a local model directory holding one, or config.json's fields as a
+    mapping (``{model_type: mixtral, hidden_size: 64, ...}``); `from_pretrained`: a
     local directory whose weights are loaded (else the weights are initialized from the seed);
     `dtype`: the parameters' dtype (``float32`` default, ``bfloat16``, ``float16``, ``float64``);
     `attn_implementation`: transformers' (``sdpa``, ``eager``; None: its default); `tokenizer`: a
     local tokenizer directory copied along by ``merge --hf`` (default: the training dataset's
-    ``tokenizer`` when it is a `TokenizedText`). The transformers model is ``self.model``."""
+    ``tokenizer`` when it is a `TokenizedText`). The transformers model is ``self.model``.
 
-    def __init__(self, config: str, from_pretrained: Optional[str] = None, dtype: str = "float32",
-                 attn_implementation: Optional[str] = None, tokenizer: Optional[str] = None):
+    A mixture-of-experts model whose architecture returns router logits (Mixtral, Qwen2/3-MoE,
+    OLMoE, gpt-oss, ...) returns ``(loss, aux_loss)``: `aux_loss_output` is 1 (see the module
+    docstring); `experts` is its `Experts` (None for a dense model)."""
+
+    def __init__(self, config: Union[str, Mapping[str, Any]], from_pretrained: Optional[str] = None,
+                 dtype: str = "float32", attn_implementation: Optional[str] = None, tokenizer: Optional[str] = None):
         super().__init__()
         transformers = import_transformers("model.type")
         if dtype not in _DTYPES:
             raise TrainerConfigError("model.args.dtype", f"{dtype!r} is not one of {', '.join(_DTYPES)}")
         torch_dtype = getattr(torch, dtype)
-        if not os.path.isfile(config) and not os.path.isfile(os.path.join(config, CONFIG)):
-            raise TrainerConfigError("model.args.config", f"{config!r} is neither a config.json file nor a directory "
-                                     f"holding one (resolved from {os.getcwd()}): give a local path (nothing is "
-                                     f"downloaded)")
+        hf_config = load_hf_config(config)
         from_pretrained = _local_dir(from_pretrained, "model.args.from_pretrained", "model")
         self.tokenizer = _local_dir(tokenizer, "model.args.tokenizer", "tokenizer")
-        try:
-            hf_config = transformers.AutoConfig.from_pretrained(config)
-        except (OSError, ValueError, KeyError) as e:
-            raise TrainerConfigError("model.args.config", f"transformers cannot read {config!r}: {e}") from None
+        self.experts = check_experts(hf_config)
         kwargs: Dict[str, Any] = {}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
@@ -119,14 +221,33 @@ class CausalLM(torch.nn.Module, TrainHook):
         tied = getattr(self.model, "all_tied_weights_keys", None) or getattr(self.model, "_tied_weights_keys", None)
         self._tied = tuple(sorted(tied or ()))
         self._tokenizer_files: Optional[Dict[str, bytes]] = None
+        self.aux_loss_output = 1 if self.experts is not None and _routes_aux_loss(type(self.model), hf_config) else None
 
-    def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    @classmethod
+    def validate_trainer_args(cls, args) -> None:
+        """Before any worker starts (`TrainerArgs.validate`): the config loads, num_experts_per_tok
+        fits the experts, and under ``pas_policy: ep`` the model has experts that split over the
+        expert-parallel size (plan_ngpus / pp_size). Raises TrainerConfigError."""
+        from ..config.values import build_args
+        config = build_args(args.model.args, "model.args").get("config")
+        if config is None:
+            return  # instantiate() names the missing argument
+        hf_config = load_hf_config(config)
+        experts = check_experts(hf_config)
+        if not args.uses_parallel_modules:
+            _check_ep(args, hf_config, experts)
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         input_ids = batch["input_ids"]
         mask = batch.get("attention_mask")
         labels = batch.get("labels")
         if labels is None:
             labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, -100)
-        return self.model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        if self.aux_loss_output is None:
+            return self.model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        # transformers adds router_aux_loss_coef * aux_loss to the loss when labels are given
+        out = self.model(input_ids=input_ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        return out.loss, out.aux_loss.detach()
 
     def hf_record(self, trainer=None, with_tokenizer: bool = True) -> HFRecord:
         """What ``merge --hf`` needs (`nnscaler.ckpt.HFRecord`); the tokenizer is `tokenizer`, or

@@ -8,9 +8,15 @@ __all__ = ["ConsoleReporter", "format_train_line", "format_val_line"]
 
 
 def format_train_line(m, total_steps: Optional[int]) -> str:
-    """``epoch 0 step 3/20 | loss 2.3456 | lr 1.00e-03 | gnorm 0.812 | 812.3 samples/s | ...``"""
-    parts = [f"epoch {m.epoch} step {m.step}{f'/{total_steps}' if total_steps else ''}",
-             f"loss {m.train_loss:.4f}", f"lr {m.lr:.2e}"]
+    """``epoch 0 step 3/20 | loss 2.3456 | lr 1.00e-03 | gnorm 0.812 | 812.3 samples/s | ...``; a
+    mixture-of-experts model adds ``aux_loss 2.0154 | expert_imbalance 1.32`` after the loss."""
+    parts = [f"epoch {m.epoch} step {m.step}{f'/{total_steps}' if total_steps else ''}", f"loss {m.train_loss:.4f}"]
+    moe = getattr(m, "moe", None)
+    if moe is not None and moe.aux_loss is not None:
+        parts.append(f"aux_loss {moe.aux_loss:.4f}")
+    if moe is not None and moe.expert_imbalance is not None:
+        parts.append(f"expert_imbalance {moe.expert_imbalance:.2f}")
+    parts.append(f"lr {m.lr:.2e}")
     if m.gnorm is not None:
         parts.append(f"gnorm {m.gnorm:.3f}")
     if m.samples_per_s is not None:

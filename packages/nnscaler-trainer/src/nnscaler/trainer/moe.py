@@ -1,0 +1,86 @@
+"""Mixture-of-experts numbers of a training step: the router's auxiliary loss and the experts' load.
+
+- `MoEModel`: a model class says which output of its forward is the router's auxiliary loss
+  (``aux_loss_output``; `nnscaler.trainer.hf.CausalLM` sets it for MoE configs);
+- `MoEMeter`: per step, the mean of that output over the micro-batches of all replicas, and the
+  expert load of the expert-parallel forwards (``nnscaler.runtime.moe.expert_load()``: the busiest
+  expert's tokens over the mean, averaged over layers and micro-batches, then over ranks), reset
+  every step; one all-reduce of four numbers. The Trainer puts them in
+  ``TrainStepMetrics.moe`` (`MoEMetrics`), hence in the console line and the loggers.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .metrics import MoEMetrics
+
+__all__ = ["MoEModel", "MoEMeter"]
+
+
+class MoEModel:
+    """Mixin of an end2end mixture-of-experts model: its forward returns a tuple whose output
+    `aux_loss_output` (an index, e.g. 1 for ``(loss, aux_loss)``) is the router's auxiliary
+    loss, a scalar; the Trainer logs it as ``aux_loss``. None: the model returns none (the expert
+    load is logged all the same under ``pas_policy: ep``)."""
+
+    aux_loss_output: Optional[int] = None
+
+
+def _uses_ep(args) -> bool:
+    from nnscaler.policies import resolve_policy
+    if args.uses_parallel_modules:
+        policies = [pm.pas_policy or args.pas_policy for pm in args.model.parallel_modules]
+    else:
+        policies = [args.pas_policy]
+    return any(resolve_policy(p).name == "ep" for p in policies)
+
+
+class MoEMeter:
+    """One step's `MoEMetrics` on every rank (`end` is collective over all ranks)."""
+
+    def __init__(self, aux_loss_output: Optional[int]):
+        self.aux_loss_output = aux_loss_output
+
+    @classmethod
+    def for_run(cls, args, model: torch.nn.Module) -> Optional["MoEMeter"]:
+        """A meter when the model returns an auxiliary loss or a policy is ``ep``, else None
+        (the same answer on every rank: it decides whether `end` communicates)."""
+        index = model.aux_loss_output if isinstance(model, MoEModel) else None
+        if index is None and not _uses_ep(args):
+            return None
+        return cls(index)
+
+    def begin(self) -> None:
+        """Forget the expert load recorded so far (e.g. by validation)."""
+        _expert_load().reset()
+
+    def end(self, outputs: List[Any]) -> MoEMetrics:
+        """The step's metrics from its micro-batch outputs and the load recorded since `begin`."""
+        index = self.aux_loss_output
+        aux = [float(out[index]) for out in outputs  # (pipelines: only the last stage holds outputs)
+               if index is not None and isinstance(out, (tuple, list)) and len(out) > index and out[index] is not None]
+        load = _expert_load()
+        routed = any(float(c.sum()) > 0 for c in load.per_call)
+        imbalance = load.imbalance() if routed else 0.0
+        load.reset()
+        stats = torch.tensor([sum(aux), len(aux), imbalance, 1.0 if routed else 0.0], dtype=torch.float64)
+        stats = _all_reduce_sum(stats)
+        return MoEMetrics(aux_loss=float(stats[0] / stats[1]) if stats[1] else None,
+                          expert_imbalance=float(stats[2] / stats[3]) if stats[3] else None)
+
+
+def _expert_load():
+    from nnscaler.runtime import moe
+    return moe.expert_load()
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = t.to(device)
+    dist.all_reduce(t)
+    return t.cpu()
