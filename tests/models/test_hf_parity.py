@@ -71,14 +71,16 @@ def _cases(model):
     return [dict(case, model=case.get("model", model)) for case in CASES[model]]
 
 
-def _check(results, cases):
+def _check(results, cases, halves_for=()):
+    """Every case's losses and assembled parameters against one process on the global batch (for
+    labels in `halves_for`: gradient accumulation over its two halves, `reference(halves=True)`)."""
     refs = {}
     for case in cases:
         label, tol = case["label"], case.get("tol", TOL)
-        pad = case["pad"]
-        key = (case["model"], case["train"], tuple(pad) if isinstance(pad, list) else pad)
+        pad, halves = case["pad"], case["label"] in halves_for
+        key = (case["model"], case["train"], tuple(pad) if isinstance(pad, list) else pad, halves)
         if key not in refs:
-            refs[key] = mp.reference(case["model"], train=case["train"], pad=pad)
+            refs[key] = mp.reference(case["model"], train=case["train"], pad=pad, halves=halves)
         ref_losses, ref_params = refs[key]
         losses = results[0][label][0]
         for step, (got, want) in enumerate(zip(losses, ref_losses)):

@@ -18,14 +18,12 @@ within 1e-10 of single-process training on the global batch.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import model_plans as mp
 from launch import run_workers
-from parity import assemble_full
+from test_hf_parity import _check
 
-TOL = 1e-10
-FP32_TOL = 1e-5  # tp splits the router's float32 softmax and load-balancing sums (HF computes them in float32)
+FP32_TOL = 1e-5  # tp splits the router's float32 softmax (HF computes it in float32)
 
 EP2 = [dict(mp.plan("ep2", "ep", 2), model="mixtral"), dict(mp.plan("ep2", "ep", 2), model="qwen2_moe", label="q-ep2"),
        dict(mp.tp(), model="mixtral", label="m-tp", tol=FP32_TOL), dict(mp.dp(), model="qwen2_moe", label="q-dp"),
@@ -34,26 +32,6 @@ EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
            dict(mp.plan("ep2-dp2-zero3", "ep", 2, use_zero=3), model="qwen2_moe"),
            dict(mp.plan("pp2-ep2", "ep", 4, use_end2end=True,
                         pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}), model="mixtral")]
-
-
-def _check(results, cases, halves_for=()):
-    refs = {}
-    for case in cases:
-        label, tol = case["label"], case.get("tol", TOL)
-        halves = label in halves_for
-        key = (case["model"], halves)
-        if key not in refs:
-            refs[key] = mp.reference(case["model"], halves=halves)
-        ref_losses, ref_params = refs[key]
-        losses = results[0][label][0]
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= tol * max(1.0, abs(want)), f"{label} step {step}: {got} vs {want}"
-        params = assemble_full(((r, per_rank[label][1]) for r, per_rank in enumerate(results)), label)
-        assert set(params) == set(ref_params), f"{label}: {set(params) ^ set(ref_params)}"
-        for name, value in params.items():
-            want = ref_params[name]
-            diff = ((value - want).abs().max() if tol == TOL else (value - want).norm() / want.norm()).item()
-            assert diff <= tol, f"{label}: {name} differs by {diff}"
 
 
 def _expert_shapes(results, label):
