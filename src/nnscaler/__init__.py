@@ -17,7 +17,7 @@ _EXPORTS = {
     "ComputeConfig": "nnscaler.ir",
     "OptionalComputeConfig": "nnscaler.ir",
     "register_op": "nnscaler.ir",
-    "routed_experts": "nnscaler.ir.ops.moe",
+    "routed_experts": "nnscaler.ir",
     "trace": "nnscaler.ir",
     "NnScalerError": "nnscaler.ir",
     "NnScalerWarning": "nnscaler.ir",

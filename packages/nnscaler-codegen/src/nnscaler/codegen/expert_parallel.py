@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from nnscaler.ir import Node
-from nnscaler.ir.ops.moe import EXPERT_DIM, ROUTED_EXPERTS
+from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, Node
 
 from .errors import GenerationError
 from .layouts import UnitPlan

@@ -36,8 +36,12 @@ from .atomic_write import TMP_SUFFIX, AtomicFile, atomic_write, exchange_paths, 
 from .ops.op_names import module_of, policy_name, resolve as resolve_target
 from .ops.annotation import AnnotationError, parse_annotation
 from .ops.registry import REGISTRY, register_op  # (importing it registers the built-in annotations)
+from .ops.moe import (EXPERT_DIM, ROUTED_EXPERTS, ExpertMLP, combine as combine_experts,
+                      dispatch_order as experts_dispatch_order, expert_mlp, routed_experts)  # mixture of experts
 
 __all__ = [
+    "EXPERT_DIM", "ROUTED_EXPERTS", "ExpertMLP", "combine_experts", "experts_dispatch_order", "expert_mlp",
+    "routed_experts",
     "ComputeConfig", "OptionalComputeConfig", "as_compute_config", "ConfigWarning", "warn_ineffective_settings",
     "NnScalerError", "NnScalerWarning", "ConfigError", "GenerationError", "TraceError", "TracingWarning",
     "AnnotationError", "LayoutError",

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from nnscaler.ir.ops.moe import ExpertMLP, combine, dispatch_order, expert_mlp
+from nnscaler.ir import ExpertMLP, combine_experts as combine, experts_dispatch_order as dispatch_order, expert_mlp
 
 from . import failures
 from .comm import fallbacks

@@ -12,8 +12,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from nnscaler.ir import IRGraph, Node, Replicate, Shard
-from nnscaler.ir.ops.moe import EXPERT_DIM, ROUTED_EXPERTS
+from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, IRGraph, Node, Replicate, Shard
 
 from ..plan import tensor_inputs, tensor_outputs
 from ..primitives import bind_annotation

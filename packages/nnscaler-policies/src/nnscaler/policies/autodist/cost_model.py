@@ -23,8 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from nnscaler.ir import IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
-from nnscaler.ir.ops.moe import EXPERT_DIM
+from nnscaler.ir import EXPERT_DIM, IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
 from nnscaler.ir.contracts import resolve_unit_modules, unit_names
 
 from ..plan import tensor_inputs, tensor_outputs

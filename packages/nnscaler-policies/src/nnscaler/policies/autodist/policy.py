@@ -11,8 +11,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from nnscaler.ir import IRGraph, warn_user
-from nnscaler.ir.ops.moe import EXPERT_DIM, ROUTED_EXPERTS
+from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, IRGraph, warn_user
 
 from ..builtin._nothing_split import PolicyWarning
 from ..builtin._spread import replicate_over_unit, split_over_unit
