@@ -15,21 +15,16 @@ rank's pieces; `stats` counts the exchanged rows.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import List
 
 import torch
-import torch.distributed as dist
-from torch.autograd import Function
 
 from nnscaler.ir import ExpertMLP, combine_experts as combine, experts_dispatch_order as dispatch_order, expert_mlp
 
-from . import failures
-from .comm import fallbacks
+from .comm.exchange import exchange_rows
 from .comm.flat import all_gather_flat
 from .comm.primitives import CommError, as_ranks, resolve
-from .comm.stats import record
 
 __all__ = ["expert_parallel", "ExpertLoad", "expert_load"]
 
@@ -86,7 +81,7 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     send = [sum(matrix[me][j * local:(j + 1) * local]) for j in range(n)]  # rows to piece j
     recv = [sum(matrix[j][me * local:(me + 1) * local]) for j in range(n)]  # rows from piece j
     x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
-    xr = _ExchangeRows.apply(x, send, recv, rs)
+    xr = exchange_rows(x, send, recv, rs)
     # received rows are grouped by source piece, then expert: regroup them by expert
     mine = [matrix[j][me * local:(me + 1) * local] for j in range(n)]
     expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(n),
@@ -95,66 +90,5 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     per_expert = [sum(row[e] for row in mine) for e in range(local)]
     y = expert_mlp(xr.index_select(0, regroup), per_expert, gate_up, down, gate_up_bias, down_bias, mlp)
     y = y.index_select(0, torch.argsort(regroup))
-    back = _ExchangeRows.apply(y, recv, send, rs)
+    back = exchange_rows(y, recv, send, rs)
     return combine(back, order, top_k_weights, hidden.dtype)
-
-
-class _ExchangeRows(Function):
-    """Rows to other ranks: `send[j]` rows (in order) to piece j, `recv[j]` rows from piece j. The
-    backward sends the gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, rs):
-        ctx.send, ctx.recv, ctx.rs = send, recv, rs
-        return _exchange(x, send, recv, rs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad, ctx.recv, ctx.send, ctx.rs), None, None, None
-
-
-def _exchange(x: torch.Tensor, send: List[int], recv: List[int], rs) -> torch.Tensor:
-    """`x`'s rows in piece order (`send[j]` for piece j) -> the rows received, in piece order."""
-    if rs.to_group is None:
-        return _exchange_in_group_order(x, send, recv, rs)
-    order = [int(p) for p in rs.to_group]  # group rank g holds piece order[g]
-    out = _exchange_in_group_order(_reorder(x, send, order), [send[p] for p in order], [recv[p] for p in order], rs)
-    back = [order.index(p) for p in range(rs.n)]
-    return _reorder(out, [recv[p] for p in order], back)
-
-
-def _reorder(x: torch.Tensor, sizes: List[int], order: List[int]) -> torch.Tensor:
-    """The chunks of `x` (of `sizes`) concatenated in `order`."""
-    chunks = torch.split(x, sizes)
-    return torch.cat([chunks[i] for i in order]) if chunks else x
-
-
-def _exchange_in_group_order(x: torch.Tensor, send_g: List[int], recv_g: List[int], rs) -> torch.Tensor:
-    x = x.contiguous()
-    row = tuple(x.shape[1:])
-    width = math.prod(row)
-    what = f"the expert-parallel all_to_all over ranks {rs.ranks}"
-    if not fallbacks.uses_fallback("all_to_all", rs.backend, x.device.type):
-        record("all_to_all", x.nbytes)
-        out = x.new_empty((sum(recv_g),) + row)
-        failures.run(dist.all_to_all_single, out, x, recv_g, send_g, group=rs.group, what=what)
-        return out
-    # fallback: every rank's rows, padded to the longest, gathered; keep what was sent here
-    record("all_to_all(fallback)", x.nbytes)
-    longest = int(all_gather_flat(torch.tensor([x.shape[0]], device=x.device), rs.group, rs.n,
-                                  label=None, what=what).max())
-    padded = torch.cat([x.reshape(x.shape[0], width), x.new_zeros(longest - x.shape[0], width)])
-    every = all_gather_flat(padded, rs.group, rs.n, label=None, what=what).view(rs.n, longest, width)
-    sizes = _all_splits(send_g, rs, x.device)  # sizes[src group rank][dst group rank]
-    me = rs.key.index(dist.get_rank())
-    parts = []
-    for src in range(rs.n):
-        start = sum(sizes[src][:me])
-        parts.append(every[src, start:start + sizes[src][me]])
-    return torch.cat(parts).reshape((sum(recv_g),) + row)
-
-
-def _all_splits(send_g: List[int], rs, device) -> List[List[int]]:
-    flat = all_gather_flat(torch.tensor(send_g, device=device), rs.group, rs.n, label=None,
-                           what=f"the expert-parallel all_to_all over ranks {rs.ranks}")
-    return flat.view(rs.n, rs.n).tolist()
