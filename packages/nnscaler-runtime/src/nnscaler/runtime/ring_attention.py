@@ -1,0 +1,279 @@
+"""Ring attention: ``scaled_dot_product_attention`` with the sequence split over a unit's ranks.
+
+Under the `cp` policy every op is split along the sequence; the generated code calls
+``nr.ring_attention.attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+ranks=(...))`` where one process calls ``F.scaled_dot_product_attention``. Rank i holds rows
+``[i * L, (i + 1) * L)`` of q, k, v (and of the mask). The key/value blocks travel around the ring
+(``isend`` to the next rank, ``irecv`` from the previous one, posted before the block in hand is
+computed, so the transfer overlaps the compute); each rank merges the partial results of its
+queries against every block with their log-sum-exp. Backward passes the blocks round again with
+their key/value gradients, which end at their owners.
+
+**Causal load balance.** With ``is_causal`` (and no mask) rank i's queries would see i + 1 blocks,
+so the last rank would do N times the first one's work. The rows are first exchanged (one
+all-to-all, `comm.exchange`) so that rank i holds sequence chunks i and 2N-1-i of 2N: every rank
+then computes the same number of block pairs (one diagonal pair and one full one per chunk), and
+the output is exchanged back.
+
+Each block runs the fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``: no
+(L, L) matrix, its log-sum-exp returned), its backward the matching kernel given the merged output
+and log-sum-exp (which makes each block's gradients exactly its share); on other devices a plain
+matrix implementation. Values match one process's ``scaled_dot_product_attention`` (float64:
+within 1e-12).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from . import failures
+from .comm.exchange import exchange_rows
+from .comm.primitives import CommError, as_ranks, resolve
+
+__all__ = ["attention"]
+
+FULL, DIAG = "full", "diag"
+
+
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+              ranks) -> torch.Tensor:
+    """This rank's rows of ``F.scaled_dot_product_attention`` over the whole sequence (see the
+    module docstring). COLLECTIVE over `ranks`."""
+    ranks = as_ranks(ranks)
+    if dropout_p:
+        raise CommError(f"ring attention (pas_policy 'cp') does not run attention dropout (dropout_p="
+                        f"{dropout_p}): set the model's attention dropout to 0")
+    if query.dim() != 4 or key.dim() != 4:
+        raise CommError(f"ring attention takes (batch, heads, sequence, head_dim) tensors, got query "
+                        f"{tuple(query.shape)} and key {tuple(key.shape)}")
+    if query.shape[1] % key.shape[1]:
+        raise CommError(f"ring attention: {query.shape[1]} query heads are not a multiple of {key.shape[1]} kv heads")
+    rs = resolve(ranks, "ring_attention.attention")
+    scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    mask = _additive(attn_mask, query.dtype)
+    balanced = bool(is_causal) and mask is None and rs.n > 1
+    if is_causal and mask is not None:
+        raise CommError("ring attention: is_causal with an attn_mask (as scaled_dot_product_attention, refused)")
+    if balanced:
+        if query.shape[-2] % 2:
+            raise CommError(f"ring attention: the local sequence ({query.shape[-2]} rows) does not split into 2 "
+                            f"chunks: the sequence length must be a multiple of {2 * rs.n} (2 x the cp size)")
+        query, key, value = (_zigzag(t, rs, forward=True) for t in (query, key, value))
+    out = _Ring.apply(query, key, value, mask, bool(is_causal), balanced, scale, rs)
+    return _zigzag(out, rs, forward=False) if balanced else out
+
+
+# -- the zigzag layout -------------------------------------------------------------------------------
+
+def _owner(chunk: int, n: int) -> int:
+    return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def _zigzag(x: torch.Tensor, rs, forward: bool) -> torch.Tensor:
+    """Rows (dim -2) from the contiguous layout (piece i: sub-chunks 2i, 2i+1 of 2N) to the balanced
+    one (piece i: sub-chunks i, 2N-1-i), or back. Sub-chunks are equal, so every count is known."""
+    n, me = rs.n, rs.index
+    contiguous = lambda c: c // 2  # noqa: E731  (the piece holding sub-chunk c in each layout)
+    balanced = lambda c: _owner(c, n)  # noqa: E731
+    mine, want = ([2 * me, 2 * me + 1], [me, 2 * n - 1 - me]) if forward else ([me, 2 * n - 1 - me], [2 * me, 2 * me + 1])
+    dest, src = (balanced, contiguous) if forward else (contiguous, balanced)
+    half = x.shape[-2] // 2
+    parts = torch.split(x.movedim(-2, 0), half)
+    order = sorted(range(2), key=lambda i: (dest(mine[i]), mine[i]))  # every sender: by destination, then chunk
+    send, recv = [0] * n, [0] * n
+    for c in mine:
+        send[dest(c)] += half
+    for c in want:
+        recv[src(c)] += half
+    got = torch.split(exchange_rows(torch.cat([parts[i] for i in order]), send, recv, rs), half)
+    arrival = sorted(want, key=lambda c: (src(c), c))  # rows arrive by source piece, then its order
+    return torch.cat([got[arrival.index(c)] for c in want]).movedim(0, -2)
+
+
+def _chunks(piece: int, n: int, balanced: bool) -> List[int]:
+    """Global chunk ids held by `piece`: (i, 2N-1-i) of 2N when balanced, else (i,) of N."""
+    return [piece, 2 * n - 1 - piece] if balanced else [piece]
+
+
+def _pairs(q_chunks: List[int], k_chunks: List[int], causal: bool) -> List[Tuple[int, int, str]]:
+    """(q part, k part, kind) to compute: all pairs, or under causality those with k <= q."""
+    out = []
+    for i, cq in enumerate(q_chunks):
+        for j, ck in enumerate(k_chunks):
+            if not causal or ck < cq:
+                out.append((i, j, FULL))
+            elif ck == cq:
+                out.append((i, j, DIAG))
+    return out
+
+
+# -- one block -------------------------------------------------------------------------------------
+
+def _additive(mask, dtype) -> Optional[torch.Tensor]:
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask
+
+
+def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return t
+    b, h, length, d = t.shape
+    return t.view(b, h // groups, groups, length, d).sum(2)
+
+
+def _block_forward(q, k, v, mask, diag: bool, scale: float):
+    """(out, lse) of softmax(q k^T * scale + mask) v; rows that see no key get lse = -inf."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, diag, attn_mask=mask, scale=scale)
+    else:
+        s = _scores(q, k, mask, diag, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0) @ v
+    if mask is not None:  # a row whose keys in this block are all masked contributes nothing
+        seen = torch.isfinite(mask).any(dim=-1).expand(lse.shape)
+        lse = lse.masked_fill(~seen, float("-inf"))
+        out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def _block_backward(dout, q, k, v, out, lse, mask, diag: bool, scale: float):
+    """(dq, dk, dv) of one block, given the merged `out` and `lse` of the rows (their global softmax)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, diag, attn_mask=mask, scale=scale)
+    p = torch.exp(_scores(q, k, mask, diag, scale) - lse.unsqueeze(-1)).nan_to_num(0.0)
+    dv = p.transpose(-1, -2) @ dout
+    dp = dout @ v.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
+
+
+def _scores(q, k, mask, diag, scale):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    if diag:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+# -- the ring --------------------------------------------------------------------------------------
+
+class _Ring(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, balanced, scale, rs):
+        n, me = rs.n, rs.index
+        groups = q.shape[1] // k.shape[1]
+        q_chunks = _chunks(me, n, balanced)
+        q_parts = torch.chunk(q, len(q_chunks), dim=-2)
+        acc: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(q_parts)
+        block = (k, v)
+        for step in range(n):
+            src = (me - step) % n
+            pending = _shift(block, rs, step) if step < n - 1 else None
+            k_chunks = _chunks(src, n, balanced)
+            k_parts, v_parts = torch.chunk(block[0], len(k_chunks), -2), torch.chunk(block[1], len(k_chunks), -2)
+            for i, j, kind in _pairs(q_chunks, k_chunks, causal):
+                m = _mask_block(mask, block[0].shape[-2], src)
+                o, lse = _block_forward(q_parts[i], _expand(k_parts[j], groups), _expand(v_parts[j], groups), m,
+                                        kind == DIAG, scale)
+                acc[i] = _merge(acc[i], o, lse)
+            block = _finish(pending, rs) if pending is not None else block
+        outs, lses = zip(*[_final(a, p) for a, p in zip(acc, q_parts)])
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        ctx.flags = (causal, balanced, scale, rs, mask is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        causal, balanced, scale, rs, has_mask = ctx.flags
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        mask = rest[0] if has_mask else None
+        n, me = rs.n, rs.index
+        groups = q.shape[1] // k.shape[1]
+        q_chunks = _chunks(me, n, balanced)
+        split = lambda t, dim=-2: torch.chunk(t, len(q_chunks), dim=dim)  # noqa: E731
+        q_parts, o_parts, do_parts, l_parts = split(q), split(out), split(dout.contiguous()), split(lse, -1)
+        dq_parts = [torch.zeros_like(p) for p in q_parts]
+        block = (k, v, torch.zeros_like(k), torch.zeros_like(v))
+        for step in range(n):
+            src = (me - step) % n
+            k_chunks = _chunks(src, n, balanced)
+            kb, vb, dkb, dvb = (torch.chunk(t, len(k_chunks), -2) for t in block)
+            for i, j, kind in _pairs(q_chunks, k_chunks, causal):
+                m = _mask_block(mask, block[0].shape[-2], src)
+                dq, dk, dv = _block_backward(do_parts[i], q_parts[i], _expand(kb[j], groups), _expand(vb[j], groups),
+                                             o_parts[i], l_parts[i], m, kind == DIAG, scale)
+                dq_parts[i] += dq
+                dkb[j].add_(_fold(dk, groups))
+                dvb[j].add_(_fold(dv, groups))
+            if step < n - 1:
+                block = _finish(_shift(block, rs, n + step), rs)
+        dk, dv = block[2], block[3]
+        if n > 1:  # the gradients of the block in hand belong to the next rank: send them home
+            dk, dv = _finish(_shift((dk, dv), rs, 2 * n), rs)
+        return torch.cat(dq_parts, dim=-2), dk, dv, None, None, None, None, None
+
+
+def _mask_block(mask, width: int, src: int):
+    """The mask's columns of the key block of piece `src` (contiguous layout)."""
+    if mask is None:
+        return None
+    if mask.shape[-1] == 1:
+        return mask
+    return mask[..., src * width:(src + 1) * width]
+
+
+def _merge(acc, o, lse):
+    if acc is None:
+        return o, lse
+    out, total = acc
+    new = torch.logaddexp(total, lse)
+    keep = torch.where(torch.isfinite(new), torch.exp(total - new), torch.zeros_like(new))
+    take = torch.where(torch.isfinite(new), torch.exp(lse - new), torch.zeros_like(new))
+    return out * keep.unsqueeze(-1) + o * take.unsqueeze(-1), new
+
+
+def _final(acc, q_part):
+    """Rows no key reached: output 0 and log-sum-exp 0 (as the fused kernel reports them)."""
+    if acc is None:
+        shape = q_part.shape
+        return q_part.new_zeros(shape), q_part.new_zeros(shape[:-1])
+    out, lse = acc
+    return out.to(q_part.dtype), torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def _shift(tensors, rs, tag: int):
+    """Send `tensors` to the next piece and receive the same shapes from the previous one (posted
+    at once; `_finish` waits)."""
+    nxt, prev = rs.ranks[(rs.index + 1) % rs.n], rs.ranks[(rs.index - 1) % rs.n]
+    ops, received = [], []
+    for t in tensors:
+        t = t.contiguous()
+        buf = torch.empty_like(t)
+        received.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, prev, rs.group, tag))
+        ops.append(dist.P2POp(dist.isend, t, nxt, rs.group, tag))
+    return received, dist.batch_isend_irecv(ops), tensors
+
+
+def _finish(pending, rs) -> tuple:
+    received, works, _sent = pending
+    what = f"the ring attention's block exchange over ranks {rs.ranks}"
+    for work in works:
+        failures.wait(work, what, rs.group, received[0])
+    return tuple(received)
