@@ -16,7 +16,7 @@ from nnscaler.ir import IRGraph, Node, iter_refs
 
 from .branches import branch_emit, keep_alive
 from .conversions import Adapter
-from .expert_parallel import expert_parallel_call
+from .collective_ops import collective_call
 from .layouts import UnitPlan
 from .lines import Lines
 from .naming import Naming
@@ -84,7 +84,7 @@ class BodyEmitter:
             own = self.rnd.wrap(node, own, adapt.renderer_for(node))
         if self.sbn is not None:  # batch norm statistics over the data-parallel replicas
             own = self.sbn.wrap(node, own)
-        own = expert_parallel_call(node, own, self.unit, adapt.ranks)  # experts split over the unit (expert_parallel.py)
+        own = collective_call(node, own, self.unit, adapt.ranks)  # experts / attention split over the unit (collective_ops.py)
         own = own + self.writes.lines(node, adapt)  # an in-place update of a stored tensor (codegen/state_writes.py)
         if branch is not None:
             conversions, own = branch.wrap(conversions, own)

@@ -1,0 +1,43 @@
+"""Ops whose pieces communicate inside: the runtime's version is called where the plan splits
+them in a way no annotation can express.
+
+- expert parallelism: a routed-experts op (``nnscaler.ir.ops.moe``) split along ``e``
+  (`EXPERT_DIM`; piece i holds 1/n of the tokens and of the experts: the index holds global
+  expert ids) calls ``nr.moe.expert_parallel``, which exchanges the tokens by all-to-all;
+- context parallelism: ``scaled_dot_product_attention`` split along `RING_DIM` (piece i holds 1/n
+  of the sequence of q, k, v and the mask's rows) calls ``nr.ring_attention.attention``.
+
+`collective_call` rewrites the op's statement ``y = <target>(args...)`` to ``y = <runtime
+call>(args..., ranks=(...))`` with the ranks of the unit (or of the pipeline stage).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from nnscaler.ir import EXPERT_DIM, RING_DIM, ROUTED_EXPERTS, SDPA, Node
+
+from .errors import GenerationError
+from .layouts import UnitPlan
+
+__all__ = ["collective_call", "runtime_call", "RUNTIME_CALLS"]
+
+RUNTIME_CALLS = {(ROUTED_EXPERTS, EXPERT_DIM): "nr.moe.expert_parallel",
+                 (SDPA, RING_DIM): "nr.ring_attention.attention"}
+
+
+def runtime_call(node: Node, unit: UnitPlan) -> Optional[str]:
+    """The runtime function that runs `node`'s pieces, or None when the op runs as traced."""
+    if not unit.partitioned.get(node.id) or not node.pieces:
+        return None
+    return RUNTIME_CALLS.get((node.target, node.pieces[0].dim))
+
+
+def collective_call(node: Node, lines: List[str], unit: UnitPlan, ranks: tuple) -> List[str]:
+    """`lines` (the op's statement) calling the runtime's version over `ranks` where the plan asks."""
+    call = runtime_call(node, unit)
+    if call is None:
+        return lines
+    target = node.target + "("
+    if len(lines) != 1 or lines[0].count(target) != 1 or not lines[0].endswith(")"):
+        raise GenerationError(f"cannot rewrite the op {node.describe()} to {call} (generated as {lines!r})")
+    return [lines[0].replace(target, call + "(")[:-1] + f", ranks={tuple(ranks)!r})"]
