@@ -118,6 +118,15 @@ def llama():
     return CausalLM(LlamaForCausalLM(cfg))
 
 
+def qwen2():
+    """A tiny Qwen2 (grouped-query attention with q/k/v biases), RMSNorm in the input's dtype."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      attention_dropout=0.0, attn_implementation="sdpa", use_cache=False)
+    return _same_dtype_rms_norm(CausalLM(Qwen2ForCausalLM(cfg)))
+
+
 def mixtral(experts_implementation="eager"):
     """A tiny Mixtral: 4 experts, top-2, with the load-balancing loss (RMSNorm in the input's dtype,
     as `llama64`, so that float64 parity is element-wise)."""
@@ -164,8 +173,8 @@ def vit():
 
 
 BUILDERS = {"gpt2": gpt2, "llama": llama, "llama64": llama64, "bert": bert, "resnet": resnet, "vit": vit,
-            "mixtral": mixtral, "qwen2_moe": qwen2_moe}
-TEXT = ("gpt2", "llama", "llama64", "bert", "mixtral", "qwen2_moe")
+            "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen2": qwen2}
+TEXT = ("gpt2", "llama", "llama64", "bert", "mixtral", "qwen2_moe", "qwen2")
 
 
 def make(name, dtype=torch.float64, train=True):

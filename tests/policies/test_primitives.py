@@ -86,7 +86,7 @@ def test_registry_by_name_callable_and_dotted_path(graph):
     assert get_policy("dp") is get_policy("nnscaler.policies.builtin.dp.dp")
     fn = lambda g, c: g  # noqa: E731
     assert get_policy(fn) is fn
-    with pytest.raises(ValueError, match="unknown pas_policy .tq.; built-in policies: autodist, data, dp, ep, hybrid, megatron, pp, tp"):
+    with pytest.raises(ValueError, match="unknown pas_policy .tq.; built-in policies: autodist, cp, data, dp, ep, hybrid, megatron, pp, tp"):
         get_policy("tq")
     with pytest.raises(ValueError, match="cannot import pas_policy"):
         get_policy("no.such.module.policy")

@@ -20,70 +20,37 @@ the layouts between them and the token-split ops are converted by the usual adap
 """
 from __future__ import annotations
 
-import fnmatch
 from typing import Sequence
 
-from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, ConfigError, Shard
+from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, Shard
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
-from ..pipeline import pivot_leads
 from ..registry import register_policy
-from ._spread import split_activation_batch_or_replicate, split_over_unit
-from .megatron import megatron_dim, megatron_globs, note_split
-from .hybrid import COMMON_KEYS as PIPELINE_KEYS, _int, _pipeline, _scheduler
+from ._spread import split_activation_batch_or_replicate
+from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
 
 __all__ = ["ep", "split_experts"]
 
 _EXPERT_HINTS = ("expert", "moe")
 
 
-@register_policy("ep", keys=PIPELINE_KEYS | {"tp_modules", "column", "row", "heads"}, pipelines=True)
+@register_policy("ep", keys=UNIT_KEYS, pipelines=True)
 def ep(graph, cfg):
-    pas = dict(cfg.pas_config or {})
-    ngpus = cfg.plan_ngpus
-    pp_size = _int("pp_size", pas.get("pp_size", 1))
     experts = [n for n in graph.nodes if n.target == ROUTED_EXPERTS]
     if not experts:
         raise PlanError(_no_experts(graph))
-    if ngpus % pp_size:
-        raise ConfigError(f"pas_policy 'ep': plan_ngpus ({ngpus}) must be a multiple of pp_size ({pp_size})")
-    if pp_size > 1:
-        if not cfg.use_end2end:
-            raise ConfigError("pas_policy 'ep' with pp_size > 1 pipelines the whole model and needs "
-                              "ComputeConfig(use_end2end=True) (train_step runs the micro-batches)")
-        if "pipeline_nmicros" not in pas:
-            raise ConfigError("pas_policy 'ep' with pp_size > 1 needs pas_config['pipeline_nmicros'] (micro-batches "
-                              "per step)")
-        nmicros, scheduler = _int("pipeline_nmicros", pas["pipeline_nmicros"]), _scheduler("ep", cfg, pas)
-        nstages = _int("pipeline_nstages", pas.get("pipeline_nstages", pp_size))
-        pivots = pas.get("pipeline_pivots")
-        _pipeline(graph, cfg, nstages, pp_size, nmicros, scheduler, pivot_leads(graph, pivots) if pivots else None)
-    tp_modules = _globs("tp_modules", pas.get("tp_modules", ()))
-    globs, split_on = megatron_globs(pas), {}
+    stage_if_asked(graph, cfg, "ep")
+    tp = TensorParallelModules(dict(cfg.pas_config or {}))
     for node in graph.nodes:
-        devices = graph.pipeline.home_devices(node.stage) if graph.pipeline is not None else tuple(range(ngpus))
-        tp_dim = megatron_dim(graph, node, len(devices), globs, split_on) \
-            if len(devices) > 1 and _inside(node.module_path, tp_modules) else None
+        devices = devices_of(graph, node, cfg.plan_ngpus)
+        tp_dim = tp.dim(graph, node, devices)
         if node.target == ROUTED_EXPERTS and len(devices) > 1:
             split_experts(graph, node, devices)
         elif tp_dim is not None:
-            split_over_unit(graph, node, tp_dim, len(devices), devices)
-            note_split(graph, node, split_on)
+            tp.split(graph, node, tp_dim, devices)
         else:
             split_activation_batch_or_replicate(graph, node, devices)
     return graph
-
-
-def _globs(key: str, value) -> tuple:
-    value = [value] if isinstance(value, str) else value
-    if not isinstance(value, (list, tuple)) or not all(isinstance(g, str) and g for g in value):
-        raise ConfigError(f"pas_config[{key!r}] must be a module path glob or a list of them (e.g. "
-                          f"['*.self_attn']), got {value!r}")
-    return tuple(value)
-
-
-def _inside(path: str, globs) -> bool:
-    return any(fnmatch.fnmatchcase(path, g) or fnmatch.fnmatchcase(path, g + ".*") for g in globs)
 
 
 def split_experts(graph, node, devices: Sequence[int]) -> None:

@@ -1,0 +1,125 @@
+"""`cp`: context parallelism. Every op is split along the sequence over the plan's devices;
+attention becomes ring attention.
+
+The sequence axis starts at the inputs (axis ``pas_config['sequence_dim']``, default 1, of every
+input tensor with more dims than that: token ids, labels, masks, position ids) and follows the
+ops: an op with an input split along the sequence is split along the annotated dim at that axis
+when its annotation allows it (its outputs then carry the split), else replicated (the adapters
+gather its inputs: a mask's key positions, a loss over the whole sequence, the shift of the
+labels). Ops that read no sequence-split input (``arange`` positions, weights) are replicated and
+their consumers take their slice for free. Every annotation being exact, the plan computes what
+one process computes.
+
+Each ``scaled_dot_product_attention`` gets pieces along `RING_DIM` (q, k, v and the mask's rows
+split along the sequence, output likewise): the generated code calls ring attention
+(``nnscaler.runtime.ring_attention``), which passes the key/value blocks around the devices and,
+when causal, balances the rows (chunks i and 2N-1-i). The sequence must split into ``2N`` equal
+chunks when causal (``N`` otherwise); attention dropout is refused. A model whose attention is
+computed op by op (transformers' ``attn_implementation="eager"``) has no attention op to ring:
+refused, naming its softmax and the fix.
+
+Keys: ``sequence_dim``; pipelines (``pp_size`` ...) and ``tp_modules`` as `ep` (`_unit_plan.py`).
+Data parallelism across units (``runtime_ngpus > plan_ngpus``), ZeRO and recomputation compose as
+for every policy.
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+from nnscaler.ir import RING_DIM, SDPA, ConfigError, Replicate, Shard
+
+from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
+from ..registry import register_policy
+from ._spread import dim_of_input_axis, replicate_over_unit, split_over_unit, splittable
+from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
+
+__all__ = ["cp", "split_ring"]
+
+
+@register_policy("cp", keys=UNIT_KEYS | {"sequence_dim"}, pipelines=True)
+def cp(graph, cfg):
+    pas = dict(cfg.pas_config or {})
+    axis = pas.get("sequence_dim", 1)
+    if isinstance(axis, bool) or not isinstance(axis, int) or axis < 0:
+        raise ConfigError(f"pas_config['sequence_dim'] must be the inputs' sequence axis (an int >= 0), got {axis!r}")
+    if not any(n.target == SDPA for n in graph.nodes):
+        raise PlanError(_no_attention(graph))
+    stage_if_asked(graph, cfg, "cp")
+    tp = TensorParallelModules(pas)
+    along: Dict[int, int] = {}  # value id -> the axis it is split along
+    for spec in graph.inputs:
+        for _, ref in spec.leaves:
+            value = graph.value(ref)
+            if value.is_tensor and value.shape is not None and len(value.shape) > axis:
+                along[ref.id] = axis
+    for node in graph.nodes:
+        devices = devices_of(graph, node, cfg.plan_ngpus)
+        if len(devices) < 2:
+            replicate_over_unit(graph, node, len(devices), devices)
+            continue
+        tp_dim = tp.dim(graph, node, devices)
+        if node.target == SDPA:
+            split_ring(graph, node, devices)
+        elif tp_dim is not None:
+            tp.split(graph, node, tp_dim, devices)
+        else:
+            dim = _sequence_dim(graph, node, along, len(devices))
+            if dim is None:
+                replicate_over_unit(graph, node, len(devices), devices)
+                continue
+            split_over_unit(graph, node, dim, len(devices), devices)
+        for ref, place in zip(tensor_outputs(graph, node), node.pieces[0].outputs):
+            if isinstance(place, Shard):
+                along[ref.id] = place.dim
+    return graph
+
+
+def _sequence_dim(graph, node, along, n: int):
+    """The annotated dim of `node` at the axis an input is split along, when it splits into n."""
+    for index, ref in enumerate(tensor_inputs(graph, node)):
+        axis = along.get(ref.id)
+        if axis is None:
+            continue
+        dim = dim_of_input_axis(graph, node, index, axis)
+        if dim is not None and dim in splittable(graph, node, n):
+            return dim
+    return None
+
+
+def split_ring(graph, node, devices: Sequence[int]) -> None:
+    """Piece i of attention op `node` on ``devices[i]``: rows i/n of q, k, v and the mask."""
+    n = len(devices)
+    ins = tensor_inputs(graph, node)
+    q = graph.value(ins[0]).shape
+    causal = _argument(node, "is_causal", 5)
+    where = f"the attention {node.module_path or node.describe()}"
+    dropout = _argument(node, "dropout_p", 4)
+    if dropout:
+        raise PlanError(f"{where} runs dropout_p={dropout}, which ring attention does not: set the model's attention "
+                        f"dropout to 0 under pas_policy 'cp'")
+    chunks = 2 * n if causal else n
+    if q[-2] % chunks:
+        raise PlanError(f"{where} has a sequence of {q[-2]} positions, which does not split into {chunks} equal "
+                        f"chunks ({'2 x ' if causal else ''}the cp size {n}{': causal rows are balanced' if causal else ''}"
+                        f"): make the sequence length a multiple of {chunks}")
+    rows = [Shard(len(graph.value(r).shape) - 2) for r in ins[:3]]
+    for ref in ins[3:]:  # the mask: its rows split, unless it broadcasts over them
+        shape = graph.value(ref).shape
+        rows.append(Shard(len(shape) - 2) if len(shape) >= 2 and shape[-2] != 1 else Replicate())
+    outs = [Shard(len(graph.value(r).shape) - 2) for r in tensor_outputs(graph, node)]
+    node.pieces = [Piece(i, n, list(rows), list(outs), RING_DIM, device) for i, device in enumerate(devices)]
+
+
+def _argument(node, name: str, position: int):
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[position] if len(node.args) > position else None
+
+
+def _no_attention(graph) -> str:
+    softmax = [n for n in graph.nodes if n.short_name == "softmax"]
+    seen = "; ".join(f"{n.target} at {n.source}" if n.source else n.describe() for n in softmax[:2])
+    eager = f" It computes attention op by op ({seen}): ring attention needs it in one call." if softmax else ""
+    return (f"pas_policy 'cp' found no torch.nn.functional.scaled_dot_product_attention in {graph.module_class}."
+            f"{eager} For transformers models pass attn_implementation='sdpa' to the config / from_pretrained; "
+            f"for your own attention call torch.nn.functional.scaled_dot_product_attention")
