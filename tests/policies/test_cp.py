@@ -1,0 +1,78 @@
+"""The `cp` policy (builtin/cp.py) on a traced attention model: ops follow the sequence split from
+the inputs, attention gets ring pieces, pipelines stage as asked, and each refusal names the value
+and the fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nnscaler.ir import RING_DIM, SDPA, ComputeConfig, Shard, trace
+from nnscaler.ir.config import ConfigError
+from nnscaler.ir.graph import IRGraph
+from nnscaler.policies import PlanError, apply_policy
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, eager=False, dropout=0.0, causal=True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 16)
+        self.eager, self.dropout, self.causal = eager, dropout, causal
+
+    def forward(self, ids, labels):
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        if self.eager:
+            y = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=self.causal)
+        logits = self.out(y.transpose(1, 2).reshape(b, s, 8))
+        return F.cross_entropy(logits.transpose(1, 2), labels)
+
+
+def _graph(model, seq=8):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (2, seq))
+    return IRGraph.from_json(trace(model, {"ids": ids, "labels": ids}).to_json())
+
+
+def test_ops_follow_the_sequence_and_attention_rings():
+    graph = apply_policy(_graph(Attention()), ComputeConfig(2, 4), "cp")
+    ring = next(n for n in graph.nodes if n.target == SDPA)
+    assert [p.dim for p in ring.pieces] == [RING_DIM, RING_DIM]
+    assert all(isinstance(p, Shard) and p.dim == 2 for p in ring.pieces[0].inputs + ring.pieces[0].outputs)
+    emb = next(n for n in graph.nodes if n.short_name == "embedding")
+    assert emb.pieces[0].dim is not None and isinstance(emb.pieces[0].outputs[0], Shard) \
+        and emb.pieces[0].outputs[0].dim == 1  # the embedding splits along the sequence
+
+
+def test_pipeline_stages():
+    cfg = ComputeConfig(4, 4, use_end2end=True, pas_config={"pp_size": 2, "pipeline_nmicros": 2})
+    graph = apply_policy(_graph(Attention()), cfg, "cp")
+    ring = next(n for n in graph.nodes if n.target == SDPA)
+    assert graph.pipeline is not None and len(ring.pieces) == 2
+
+
+def test_sequence_not_in_2n_chunks():
+    with pytest.raises(PlanError, match=r"sequence of 6 positions, which does not split into 4 equal chunks .*"
+                                        r"multiple of 4"):
+        apply_policy(_graph(Attention(), seq=6), ComputeConfig(2, 2), "cp")
+    apply_policy(_graph(Attention(causal=False), seq=6), ComputeConfig(2, 2), "cp")  # not causal: 2 chunks do
+
+
+def test_eager_attention_is_refused_naming_its_softmax():
+    with pytest.raises(PlanError, match=r"found no torch.nn.functional.scaled_dot_product_attention .*softmax at "
+                                        r".*test_cp.py.*attn_implementation='sdpa'"):
+        apply_policy(_graph(Attention(eager=True)), ComputeConfig(2, 2), "cp")
+
+
+def test_attention_dropout_is_refused():
+    with pytest.raises(PlanError, match=r"dropout_p=0.1, which ring attention does not"):
+        apply_policy(_graph(Attention(dropout=0.1)), ComputeConfig(2, 2), "cp")
+
+
+def test_bad_sequence_dim():
+    with pytest.raises(ConfigError, match=r"sequence_dim'\] must be"):
+        apply_policy(_graph(Attention()), ComputeConfig(2, 2, pas_config={"sequence_dim": "seq"}), "cp")
