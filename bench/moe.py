@@ -258,16 +258,17 @@ _WRAPPED = False
 
 
 def _expert_exchanges() -> dict:
-    """The collectives of the expert-parallel exchanges alone: `nnscaler.runtime.moe._exchange` (the
-    rows to the experts' ranks and back, forward and backward: one all-to-all each call) is wrapped,
-    once per process, in a `count_collectives()` block whose counts are added to the dict returned.
-    A step's own `count_collectives()` block sees these too, and the plan's other all-to-alls
-    (adapters between layouts) besides."""
+    """The collectives of the expert-parallel exchanges alone: `nnscaler.runtime.comm.exchange._exchange`
+    (behind `exchange_rows`: the rows to the experts' ranks and back, forward and backward: one
+    all-to-all each call; no other op of this model exchanges rows) is wrapped, once per process, in
+    a `count_collectives()` block whose counts are added to the dict returned. A step's own
+    `count_collectives()` block sees these too, and the plan's other all-to-alls (adapters between
+    layouts) besides."""
     global _WRAPPED
     if not _WRAPPED:
-        import nnscaler.runtime.moe as rt_moe
+        import nnscaler.runtime.comm.exchange as rt_exchange
         from nnscaler.runtime.comm.stats import count_collectives
-        inner = rt_moe._exchange
+        inner = rt_exchange._exchange
 
         def counted(*args, **kwargs):
             with count_collectives() as st:
@@ -277,7 +278,7 @@ def _expert_exchanges() -> dict:
                 mine["calls"] += v["calls"]
                 mine["bytes"] += v["bytes"]
             return out
-        rt_moe._exchange = counted
+        rt_exchange._exchange = counted
         _WRAPPED = True
     return _EXCHANGES
 
