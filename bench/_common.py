@@ -214,6 +214,76 @@ def spawn_gloo(fn: Callable, fn_args: tuple, world: int, result_file: str, *, th
     return json.loads(Path(result_file).read_text()), seconds
 
 
+# -- steps inside the workers (fsdp.py, moe.py) --------------------------------------------------
+
+MIB = 1 << 20
+
+
+def fmt_mib(b: Optional[float]) -> str:
+    """Bytes as MiB with one decimal and thousands separators; '-' for None."""
+    return "-" if b is None else f"{b / MIB:,.1f}"
+
+
+def all_reduce_floats(values: Sequence[float], op=None) -> List[float]:
+    """`values` all-reduced over the default process group as float64 (`op` a
+    torch.distributed.ReduceOp; SUM by default)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op)
+    return t.tolist()
+
+
+def max_rel_diff(xs: Sequence[float], ref: Sequence[float]) -> float:
+    """The largest |x - r| / |r| over the steps both sequences have (nan when either is empty)."""
+    n = min(len(xs), len(ref))
+    return max((abs(x - r) / max(abs(r), 1e-12) for x, r in zip(xs[:n], ref[:n])), default=float("nan"))
+
+
+def timed_step(model, opt, batch: dict, phases: Optional[List[float]] = None):
+    """One training step: `zero_grad`, forward (`model(**batch)`, the loss), backward, `step`.
+    With `phases`, adds the seconds of zero_grad + forward, backward and step to phases[0], [1], [2].
+    Returns the loss, detached."""
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    loss = model(**batch)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    if phases is not None:
+        t3 = time.perf_counter()
+        phases[0] += t1 - t0
+        phases[1] += t2 - t1
+        phases[2] += t3 - t2
+    return loss.detach()
+
+
+def interleaved_rounds(cases: Sequence[str], rounds: int, block: int, run: Callable[[str], list],
+                       losses: Dict[str, list]) -> Tuple[Dict[str, List[float]], List[Dict[str, float]]]:
+    """`rounds` rounds in which every case runs `run(case)` (a block of `block` steps, returning their
+    losses as scalar tensors, appended to `losses[case]`), the order rotated every round, a barrier
+    before every block. A block's time is that of the slower rank, per step. Returns (each case's
+    block times, each round's {case: block time})."""
+    import torch.distributed as dist
+    cases = list(cases)
+    times = {c: [] for c in cases}
+    per_round = []
+    for r in range(rounds):
+        order = cases[r % len(cases):] + cases[:r % len(cases)]
+        this = {}
+        for c in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = run(c)
+            dt = all_reduce_floats([time.perf_counter() - t0], dist.ReduceOp.MAX)[0] / block
+            times[c].append(dt)
+            this[c] = dt
+            losses[c].extend(x.item() for x in out)
+        per_round.append(this)
+    return times, per_round
+
+
 # -- results -------------------------------------------------------------------------------------
 
 def run_header() -> Dict[str, object]:

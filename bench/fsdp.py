@@ -73,20 +73,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import inspect
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from typing import Optional
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+import _rss  # noqa: E402
+from _common import MIB, fmt_mib  # noqa: E402
 
 _common.add_examples_to_path()
 
@@ -96,92 +94,7 @@ import torch.distributed as dist  # noqa: E402
 CASES = ("ddp", "fsdp2", "zero1", "zero3")
 LABELS = {"ddp": "torch DDP", "fsdp2": "torch FSDP2 (fully_shard)", "zero1": "nnscaler use_zero=True (ZeRO-1)",
           "zero3": "nnscaler use_zero=3"}
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
 TARGETS = {"peak_rss zero3/fsdp2": 1.05, "peak_rss zero3/ddp": 0.6, "step_time zero3/fsdp2": 1.0}
-MIB = 1 << 20
-
-
-def _mib(b) -> str:
-    return "-" if b is None else f"{b / MIB:,.1f}"
-
-
-# -- per-process memory ---------------------------------------------------------------------------
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _release() -> None:
-    """Collect garbage and hand glibc's free memory back to the OS."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak() -> int:
-    """VmHWM := VmRSS; returns VmRSS."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmRSS")
-
-
-class _Sampler:
-    """The largest VmRSS seen, sampled every `period` s in a thread (VmHWM is the exact peak; this
-    is a cross-check)."""
-
-    def __init__(self, period: float = 0.002):
-        self.period, self.peak, self._stop = period, _status("VmRSS"), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _status("VmRSS"))
-            time.sleep(self.period)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
-def _held_bytes(model, opt) -> int:
-    """Bytes of the distinct storages of parameters, gradients, optimizer state, ZeRO-3 shards and
-    nnscaler reducer buffers (FSDP2: the local shards of its DTensors)."""
-    seen = {}
-
-    def add(t):
-        if t is None or not torch.is_tensor(t):
-            return
-        t = getattr(t, "_local_tensor", t)  # DTensor
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    for g in opt.param_groups:
-        for p in g["params"]:
-            add(p)
-            add(p.grad)
-    for st in opt.state.values():
-        for v in st.values():
-            add(v)
-    for m in model.modules():
-        fs = getattr(m, "fully_sharded", None)
-        if fs is not None:
-            for u in fs.units:
-                add(u.shard)
-                add(None if u.shard is None else u.shard.grad)
-        for b in getattr(getattr(m, "reducer", None), "_buckets", None) or []:
-            add(getattr(b, "buffer", None))
-    return sum(seen.values())
-
 
 # -- building and stepping ------------------------------------------------------------------------
 
@@ -234,39 +147,22 @@ def _step(model, opt, b, phases=None, micros: int = 1, accum: str = "no_sync"):
     """One step; with `micros` > 1 the batch is cut into that many micro-batches, accumulated
     inside ``no_sync()`` but the last (`accum` "no_sync": full gradients kept, one reduction) or
     reduced each (`accum` "each")."""
+    if micros <= 1:
+        return _common.timed_step(model, opt, b, phases)
     t0 = time.perf_counter()
     opt.zero_grad()
-    if micros > 1:
-        n = len(next(iter(b.values()))) // micros
-        parts = [{k: v[i * n:(i + 1) * n] for k, v in b.items()} for i in range(micros)]
-        loss = 0.0
-        for i, part in enumerate(parts):
-            local = accum == "no_sync" and i < micros - 1
-            with (model.no_sync() if local else contextlib.nullcontext()):
-                (model(**part) / micros).backward()
-        t1 = t2 = time.perf_counter()
-        opt.step()
-        if phases is not None:
-            phases[0] += t1 - t0
-            phases[2] += time.perf_counter() - t2
-        return torch.zeros(())
-    loss = model(**b)
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
+    n = len(next(iter(b.values()))) // micros
+    parts = [{k: v[i * n:(i + 1) * n] for k, v in b.items()} for i in range(micros)]
+    for i, part in enumerate(parts):
+        local = accum == "no_sync" and i < micros - 1
+        with (model.no_sync() if local else contextlib.nullcontext()):
+            (model(**part) / micros).backward()
+    t1 = t2 = time.perf_counter()
     opt.step()
     if phases is not None:
-        t3 = time.perf_counter()
         phases[0] += t1 - t0
-        phases[1] += t2 - t1
-        phases[2] += t3 - t2
-    return loss.detach()
-
-
-def _reduce(values: list, op=dist.ReduceOp.SUM) -> list:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
+        phases[2] += time.perf_counter() - t2
+    return torch.zeros(())
 
 
 # -- part 1: step time, every case in the same processes ------------------------------------------
@@ -280,11 +176,9 @@ def time_cases(rank: int, cases: list, a: dict, gen_dir: str) -> dict:
         t0 = time.perf_counter()
         built[c] = _build(c, a, world, gen_dir, batches[0])[:2]
         build_s[c] = time.perf_counter() - t0
-        _release()
+        _rss.release()
     done = {c: 0 for c in cases}
     losses = {c: [] for c in cases}
-    times = {c: [] for c in cases}
-    rounds = []
     phases = {c: [0.0, 0.0, 0.0] for c in cases}
 
     def run(c, n, ph=None):
@@ -297,20 +191,10 @@ def time_cases(rank: int, cases: list, a: dict, gen_dir: str) -> dict:
     for c in cases:
         for x in run(c, a["warmup"]):
             losses[c].append(x.item())
-    for r in range(a["rounds"]):
-        order = cases[r % len(cases):] + cases[:r % len(cases)]
-        this = {}
-        for c in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            out = run(c, a["block"], phases[c])
-            dt = _reduce([time.perf_counter() - t0], dist.ReduceOp.MAX)[0] / a["block"]
-            times[c].append(dt)
-            this[c] = dt
-            losses[c].extend(x.item() for x in out)
-        rounds.append(this)
+    times, rounds = _common.interleaved_rounds(cases, a["rounds"], a["block"],
+                                               lambda c: run(c, a["block"], phases[c]), losses)
     for c in cases:
-        losses[c] = [x / world for x in _reduce(losses[c])]
+        losses[c] = [x / world for x in _common.all_reduce_floats(losses[c])]
     stats = {c: dict(vars(built[c][0].fully_sharded.stats)) for c in cases
              if getattr(built[c][0], "fully_sharded", None) is not None}
     nsteps_timed = a["rounds"] * a["block"]
@@ -321,10 +205,11 @@ def time_cases(rank: int, cases: list, a: dict, gen_dir: str) -> dict:
 
 # -- parts 2 and 3: memory of one case in its own processes ----------------------------------------
 
-def _warm_up_process() -> None:
-    """One step of a tiny single-device GPT (2 x 64, Adam) and one of each collective the cases
-    use, then release: the code pages, thread pools and allocator arenas every case needs are
-    then part of the baseline, not of a case's figure."""
+WARM_UP_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")  # those the cases use
+
+
+def _tiny_step() -> None:
+    """One Adam step of a tiny single-device GPT (2 x 64): `_rss.baselines`' warm-up."""
     from gpt import GPT, GPTConfig, random_batch
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=64)
     torch.manual_seed(1)
@@ -332,14 +217,6 @@ def _warm_up_process() -> None:
     o = torch.optim.Adam(m.parameters(), lr=1e-3)
     m(**random_batch(0, 2, cfg)).backward()
     o.step()
-    n = dist.get_world_size()
-    x = torch.ones(4096 * n)
-    dist.all_reduce(x)
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(torch.empty(4096), x)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(torch.empty(4096 * n), torch.ones(4096))
-    del m, o, x
-    _release()
-    dist.barrier()
 
 
 def _reduce_scatters(sharded) -> Optional[int]:
@@ -347,92 +224,53 @@ def _reduce_scatters(sharded) -> Optional[int]:
 
 
 def _rss_parts() -> dict:
-    return {k: _status(k) for k in ("RssAnon", "RssFile", "RssShmem")}
+    return {k: _rss.status(k) for k in ("RssAnon", "RssFile", "RssShmem")}
 
 
 def memory_case(rank: int, case: str, a: dict, gen_dir: str, budget: int = 0) -> dict:
     """Build, `mem_warmup` steps, reset the peak RSS, `mem_steps` steps. With `budget` (bytes): all
     ranks stop after the first step whose peak RSS is over it on some rank."""
     world = dist.get_world_size()
-    dist.barrier()
-    _release()
-    baseline_cold = _status("VmRSS")
-    _warm_up_process()
-    baseline = _status("VmRSS")
+    baseline_cold, baseline = _rss.baselines(_tiny_step, WARM_UP_COLLECTIVES)
     nsteps = a["mem_warmup"] + a["mem_steps"]
     batches = _batches(a, rank, world, nsteps)
     t0 = time.perf_counter()
     model, opt, n_params = _build(case, a, world, gen_dir, batches[0])
     build_s = time.perf_counter() - t0
-    losses = [_step(model, opt, batches[s], micros=a.get("micros", 1), accum=a.get("accum")).item()
-              for s in range(a["mem_warmup"])]
-    _release()
-    build_peak = _status("VmHWM")
-    held = _held_bytes(model, opt) if a["mem_warmup"] else None  # grads and Adam state exist after a step
+
+    def step(s):
+        return _step(model, opt, batches[s], micros=a.get("micros", 1), accum=a.get("accum")).item()
+    losses = [step(s) for s in range(a["mem_warmup"])]
+    _rss.release()
+    build_peak = _rss.status("VmHWM")
+    held = _rss.held_bytes(model, opt) if a["mem_warmup"] else None  # grads and Adam state exist after a step
     dist.barrier()
     steady_parts = _rss_parts()
-    steady = _reset_peak()
-    sampler = _Sampler()
-    over_at, peaks, times = None, [], []
-    for s in range(a["mem_warmup"], nsteps):
-        t = time.perf_counter()
-        losses.append(_step(model, opt, batches[s], micros=a.get("micros", 1), accum=a.get("accum")).item())
-        times.append(time.perf_counter() - t)
-        peaks.append(max(_status("VmHWM"), sampler.peak))
-        if budget and _reduce([float(peaks[-1] > budget)], dist.ReduceOp.MAX)[0]:
-            over_at = s - a["mem_warmup"]
-            break
-    sampled = sampler.stop()
-    peak = max(_status("VmHWM"), sampled)
+    m = _rss.steady_state_peak(step, range(a["mem_warmup"], nsteps), budget)
     end_parts = _rss_parts()
     if held is None:
-        held = _held_bytes(model, opt)
+        held = _rss.held_bytes(model, opt)
     model_stats = getattr(model, "fully_sharded", None)
-    losses = [x / world for x in _reduce(losses)]
+    losses = [x / world for x in _common.all_reduce_floats(losses + m.losses)]
     del model, opt
     dist.barrier()
     return {"rank": rank, "case": case, "params": n_params, "baseline_cold_rss": baseline_cold,
             "baseline_rss": baseline, "build_peak": build_peak, "steady_rss_parts": steady_parts,
             "end_rss_parts": end_parts,
-            "build_s": build_s, "held_bytes": held, "steady_rss": steady, "peak_rss": peak,
-            "sampled_peak_rss": sampled, "peak_rss_per_step": peaks, "peak_above_baseline": peak - baseline,
-            "transient": peak - steady, "step_s": times, "losses": losses, "over_budget_at_step": over_at,
-            "reduce_scatters": _reduce_scatters(model_stats)}
+            "build_s": build_s, "held_bytes": held, "steady_rss": m.steady, "peak_rss": m.peak,
+            "sampled_peak_rss": m.sampled, "peak_rss_per_step": m.per_step, "peak_above_baseline": m.peak - baseline,
+            "transient": m.peak - m.steady, "step_s": m.step_s, "losses": losses,
+            "over_budget_at_step": m.over_budget_at_step, "reduce_scatters": _reduce_scatters(model_stats)}
 
 
 # -- driver ---------------------------------------------------------------------------------------
 
 def _spawn(fn, fn_args: tuple, a: dict, tmp: str, name: str, malloc_env: bool):
-    old = {k: os.environ.get(k) for k in MALLOC_ENV}
-    if malloc_env:
-        os.environ.update(MALLOC_ENV)  # read by glibc when a process starts: the workers inherit it
-    else:
-        for k in MALLOC_ENV:
-            os.environ.pop(k, None)
-    try:
-        return _common.spawn_gloo(fn, fn_args, a["nproc"], os.path.join(tmp, name + ".json"))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _rel_diff(xs: list, ref: list) -> float:
-    n = min(len(xs), len(ref))
-    return max((abs(x - r) / max(abs(r), 1e-12) for x, r in zip(xs[:n], ref[:n])), default=float("nan"))
+    return _rss.spawn(fn, fn_args, a["nproc"], os.path.join(tmp, name + ".json"), malloc_env)
 
 
 def _mem_summary(case: str, ranks: list, spawn_s: float) -> dict:
-    big = max(ranks, key=lambda r: r["peak_rss"])
-    return {"case": case, "label": LABELS[case], "params": ranks[0]["params"], "spawn_s": spawn_s,
-            **{k: max(r[k] for r in ranks) for k in ("peak_rss", "baseline_rss", "baseline_cold_rss",
-                                                       "peak_above_baseline", "build_peak", "held_bytes",
-                                                       "steady_rss", "transient", "sampled_peak_rss")},
-            "larger_rank": big["rank"], "losses": ranks[0]["losses"],
-            "over_budget_at_step": ranks[0]["over_budget_at_step"],
-            "step_s_median": statistics.median(big["step_s"]) if big["step_s"] else None, "per_rank": ranks}
+    return _rss.mem_summary(case, LABELS[case], ranks, spawn_s, rank0_keys=("params", "over_budget_at_step"))
 
 
 def main() -> None:
@@ -446,13 +284,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps of each case (part 1)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--block", type=int, default=1, help="steps per case per round")
-    p.add_argument("--mem-warmup", type=int, default=1)
-    p.add_argument("--mem-steps", type=int, default=3)
-    p.add_argument("--loss-rtol", type=float, default=1e-3)
-    p.add_argument("--no-malloc-env", action="store_true", help="glibc's malloc defaults in the memory workers")
+    _rss.add_protocol_args(p, warmup=1, rounds=5, block=1)
     p.add_argument("--parts", nargs="*", default=["time", "memory", "budget", "accum"],
                    choices=["time", "memory", "budget", "accum"],
                    help="which parts to run (1: time, 2: memory, 3: budget, 4: accum)")
@@ -490,7 +322,7 @@ def main() -> None:
         for c in (cases if "memory" in args.parts else []):
             ranks, s = _spawn(memory_case, (c, a, gen), a, tmp, f"mem_{c}", not args.no_malloc_env)
             mem[c] = _mem_summary(c, ranks, s)
-            print(f"part 2 (memory) {c}: peak RSS {_mib(mem[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
+            print(f"part 2 (memory) {c}: peak RSS {fmt_mib(mem[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
         budget = int(args.budget_mib * MIB)
         demo = dict(a, layers=args.demo_layers, embd=args.demo_embd, mem_warmup=0, mem_steps=args.budget_steps,
                     tag="demo")
@@ -498,7 +330,7 @@ def main() -> None:
         for c in (args.budget_cases if "budget" in args.parts else []):
             ranks, s = _spawn(memory_case, (c, demo, gen, budget), demo, tmp, f"budget_{c}", not args.no_malloc_env)
             budget_runs[c] = _mem_summary(c, ranks, s)
-            print(f"part 3 (budget) {c}: peak RSS {_mib(budget_runs[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
+            print(f"part 3 (budget) {c}: peak RSS {fmt_mib(budget_runs[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
 
         accum_runs = {}
         for mode in (("no_sync", "each") if "accum" in args.parts else ()):
@@ -507,7 +339,7 @@ def main() -> None:
             accum_runs[mode] = _mem_summary("zero3", ranks, s)
             accum_runs[mode]["reduce_scatters_per_step"] = ranks[0]["reduce_scatters"] / (acc["mem_warmup"]
                                                                                       + acc["mem_steps"])
-            print(f"part 4 (accumulation, {mode}) zero3: peak RSS {_mib(accum_runs[mode]['peak_rss'])} MiB "
+            print(f"part 4 (accumulation, {mode}) zero3: peak RSS {fmt_mib(accum_runs[mode]['peak_rss'])} MiB "
                   f"({s:.1f} s)", flush=True)
 
     # -- report ------------------------------------------------------------------------------------
@@ -519,11 +351,11 @@ def main() -> None:
         diffs = []
         x = {}
         if r0:
-            x["loss_rel_diff_vs_ddp_time"] = _rel_diff(r0["losses"][c], r0["losses"][ref])
+            x["loss_rel_diff_vs_ddp_time"] = _common.max_rel_diff(r0["losses"][c], r0["losses"][ref])
             x["losses_time"] = r0["losses"][c]
             diffs.append(x["loss_rel_diff_vs_ddp_time"])
         if mem:
-            x["loss_rel_diff_vs_ddp_mem"] = _rel_diff(mem[c]["losses"], mem[ref]["losses"])
+            x["loss_rel_diff_vs_ddp_mem"] = _common.max_rel_diff(mem[c]["losses"], mem[ref]["losses"])
             diffs.append(x["loss_rel_diff_vs_ddp_mem"])
         x["losses"] = r0["losses"][c] if r0 else mem[c]["losses"] if mem else []
         x["max_rel_diff"] = max(diffs) if diffs else None
@@ -531,7 +363,7 @@ def main() -> None:
         checks[c] = x
     for c, b in budget_runs.items():
         bref = "ddp" if "ddp" in budget_runs else next(iter(budget_runs))
-        b["loss_rel_diff_vs_ddp"] = _rel_diff(b["losses"], budget_runs[bref]["losses"])
+        b["loss_rel_diff_vs_ddp"] = _common.max_rel_diff(b["losses"], budget_runs[bref]["losses"])
         b["fits"] = b["over_budget_at_step"] is None
 
     params = (mem[cases[0]]["params"] if mem else None) if cases else None
@@ -542,9 +374,8 @@ def main() -> None:
         m = mem.get(c, {})
         row = [c]
         if mem:
-            row += [_mib(m["baseline_cold_rss"]), _mib(m["baseline_rss"]), _mib(m["build_peak"]),
-                    _mib(m["held_bytes"]), _mib(m["steady_rss"]), _mib(m["transient"]), _mib(m["peak_rss"]),
-                    _mib(m["peak_above_baseline"])]
+            row += [fmt_mib(m[k]) for k in ("baseline_cold_rss", "baseline_rss", "build_peak", "held_bytes",
+                                            "steady_rss", "transient", "peak_rss", "peak_above_baseline")]
         if r0:
             ph = r0["phases_ms"][c]
             row += [f"{step[c] * 1e3:,.0f}", f"{min(r0['step_s'][c]) * 1e3:,.0f}",
@@ -600,7 +431,7 @@ def main() -> None:
         print(_common.table(
             ["case", "baseline MiB", "build peak", "peak RSS (training)", "budget", "fits",
              "steps trained", "loss rel diff vs DDP"],
-            [[c, _mib(b["baseline_rss"]), _mib(b["build_peak"]), _mib(b["peak_rss"]), _mib(budget),
+            [[c, fmt_mib(b["baseline_rss"]), fmt_mib(b["build_peak"]), fmt_mib(b["peak_rss"]), fmt_mib(budget),
               "yes" if b["fits"] else "NO", f"{len(b['per_rank'][0]['step_s'])} of {args.budget_steps}"
               + ("" if b["fits"] else f" (over at step {b['over_budget_at_step']})"),
               f"{b['loss_rel_diff_vs_ddp']:.1e}"] for c, b in budget_runs.items()]))
@@ -609,14 +440,14 @@ def main() -> None:
               f"(GPT {args.layers} x {args.embd}) ==")
         print(_common.table(
             ["mode", "steady RSS", "peak RSS", "transient", "reduce-scatters a step", "step ms (median)"],
-            [[m, _mib(r["steady_rss"]), _mib(r["peak_rss"]), _mib(r["transient"]),
+            [[m, fmt_mib(r["steady_rss"]), fmt_mib(r["peak_rss"]), fmt_mib(r["transient"]),
               f"{r['reduce_scatters_per_step']:.0f}", f"{r['step_s_median'] * 1e3:,.0f}"]
              for m, r in accum_runs.items()]))
     elapsed = time.perf_counter() - t_start
     print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
     data = {**_common.run_header(),
             "config": {**vars(args), "threads_per_rank": threads,
-                       "malloc_env": None if args.no_malloc_env else MALLOC_ENV},
+                       "malloc_env": None if args.no_malloc_env else _rss.MALLOC_ENV},
             "targets": TARGETS, "ratios": ratios,
             "targets_met": {k: ratios[k] <= v for k, v in TARGETS.items() if k in ratios},
             "step_time": {"median_s": step, "per_block_s": r0["step_s"] if r0 else {},

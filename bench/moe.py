@@ -87,21 +87,20 @@ Writes bench/results/moe.json (`--out`); `--smoke` a tiny model, a few steps, bo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+import _rss  # noqa: E402
+from _common import fmt_mib  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -109,13 +108,8 @@ import torch.nn.functional as F  # noqa: E402
 
 CASES = ("dp", "ep")
 LABELS = {"dp": "nnscaler dp: ComputeConfig(1, n)", "ep": "nnscaler ep: ComputeConfig(n, n)"}
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
 A2A = ("all_to_all", "all_to_all" + _common.FALLBACK)
-MIB = 1 << 20
-
-
-def _mib(b) -> str:
-    return "-" if b is None else f"{b / MIB:,.1f}"
+WARM_UP_COLLECTIVES = ("all_reduce", "all_to_all", "all_gather")  # those the cases use
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -202,55 +196,6 @@ def _param_bytes(pm) -> dict:
     return out
 
 
-def _held_bytes(model, opt) -> int:
-    """Bytes of the distinct storages of parameters, gradients, Adam state and reducer buffers."""
-    seen = {}
-
-    def add(t):
-        if t is None or not torch.is_tensor(t):
-            return
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    for g in opt.param_groups:
-        for p in g["params"]:
-            add(p)
-            add(p.grad)
-    for st in opt.state.values():
-        for v in st.values():
-            add(v)
-    for m in model.modules():
-        for b in getattr(getattr(m, "reducer", None), "_buckets", None) or []:
-            add(getattr(b, "buffer", None))
-    return sum(seen.values())
-
-
-def _step(model, opt, b, phases=None):
-    t0 = time.perf_counter()
-    opt.zero_grad()
-    loss = model(**b)
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    opt.step()
-    if phases is not None:
-        t3 = time.perf_counter()
-        phases[0] += t1 - t0
-        phases[1] += t2 - t1
-        phases[2] += t3 - t2
-    return loss.detach()
-
-
-def _reduce(values: list, op=dist.ReduceOp.SUM) -> list:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
 # -- part 1: step time, parameter bytes, collectives ----------------------------------------------
 
 _EXCHANGES: dict = {}  # collective -> {"calls", "bytes"}: the expert-parallel exchanges since the last clear
@@ -292,7 +237,7 @@ def _counted_step(case, built, b, phases, rank, world, a):
     load.reset()
     exchanges.clear()
     with count_collectives() as stats:
-        loss = _step(*built, b, phases)
+        loss = _common.timed_step(*built, b, phases)
     local = a["experts"] // world
     received = [int(c[rank * local:(rank + 1) * local].sum()) for c in load.per_call] if case == "ep" else []
     load.reset()
@@ -313,11 +258,9 @@ def time_cases(rank: int, cases: list, a: dict, gen_dir: str) -> dict:
         gc.collect()
     done = {c: 0 for c in cases}
     losses = {c: [] for c in cases}
-    times = {c: [] for c in cases}
     comm = {c: [] for c in cases}
     received = {c: [] for c in cases}
     exchanges = {c: [] for c in cases}
-    rounds = []
     phases = {c: [0.0, 0.0, 0.0] for c in cases}
 
     def run(c, n, ph=None):
@@ -333,21 +276,11 @@ def time_cases(rank: int, cases: list, a: dict, gen_dir: str) -> dict:
 
     for c in cases:
         losses[c].extend(x.item() for x in run(c, a["warmup"]))
-        held[c] = _held_bytes(*built[c])  # gradients and Adam state exist after a step
-    for r in range(a["rounds"]):
-        order = cases[r % len(cases):] + cases[:r % len(cases)]
-        this = {}
-        for c in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            out = run(c, a["block"], phases[c])
-            dt = _reduce([time.perf_counter() - t0], dist.ReduceOp.MAX)[0] / a["block"]
-            times[c].append(dt)
-            this[c] = dt
-            losses[c].extend(x.item() for x in out)
-        rounds.append(this)
+        held[c] = _rss.held_bytes(*built[c])  # gradients and Adam state exist after a step
+    times, rounds = _common.interleaved_rounds(cases, a["rounds"], a["block"],
+                                               lambda c: run(c, a["block"], phases[c]), losses)
     for c in cases:
-        losses[c] = [x / world for x in _reduce(losses[c])]
+        losses[c] = [x / world for x in _common.all_reduce_floats(losses[c])]
     nsteps_timed = a["rounds"] * a["block"]
     assert all(done[c] == nsteps for c in cases)
     return {"rank": rank, "build_s": build_s, "step_s": times, "rounds": rounds, "losses": losses,
@@ -358,135 +291,44 @@ def time_cases(rank: int, cases: list, a: dict, gen_dir: str) -> dict:
 
 # -- part 2: memory of one case in its own processes ----------------------------------------------
 
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _release() -> None:
-    """Collect garbage and hand glibc's free memory back to the OS."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_peak() -> int:
-    """VmHWM := VmRSS; returns VmRSS."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmRSS")
-
-
-class _Sampler:
-    """The largest VmRSS seen, sampled every `period` s in a thread (a cross-check of VmHWM)."""
-
-    def __init__(self, period: float = 0.002):
-        self.period, self.peak, self._stop = period, _status("VmRSS"), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _status("VmRSS"))
-            time.sleep(self.period)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
-def _warm_up_process() -> None:
-    """One Adam step of a tiny single-device Mixtral and one of each collective the cases use,
-    released: code pages, thread pools and allocator arenas are then part of the baseline."""
+def _tiny_step() -> None:
+    """One Adam step of a tiny single-device Mixtral: `_rss.baselines`' warm-up."""
     tiny = dict(vocab=64, hidden=32, intermediate=48, layers=1, heads=4, kv_heads=2, experts=4, top_k=2, seq=8)
     m = _mixtral(tiny, seed=1)
     o = torch.optim.Adam(m.parameters(), lr=1e-3)
     m(**_global_batch(dict(tiny, batch=2), 0)).backward()
     o.step()
-    n = dist.get_world_size()
-    x = torch.ones(4096 * n)
-    dist.all_reduce(x)
-    dist.all_to_all_single(torch.empty_like(x), x)
-    dist.all_gather_into_tensor(torch.empty(4096 * n), torch.ones(4096))
-    del m, o, x
-    _release()
-    dist.barrier()
 
 
 def memory_case(rank: int, case: str, a: dict, gen_dir: str) -> dict:
     """Build, `mem_warmup` steps, reset the peak RSS, `mem_steps` steps."""
     world = dist.get_world_size()
-    dist.barrier()
-    _release()
-    baseline_cold = _status("VmRSS")
-    _warm_up_process()
-    baseline = _status("VmRSS")
+    baseline_cold, baseline = _rss.baselines(_tiny_step, WARM_UP_COLLECTIVES)
     t0 = time.perf_counter()
     model, opt, _, _ = _build(case, a, world, gen_dir)
     build_s = time.perf_counter() - t0
-    losses = [_step(model, opt, _inputs(case, a, rank, world, s)).item() for s in range(a["mem_warmup"])]
-    _release()
-    build_peak = _status("VmHWM")
-    held = _held_bytes(model, opt)
+
+    def step(b):
+        return _common.timed_step(model, opt, b).item()
+    losses = [step(_inputs(case, a, rank, world, s)) for s in range(a["mem_warmup"])]
+    _rss.release()
+    build_peak = _rss.status("VmHWM")
+    held = _rss.held_bytes(model, opt)
     params = _param_bytes(model)
     dist.barrier()
-    steady = _reset_peak()
-    sampler = _Sampler()
-    peaks, times = [], []
-    for s in range(a["mem_warmup"], a["mem_warmup"] + a["mem_steps"]):
-        b = _inputs(case, a, rank, world, s)
-        t = time.perf_counter()
-        losses.append(_step(model, opt, b).item())
-        times.append(time.perf_counter() - t)
-        peaks.append(max(_status("VmHWM"), sampler.peak))
-    sampled = sampler.stop()
-    peak = max(_status("VmHWM"), sampled)
-    losses = [x / world for x in _reduce(losses)]
+    m = _rss.steady_state_peak(step, (_inputs(case, a, rank, world, s)
+                                      for s in range(a["mem_warmup"], a["mem_warmup"] + a["mem_steps"])))
+    losses = [x / world for x in _common.all_reduce_floats(losses + m.losses)]
     del model, opt
     dist.barrier()
     return {"rank": rank, "case": case, "baseline_cold_rss": baseline_cold, "baseline_rss": baseline,
             "build_peak": build_peak, "build_s": build_s, "held_bytes": held, "param_bytes": params,
-            "steady_rss": steady, "peak_rss": peak, "sampled_peak_rss": sampled, "peak_rss_per_step": peaks,
-            "peak_above_baseline": peak - baseline, "transient": peak - steady, "step_s": times, "losses": losses}
+            "steady_rss": m.steady, "peak_rss": m.peak, "sampled_peak_rss": m.sampled,
+            "peak_rss_per_step": m.per_step, "peak_above_baseline": m.peak - baseline, "transient": m.peak - m.steady,
+            "step_s": m.step_s, "losses": losses}
 
 
 # -- driver ---------------------------------------------------------------------------------------
-
-def _spawn(fn, fn_args: tuple, a: dict, tmp: str, name: str, malloc_env: bool):
-    old = {k: os.environ.get(k) for k in MALLOC_ENV}
-    if malloc_env:
-        os.environ.update(MALLOC_ENV)  # read by glibc when a process starts: the workers inherit it
-    else:
-        for k in MALLOC_ENV:
-            os.environ.pop(k, None)
-    try:
-        return _common.spawn_gloo(fn, fn_args, a["nproc"], os.path.join(tmp, name + ".json"))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _rel_diff(xs: list, ref: list) -> float:
-    n = min(len(xs), len(ref))
-    return max((abs(x - r) / max(abs(r), 1e-12) for x, r in zip(xs[:n], ref[:n])), default=float("nan"))
-
-
-def _mem_summary(case: str, ranks: list, spawn_s: float) -> dict:
-    big = max(ranks, key=lambda r: r["peak_rss"])
-    return {"case": case, "label": LABELS[case], "spawn_s": spawn_s,
-            **{k: max(r[k] for r in ranks) for k in ("peak_rss", "baseline_rss", "baseline_cold_rss",
-                                                       "peak_above_baseline", "build_peak", "held_bytes",
-                                                       "steady_rss", "transient", "sampled_peak_rss")},
-            "larger_rank": big["rank"], "losses": ranks[0]["losses"],
-            "step_s_median": statistics.median(big["step_s"]) if big["step_s"] else None, "per_rank": ranks}
-
 
 def _a2a_bytes(snapshot: dict) -> tuple:
     return (sum(snapshot.get(k, {}).get("bytes", 0) for k in A2A),
@@ -573,13 +415,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences a step (the global batch)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each case (part 1)")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--block", type=int, default=2, help="steps per case per round")
-    p.add_argument("--mem-warmup", type=int, default=1)
-    p.add_argument("--mem-steps", type=int, default=3)
-    p.add_argument("--loss-rtol", type=float, default=1e-3)
-    p.add_argument("--no-malloc-env", action="store_true", help="glibc's malloc defaults in the memory workers")
+    _rss.add_protocol_args(p, warmup=2, rounds=10, block=2)
     p.add_argument("--parts", nargs="*", default=["time", "memory"], choices=["time", "memory"],
                    help="1: step time, parameter bytes, all-to-all bytes; 2: peak RSS")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "moe.json"))
@@ -606,13 +442,14 @@ def main() -> None:
           f"{threads} thread(s)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         gen = os.path.join(tmp, "gen")
-        timing, time_spawn_s = _spawn(time_cases, (cases, a, gen), a, tmp, "time", False)
+        timing, time_spawn_s = _rss.spawn(time_cases, (cases, a, gen), n, os.path.join(tmp, "time.json"), False)
         print(f"part 1 (step time, parameters, collectives): {time_spawn_s:.1f} s", flush=True)
         mem = {}
         for c in (cases if "memory" in args.parts else []):
-            ranks, s = _spawn(memory_case, (c, a, gen), a, tmp, f"mem_{c}", not args.no_malloc_env)
-            mem[c] = _mem_summary(c, ranks, s)
-            print(f"part 2 (memory) {c}: peak RSS {_mib(mem[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
+            ranks, s = _rss.spawn(memory_case, (c, a, gen), n, os.path.join(tmp, f"mem_{c}.json"),
+                                  not args.no_malloc_env)
+            mem[c] = _rss.mem_summary(c, LABELS[c], ranks, s)
+            print(f"part 2 (memory) {c}: peak RSS {fmt_mib(mem[c]['peak_rss'])} MiB ({s:.1f} s)", flush=True)
 
     # -- report ------------------------------------------------------------------------------------
     r0 = timing[0]
@@ -624,11 +461,11 @@ def main() -> None:
                   "held_bytes": max(r["held_bytes"][c] for r in timing)} for c in cases}
     sizes = r0["sizes"]
     a2a = _all_to_all_report(timing, a, n)
-    loss_diff = _rel_diff(r0["losses"]["ep"], r0["losses"]["dp"])
+    loss_diff = _common.max_rel_diff(r0["losses"]["ep"], r0["losses"]["dp"])
     losses_ok = loss_diff <= args.loss_rtol
     if mem:
         for c in cases:
-            mem[c]["loss_rel_diff_vs_part1"] = _rel_diff(mem[c]["losses"], r0["losses"][c])
+            mem[c]["loss_rel_diff_vs_part1"] = _common.max_rel_diff(mem[c]["losses"], r0["losses"][c])
     print(f"\n== Mixtral {args.layers} x {args.hidden}: {sizes['params']:,} parameters, {sizes['expert_params']:,} "
           f"in experts; Adam fp32; {n} gloo ranks x {threads} thread(s); {tokens} tokens a step ==")
     head = ["case", "step ms (median)", "min", "fwd / bwd / opt ms", "tokens/s", "expert params MiB/rank",
@@ -641,12 +478,13 @@ def main() -> None:
         ph = r0["phases_ms"][c]
         pb = params[c]
         row = [c, f"{step[c] * 1e3:,.0f}", f"{min(r0['step_s'][c]) * 1e3:,.0f}",
-               f"{ph[0]:,.0f} / {ph[1]:,.0f} / {ph[2]:,.0f}", f"{tps[c]:,.0f}", _mib(pb["expert_bytes"]),
-               _mib(pb["total_bytes"]), _mib(pb["held_bytes"])]
+               f"{ph[0]:,.0f} / {ph[1]:,.0f} / {ph[2]:,.0f}", f"{tps[c]:,.0f}", fmt_mib(pb["expert_bytes"]),
+               fmt_mib(pb["total_bytes"]), fmt_mib(pb["held_bytes"])]
         if mem:
             m = mem[c]
-            row += [_mib(m["baseline_rss"]), _mib(m["steady_rss"]), _mib(m["peak_rss"]), _mib(m["peak_above_baseline"])]
-        row += [_mib(max(_a2a_bytes(r["expert_exchanges"][c][-1])[0] for r in timing)),
+            row += [fmt_mib(m["baseline_rss"]), fmt_mib(m["steady_rss"]), fmt_mib(m["peak_rss"]),
+                    fmt_mib(m["peak_above_baseline"])]
+        row += [fmt_mib(max(_a2a_bytes(r["expert_exchanges"][c][-1])[0] for r in timing)),
                 f"{r0['losses'][c][-1]:.6f}"]
         rows.append(row)
     print(_common.table(head, rows))
@@ -666,7 +504,8 @@ def main() -> None:
     print(f"the ep step's other all-to-alls (adapters between layouts), per rank: "
           + ", ".join(f"{x:,} B" for x in a2a["adapter_all_to_all_bytes_per_rank"]))
     print("collectives a step, rank 0: " + "; ".join(
-        f"{c}: " + ", ".join(f"{k} {v['calls']} x {_mib(v['bytes'])} MiB" for k, v in r0["collectives"][c][-1].items())
+        f"{c}: " + ", ".join(f"{k} {v['calls']} x {fmt_mib(v['bytes'])} MiB"
+                             for k, v in r0["collectives"][c][-1].items())
         for c in cases))
     ratios = {"expert_param_bytes_per_rank ep/dp": params["ep"]["expert_bytes"] / params["dp"]["expert_bytes"],
               "param_bytes_per_rank ep/dp": params["ep"]["total_bytes"] / params["dp"]["total_bytes"],
@@ -684,7 +523,7 @@ def main() -> None:
     print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
     data = {**_common.run_header(),
             "config": {**vars(args), "threads_per_rank": threads, "tokens_per_step": tokens,
-                       "malloc_env": None if args.no_malloc_env else MALLOC_ENV, "dtype": "float32",
+                       "malloc_env": None if args.no_malloc_env else _rss.MALLOC_ENV, "dtype": "float32",
                        "experts_implementation": "eager", "labels": LABELS},
             "model": {"params": sizes["params"], "expert_params": sizes["expert_params"],
                       "param_bytes": 4 * sizes["params"], "expert_param_bytes": 4 * sizes["expert_params"]},
