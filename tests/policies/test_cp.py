@@ -76,3 +76,22 @@ def test_attention_dropout_is_refused():
 def test_bad_sequence_dim():
     with pytest.raises(ConfigError, match=r"sequence_dim'\] must be"):
         apply_policy(_graph(Attention()), ComputeConfig(2, 2, pas_config={"sequence_dim": "seq"}), "cp")
+
+
+def test_autodist_may_ring_the_attention():
+    from nnscaler.policies.autodist.choices import node_choices
+    graph = _graph(Attention(), seq=8)
+    attention = next(n for n in graph.nodes if n.target == SDPA)
+    assert "ring" in [c.label for c in node_choices(graph, attention, 2)]
+    assert "ring" not in [c.label for c in node_choices(graph, attention, 8)]  # 8 positions are not 16 chunks
+    comm = {"backend": "given", "collectives": {c: {"2": [1e-5, 5e9]} for c in
+                                                ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}}
+    constraints = {"_comm_profile": comm, "_profile_repeats": 1}
+    from nnscaler.policies.autodist.cost_model import build_problem
+    from nnscaler.policies.autodist.comm_model import CommModel
+    from nnscaler.policies.autodist.config import AutodistConfig
+    cfg = AutodistConfig.from_compute_config(ComputeConfig(2, 2, pas_config=constraints))
+    problem = build_problem(graph, 2, {attention.id: (1e-3, 2e-3)}, CommModel(comm), cfg)
+    op = next(o for o in problem.ops if o.node.id == attention.id)
+    times = dict(zip(op.labels, op.time))
+    assert times["ring"] > 3e-3 / 2  # half the compute plus the blocks passed around the ring

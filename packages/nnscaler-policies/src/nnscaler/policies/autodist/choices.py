@@ -1,5 +1,6 @@
 """The partition choices of each op: replicate it, or split it along one annotated dim (and, for
-a routed-experts op, split its experts: expert parallelism, `EXPERT_DIM`).
+a routed-experts op, split its experts: expert parallelism, `EXPERT_DIM`; for attention, split
+its sequence as ring attention, `RING_DIM`).
 
 Codegen runs every op on all devices of the unit (or of its pipeline stage): either whole on
 each (replicated) or as `n` pieces, piece i on device i. So an op's choices are ``R`` and each
@@ -12,7 +13,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, IRGraph, Node, Replicate, Shard
+from nnscaler.ir import EXPERT_DIM, RING_DIM, ROUTED_EXPERTS, SDPA, IRGraph, Node, Replicate, Shard
 
 from ..plan import tensor_inputs, tensor_outputs
 from ..primitives import bind_annotation
@@ -58,9 +59,26 @@ def node_choices(graph: IRGraph, node: Node, n: int, allowed: Optional[Sequence[
                 out.append(Choice(dim, tuple(ins), tuple(outs)))
         if node.target == ROUTED_EXPERTS and expert_parallel_fits(graph, node, n):
             out.append(Choice(EXPERT_DIM, (Shard(0),) * n_in, (Shard(0),) * n_out))  # builtin/ep.py
+        if node.target == SDPA and ring_fits(graph, node, n):
+            out.append(_ring_choice(graph, node))  # builtin/cp.py
     if allowed is not None:
         out = [c for c in out if c.label in allowed]
     return out
+
+
+def ring_fits(graph: IRGraph, node: Node, n: int) -> bool:
+    """Attention whose sequence splits into n (2n when causal) chunks, without dropout (ring attention)."""
+    q = graph.value(tensor_inputs(graph, node)[0]).shape
+    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    dropout = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+    return q is not None and len(q) == 4 and not dropout and q[-2] % (2 * n if causal else n) == 0
+
+
+def _ring_choice(graph: IRGraph, node: Node) -> Choice:
+    ins = tensor_inputs(graph, node)
+    places = [Shard(2)] * 3 + [Shard(len(graph.value(r).shape) - 2) if graph.value(r).shape[-2:-1] not in ((), (1,))
+                               else Replicate() for r in ins[3:]]
+    return Choice(RING_DIM, tuple(places), (Shard(2),) * len(tensor_outputs(graph, node)))
 
 
 def expert_parallel_fits(graph: IRGraph, node: Node, n: int) -> bool:

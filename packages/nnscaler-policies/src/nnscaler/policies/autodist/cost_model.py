@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from nnscaler.ir import EXPERT_DIM, IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
+from nnscaler.ir import EXPERT_DIM, RING_DIM, ROUTED_EXPERTS, SDPA, IRGraph, Node, Replicate, Shard, step_collectives, transition_steps
 from nnscaler.ir.contracts import resolve_unit_modules, unit_names
 
 from ..plan import tensor_inputs, tensor_outputs
@@ -257,10 +257,13 @@ def build_problem(graph: IRGraph, n: int, op_times: Dict[int, Tuple[float, float
         op = OpVar(node, choices, [], [])
         for c in choices:
             t = whole if not c.partitioned else min(whole, overhead) + max(0.0, whole - overhead) / n
-            if c.dim == EXPERT_DIM:  # dispatch and combine, forward (and backward): all-to-all of the routed rows
+            if c.dim == EXPERT_DIM and node.target == ROUTED_EXPERTS:  # dispatch and combine, forward (and backward): all-to-all of the routed rows
                 tokens, k = graph.value(ins[1]).shape
                 rows = nbytes((tokens * k, graph.value(ins[0]).shape[-1]), graph.value(ins[0]).dtype, cfg)
                 t += (4 if needs_grad else 2) * comm.time("all_to_all", rows, n)
+            if c.dim == RING_DIM and node.target == SDPA:  # n - 1 key/value blocks around the ring (backward: with their gradients)
+                kv = sum(nbytes(graph.value(r).shape, graph.value(r).dtype, cfg) for r in ins[1:3]) / n
+                t += (n - 1) * (1 + (2 if needs_grad else 0)) * comm.time("p2p", kv, 2)
             local = [nbytes(graph.value(r).shape, graph.value(r).dtype, cfg) / (n if isinstance(p, Shard) else 1)
                      for r, p in zip(outs, c.outs)]
             act = 0.0 if node.recompute else sum(b for r, b in zip(outs, local)

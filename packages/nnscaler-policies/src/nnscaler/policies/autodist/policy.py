@@ -11,10 +11,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, IRGraph, warn_user
+from nnscaler.ir import EXPERT_DIM, RING_DIM, ROUTED_EXPERTS, SDPA, IRGraph, warn_user
 
 from ..builtin._nothing_split import PolicyWarning
 from ..builtin._spread import replicate_over_unit, split_over_unit
+from ..builtin.cp import split_ring
 from ..builtin.ep import split_experts
 from ..pipeline import pivot_leads, schedule, stage
 from ..recompute import recompute_modules
@@ -256,6 +257,8 @@ def apply_record(graph: IRGraph, record: PlanRecord) -> IRGraph:
             replicate_over_unit(graph, node, len(devices), devices)
         elif choice == EXPERT_DIM and node.target == ROUTED_EXPERTS:
             split_experts(graph, node, devices)
+        elif choice == RING_DIM and node.target == SDPA:
+            split_ring(graph, node, devices)
         else:
             split_over_unit(graph, node, choice, len(devices), devices)
     return graph
