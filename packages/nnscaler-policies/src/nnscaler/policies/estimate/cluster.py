@@ -11,8 +11,11 @@ The YAML (docs/autodist.md, "Planning a cluster you do not have")::
 come from that table. Optional: ``gpu.dtype`` (``bf16``, default, or ``fp32``: what the peak is
 for and what training runs in) and ``efficiency`` (``matmul``, ``attention``, ``memory``: the
 fractions of peak each op class reaches, defaults in `costs.EFFICIENCY`) and ``op_overhead_us``
-(the fixed cost of one op: kernel launch and dispatch, default 5). Every bad value is a
-`ClusterError` naming the file, the key and the fix.
+(the fixed cost of one op: kernel launch and dispatch, default 5) and ``fused_attention`` (default
+true; false: the software has no fused attention kernel, so attention runs as two batched matmuls
+and a softmax over the materialised s x s scores, `costs.unfused_attention_time`). Calibrated from
+one measured step: ``nnscaler plan estimate --calibrate-step-seconds`` (`calibrate`). Every bad
+value is a `ClusterError` naming the file, the key and the fix.
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class Cluster:
     efficiency: Dict[str, float] = dataclasses.field(default_factory=dict)  # overrides of costs.EFFICIENCY
     source: str = ""
     op_overhead_us: float = 5.0  # fixed cost of launching one op (kernel launch and dispatch)  # the file it came from, or how it was measured
+    fused_attention: bool = True  # False: no flash attention kernel (the s x s scores materialised)
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -150,7 +154,8 @@ def parse_cluster(data, where: str, name: Optional[str] = None) -> Cluster:
     if not isinstance(data, dict):
         raise ClusterError(f"{where}: a cluster description is a mapping with keys gpu, gpus_per_node, intra_node "
                            f"and inter_node, got {type(data).__name__}")
-    _only(where, "", data, ("gpu", "gpus_per_node", "intra_node", "inter_node", "efficiency", "op_overhead_us", "name"))
+    _only(where, "", data, ("gpu", "gpus_per_node", "intra_node", "inter_node", "efficiency", "op_overhead_us",
+                            "fused_attention", "name"))
     for key in ("gpu", "gpus_per_node", "intra_node", "inter_node"):
         if key not in data:
             raise ClusterError(f"{where}: missing key '{key}'; a cluster description needs gpu, gpus_per_node, "
@@ -161,10 +166,14 @@ def parse_cluster(data, where: str, name: Optional[str] = None) -> Cluster:
     for k, v in eff.items():
         if v > 1:
             raise ClusterError(f"{where}: 'efficiency.{k}' is a fraction of peak, at most 1; got {v}")
+    fused = data.get("fused_attention", True)
+    if not isinstance(fused, bool):
+        raise ClusterError(f"{where}: 'fused_attention' must be true or false (false: attention without a fused "
+                           f"kernel, the s x s scores materialised), got {fused!r}")
     return Cluster(str(data.get("name") or name or Path(where).stem), _gpu(where, data["gpu"]),
                    _num(where, "gpus_per_node", data["gpus_per_node"], integer=True),
                    _link(where, "intra_node", data["intra_node"]), _link(where, "inter_node", data["inter_node"]),
-                   eff, where, _num(where, "op_overhead_us", data.get("op_overhead_us", 5.0)))
+                   eff, where, _num(where, "op_overhead_us", data.get("op_overhead_us", 5.0)), fused)
 
 
 def load_cluster(spec: str) -> Cluster:

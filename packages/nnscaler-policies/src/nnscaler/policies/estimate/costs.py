@@ -5,12 +5,13 @@ stated here and in docs/autodist.md ("Planning a cluster you do not have").
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, Optional
 
 from .cluster import Cluster, Link
 
 __all__ = ["EFFICIENCY", "USABLE_MEMORY", "GiB", "efficiency", "matmul_time", "memory_bound_time",
-           "attention_time", "ring_all_reduce_time", "ring_all_gather_time", "all_to_all_time", "p2p_time",
+           "attention_time", "unfused_attention_time", "ring_all_reduce_time", "ring_all_gather_time",
+           "all_to_all_time", "p2p_time",
            "bubble_fraction",
            "interleaved_activation_factor",
            "optimizer_bytes_per_param", "model_flops", "attention_flops_per_token", "mfu"]
@@ -29,6 +30,10 @@ EFFICIENCY: Dict[str, float] = {"matmul": 0.80, "attention": 0.50, "memory": 0.8
 USABLE_MEMORY = 0.92
 OPS_PER_LAYER = 20  # ops of one decoder layer's forward (norms, projections, rotary, attention, adds); backward 2x
 ATTENTION_BACKWARD = 2.5  # FlashAttention's backward does 5 matmuls of the forward's 2 (recomputing the scores)
+# Without a fused kernel (a cluster's `fused_attention: false`) the b·heads·s² scores are materialised:
+# QKᵀ writes them, the fused scale-mask-softmax reads and writes them, dropout reads and writes them,
+# PV reads them: 6 passes forward; backward twice the forward (4 matmuls of its 2, twice the passes).
+SCORE_PASSES = 6
 
 
 def efficiency(cluster: Cluster, kind: str) -> float:
@@ -54,6 +59,19 @@ def attention_time(batch: float, seq: int, heads: float, head_dim: int, cluster:
     of them skipped by the causal mask."""
     flops = 4.0 * batch * seq * seq * heads * head_dim * 0.5
     return flops / (cluster.gpu.peak_flops * efficiency(cluster, "attention"))
+
+
+def unfused_attention_time(batch: float, seq: int, heads: float, head_dim: int, cluster: Cluster,
+                           rows: Optional[float] = None) -> float:
+    """Forward of attention without a fused kernel over `heads` local heads and `rows` query rows
+    (default seq) against seq keys: QKᵀ and PV as batched matmuls at the matmul efficiency, the
+    causal mask skipping nothing (4·b·rows·s·heads·head_dim FLOPs), and `SCORE_PASSES` passes over
+    the b·heads·rows·s scores at the memory bandwidth."""
+    rows = seq if rows is None else rows
+    flops = 4.0 * batch * rows * seq * heads * head_dim
+    scores = batch * heads * rows * seq * cluster.gpu.dtype_bytes
+    return flops / (cluster.gpu.peak_flops * efficiency(cluster, "matmul")) \
+        + SCORE_PASSES * memory_bound_time(scores, cluster)
 
 
 def ring_all_reduce_time(nbytes: float, n: int, link: Link) -> float:

@@ -14,6 +14,11 @@ each, the expert matrices also split over tp: expert tensor parallelism = tp), s
 shards spread over those). Tokens reach their experts by an all-to-all (dispatch) and return by
 another (combine), forward and backward; the busiest rank's expert compute is `Workload.moe_imbalance`
 times the mean.
+
+Context parallelism (`Plan.cp`, `context`): cp ranks follow tp (tp, cp, dp, pp), each holding s/cp
+tokens of every sequence (activations, matmuls, elementwise ops and messages / cp; its 1/cp share of
+the causal attention; the ring's exposed transfers in `Estimate.cp_comm_s`); the cp ranks hold
+replicas of the weights, so the gradients are reduced (and ZeRO shards spread) over dp·cp ranks.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from typing import Dict, List
 
 from nnscaler.ir import ConfigError
 
-from . import costs
+from . import context, costs
 from .cluster import Cluster
 from .model import ModelSpec
 
@@ -49,6 +54,7 @@ class Plan:
     virtual: int = 1  # pipeline stages per GPU: 1 is 1F1B, more is interleaved 1F1B
     zero_ngroups: int = 1  # ComputeConfig.zero_ngroups: the dp ranks split into this many zero groups
     ep: int = 1  # expert parallel: the routed experts split over ep of the dp ranks (mixture of experts)
+    cp: int = 1  # context parallel: every sequence split over cp ranks (ring attention); GPUs = tp·cp·pp·dp
 
     def __post_init__(self):
         if self.zero not in ZERO_STAGES:
@@ -60,15 +66,18 @@ class Plan:
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
             raise ConfigError(f"Plan.ep ({self.ep!r}) must be a whole number >= 1 dividing dp ({self.dp}): the "
                               f"expert-parallel ranks are carved out of the data-parallel ones")
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise ConfigError(f"Plan.cp must be a whole number >= 1 (the context-parallel degree), got {self.cp!r}")
 
     @property
     def zero_group(self) -> int:
-        """Ranks one ZeRO shard is spread over: dp / zero_ngroups with ZeRO, else 1."""
-        return self.dp // self.zero_ngroups if self.zero else 1
+        """Ranks one ZeRO shard is spread over: dp·cp / zero_ngroups with ZeRO, else 1."""
+        return self.dp * self.cp // self.zero_ngroups if self.zero else 1
 
     @property
     def family(self) -> str:
-        return f"tp{self.tp} pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+        return (f"tp{self.tp}" + (f" cp{self.cp}" if self.cp > 1 else "") + f" pp{self.pp} dp{self.dp}"
+                + (f" ep{self.ep}" if self.ep > 1 else ""))
 
     def describe(self) -> str:
         return (f"{self.family}" + (f" v{self.virtual}" if self.virtual > 1 else "")
@@ -112,10 +121,11 @@ class Estimate:
     tflops_per_gpu: float
     mfu: float
     ep_comm_s: float = 0.0  # the MoE layers' dispatch and combine all-to-alls
+    cp_comm_s: float = 0.0  # the context-parallel ring's transfers that attention does not hide
 
     @property
     def comm_s(self) -> float:
-        return self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.ep_comm_s
+        return self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.ep_comm_s + self.cp_comm_s
 
     @property
     def memory_gb(self) -> float:
@@ -144,10 +154,10 @@ def _group_link(cluster: Cluster, span: int):
     return cluster.intra_node if span <= cluster.gpus_per_node else cluster.inter_node
 
 
-def _layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, moe: tuple = ()):
-    """(forward s, backward s, tp comm s per forward pass) of one decoder layer on one micro-batch;
-    `moe`: (ep, imbalance) for an MoE layer."""
-    m = b * seq
+def _layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, moe: tuple = (), cp: int = 1):
+    """(forward s, backward s, tp comm s per forward pass, (forward, backward) exposed ring s) of one
+    decoder layer on one micro-batch's s/cp tokens; `moe`: (ep, imbalance) for an MoE layer."""
+    m = b * seq / cp
     h, hd = spec.hidden, spec.head_dim
     mats = [(1, m, h, (spec.heads + 2 * spec.kv_heads) * hd / tp),  # q, k, v
             (1, m, spec.heads * hd / tp, h)]  # attention output projection
@@ -158,15 +168,22 @@ def _layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, m
                     (1, m, spec.ffn / tp, h)]  # down
         mlp_elements = (3 if spec.gated else 2) * spec.ffn
     mm = sum(n * costs.matmul_time(*shape, cluster) for n, *shape in mats + mlp_mats)
-    att = costs.attention_time(b, seq, spec.heads / tp, hd, cluster)
+    if cluster.fused_attention:  # the causal attention balanced over cp (zigzag): 1/cp of it a rank
+        att = costs.attention_time(b, seq, spec.heads / tp, hd, cluster) / cp
+        att_b = costs.ATTENTION_BACKWARD * att
+    else:  # the rank's s/cp query rows against all s keys; backward twice the forward
+        att = costs.unfused_attention_time(b, seq, spec.heads / tp, hd, cluster, rows=seq / cp)
+        att_b = 2 * att
+    merge_f, merge_b = context.merge_times(spec, b, seq, tp, cp, cluster)  # the ring steps' merges (0 without cp)
+    att, att_b = att + merge_f, att_b + merge_b
     # norms, residual adds, rotary on q and k, the MLP activation: elements read + written per token
     elementwise = 10 * h + 2 * (spec.heads + spec.kv_heads) * hd + mlp_elements
     ew = costs.memory_bound_time(m * elementwise / tp * cluster.gpu.dtype_bytes, cluster)
     fwd = mm + att + ew
-    bwd = 2 * mm + costs.ATTENTION_BACKWARD * att + 2 * ew
+    bwd = 2 * mm + att_b + 2 * ew
     # Megatron TP (sequence parallel): 2 all-gathers + 2 reduce-scatters of b·s·h a pass (= 2 all-reduces)
     comm = 2 * costs.ring_all_reduce_time(m * h * cluster.gpu.dtype_bytes, tp, cluster.intra_node)
-    return fwd, bwd, comm
+    return fwd, bwd, comm, context.ring_times(spec, b, seq, tp, cp, att, att_b, cluster)
 
 
 def _moe_mlp(spec: ModelSpec, m: int, tp: int, ep: int, imbalance: float):
@@ -184,17 +201,17 @@ def _moe_mlp(spec: ModelSpec, m: int, tp: int, ep: int, imbalance: float):
     return mats, act + 4 * spec.top_k * h
 
 
-def _all_to_all_time(spec: ModelSpec, b: int, seq: int, tp: int, ep: int, cluster: Cluster) -> float:
+def _all_to_all_time(spec: ModelSpec, b: int, seq: int, tp: int, ep: int, cluster: Cluster, cp: int = 1) -> float:
     """Dispatch + combine of one forward pass of an MoE layer: two all-to-alls over ep ranks, each of the
-    rank's b·s/tp tokens (sequence parallel) x top_k copies x hidden, on the link an ep group of tp·ep
-    consecutive ranks needs."""
-    nbytes = b * seq / tp * spec.top_k * spec.hidden * cluster.gpu.dtype_bytes
-    return 2 * costs.all_to_all_time(nbytes, ep, _group_link(cluster, tp * ep))
+    rank's b·s/(cp·tp) tokens (sequence parallel) x top_k copies x hidden, on the link an ep group of
+    tp·cp·ep consecutive ranks needs."""
+    nbytes = b * seq / cp / tp * spec.top_k * spec.hidden * cluster.gpu.dtype_bytes
+    return 2 * costs.all_to_all_time(nbytes, ep, _group_link(cluster, tp * cp * ep))
 
 
-def _head_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster):
+def _head_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, cp: int = 1):
     """(forward s, backward s) of the output projection and the loss over fp32 logits (vocab split over tp)."""
-    m = b * seq
+    m = b * seq / cp
     mm = costs.matmul_time(m, spec.hidden, spec.vocab / tp, cluster)
     loss = costs.memory_bound_time(m * spec.vocab / tp * 4 * 4, cluster)  # cast, softmax, grad: ~4 fp32 passes
     return mm + loss / 2, 2 * mm + loss / 2
@@ -216,7 +233,8 @@ def gpu_layer_ids(layers: int, pp: int, virtual: int = 1) -> List[List[int]]:
 
 
 def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan) -> Estimate:
-    tp, pp, dp, b, v, ep = plan.tp, plan.pp, plan.dp, plan.micro_batch, plan.virtual, plan.ep
+    tp, pp, dp, b, v, ep, cp = plan.tp, plan.pp, plan.dp, plan.micro_batch, plan.virtual, plan.ep, plan.cp
+    context.check_cp(work.seq, cp, "Plan.cp")
     if ep > 1 and (not spec.is_moe or spec.experts % ep):
         raise ConfigError(f"Plan.ep ({ep}) must divide the model's routed experts ({spec.experts}): each expert-"
                           f"parallel rank holds experts / ep of them" + ("" if spec.is_moe else "; a dense model "
@@ -224,22 +242,24 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     seq, nbytes = work.seq, cluster.gpu.dtype_bytes
     nmicros = work.sequences // (dp * b)
     overhead = costs.OPS_PER_LAYER * cluster.op_overhead_us * 1e-6
-    fwd, bwd, tp_comm = _layer_times(spec, b, seq, tp, cluster)
+    fwd, bwd, tp_comm, (ring_f, ring_b) = _layer_times(spec, b, seq, tp, cluster, cp=cp)
     fwd, bwd = fwd + overhead, bwd + 2 * overhead
     if plan.recompute:
         bwd += fwd
     layer_comm = tp_comm * (3 if plan.recompute else 2)  # forward, backward, and the recomputed forward
+    ring = ring_f * (2 if plan.recompute else 1) + ring_b  # a layer's exposed ring (the same in MoE layers)
     # an MoE layer: the same with its MLP, and the dispatch and combine all-to-alls in every pass
     fwd_m = bwd_m = layer_comm_m = a2a = 0.0
     if spec.is_moe:
-        fwd_m, bwd_m, tp_comm_m = _layer_times(spec, b, seq, tp, cluster, moe=(ep, work.moe_imbalance))
+        fwd_m, bwd_m, tp_comm_m, _ = _layer_times(spec, b, seq, tp, cluster, moe=(ep, work.moe_imbalance), cp=cp)
         fwd_m, bwd_m = fwd_m + overhead, bwd_m + 2 * overhead
         if plan.recompute:
             bwd_m += fwd_m
         layer_comm_m = tp_comm_m * (3 if plan.recompute else 2)
-        a2a = _all_to_all_time(spec, b, seq, tp, ep, cluster) * (3 if plan.recompute else 2)
-    head_f, head_b = _head_times(spec, b, seq, tp, cluster)
-    emb = costs.memory_bound_time(3 * b * seq * spec.hidden / tp * nbytes, cluster)  # lookup + its gradient
+        a2a = _all_to_all_time(spec, b, seq, tp, ep, cluster, cp) * (3 if plan.recompute else 2)
+    head_f, head_b = _head_times(spec, b, seq, tp, cluster, cp)
+    tokens = b * seq / cp  # a rank's tokens of a micro-batch
+    emb = costs.memory_bound_time(3 * tokens * spec.hidden / tp * nbytes, cluster)  # lookup + its gradient
     ids = gpu_layer_ids(spec.layers, pp, v)
     moe_ids = set(spec.moe_layer_ids)
     counts = [len(x) for x in ids]
@@ -247,8 +267,8 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     nd = [c - n for c, n in zip(counts, nm)]  # dense layers
     # pipeline messages: the boundary activation (sequence-parallel: 1/tp of it) forward and its gradient
     # back, once per stage a GPU holds
-    pp_link = _group_link(cluster, tp * dp + 1)  # neighbouring stages are tp·dp ranks apart
-    p2p = 2 * v * costs.p2p_time(b * seq * spec.hidden / tp * nbytes, pp_link) if pp > 1 else 0.0
+    pp_link = _group_link(cluster, tp * cp * dp + 1)  # neighbouring stages are tp·cp·dp ranks apart
+    p2p = 2 * v * costs.p2p_time(tokens * spec.hidden / tp * nbytes, pp_link) if pp > 1 else 0.0
 
     def gpu_time(i):
         c = nd[i] * (fwd + bwd) + nm[i] * (fwd_m + bwd_m)
@@ -256,12 +276,13 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
             c += emb
         if i == pp - 1:
             c += head_f + head_b
-        return c, nd[i] * layer_comm + nm[i] * layer_comm_m, nm[i] * a2a
+        return c, nd[i] * layer_comm + nm[i] * layer_comm_m, nm[i] * a2a, counts[i] * ring
 
     times = [gpu_time(i) for i in sorted({0, pp - 1, min(1, pp - 1)})]
-    comp, comm, ep_comm = max(times, key=sum)
-    per_micro = comp + comm + ep_comm + p2p
+    comp, comm, ep_comm, cp_comm = max(times, key=sum)
+    per_micro = comp + comm + ep_comm + cp_comm + p2p
     compute_s, tp_comm_s, pp_comm_s, ep_comm_s = nmicros * comp, nmicros * comm, nmicros * p2p, nmicros * ep_comm
+    cp_comm_s = nmicros * cp_comm
     bubble_s = (pp - 1) * per_micro / v
 
     # parameters per GPU of the first and last pipeline GPUs (biases, position embeddings: in proportion);
@@ -274,33 +295,40 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     first_e, last_e = nm[0] * routed_p * scale, nm[-1] * routed_p * scale
     local_p, local_e = max((first_p, first_e), (last_p, last_e), key=sum)
 
-    # data-parallel gradient sync, overlapped with one micro-batch's backward; ZeRO's all-gathers exposed
+    # data-parallel gradient sync (over dp·cp: the cp ranks hold replicas), overlapped with one micro-batch's
+    # backward; ZeRO's all-gathers exposed
     grads = local_p * nbytes
-    reduce, gather = zero_sync_times(grads, plan, nmicros, cluster)
-    experts_plan = dataclasses.replace(plan, dp=dp // ep, ep=1, zero_ngroups=1)  # the expert-data-parallel group
+    sync_plan = dataclasses.replace(plan, dp=dp * cp, cp=1)
+    reduce, gather = zero_sync_times(grads, sync_plan, nmicros, cluster)
+    experts_plan = dataclasses.replace(plan, dp=dp // ep * cp, ep=1, cp=1, zero_ngroups=1)  # expert-data-parallel
     if local_e:
         r_e, g_e = zero_sync_times(local_e * nbytes, experts_plan, nmicros, cluster, stride=ep)
         reduce, gather = reduce + r_e, gather + g_e
     dp_comm_s = max(0.0, reduce - (nd[0] * bwd + nm[0] * bwd_m) / v) + gather
     # Adam reads and writes its state (and fp32 master weights), reads the gradient, writes the weights
     opt_state = costs.optimizer_bytes_per_param(cluster.gpu.dtype)
-    shard, e_shard = plan.zero_group, experts_plan.zero_group
+    shard, e_shard = sync_plan.zero_group, experts_plan.zero_group
     per_param = 2 * opt_state + (2 if cluster.gpu.dtype == "bf16" else 3) * nbytes
     opt_bytes = local_p * per_param
     optimizer_s = costs.memory_bound_time(opt_bytes / shard + local_e * per_param / e_shard, cluster) \
         + 2 * overhead / costs.OPS_PER_LAYER
-    step_s = compute_s + tp_comm_s + pp_comm_s + bubble_s + dp_comm_s + optimizer_s + ep_comm_s
+    step_s = compute_s + tp_comm_s + pp_comm_s + bubble_s + dp_comm_s + optimizer_s + ep_comm_s + cp_comm_s
 
     # memory: the first GPU keeps min(pp, nmicros) micro-batches of activations (1F1B), more interleaved
-    per_layer_act = b * seq * spec.act_elements_per_token() / tp * nbytes
-    moe_act = b * seq * spec.moe_act_elements_per_token(work.moe_imbalance) / tp * nbytes if spec.is_moe else 0.0
-    layer_input = b * seq * spec.hidden / tp * nbytes
+    # (without fused attention also the scores: softmax output, dropout mask and output, Korthikanti et al.)
+    scores = 0.0 if cluster.fused_attention else (2 * nbytes + 1) * spec.heads / tp * tokens * seq
+    per_layer_act = tokens * spec.act_elements_per_token() / tp * nbytes + scores
+    moe_act = tokens * spec.moe_act_elements_per_token(work.moe_imbalance) / tp * nbytes + scores \
+        if spec.is_moe else 0.0
+    layer_input = tokens * spec.hidden / tp * nbytes
     working = (max(per_layer_act if any(nd) else 0.0, moe_act) if spec.is_moe else per_layer_act) \
         if plan.recompute else 0.0  # the layer being recomputed
     widest = spec.ffn if not spec.is_moe else max(spec.ffn if spec.moe_layers < spec.layers else 0,
                                                    spec.top_k * spec.expert_ffn * work.moe_imbalance, spec.shared_ffn)
-    transient = 2 * b * seq * (2 if spec.gated else 1) * widest / tp * nbytes
-    logits = b * seq * spec.vocab / tp * 4 * 2  # fp32 logits and their gradient, on the last GPU
+    transient = 2 * tokens * (2 if spec.gated else 1) * widest / tp * nbytes
+    if cp > 1:  # the ring's blocks in flight: K/V held and arriving, with their dK/dV in backward
+        transient += 4 * context.kv_block_bytes(spec, b, seq, tp, cp, nbytes)
+    logits = tokens * spec.vocab / tp * 4 * 2  # fp32 logits and their gradient, on the last GPU
 
     # ZeRO-3 shards the weights and gradients too; without a pipeline the Trainer accumulates micro-batches
     # under no_sync, which keeps the units' full gradients until the last one reduce-scatters them; a
@@ -331,7 +359,7 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     return Estimate(plan, nmicros, step_s, compute_s, bubble_s, tp_comm_s, pp_comm_s, dp_comm_s, optimizer_s,
                     memory, mem_parts, memory <= cluster.gpu.memory_gb * costs.GiB * costs.USABLE_MEMORY, flops,
                     work.global_batch_tokens / step_s, flops / step_s / work.gpus / 1e12,
-                    costs.mfu(flops, step_s, work.gpus, cluster.gpu.peak_flops), ep_comm_s)
+                    costs.mfu(flops, step_s, work.gpus, cluster.gpu.peak_flops), ep_comm_s, cp_comm_s)
 
 
 def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster, stride: int = 1):

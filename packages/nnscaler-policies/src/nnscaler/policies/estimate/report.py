@@ -19,6 +19,10 @@ The mapping of a plan onto nnscaler (`trainer_fragment`):
   ``pipeline_pivots``, ``pipeline_nstages = pp * virtual``, ``pipeline_nmicros``, the interleaved
   scheduler when virtual > 1). With tp > 1 it is not mapped: the fragment runs the experts replicated
   over dp (as ep 1, with more memory than estimated); ``trainer_note`` says so.
+* context parallelism (``cp`` > 1) with tp = 1: ``pas_policy: cp`` (every op split along the sequence,
+  ring attention), ``plan_ngpus = cp * pp``, ``runtime_ngpus = cp * pp * dp``, with pp > 1 the same
+  pipeline keys. With tp > 1 it is not mapped (the cp policy splits by sequence only): the fragment
+  runs cp over tp * cp ranks, the weights not split by tp; ``trainer_note`` says so.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ VERSION = 1
 
 def plan_json(est: Estimate) -> dict:
     p = est.plan
-    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "zero": p.zero, "zero_ngroups": p.zero_ngroups,
+    return {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "zero": p.zero, "zero_ngroups": p.zero_ngroups,
             "micro_batch": p.micro_batch,
             "recompute": p.recompute, "virtual_stages": p.virtual, "nmicros": est.nmicros, "step_s": est.step_s,
             "tokens_per_s": est.tokens_per_s, "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
@@ -54,9 +58,12 @@ def trainer_fragment(est: Estimate, spec: ModelSpec, cluster: Cluster) -> dict:
     layer = spec.layer_class or "DecoderLayer"
     pas: dict = {}
     plan_ngpus, runtime_ngpus = p.tp * p.pp, p.tp * p.pp * p.dp
-    if p.ep > 1 and p.tp == 1:  # the ep policy: each stage's experts over ep devices, dp / ep units
-        policy = "ep"
-        plan_ngpus, runtime_ngpus = p.pp * p.ep, p.pp * p.dp
+    if p.cp > 1 or (p.ep > 1 and p.tp == 1):
+        # the cp policy: each stage's ops split along the sequence over its tp * cp devices (tp 1 as planned);
+        # the ep policy: each stage's experts over ep devices, dp / ep units
+        policy = "cp" if p.cp > 1 else "ep"
+        plan_ngpus = p.pp * p.tp * p.cp if p.cp > 1 else p.pp * p.ep
+        runtime_ngpus = p.pp * p.tp * p.cp * p.dp if p.cp > 1 else p.pp * p.dp
         if p.pp > 1:
             pas.update(pp_size=p.pp, pipeline_pivots=layer, pipeline_nstages=p.pp * p.virtual,
                        pipeline_nmicros=est.nmicros)
@@ -90,7 +97,7 @@ def result_json(result: SearchResult, spec: ModelSpec, cluster: Cluster, work: W
     out.update({
         "breakdown_s": {"compute": best.compute_s, "bubble": best.bubble_s, "tp_comm": best.tp_comm_s,
                         "pp_comm": best.pp_comm_s, "dp_comm": best.dp_comm_s, "ep_comm": best.ep_comm_s,
-                        "optimizer": best.optimizer_s},
+                        "cp_comm": best.cp_comm_s, "optimizer": best.optimizer_s},
         "memory_parts_gb": {k: v / 2 ** 30 for k, v in best.memory_parts.items()},
         "model": {"name": spec.name, "params": spec.total_params, "layers": spec.layers, "hidden": spec.hidden,
                   "heads": spec.heads, "kv_heads": spec.kv_heads, "ffn": spec.ffn, "vocab": spec.vocab,
@@ -110,6 +117,17 @@ def result_json(result: SearchResult, spec: ModelSpec, cluster: Cluster, work: W
         out["trainer_note"] = (f"the fragment does not map expert parallelism with tensor parallelism: it runs the "
                                f"experts replicated over dp (as ep 1), needing more memory than the ep "
                                f"{best.plan.ep} estimate; --ep 1 plans what it runs")
+    if best.plan.cp > 1 and best.plan.tp > 1:
+        p = best.plan
+        out["trainer_note"] = (f"the fragment does not map tensor parallelism with context parallelism (the cp "
+                               f"policy splits every op along the sequence only): it runs cp over tp x cp = "
+                               f"{p.tp * p.cp} ranks a stage, each holding whole weights, {p.tp} x the weight, "
+                               f"gradient and optimizer memory of this estimate; --fix tp=1 plans what it runs")
+    elif best.plan.cp > 1 and best.plan.zero:
+        opt = best.memory_parts["optimizer"] * (best.plan.cp - 1) / 2 ** 30
+        out["trainer_note"] = (f"nnscaler's ZeRO shards the optimizer state over the data-parallel units only: each "
+                               f"of the {best.plan.cp} cp ranks keeps 1/dp of it, {opt:.1f} GB a GPU more than this "
+                               f"estimate (which shards over dp x cp, as Megatron-LM's distributed optimizer)")
     return out
 
 

@@ -1,8 +1,8 @@
-"""The search: every tensor (inside a node, dividing the heads), pipeline and data parallel degree
-of the whole cluster, with ZeRO (none, 1 or 3), micro-batch size and
-recomputation, and for a mixture-of-experts model every expert-parallel degree dividing dp and the
-experts; the fastest plan that fits wins, and the best plan of each other (tp, pp, ep) family is
-kept with the reason it lost."""
+"""The search: every tensor (inside a node, dividing the heads), context (`context.cp_options`),
+pipeline and data parallel degree of the whole cluster, with ZeRO (none, 1 or 3), micro-batch size
+and recomputation, and for a mixture-of-experts model every expert-parallel degree dividing dp and
+the experts (with cp 1); the fastest plan that fits wins, and the best plan of each other
+(tp, cp, pp, ep) family is kept with the reason it lost."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +12,7 @@ from typing import List, Optional
 from nnscaler.ir import ConfigError
 
 from .cluster import Cluster
+from .context import check_cp, cp_options
 from .costs import USABLE_MEMORY
 from .model import ModelSpec
 from .plan_cost import Estimate, Plan, Workload, estimate_plan
@@ -29,7 +30,7 @@ class NoPlanFitsCluster(ConfigError):
 @dataclasses.dataclass
 class SearchResult:
     best: Estimate
-    runners_up: List[tuple]  # (Estimate, reason it lost), the best of each other (tp, pp, ep) family
+    runners_up: List[tuple]  # (Estimate, reason it lost), the best of each other (tp, cp, pp, ep) family
     evaluated: int
     search_s: float
 
@@ -38,30 +39,33 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(spec: ModelSpec, cluster: Cluster, work: Workload):
-    """Every plan the search prices."""
+def candidates(spec: ModelSpec, cluster: Cluster, work: Workload, cp: Optional[int] = None):
+    """Every plan the search prices; `cp`: only that context-parallel degree (else `cp_options`)."""
     seqs = work.sequences
     for tp in _divisors(cluster.gpus_per_node):
         if work.gpus % tp or spec.heads % tp or (spec.kv_heads % tp and tp % spec.kv_heads):
             continue
-        for pp in _divisors(work.gpus // tp):
-            if pp > spec.layers:
+        for c in cp_options(work.seq, work.gpus // tp) if cp is None else [cp] * ((work.gpus // tp) % cp == 0):
+            yield from _plans(spec, work, seqs, tp, c)
+
+
+def _plans(spec: ModelSpec, work: Workload, seqs: int, tp: int, cp: int):
+    for pp in _divisors(work.gpus // (tp * cp)):
+        dp = work.gpus // (tp * cp * pp)
+        if pp > spec.layers or seqs % dp:
+            continue
+        for b in MICRO_BATCHES:
+            if (seqs // dp) % b:
                 continue
-            dp = work.gpus // (tp * pp)
-            if seqs % dp:
-                continue
-            for b in MICRO_BATCHES:
-                if (seqs // dp) % b:
+            nmicros = seqs // (dp * b)
+            for v in VIRTUAL:
+                # interleaving: more than one stage per GPU, nmicros a multiple of pp (Megatron-LM's rule)
+                if v > 1 and (pp == 1 or pp * v > spec.layers or nmicros % pp):
                     continue
-                nmicros = seqs // (dp * b)
-                for v in VIRTUAL:
-                    # interleaving: more than one stage per GPU, nmicros a multiple of pp (Megatron-LM's rule)
-                    if v > 1 and (pp == 1 or pp * v > spec.layers or nmicros % pp):
-                        continue
-                    for ep in ep_options(spec, dp):
-                        for zero in zero_options(tp, pp, dp):
-                            for recompute in (False, True):
-                                yield Plan(tp, pp, dp, zero, b, recompute, v, ep=ep)
+                for ep in ep_options(spec, dp) if cp == 1 else [1]:
+                    for zero in zero_options(tp, pp, dp * cp):  # ZeRO shards over the dp·cp replicas
+                        for recompute in (False, True):
+                            yield Plan(tp, pp, dp, zero, b, recompute, v, ep=ep, cp=cp)
 
 
 def ep_options(spec: ModelSpec, dp: int) -> List[int]:
@@ -89,7 +93,7 @@ def why_lost(loser: Estimate, best: Estimate, cluster: Cluster) -> str:
     if delta <= 0:
         return "ties the chosen plan"
     detail = {"compute": " (recomputation, smaller matmuls)" if loser.plan.recompute or loser.plan.tp != best.plan.tp
-              else ""}.get(part, "")
+              else " (more ring steps)" if loser.plan.cp > best.plan.cp else ""}.get(part, "")
     return f"{part}: +{delta:.3g} s{detail}" if delta >= 1 else f"{part}: +{delta * 1e3:.3g} ms{detail}"
 
 
@@ -97,13 +101,19 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
            fixed: Optional[dict] = None) -> SearchResult:
     """The fastest plan that fits; `fixed` pins plan fields (e.g. ``{"tp": 8, "pp": 16}``)."""
     start = time.perf_counter()
+    fixed = fixed or {}
     _check_workload(spec, cluster, work)
-    _check_fixed_ep(spec, (fixed or {}).get("ep"))
+    _check_fixed_ep(spec, fixed.get("ep"))
+    if "cp" in fixed:
+        check_cp(work.seq, fixed["cp"])
+        if fixed["cp"] > 1 and fixed.get("ep", 1) > 1:
+            raise ConfigError(f"--cp {fixed['cp']} with --ep {fixed['ep']}: context and expert parallelism together "
+                              f"are not planned (the runtime's cp and ep policies do not combine); drop one")
     best_fit: Optional[Estimate] = None
     smallest: Optional[Estimate] = None
     family_best = {}
     n = 0
-    for plan in candidates(spec, cluster, work):
+    for plan in candidates(spec, cluster, work, cp=fixed.get("cp")):
         if fixed and any(getattr(plan, k) != v for k, v in fixed.items()):
             continue
         est = estimate_plan(spec, cluster, work, plan)
@@ -112,7 +122,7 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
             smallest = est
         if est.fits and (best_fit is None or est.step_s < best_fit.step_s):
             best_fit = est
-        key = (plan.tp, plan.pp, plan.ep)
+        key = (plan.tp, plan.cp, plan.pp, plan.ep)
         old = family_best.get(key)
         if old is None or (est.fits, -est.step_s) > (old.fits, -old.step_s):
             family_best[key] = est
@@ -120,6 +130,7 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
         raise NoPlanFitsCluster(f"no plan splits this model over {work.gpus} GPUs (tensor parallel must divide "
                                 f"the {spec.heads} heads and fit in a node of {cluster.gpus_per_node}, the data-parallel "
                                 f"degree must divide the {work.sequences} sequences of a step"
+                                + (", the context-parallel degree the GPUs tp leaves" if fixed.get("cp", 1) > 1 else "")
                                 + (f", the expert-parallel degree dp and the {spec.experts} experts" if spec.is_moe
                                    else "")
                                 + (f", and the fixed {fixed}" if fixed else "") + "); change --gpus or "
@@ -128,7 +139,7 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
         raise NoPlanFitsCluster(f"no plan fits {cluster.gpu.memory_gb:g} GB per GPU ({USABLE_MEMORY:.0%} usable): "
                                 f"the smallest, {smallest.plan.describe()}, needs {smallest.memory_gb:.1f} GB; use "
                                 f"more GPUs, GPUs with more memory, or a shorter --seq-len")
-    chosen = (best_fit.plan.tp, best_fit.plan.pp, best_fit.plan.ep)
+    chosen = (best_fit.plan.tp, best_fit.plan.cp, best_fit.plan.pp, best_fit.plan.ep)
     others = sorted((e for k, e in family_best.items() if k != chosen),
                     key=lambda e: (not e.fits, e.step_s))[:top]
     return SearchResult(best_fit, [(e, why_lost(e, best_fit, cluster)) for e in others], n,
