@@ -13,7 +13,9 @@
   tests run are not counted: anything in a package's `src/` or in bench/results/ (benchmark
   figures; the bench tests write theirs under tmp_path), and `.py`/`.md`/`.rst`/`.toml`/`.txt`/
   `.yaml`/`.yml`/`.cfg`/`.ini`/`.sh` files under tests/, docs/, examples/, bench/, tools/ and src/
-  (but never `gencode*.py`). Whatever leaked is cleaned
+  (but never `gencode*.py`); and anything under `runs/` at the root, which the README's examples
+  write (`nnscaler train -f examples/trainer/gpt_char.yaml` run in the same checkout while the
+  tests run; no test writes there: they train under tmp_path). Whatever leaked is cleaned
   up (processes killed, groups destroyed, registry emptied; files are left for inspection) so
   that the next test starts clean, and the test fails with what was found.
   `@pytest.mark.allow_leaks` exempts a test (none uses it; it is there for a test that
@@ -261,6 +263,8 @@ def _hand_written(path: str) -> bool:
     name = rel.rsplit("/", 1)[-1]
     if (rel.startswith("packages/") and "/src/" in rel) or rel.startswith("bench/results/"):
         return True  # sources; benchmark figures, recorded by people running the benchmarks
+    if rel.startswith("runs/"):
+        return True  # what the README's examples write (./runs/<example>/), run beside the tests
     return (rel.split("/", 1)[0] in _SOURCE_TREES and name.endswith(_SOURCE_SUFFIXES)
             and not name.startswith("gencode"))
 

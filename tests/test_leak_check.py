@@ -65,6 +65,8 @@ def test_new_files_count_unless_people_write_them(conftest):
     assert not conftest._hand_written(str(root / "tests" / "runtime" / "rank0.json"))
     assert not conftest._hand_written(str(root / "fullmodel.safetensors"))
     assert conftest._hand_written(str(root / "tests" / "ckpt" / "test_new.py"))
+    assert conftest._hand_written(str(root / "runs" / "gpt_char" / "checkpoints" / "last" / "manifest.json"))  # README
+    assert not conftest._hand_written(str(root / "tests" / "runs" / "x.json"))
     assert conftest._hand_written(str(root / "packages" / "nnscaler-ir" / "src" / "nnscaler" / "ir" / "x.json"))
     probe = root / f"leak_probe_{os.getpid()}.bin"
     before = conftest._tree(set())
