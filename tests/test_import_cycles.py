@@ -1,11 +1,13 @@
 """No import cycle inside any package (packages/*/src/nnscaler/<part>).
 
 The rule, read statically with ``ast`` (nothing is imported):
-- every ``import`` / ``from ... import`` of a module of the same part counts, at module level and
-  inside a function body: an import moved into a function only hides a cycle from the
-  interpreter; the two modules still need each other at run time.
-- imports under ``if TYPE_CHECKING:`` do not count: they never run, they only name the type of an
-  object a function receives (a helper of the tracer naming ``Tracer``).
+- every ``import`` / ``from ... import`` of a module of the same part counts, at module level,
+  inside a function body and under ``if TYPE_CHECKING:``: an import moved into a function only
+  hides a cycle from the interpreter, and one made for type checking only hides it from the
+  reader; either way the two modules need each other (a helper that names the type of a class
+  whose module imports the helper is that class spread over two files). Such a name goes to the
+  lower module, or the helper names a small interface the lower module defines
+  (``nnscaler.ir.tracer.surface.TracerSurface`` for the tracer's helpers).
 - the edge goes to the module named: ``from pkg import sub`` reaches ``pkg.sub`` when ``sub`` is a
   module file, otherwise ``pkg`` (its ``__init__``). The parent packages Python runs first are not
   counted: a package's ``__init__`` importing its own modules is its export list, not a cycle.
@@ -29,28 +31,11 @@ def module_name(src: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _run_time_nodes(tree: ast.AST):
-    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (its ``else`` runs)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-        else:
-            stack.extend(ast.iter_child_nodes(node))
-
-
 def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> dict[str, int]:
     """``{imported module: line}`` for each module of ``known`` that ``source`` imports."""
     package = module if is_package else module.rpartition(".")[0]
     found: dict[str, int] = {}
-    for node in _run_time_nodes(ast.parse(source)):
+    for node in ast.walk(ast.parse(source)):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -190,10 +175,11 @@ def test_no_false_cycle():
     assert cycles(graph) == []
 
 
-def test_type_checking_imports_do_not_count():
-    graph = _graph({"p.a": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B",
-                    "p.b": "from .a import y"})
-    assert cycles(graph) == []
-    graph = _graph({"p.a": "if TYPE_CHECKING:\n    pass\nelse:\n    from .b import B",
-                    "p.b": "from .a import y"})
+@pytest.mark.parametrize("a_source", [
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B",
+    "import typing\nif typing.TYPE_CHECKING:\n    from p.b import B",
+    "if TYPE_CHECKING:\n    pass\nelse:\n    from .b import B",
+])
+def test_type_checking_imports_count(a_source):
+    graph = _graph({"p.a": a_source, "p.b": "from .a import y"})
     assert cycles(graph) == [["p.a", "p.b", "p.a"]]

@@ -34,38 +34,15 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List
 
 from .annotation_specs import ELLIPSIS, AnnotationError, DimSpec, TensorSpec, _flat
-from .bound_annotation import BoundAnnotation, _bind
+from .bound_annotation import BoundAnnotation, OpAnnotation
 
 __all__ = ["AnnotationError", "DimSpec", "TensorSpec", "OpAnnotation", "BoundAnnotation",
            "parse_annotation"]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-@dataclass(frozen=True)
-class OpAnnotation:
-    """A parsed annotation; ``bind`` it to concrete shapes to partition an op."""
-
-    text: str
-    inputs: Tuple[TensorSpec, ...]
-    outputs: Tuple[TensorSpec, ...]
-    reduced: frozenset
-    frozen: frozenset
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __repr__(self) -> str:
-        return f"OpAnnotation({self.text!r})"
-
-    def bind(self, input_shapes: Sequence[Optional[Sequence[int]]],
-             output_shapes: Sequence[Optional[Sequence[int]]]) -> "BoundAnnotation":
-        """Bind to the shapes of the tensor inputs/outputs (None for a ``?`` / non-tensor entry)."""
-        return _bind(self, input_shapes, output_shapes)
 
 
 def _fail(reason: str, text: str, pos: int):

@@ -1,19 +1,40 @@
-"""An annotation bound to a call's shapes (`BoundAnnotation`): every dim named and sized, what
-may be split, and the placements of every input and output when the op is split along a dim."""
+"""A parsed annotation (`OpAnnotation`, what ``parse_annotation`` in annotation.py makes of the
+text) and the annotation bound to a call's shapes (`BoundAnnotation`): every dim named and sized,
+what may be split, and the placements of every input and output when the op is split along a dim.
+Binding is the one thing an `OpAnnotation` does, so both live here and the parser imports them."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from nnscaler.ir.layout import Partial, Placement, Replicate, Shard
 
-from .annotation_specs import ELLIPSIS, AnnotationError, _flat
+from .annotation_specs import ELLIPSIS, AnnotationError, TensorSpec, _flat
 
-if TYPE_CHECKING:
-    from .annotation import OpAnnotation
+__all__ = ["OpAnnotation", "BoundAnnotation"]
 
-__all__ = ["BoundAnnotation"]
+
+@dataclass(frozen=True)
+class OpAnnotation:
+    """A parsed annotation; ``bind`` it to concrete shapes to partition an op."""
+
+    text: str
+    inputs: Tuple[TensorSpec, ...]
+    outputs: Tuple[TensorSpec, ...]
+    reduced: frozenset
+    frozen: frozenset
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"OpAnnotation({self.text!r})"
+
+    def bind(self, input_shapes: Sequence[Optional[Sequence[int]]],
+             output_shapes: Sequence[Optional[Sequence[int]]]) -> BoundAnnotation:
+        """Bind to the shapes of the tensor inputs/outputs (None for a ``?`` / non-tensor entry)."""
+        return _bind(self, input_shapes, output_shapes)
 
 
 @dataclass(frozen=True)

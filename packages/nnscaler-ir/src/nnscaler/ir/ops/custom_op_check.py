@@ -26,7 +26,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .annotation import AnnotationError, BoundAnnotation, parse_annotation
+from .annotation import parse_annotation
+from .annotation_specs import AnnotationError
+from .bound_annotation import BoundAnnotation
 from ..errors import TraceError
 from ..layout import Partial, Replicate, Shard, TensorLayout
 from ..tree import replace_tensors, tensor_leaves

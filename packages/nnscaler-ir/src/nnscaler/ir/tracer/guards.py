@@ -23,16 +23,14 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..errors import TracingWarning
 from ..graph import IRGraph, Node, Ref, SourceLoc
 from ..user_code import _nnscaler_dirs, is_internal
-
-if TYPE_CHECKING:
-    from .recorder import Tracer
+from .surface import TracerSurface
 
 GUARD_TARGET = "nnscaler.runtime.guards.check"
 WHOLE_LIMIT = 1024  # tolist()/__array__ of more elements are compared through a digest
@@ -72,7 +70,7 @@ def traced_value(kind: str, tensor: torch.Tensor, result) -> Any:
     return tensor.detach().cpu().tolist()
 
 
-def model_frame(tracer: "Tracer", start_depth: int = 2):
+def model_frame(tracer: TracerSurface, start_depth: int = 2):
     """(innermost user frame, the model's frame that called into a library or None).
 
     The innermost frame outside nnscaler/torch is where the value is read (for Hugging Face
@@ -86,7 +84,7 @@ def model_frame(tracer: "Tracer", start_depth: int = 2):
             if inner is None:
                 inner = frame
             owner = frame.f_locals.get("self")
-            if isinstance(owner, torch.nn.Module) and id(owner) in tracer._module_names:
+            if isinstance(owner, torch.nn.Module) and tracer.module_path(owner) is not None:
                 return _loc(inner), (_loc(frame) if frame is not inner else None)
         frame = frame.f_back
     return (_loc(inner) if inner is not None else None), None
@@ -111,7 +109,7 @@ def _loc(frame) -> SourceLoc:
     return SourceLoc(frame.f_code.co_filename, frame.f_lineno, code, frame.f_code.co_qualname)
 
 
-def derives_from(tracer: "Tracer", ref: Ref) -> str:
+def derives_from(tracer: TracerSurface, ref: Ref) -> str:
     """The user-visible origin of a value: the forward arguments (or parameters) it is computed from."""
     producers = tracer.producer_index()
     seen, stack, inputs, params = set(), [ref.id], [], []
@@ -144,7 +142,7 @@ def derives_from(tracer: "Tracer", ref: Ref) -> str:
 _SHAPE_READS = ("torch.Tensor.size", "torch.Tensor.numel", "torch.Tensor.dim")
 
 
-def record_value_read(tracer: "Tracer", name: str, tensor: torch.Tensor, result) -> Node:
+def record_value_read(tracer: TracerSurface, name: str, tensor: torch.Tensor, result) -> Node:
     """Add the guard node for `name` (a _VALUE_READS entry) read on in-graph `tensor`."""
     kind = READ_KIND[name]
     ref = tracer.ref_of_tensor(tensor)
@@ -153,11 +151,10 @@ def record_value_read(tracer: "Tracer", name: str, tensor: torch.Tensor, result)
                               "cause": derives_from(tracer, ref)}
     if via is not None:
         kwargs["via"] = str(via)
-    node = tracer._add_node(GUARD_TARGET, [ref], kwargs, None)
+    node = tracer.add_node(GUARD_TARGET, [ref], kwargs, None)
     node.source = inner
     if kind == "bool":
-        node.kwargs["decision"] = tracer.decisions
-        tracer.decisions += 1
+        node.kwargs["decision"] = tracer.next_decision()
     return node
 
 

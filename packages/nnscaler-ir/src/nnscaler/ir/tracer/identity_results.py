@@ -15,24 +15,21 @@ view), bound to the op's new value; the input object keeps the value it had. In-
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 
 from ..tree import iter_tensors
-
-if TYPE_CHECKING:
-    from .recorder import Tracer
+from .surface import TracerSurface
 
 __all__ = ["traced_inputs", "returned_unchanged", "distinct_alias"]
 
 
-def traced_inputs(tracer: "Tracer", *objs) -> Dict[int, Tuple[torch.Tensor, int]]:
+def traced_inputs(tracer: TracerSurface, *objs) -> Dict[int, Tuple[torch.Tensor, int]]:
     """id -> (tensor, version counter) of every tensor in `objs` that is already a graph value."""
     seen = {}
     for t in iter_tensors(objs):
-        hit = tracer._tensor_values.get(id(t))
-        if hit is not None and hit[0] is t:
+        if tracer.is_bound(t):
             seen[id(t)] = (t, _version(t))
     return seen
 

@@ -18,13 +18,17 @@ Such a node is unannotated (it runs replicated: its tensor inputs are made whole
 the Function is registered with an annotation, ``register_op(MyFunction, "a b -> a b")`` (or as a
 class decorator), which is checked numerically on the first traced call like any custom op's.
 Functions of torch (``torch.utils.checkpoint``) and of nnscaler are traced through, as before.
+
+Every Function, kept or traced through, also tells the tracer the grad mode it was called in
+(``tracer.function_grad``): torch runs its forward with grad off (a reentrant
+``torch.utils.checkpoint`` too), which is not the user's ``torch.no_grad()``.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-from typing import TYPE_CHECKING, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -32,11 +36,9 @@ from . import tracing_context
 from ..errors import TraceError
 from ..ops.registry import REGISTRY
 from ..tree import iter_tensors as _tensors
+from .surface import TracerSurface
 
-if TYPE_CHECKING:
-    from .recorder import Tracer
-
-__all__ = ["is_user_function", "keep_functions", "settle_grad_modes"]
+__all__ = ["is_user_function", "keep_functions"]
 
 _TRACED_THROUGH = ("torch", "nnscaler", "functorch")
 
@@ -58,37 +60,73 @@ def _user_functions() -> List[type]:
     return found
 
 
-@contextlib.contextmanager
-def keep_functions(tracer: "Tracer"):
-    """For the block, every user Function defined so far records itself as one node when called
-    (`keep_function` adds one defined later, from the ``apply`` hook)."""
-    tracer._kept_classes = {}
-    try:
-        for cls in _user_functions():
-            keep_function(tracer, cls)
-        yield
-    finally:
-        for cls, own in tracer._kept_classes.items():
+class _Kept:
+    """The Functions one trace keeps whole: the forwards it replaced, and the nodes whose grad mode
+    is read from their outputs once the forward is done."""
+
+    def __init__(self, tracer: TracerSurface):
+        self.tracer = tracer
+        self.forwards: Dict[type, Any] = {}  # class -> its own ``forward`` (None: inherited)
+        self.unsettled: List[Tuple[Any, list, list]] = []  # (node, input tensors, output tensors)
+
+    def keep(self, cls) -> None:
+        """Replace ``cls.forward`` (on the class itself, even when inherited) by one that records."""
+        if cls in self.forwards:
+            return
+        self.forwards[cls] = cls.__dict__.get("forward")
+        forward = cls.forward  # the plain function (forward is a staticmethod)
+        with_ctx = not torch.autograd.function._is_setup_context_defined(cls.setup_context)
+        tracer = self.tracer
+
+        def recording_forward(*fargs, **fkwargs):
+            if tracing_context.current_tracer() is not tracer:  # the annotation check, a nested call
+                return forward(*fargs, **fkwargs)
+            return _record(self, cls, forward, fargs, fkwargs, with_ctx)
+
+        cls.forward = staticmethod(recording_forward)
+
+    def restore(self) -> None:
+        for cls, own in self.forwards.items():
             if own is None:
                 delattr(cls, "forward")
             else:
                 cls.forward = own
 
+    def settle_grad_modes(self) -> None:
+        """A kept Function's node runs with grad on unless its caller had grad off: inside forward
+        torch turns grad off, so the caller's mode shows only afterwards, on the outputs (none
+        requires grad although an input does). Either way the generated code gets the same gradients."""
+        for node, ins, outs in self.unsettled:
+            node.grad_enabled = any(t.requires_grad for t in outs) or not any(t.requires_grad for t in ins)
 
-def keep_function(tracer: "Tracer", cls) -> None:
-    """Replace ``cls.forward`` (on the class itself, even when inherited) by one that records."""
-    if cls in tracer._kept_classes:
-        return
-    tracer._kept_classes[cls] = cls.__dict__.get("forward")
-    forward = cls.forward  # the plain function (forward is a staticmethod)
-    with_ctx = not torch.autograd.function._is_setup_context_defined(cls.setup_context)
 
-    def recording_forward(*fargs, **fkwargs):
-        if tracing_context.current_tracer() is not tracer:  # the annotation check, a nested call
-            return forward(*fargs, **fkwargs)
-        return _record(tracer, cls, forward, fargs, fkwargs, with_ctx)
+@contextlib.contextmanager
+def keep_functions(tracer: TracerSurface):
+    """For the block, every user Function records itself as one node when called (one defined
+    during the block too, from the ``apply`` hook), and every ``Function.apply`` pushes the grad
+    mode it was called in on ``tracer.function_grad``. When the block ends normally, the nodes of
+    calls through an ``apply`` bound before the trace get their grad mode."""
+    kept = _Kept(tracer)
+    original = torch.autograd.Function.__dict__["apply"]
 
-    cls.forward = staticmethod(recording_forward)
+    def apply(cls, *args, **kwargs):
+        if is_user_function(cls):  # a class defined after the trace began (its forward records too)
+            kept.keep(cls)
+        tracer.function_grad.append((cls, tracer.grad_enabled()))
+        try:
+            return original.__func__(cls, *args, **kwargs)
+        finally:
+            tracer.function_grad.pop()
+
+    try:
+        for cls in _user_functions():
+            kept.keep(cls)
+        torch.autograd.Function.apply = classmethod(apply)
+        yield
+        kept.settle_grad_modes()
+    finally:
+        torch.autograd.Function.apply = original
+        kept.restore()
 
 
 def _where(cls) -> str:
@@ -129,12 +167,13 @@ def _forward_signature(cls):
     return inspect.Signature(params)
 
 
-def _record(tracer: "Tracer", cls, forward, fargs, fkwargs, with_ctx):
+def _record(kept: _Kept, cls, forward, fargs, fkwargs, with_ctx):
+    tracer = kept.tracer
     _check_importable(cls)
     args = fargs[1:] if with_ctx else fargs
     qualname = cls.__qualname__
     try:
-        arg_refs, kwarg_refs = tracer._to_refs(tuple(args)), tracer._to_refs(dict(fkwargs))
+        arg_refs, kwarg_refs = tracer.to_refs(tuple(args)), tracer.to_refs(dict(fkwargs))
     except TypeError as e:
         raise TraceError(f"{qualname}.apply is called with an argument the generated code cannot rebuild "
                          f"({e}); pass tensors, numbers, strings, tuples or lists") from None
@@ -149,19 +188,10 @@ def _record(tracer: "Tracer", cls, forward, fargs, fkwargs, with_ctx):
     if annotation is not None:
         with tracing_context.activate(None), torch.overrides._pop_mode_temporarily(), torch.enable_grad():
             REGISTRY.check_call(cls, _caller(cls), annotation, args, fkwargs, real)
-    refs, result = tracer._wrap_outputs(real, qualname.rsplit(".", 1)[-1].lower())
-    node = tracer._add_node(f"{cls.__module__}.{qualname}.apply", arg_refs, kwarg_refs, refs, annotation)
-    if tracer._function_grad and tracer._function_grad[-1][0] is cls:  # called as cls.apply: mode known
-        node.grad_enabled = tracer._function_grad[-1][1]
+    refs, result = tracer.wrap_outputs(real, qualname.rsplit(".", 1)[-1].lower())
+    node = tracer.add_node(f"{cls.__module__}.{qualname}.apply", arg_refs, kwarg_refs, refs, annotation)
+    if tracer.function_grad and tracer.function_grad[-1][0] is cls:  # called as cls.apply: mode known
+        node.grad_enabled = tracer.function_grad[-1][1]
     else:  # through an apply bound before the trace: read from the outputs once torch has wrapped them
-        tracer._kept_nodes.append((node, list(_tensors((args, fkwargs))), list(_tensors(result))))
+        kept.unsettled.append((node, list(_tensors((args, fkwargs))), list(_tensors(result))))
     return result
-
-
-def settle_grad_modes(tracer: "Tracer") -> None:
-    """A kept Function's node runs with grad on unless its caller had grad off: inside forward torch
-    turns grad off, so the caller's mode shows only afterwards, on the outputs (none requires grad
-    although an input does). Either way the generated code gets the same gradients."""
-    for node, ins, outs in tracer._kept_nodes:
-        node.grad_enabled = any(t.requires_grad for t in outs) or not any(t.requires_grad for t in ins)
-

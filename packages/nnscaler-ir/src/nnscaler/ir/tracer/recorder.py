@@ -1,15 +1,17 @@
 """The recorder: a TorchFunctionMode that sees every torch-level call of the user's forward and
 a `Tracer` that runs it (on the trace device) and records it as a node with its inputs, outputs,
-module path, source line, grad mode and annotation. `trace.py` drives it over a module."""
+module path, source line, grad mode and annotation. `trace.py` drives it over a module. The
+helpers around it use its public surface only (`TracerSurface`, surface.py)."""
 from __future__ import annotations
 
 import itertools
 import sys
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..errors import TraceError
 from ..graph import Node, Ref, SourceLoc, TensorSpec, Value, dtype_name, encode
 from ..ops.op_names import op_name
 from ..ops.registry import REGISTRY
@@ -17,7 +19,7 @@ from .guards import record_value_read
 from .identity_results import distinct_alias, returned_unchanged, traced_inputs
 from .symbolic_int import TracedInt
 from .trace_device import ExecutionDevice
-from .trace_state import SavedState, TraceError, autocast_region
+from .trace_state import SavedState, autocast_region
 from ..user_code import is_internal
 
 _SIZE_FUNCS = {"size", "numel"}
@@ -36,7 +38,7 @@ _VALUE_READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__
 
 
 class _RecordingMode(TorchFunctionMode):
-    def __init__(self, tracer: "Tracer"):
+    def __init__(self, tracer: Tracer):
         super().__init__()
         self.tracer = tracer
 
@@ -45,7 +47,13 @@ class _RecordingMode(TorchFunctionMode):
 
 
 class Tracer:
-    def __init__(self, module: torch.nn.Module, constant_folding: bool, device: ExecutionDevice):
+    """One run of the user's forward, recorded (implements `TracerSurface`).
+
+    `flips`: the numbers of the boolean decisions on tensor values that this trace takes the other
+    way (nnscaler.ir.tracer.branches)."""
+
+    def __init__(self, module: torch.nn.Module, constant_folding: bool, device: ExecutionDevice,
+                 flips=frozenset()):
         self.module = module
         self.constant_folding = constant_folding
         self.device = device
@@ -55,16 +63,14 @@ class Tracer:
         self._tensor_values: Dict[int, tuple] = {}  # id(tensor) -> (tensor, Ref); keeps tensors alive
         self.constants: Dict[str, TensorSpec] = {}
         self._module_stack = [""]
-        self._function_grad: list = []  # (class, caller's grad mode) of each enclosing autograd.Function.apply
-        self._kept_classes: Dict[type, Any] = {}  # user autograd Functions recording themselves
+        self.function_grad: List[Tuple[type, bool]] = []  # (class, caller's grad mode) of each enclosing Function.apply
         self.saved: Optional[SavedState] = None  # set while the forward runs
-        self._kept_nodes: list = []  # (node, input tensors, output tensors) of each kept Function call
-        self._module_names = {}
+        self._module_names: Dict[int, str] = {}
         # value reads become guards (nnscaler.ir.tracer.guards); decision k in `flips` returns the other branch
         self.input_names: Dict[int, str] = {}  # graph input value id -> "attention_mask", "batch['mask']"
         self.param_names: Dict[int, str] = {}  # parameter/buffer value id -> full name
-        self.decisions = 0  # bool() reads so far
-        self.flips: set = set()
+        self._decisions = 0  # bool() reads so far
+        self.flips = frozenset(flips)
         self._producers: Dict[int, Node] = {}
         self._indexed = 0
         self.module_types: Dict[str, str] = {}  # module path -> "package.module.Class"
@@ -86,6 +92,10 @@ class Tracer:
     def bind_tensor(self, tensor: torch.Tensor, ref: Ref) -> None:
         self._tensor_values[id(tensor)] = (tensor, ref)
 
+    def is_bound(self, tensor: torch.Tensor) -> bool:
+        hit = self._tensor_values.get(id(tensor))
+        return hit is not None and hit[0] is tensor
+
     def ref_of_tensor(self, tensor: torch.Tensor) -> Ref:
         hit = self._tensor_values.get(id(tensor))
         if hit is not None and hit[0] is tensor:
@@ -100,18 +110,20 @@ class Tracer:
         self.bind_tensor(tensor, ref)
         return ref
 
-    def _to_refs(self, obj):
-        if isinstance(obj, TracedInt) and obj._tracer is self:
-            return obj._ref
+    def to_refs(self, obj):
+        if isinstance(obj, TracedInt):
+            ref = obj.ref_in(self)
+            if ref is not None:
+                return ref
         if isinstance(obj, torch.Tensor):
             return self.ref_of_tensor(obj)
         if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-            items = [self._to_refs(x) for x in obj]
+            items = [self.to_refs(x) for x in obj]
             return items if isinstance(obj, list) else tuple(items)
         if isinstance(obj, dict):
-            return {k: self._to_refs(v) for k, v in obj.items()}
+            return {k: self.to_refs(v) for k, v in obj.items()}
         if isinstance(obj, slice):
-            return slice(self._to_refs(obj.start), self._to_refs(obj.stop), self._to_refs(obj.step))
+            return slice(self.to_refs(obj.start), self.to_refs(obj.stop), self.to_refs(obj.step))
         if type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0:
             return obj.item()  # a numpy scalar (np.prod(shape)): record the Python number
         encode(obj)  # raises TypeError for objects generated code could not rebuild
@@ -129,12 +141,19 @@ class Tracer:
             frame = frame.f_back
         return None
 
-    def _add_node(self, target: str, args, kwargs, outputs, annotation=None, inplace=False) -> Node:
+    def add_node(self, target: str, args, kwargs, outputs, annotation=None, inplace=False) -> Node:
         node = Node(len(self.nodes), target, list(args), dict(kwargs), outputs, self._module_stack[-1],
                     self.source_location(), annotation, inplace,
                     grad_enabled=self.grad_enabled(), autocast=autocast_region())
         self.nodes.append(node)
         return node
+
+    def next_decision(self) -> int:
+        self._decisions += 1
+        return self._decisions - 1
+
+    def module_path(self, module: torch.nn.Module) -> Optional[str]:
+        return self._module_names.get(id(module))
 
     def producer_index(self) -> Dict[int, Node]:
         """value id -> the node that produced it (so far)."""
@@ -152,9 +171,9 @@ class Tracer:
     def grad_enabled(self) -> bool:
         """The user's grad mode: inside an autograd.Function's forward (torch turns grad off there,
         e.g. a reentrant torch.utils.checkpoint), the mode the Function was called in."""
-        return self._function_grad[-1][1] if self._function_grad else torch.is_grad_enabled()
+        return self.function_grad[-1][1] if self.function_grad else torch.is_grad_enabled()
 
-    def _wrap_outputs(self, result, hint: str, inputs=None):
+    def wrap_outputs(self, result, hint: str, inputs=None):
         """Give every tensor (and traced int) in `result` a fresh value; return (refs, result).
 
         `inputs` (``traced_inputs`` of a call that is not in place): a tensor of `result` that is
@@ -167,7 +186,7 @@ class Tracer:
             self.bind_tensor(result, ref)
             return ref, result
         if isinstance(result, (tuple, list)) and not isinstance(result, torch.Size):
-            pairs = [self._wrap_outputs(r, hint, inputs) for r in result]
+            pairs = [self.wrap_outputs(r, hint, inputs) for r in result]
             refs = [p[0] for p in pairs]
             objs = [p[1] for p in pairs]
             if isinstance(result, list):
@@ -191,8 +210,8 @@ class Tracer:
             if attr == "shape" and not self.constant_folding:
                 return self._record_size(args[0], real, "getattr", (args[0], "shape"))
             if isinstance(real, torch.Tensor):
-                refs, real = self._wrap_outputs(real, attr.strip("_"), traced_inputs(self, args))  # x.real is x
-                self._add_node("getattr", (self._to_refs(args[0]), attr), {}, refs)
+                refs, real = self.wrap_outputs(real, attr.strip("_"), traced_inputs(self, args))  # x.real is x
+                self.add_node("getattr", (self.to_refs(args[0]), attr), {}, refs)
             return real
         if name in _FOLDED_ATTRS:
             real = self.device.run(func, args, kwargs)
@@ -212,7 +231,7 @@ class Tracer:
         return self.record_call(func, op_name(func), args, kwargs, name)
 
     def record_call(self, func, target: str, args, kwargs, name: str, annotation_fn=None):
-        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
+        arg_refs, kwarg_refs = self.to_refs(tuple(args)), self.to_refs(dict(kwargs))
         inplace = ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
                    or kwargs.get("out") is not None or kwargs.get("inplace") is True)
         if inplace and self.saved is not None:  # the trace must leave the user's weights as they were
@@ -227,14 +246,14 @@ class Tracer:
             real = args[0]
         if real is None or (not _has_tensor(real) and self.constant_folding):
             if inplace:  # mutation with no tensor result: record it for its effect
-                self._add_node(target, arg_refs, kwarg_refs, None, inplace=True)
+                self.add_node(target, arg_refs, kwarg_refs, None, inplace=True)
             return real
         hint = name.strip("_") or "out"
-        refs, result = self._wrap_outputs(real, hint, inputs)
+        refs, result = self.wrap_outputs(real, hint, inputs)
         annotation = self._annotation(func, args, kwargs, annotation_fn)
         if annotation is not None:  # a register_op annotation of a torch function is checked like a custom op's
             REGISTRY.check_call(func, func, annotation, args, kwargs, real)
-        self._add_node(target, arg_refs, kwarg_refs, refs, annotation, inplace)
+        self.add_node(target, arg_refs, kwarg_refs, refs, annotation, inplace)
         return result
 
     def _annotation(self, func, args, kwargs, annotation_fn):
@@ -243,20 +262,20 @@ class Tracer:
         return REGISTRY.lookup(func, args, kwargs)
 
     def _record_size(self, tensor, real, target, args, kwargs=None):
-        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs or {}))
+        arg_refs, kwarg_refs = self.to_refs(tuple(args)), self.to_refs(dict(kwargs or {}))
         if isinstance(real, int):
             ref = self.new_value(real, "size")
-            self._add_node(target, arg_refs, kwarg_refs, ref)
+            self.add_node(target, arg_refs, kwarg_refs, ref)
             return TracedInt(real, self, ref)
         refs = tuple(self.new_value(int(d), "size") for d in real)
-        self._add_node(target, arg_refs, kwarg_refs, refs)
+        self.add_node(target, arg_refs, kwarg_refs, refs)
         return TracedSize(TracedInt(int(d), self, r) for d, r in zip(real, refs))
 
     def record_int_op(self, op, args):
         plain = [int(a) for a in args]
         result = op(*plain)
         ref = self.new_value(result, op.__name__)
-        self._add_node(f"operator.{op.__name__}", self._to_refs(tuple(args)), {}, ref)
+        self.add_node(f"operator.{op.__name__}", self.to_refs(tuple(args)), {}, ref)
         return TracedInt(result, self, ref)
 
     def record_custom_op(self, fn, args, kwargs):
@@ -269,21 +288,27 @@ class Tracer:
                 f"(generated code imports it by name); it is defined in {module}.{qualname}")
         wrapper = getattr(fn, "__nnscaler_wrapper__", fn)
         annotation = REGISTRY.lookup(wrapper, args, kwargs) or REGISTRY.lookup(fn, args, kwargs)
-        arg_refs, kwarg_refs = self._to_refs(tuple(args)), self._to_refs(dict(kwargs))
+        arg_refs, kwarg_refs = self.to_refs(tuple(args)), self.to_refs(dict(kwargs))
         inputs = traced_inputs(self, args, kwargs)  # an input returned unwritten is a new value, not x's
         real = self.device.run(fn, args, kwargs, mode_off=True)
         REGISTRY.check_call(wrapper, fn, annotation, args, kwargs, real)  # the annotation fits and splits right
-        refs, result = self._wrap_outputs(real, qualname.rsplit(".", 1)[-1], inputs)
-        self._add_node(f"{module}.{qualname}", arg_refs, kwarg_refs, refs, annotation)
+        refs, result = self.wrap_outputs(real, qualname.rsplit(".", 1)[-1], inputs)
+        self.add_node(f"{module}.{qualname}", arg_refs, kwarg_refs, refs, annotation)
         return result
 
-    # -- module path bookkeeping ------------------------------------------------------------------
-    def _pre_hook(self, mod, args):
+    # -- driving the forward (trace.py) ---------------------------------------------------------
+    def recording(self) -> TorchFunctionMode:
+        """The mode under which the forward runs: every torch-level call comes to `on_call`."""
+        return _RecordingMode(self)
+
+    def enter_module(self, mod, args):
+        """A global forward pre-hook: ops from now on run in `mod` (its path) until `exit_module`."""
         path = self._module_names.get(id(mod), self._module_stack[-1])
         self._module_stack.append(path)
         self.module_types.setdefault(path, f"{type(mod).__module__}.{type(mod).__qualname__}")
 
-    def _post_hook(self, mod, args, out):
+    def exit_module(self, mod, args, out):
+        """A global forward hook: back to the enclosing module's path."""
         if len(self._module_stack) > 1:
             self._module_stack.pop()
 

@@ -9,16 +9,24 @@ constant. Leaving the int domain (``float(d)``, ``math.sqrt(d)``, comparisons) f
 from __future__ import annotations
 
 import operator
+from typing import Optional
+
+from ..graph import Ref
+from .surface import TracerSurface
 
 
 class TracedInt(int):
     """An int produced during tracing, bound to a graph value of the active tracer."""
 
-    def __new__(cls, value: int, tracer, ref):
+    def __new__(cls, value: int, tracer: TracerSurface, ref: Ref):
         obj = super().__new__(cls, value)
         obj._tracer = tracer
         obj._ref = ref
         return obj
+
+    def ref_in(self, tracer: TracerSurface) -> Optional[Ref]:
+        """The graph value of this int in `tracer`'s trace; None for an int of another trace."""
+        return self._ref if self._tracer is tracer else None
 
     def _binop(self, op, other, reverse=False):
         if not isinstance(other, int) or isinstance(other, bool):

@@ -16,18 +16,18 @@ from typing import Any, Dict
 import torch
 
 from . import tracing_context
+from ..errors import TraceError, TracingWarning
 from ..graph import IRGraph, InputSpec, TensorSpec, dtype_name, encode, iter_refs
 from .branches import decisions_of, merge_branches
 from .moe_modules import experts_recorded_whole
-from .kept_functions import keep_functions, settle_grad_modes
+from .kept_functions import keep_functions
 from .guards import is_guard, warn_guards
 from .example_inputs import check_trace_inputs
 from .modes import annotate_modes, mode_name
 from .python_randomness import watch_python_randomness
-from .recorder import Tracer, _RecordingMode
+from .recorder import Tracer
 from .trace_device import ExecutionDevice
-from .trace_state import (SavedState, TraceError, TracingWarning, buffer_updates_of, function_grad_mode,
-                          warn_module_hooks)
+from .trace_state import SavedState, buffer_updates_of, warn_module_hooks
 from ..user_code import warn_user
 
 __all__ = ["trace", "Tracer"]
@@ -113,8 +113,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                             f"{type(module).__qualname__}.forward: arguments are passed by name; "
                             f"give the forward named parameters instead")
     device = ExecutionDevice.for_strategy(trace_strategy)
-    tracer = Tracer(module, constant_folding, device)
-    tracer.flips = set(flips)
+    tracer = Tracer(module, constant_folding, device, flips)
 
     by_id: Dict[int, TensorSpec] = {}
     persistent = set(module.state_dict().keys())
@@ -165,16 +164,15 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
     experts = experts_recorded_whole(module)  # transformers' experts modules: one routed_experts op each
     experts.__enter__()
     saved = tracer.saved = SavedState(module)
-    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer._pre_hook),
-             torch.nn.modules.module.register_module_forward_hook(tracer._post_hook)]
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(tracer.enter_module),
+             torch.nn.modules.module.register_module_forward_hook(tracer.exit_module)]
     try:
         # grad on, as in a training forward: the ops record the user's own torch.no_grad() regions
         with torch.enable_grad(), tracing_context.activate(tracer), keep_functions(tracer), \
-                function_grad_mode(tracer), watch_python_randomness(module), _RecordingMode(tracer):
+                watch_python_randomness(module), tracer.recording():
             out = module(**call_kwargs)
-        settle_grad_modes(tracer)
         rebound = saved.rebound()
-        changed = saved.changed_attributes(tracer._module_names)
+        changed = saved.changed_attributes(tracer.module_path)
         unrestorable = saved.unrestorable_params()
     finally:
         for h in hooks:
@@ -186,7 +184,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                          f"trace cannot follow (inside a custom op or autograd Function), so the model now "
                          f"differs from before parallelize(); update parameters with torch ops in forward "
                          f"(under torch.no_grad()), or outside forward")
-    output = tracer._to_refs(out)
+    output = tracer.to_refs(out)
     graph = IRGraph(f"{type(module).__module__}.{type(module).__qualname__}", inputs, params, buffers,
                     tracer.constants, tracer.values, tracer.nodes, output, constant_folding,
                     dict(tracer.module_types))

@@ -1,45 +1,19 @@
-"""What tracing does around the user's forward: the grad mode and autocast region of each op,
-what the forward changes on the model (buffers rebound, plain attributes, hooks that run only
-then), and putting the model back as it was."""
+"""What tracing does around the user's forward: the autocast region of each op, what the forward
+changes on the model (buffers rebound, plain attributes, hooks that run only then), and putting
+the model back as it was. (The grad mode of each op is the tracer's, with the help of
+kept_functions.py for autograd Functions.)"""
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from ..errors import TraceError, TracingWarning
 from ..graph import dtype_name
 from ..user_code import warn_user
-from .kept_functions import is_user_function, keep_function
+from .surface import TracerSurface
 
-if TYPE_CHECKING:
-    from .recorder import Tracer
-
-
-from ..errors import TraceError, TracingWarning  # noqa: E402  (re-exported)
-
-
-@contextlib.contextmanager
-def function_grad_mode(tracer: "Tracer"):
-    """While tracing, autograd.Function.apply remembers the grad mode it was called in (its
-    forward runs with grad off, which is not the user's torch.no_grad()), and a user's Function
-    is recorded as one node (nnscaler.ir.tracer.kept_functions)."""
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        if is_user_function(cls):  # a class defined after the trace began (its forward records too)
-            keep_function(tracer, cls)
-        tracer._function_grad.append((cls, tracer.grad_enabled()))
-        try:
-            return original.__func__(cls, *args, **kwargs)
-        finally:
-            tracer._function_grad.pop()
-
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original
+__all__ = ["SavedState", "autocast_region", "buffer_updates_of", "warn_module_hooks"]
 
 
 def autocast_region() -> Optional[list]:
@@ -66,17 +40,17 @@ def warn_module_hooks(module: torch.nn.Module) -> None:
                   TracingWarning)
 
 
-def buffer_updates_of(tracer: "Tracer", rebound, by_id) -> Dict[str, Any]:
+def buffer_updates_of(tracer: TracerSurface, rebound, by_id) -> Dict[str, Any]:
     """Buffers the forward rebinds (``self.ema = self.ema * 0.9 + x``): buffer name -> new value."""
     updates = {}
     for mod, name, old, new in rebound:
-        path = tracer._module_names.get(id(mod), "")
+        path = tracer.module_path(mod) or ""
         full = f"{path}.{name}" if path else name
         if old is None or id(old) not in by_id or not isinstance(new, torch.Tensor):
             raise TraceError(f"forward sets buffer {full} to {type(new).__name__} (it was "
                              f"{type(old).__name__}): a buffer must stay a tensor; give it its value in "
                              f"__init__ and update it in forward (self.{name} = new tensor, or in place)")
-        updates[by_id[id(old)].name] = tracer._to_refs(new)
+        updates[by_id[id(old)].name] = tracer.to_refs(new)
     return updates
 
 
@@ -116,9 +90,9 @@ class SavedState:
         """Parameters forward changed in place by a route the tracer did not see (no copy taken)."""
         return [n for n, (p, v) in self.param_versions.items() if p._version != v and n not in self.params]
 
-    def changed_attributes(self, names) -> list:
-        """'path.attr' of every plain attribute forward changed."""
-        return [f"{names.get(id(m)) + '.' if names.get(id(m)) else ''}{k}" for m, k, v in self.attrs
+    def changed_attributes(self, path_of: Callable[[torch.nn.Module], Optional[str]]) -> list:
+        """'path.attr' of every plain attribute forward changed (`path_of`: a module's path)."""
+        return [f"{path_of(m) + '.' if path_of(m) else ''}{k}" for m, k, v in self.attrs
                 if k not in m.__dict__ or type(m.__dict__[k]) is not type(v) or m.__dict__[k] != v]
 
     def rebound(self):
