@@ -19,7 +19,8 @@ from launch import run_workers  # noqa: E402
 
 from gpt import GPT, GPTConfig, random_batch  # noqa: E402
 from nnscaler.codegen import REPORT_JSON, REPORT_TEXT, build_report, generate  # noqa: E402
-from nnscaler.ir import ComputeConfig, PlanReport, trace  # noqa: E402
+from nnscaler.ir import ComputeConfig, trace  # noqa: E402
+from nnscaler.ir.contracts import PlanReport  # noqa: E402
 from nnscaler.policies import apply_policy  # noqa: E402
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from nnscaler.ir import PlanReport
-from nnscaler.ir.plan_report import (REPLICATED_WARN_FRACTION, Collective, ModuleReport, OpSplit,
-                                     UnannotatedOp)
+from nnscaler.ir.contracts import PlanReport
+from nnscaler.ir.contracts.plan_report import (REPLICATED_WARN_FRACTION, Collective, ModuleReport, OpSplit,
+                                               UnannotatedOp)
 
 LAYERS = 12
 

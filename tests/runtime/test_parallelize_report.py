@@ -17,7 +17,7 @@ import toy_models
 from gpt import GPT, GPTConfig, random_batch
 from launch import run_workers
 from nnscaler import ComputeConfig, parallelize
-from nnscaler.ir import PlanReport
+from nnscaler.ir.contracts import PlanReport
 from nnscaler.runtime import PlanWarning
 from nnscaler.runtime.driver.gen_dir import read_manifest, sha256_file
 from nnscaler.runtime.driver.plan_report import load_plan_report, report_plan

@@ -34,7 +34,7 @@ def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str 
         text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint(), unit=unit)
         compile(text, gencode_file(rank), "exec")  # a bug here must not reach the ranks
         paths.append(atomic_write(outdir / gencode_file(rank), text))
-    # what the plan split, beside the code (plan_report.json / .txt; see nnscaler.ir.plan_report)
+    # what the plan split, beside the code (plan_report.json / .txt; see nnscaler.ir.contracts.plan_report)
     write_report(build_report(graph, cfg, policy, unit=unit), outdir)
     return paths
 

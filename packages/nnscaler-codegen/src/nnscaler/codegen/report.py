@@ -1,5 +1,5 @@
 """The plan report of a planned graph: what each module's ops split, where each parameter lives,
-and the collectives the generated code runs (`nnscaler.ir.plan_report.PlanReport`).
+and the collectives the generated code runs (`nnscaler.ir.contracts.PlanReport`).
 
 Built from the same unit plan the emitter uses (`plan_unit`), with the same conversions
 (`transition_steps`, once per value, layout and gradient need, as `conversions.Adapter` shares them;
@@ -15,8 +15,9 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from nnscaler.ir import (as_compute_config, Collective, IRGraph, ModuleReport, Node, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
-                         Replicate, Shard, UnannotatedOp, atomic_write, is_guard, iter_refs)
+from nnscaler.ir import as_compute_config, IRGraph, Node, Replicate, Shard, atomic_write, is_guard, iter_refs
+from nnscaler.ir.contracts import (Collective, ModuleReport, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
+                                   UnannotatedOp)
 
 
 from .adapters import STEP_COLLECTIVES, steps_cost, transition_steps

@@ -12,7 +12,7 @@ What other packages use is exported here (and from the public sub-packages
 - ops: `register_op`, `REGISTRY`, `parse_annotation`;
 - layouts: `Replicate`, `Shard`, `Partial`, `TensorLayout`, and the collectives between them
   (`transition_steps`, `steps_cost`, `step_collectives`, `STEP_COLLECTIVES`, `CommCost`, `COST_MODELS`);
-- plans: `PipelinePlan`, the plan report (`PlanReport` and its records);
+- plans: `PipelinePlan` (the plan report, `PlanReport`, is a contract: `nnscaler.ir.contracts`);
 - helpers shared by every package: `warn_user` / `is_internal` (errors point at the user's code),
   `iter_tensors` / `map_tensors` (nested containers), `atomic_write` / `AtomicFile`, `policy_name`,
   `module_of`, `resolve_target` (the function an op's dotted target names).
@@ -23,8 +23,6 @@ from .config_checks import ConfigWarning, warn_ineffective_settings
 from .graph import IRGraph, InputSpec, Node, Ref, SourceLoc, TensorSpec, Value, decode, dtype_name, iter_refs
 from .layout import LayoutError, Partial, Replicate, Shard, TensorLayout
 from .transitions import COST_MODELS, STEP_COLLECTIVES, CommCost, step_collectives, steps_cost, transition_steps
-from .plan_report import (REPORT_JSON, REPORT_TEXT, Collective, ModuleReport, OpSplit, PlanReport,
-                          UnannotatedOp)
 from .pipeline_plan import PipelinePlan
 from .tracer.trace import trace
 from .tracer.guards import READ_TEXT, close as guard_values_close, digest as guard_digest, is_guard
@@ -52,8 +50,7 @@ __all__ = [
     "REGISTRY", "register_op", "parse_annotation",
     "Replicate", "Shard", "Partial", "TensorLayout",
     "COST_MODELS", "STEP_COLLECTIVES", "CommCost", "step_collectives", "steps_cost", "transition_steps",
-    "PipelinePlan", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit", "PlanReport",
-    "UnannotatedOp",
+    "PipelinePlan",
     "warn_user", "is_internal", "iter_tensors", "map_tensors", "replace_tensors", "tensor_leaves",
     "TMP_SUFFIX", "AtomicFile", "atomic_write", "exchange_paths", "fsync_dir", "module_of", "policy_name", "resolve_target",
 ]

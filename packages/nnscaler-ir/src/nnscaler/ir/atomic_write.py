@@ -3,7 +3,9 @@
 The data goes to ``<name>.tmp`` beside the target, is flushed and fsynced, then renamed over the
 target (``os.replace``, atomic on POSIX and Windows), and the directory is fsynced so the rename
 survives a power cut. Used for generated code, manifests, plan reports, received files and
-checkpoints: one implementation for every package.
+checkpoints: one implementation for every package. It lives in ir, which is not the IR's
+concern, because ir is the one part all its users (codegen, policies, the runtime, ckpt) may import
+(docs/architecture.md, "The IR").
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ no runtime import needed).
 - `Piece`: one piece of an op as a policy plans it (``Node.pieces``), read by codegen;
 - `FullMapEntry`: where a rank's local tensor sits in its full tensor;
 - `ZeroShardLayout` (`ZeroBucket`, `ZeroPiece`): how ZeRO shards the optimizer state;
-- `unit_names`: how ``use_zero=3`` groups parameters into gathered units.
+- `unit_names`: how ``use_zero=3`` groups parameters into gathered units;
+- `PlanReport` (`ModuleReport`, `OpSplit`, `Collective`, `UnannotatedOp`): what a plan split and the
+  collectives it runs, written by codegen beside the code and read by the runtime.
 """
 from . import files
 from .files import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, gencode_file, is_gencode_file
@@ -17,8 +19,11 @@ from .generated_module import GENERATED_ATTR_NAMES, GENERATED_ATTRS, GeneratedAt
 from .piece import Piece
 from .shard_units import ROOT_UNIT, resolve_unit_modules, unit_names
 from .pipeline_meta import PipelineMeta
+from .plan_report import (REPLICATED_WARN_FRACTION, REPORT_JSON, REPORT_TEXT, Collective, ModuleReport, OpSplit,
+                          PlanReport, UnannotatedOp)
 from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroGeometry, ZeroPiece, ZeroShardLayout
 
 __all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", "gencode_file", "is_gencode_file",
            "FullMapEntry", "GENERATED_ATTR_NAMES", "GENERATED_ATTRS", "GeneratedAttr", "GeneratedAttrs", "Piece",
-           "PipelineMeta", "ROOT_UNIT", "unit_names", "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]
+           "PipelineMeta", "REPLICATED_WARN_FRACTION", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit",
+           "PlanReport", "UnannotatedOp", "ROOT_UNIT", "unit_names", "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]

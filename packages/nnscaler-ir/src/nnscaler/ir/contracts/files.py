@@ -4,12 +4,12 @@ shared by the code generator that writes them and the runtime that reads, checks
 - ``gencode{rank}.py`` (`gencode_file`): the generated module of one runtime rank;
 - `GRAPH_FILE` (+ `CONSTANTS_FILE`): the traced graph and its constant tensors;
 - `WEIGHTS_FILE`: the model's initial full weights (read with ``init_params=True``);
-- `REPORT_JSON` / `REPORT_TEXT`: the plan report (``nnscaler.ir.plan_report``);
+- `REPORT_JSON` / `REPORT_TEXT`: the plan report (`PlanReport`, plan_report.py);
 - `MANIFEST`: written last, it makes the directory valid (sizes and SHA-256 of the others).
 """
 from __future__ import annotations
 
-from ..plan_report import REPORT_JSON, REPORT_TEXT
+from .plan_report import REPORT_JSON, REPORT_TEXT
 
 __all__ = ["GENCODE_PREFIX", "gencode_file", "is_gencode_file", "GRAPH_FILE",
            "CONSTANTS_FILE", "WEIGHTS_FILE", "MANIFEST", "REPORT_JSON", "REPORT_TEXT"]

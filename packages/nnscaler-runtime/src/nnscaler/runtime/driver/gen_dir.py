@@ -6,7 +6,7 @@
 - ``graph.json`` (+ ``constants.safetensors``): the traced graph, reused by ReuseType.GRAPH;
 - ``fullmodel.safetensors``: the initial full weights, read when a generated class is built with
   ``init_params=True``;
-- ``plan_report.json`` / ``plan_report.txt``: what the plan split (``nnscaler.ir.PlanReport``,
+- ``plan_report.json`` / ``plan_report.txt``: what the plan split (``nnscaler.ir.contracts.PlanReport``,
   written by codegen, printed by ``parallelize(..., verbose=True)``);
 - ``manifest.json``: written last, it makes the directory valid. It records the compute config,
   the policy, the module class, the dummy input schema, the graph fingerprint, the SHA-256 and

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from nnscaler.ir import NnScalerWarning
-from nnscaler.ir import REPORT_JSON, REPORT_TEXT, PlanReport
+from nnscaler.ir.contracts import REPORT_JSON, REPORT_TEXT, PlanReport
 from nnscaler.ir import warn_user
 
 __all__ = ["PlanWarning", "REPORT_JSON", "REPORT_TEXT", "load_plan_report", "report_plan"]
@@ -20,7 +20,7 @@ __all__ = ["PlanWarning", "REPORT_JSON", "REPORT_TEXT", "load_plan_report", "rep
 
 class PlanWarning(NnScalerWarning):
     """A plan over several devices that leaves most parameter bytes replicated (more than
-    `nnscaler.ir.plan_report.REPLICATED_WARN_FRACTION`), or that shards no parameter but sends
+    `nnscaler.ir.contracts.REPLICATED_WARN_FRACTION`), or that shards no parameter but sends
     collectives. The message carries the plan's summary and how to split more."""
 
 

@@ -1,4 +1,5 @@
-"""What a plan did, in one typed record: `PlanReport`.
+"""What a plan did, in one typed record: `PlanReport`, the contract between codegen, which writes
+it, and the runtime, which reads it (also on a machine that only runs generated code).
 
 Codegen computes it from the planned graph (it knows every value's layout, every parameter's
 storage and every collective it emits: ``nnscaler.codegen.report.build_report``); the runtime
