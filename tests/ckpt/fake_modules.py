@@ -1,12 +1,14 @@
 """Stand-ins for parallelized modules in single-process tests: a module with the contract the
-checkpoint package reads (``fullmap`` of ``FullMapEntry``, tensors as attributes, ``full_aliases``,
-``COMPUTE_CONFIG``, ``GRAPH_FINGERPRINT``), holding the whole model, and its single-device twin."""
+checkpoint package reads (a `GeneratedAttrs` subclass, so ``COMPUTE_CONFIG`` is typed and
+``GRAPH_FINGERPRINT`` declared; ``fullmap`` of ``FullMapEntry``, tensors as attributes,
+``full_aliases``, as the runtime's ``ParallelModule`` has them), holding the whole model, and its
+single-device twin."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from nnscaler.ir.contracts import FullMapEntry
+from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs
 
 
 class Plain(nn.Module):
@@ -27,7 +29,7 @@ class Plain(nn.Module):
         return self.head(torch.tanh(self.fc(self.emb(idx)))).logsumexp(-1).mean()
 
 
-class FakeParallel(nn.Module):
+class FakeParallel(GeneratedAttrs, nn.Module):
     """`Plain` as a one-rank 'parallelized' module: flat local names and a full map."""
 
     COMPUTE_CONFIG = {"plan_ngpus": 1, "runtime_ngpus": 1}

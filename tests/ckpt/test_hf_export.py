@@ -13,14 +13,14 @@ from typer.testing import CliRunner
 
 from nnscaler.ckpt import HF_EXTRA_KEY, CheckpointError, HFRecord, merge, save
 from nnscaler.cli.main import app
-from nnscaler.ir.contracts import FullMapEntry
+from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs
 
 transformers = pytest.importorskip("transformers")
 
 TOKENIZER = {"tokenizer.json": b'{"fake": true}', "tokenizer_config.json": b"{}"}
 
 
-class Wrapper(torch.nn.Module):
+class Wrapper(GeneratedAttrs, torch.nn.Module):
     """What the Trainer saves, as a one-rank stand-in for a parallelized module (the contract
     tests/ckpt/fake_modules.py describes): the transformers model's tensors under ``model.``, a
     tied weight once with its alias, plus a buffer of the wrapper's own."""

@@ -1,9 +1,11 @@
 """What a rank holds: a parallelized module's full map, and a container's own tensors."""
+import pytest
 import torch
 
 from fake_modules import FakeParallel
-from nnscaler.ckpt import load, save
+from nnscaler.ckpt import CheckpointError, load, save
 from nnscaler.ckpt.module_tensors import local_tensors, plan_identity
+from nnscaler.ir.config import ComputeConfig
 
 
 class Container(torch.nn.Module):
@@ -23,7 +25,14 @@ def test_names_persistence_and_aliases():
     assert not by_name["body.scratch"].persistent and by_name["body.fc.weight"].trainable
     assert by_name["proj.weight"].aliases == ("proj_again.weight",)
     assert plan_identity(Container(0)) == [{"path": "body", "class": "FakeParallel", "graph_fingerprint": "fake",
-                                            "compute_config": {"plan_ngpus": 1, "runtime_ngpus": 1}}]
+                                            "compute_config": ComputeConfig(1, 1).to_dict()}]
+
+
+def test_a_module_with_a_fullmap_but_not_the_contract_is_not_a_parallelized_module(tmp_path):
+    class Lookalike(torch.nn.Module):  # recognised by the IR contract (GeneratedAttrs), not by an attribute
+        fullmap = {}
+    with pytest.raises(CheckpointError, match="not a parallelized module.*nnscaler.parallelize"):
+        save(tmp_path / "ck", Lookalike())
 
 
 def test_container_round_trip(tmp_path):

@@ -21,7 +21,8 @@ from .extra import join_extra
 from .manifest import read_manifest
 from .records import Manifest
 from .dedup_load import DedupSources
-from .module_tensors import LocalTensor, local_tensors, module_plans, parallel_modules, with_whole_tensors
+from .module_tensors import (LocalTensor, local_tensors, module_plans, parallel_modules, random_streams,
+                             with_whole_tensors)
 from .optimizer_tensors import MASTER, OptimizerSlot, apply_hyper_parameters, optimizer_class, optimizer_slots
 from .reshard import model_region, optimizer_region
 from .rng import restore_rng, rng_keys
@@ -130,7 +131,7 @@ def load(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
         manifest = read_manifest(root)
         tensors = local_tensors(module)
         complete = all(lt.slices == tuple((0, d) for d in lt.full_shape) for lt in tensors) and \
-            not any(getattr(pm, "PIPELINE", None) for _, pm in parallel_modules(module))
+            not any(pm.PIPELINE is not None for _, pm in parallel_modules(module))
         _check_names(root, manifest, tensors, complete)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
         error = describe(e, rank)
@@ -165,6 +166,5 @@ def load(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     if new_state is not None:
         optimizer.load_state_dict(new_state)
     if restore is not None:
-        streams = {p: pm for p, pm in parallel_modules(module) if hasattr(pm, "load_rng_state")}
-        restore_rng(restore[0], restore[1].__getitem__, streams)
+        restore_rng(restore[0], restore[1].__getitem__, random_streams(module))
     return result

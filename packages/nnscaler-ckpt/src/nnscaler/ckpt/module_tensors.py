@@ -1,7 +1,9 @@
 """What a rank holds of the model: its local tensors and where each sits in its full tensor.
 
-A parallelized module is recognised by its ``fullmap`` (local name -> ``FullMapEntry``, the IR's
-contract); the checkpoint package never imports the runtime. A container holding parallelized
+A parallelized module is recognised by the IR contract `GeneratedAttrs` (the generated class's
+attributes: ``COMPUTE_CONFIG``, ``GRAPH_FINGERPRINT``, ``PIPELINE``, ``unsharded``); its tensors are
+described by its ``fullmap`` (local name -> ``FullMapEntry``) and ``full_aliases``, which the
+runtime's ``ParallelModule`` provides. The checkpoint package never imports the runtime. A container holding parallelized
 modules contributes its own plain parameters and buffers too, whole (replicated on every rank).
 Full names are prefixed with the parallelized module's path in the container.
 """
@@ -11,7 +13,7 @@ import contextlib
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -20,7 +22,7 @@ from nnscaler.ir.contracts import GeneratedAttrs
 from .errors import CheckpointError
 from .records import ModulePlan
 
-__all__ = ["LocalTensor", "parallel_modules", "local_tensors", "plan_identity", "module_plans", "piece_key",
+__all__ = ["LocalTensor", "parallel_modules", "random_streams", "local_tensors", "plan_identity", "module_plans", "piece_key",
            "whole_tensors", "with_whole_tensors"]
 
 
@@ -50,12 +52,21 @@ def piece_key(full_name: str, slices, value_split) -> str:
 
 
 def parallel_modules(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
-    """(path, module) of every parallelized module in `module` (itself included)."""
-    found = [(path, m) for path, m in module.named_modules() if hasattr(m, "fullmap")]
+    """(path, module) of every parallelized module (a `GeneratedAttrs`) in `module` (itself included)."""
+    found = [(path, m) for path, m in module.named_modules() if isinstance(m, GeneratedAttrs)]
     if not found:
         raise CheckpointError(f"{type(module).__name__} is not a parallelized module and holds none: pass the "
                               f"module nnscaler.parallelize returned")
     return found
+
+
+def random_streams(module: Optional[torch.nn.Module]) -> Dict[str, torch.nn.Module]:
+    """path -> parallelized module, for those with their own random stream (``rng_state()`` /
+    ``load_rng_state()``, the runtime's ``RandomStreamsMixin``: the IR contract does not declare
+    them, so this is the one capability looked up by name)."""
+    if not isinstance(module, torch.nn.Module):
+        return {}
+    return {path: m for path, m in module.named_modules() if isinstance(m, GeneratedAttrs) and hasattr(m, "rng_state")}
 
 
 @contextlib.contextmanager
@@ -95,7 +106,7 @@ def local_tensors(module: torch.nn.Module) -> List[LocalTensor]:
     for path, pm in pms:
         persistent = set(pm.state_dict(keep_vars=True))
         aliases: Dict[str, List[str]] = {}
-        for full, local in getattr(pm, "full_aliases", {}).items():
+        for full, local in pm.full_aliases.items():
             aliases.setdefault(local, []).append(_prefix(path, full))
         for local, e in pm.fullmap.items():
             t = getattr(pm, local)
@@ -125,11 +136,10 @@ def plan_identity(module: torch.nn.Module) -> List[Dict[str, Any]]:
 
 
 def module_plans(module: torch.nn.Module) -> List[ModulePlan]:
-    """Per parallelized module: its path, class, graph fingerprint and compute config."""
+    """Per parallelized module: its path, class, graph fingerprint and compute config (as
+    ``ComputeConfig.to_dict()``: the generated class's ``COMPUTE_CONFIG``, typed by `GeneratedAttrs`)."""
     ident = []
     for path, pm in parallel_modules(module):
-        cfg = getattr(pm, "COMPUTE_CONFIG", None)
-        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
-        ident.append(ModulePlan(path, type(pm).__name__, getattr(pm, "GRAPH_FINGERPRINT", None),
-                                json.loads(json.dumps(dict(cfg) if cfg else {}, default=str))))
+        ident.append(ModulePlan(path, type(pm).__name__, pm.GRAPH_FINGERPRINT,
+                                json.loads(json.dumps(pm.COMPUTE_CONFIG.to_dict(), default=str))))
     return ident

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .extra import split_extra
-from .module_tensors import LocalTensor, local_tensors, parallel_modules
+from .module_tensors import LocalTensor, local_tensors, random_streams
 from .optimizer_tensors import MASTER, element_wise, optimizer_slots, state_of
 from .records import ModelPiece, OptimizerPiece
 from .rng import capture_rng
@@ -70,8 +70,7 @@ def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int) -> RankSt
                 st.tensors.append((key, value))
                 st.optimizer_state.append(OptimizerPiece(**base, kind=kind, key=key, dtype=_dtype(value),
                                                          shape=tuple(value.shape)))
-    streams = {path: pm for path, pm in parallel_modules(module) if hasattr(pm, "rng_state")}
-    rng_tensors, st.rng = capture_rng(streams)
+    rng_tensors, st.rng = capture_rng(random_streams(module))
     st.tensors.extend(rng_tensors.items())
     st.extra, extra_tensors = split_extra(extra)
     st.tensors.extend(extra_tensors.items())

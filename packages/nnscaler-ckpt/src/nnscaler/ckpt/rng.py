@@ -12,6 +12,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .module_tensors import random_streams
+
 __all__ = ["capture_rng", "restore_rng", "rng_keys", "rng_snapshot", "restore_rng_snapshot", "PREFIX"]
 
 PREFIX = "rng/"
@@ -68,16 +70,10 @@ def rng_keys(info: Dict[str, Any]) -> List[str]:
     return keys
 
 
-def _streams(module: Optional[torch.nn.Module]) -> Dict[str, Any]:
-    if module is None:
-        return {}
-    return {path: m for path, m in module.named_modules() if hasattr(m, "fullmap") and hasattr(m, "rng_state")}
-
-
 def rng_snapshot(module: Optional[torch.nn.Module]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
     """(JSON, tensors) of this process's RNG states now, those of `module`'s parallelized modules
     included; `restore_rng_snapshot` sets them again."""
-    tensors, info = capture_rng(_streams(module))
+    tensors, info = capture_rng(random_streams(module))
     return info, {k: v.clone() for k, v in tensors.items()}
 
 
@@ -85,4 +81,4 @@ def restore_rng_snapshot(snapshot: Tuple[Dict[str, Any], Dict[str, torch.Tensor]
                          module: Optional[torch.nn.Module]) -> None:
     """Set the states `rng_snapshot` took."""
     info, tensors = snapshot
-    restore_rng(info, tensors.__getitem__, {p: m for p, m in _streams(module).items() if hasattr(m, "load_rng_state")})
+    restore_rng(info, tensors.__getitem__, random_streams(module))
