@@ -74,7 +74,7 @@ def test_train_and_val_split_the_blocks(tmp_path, expected):
     ("mixed", "dataset.train_args.files", "files of one kind"),
     ("tokenizer", "dataset.train_args.tokenizer", "not a directory"),
     ("field", "dataset.train_args.text_field", "no column 'text'"),
-    ("block", "dataset.train_args", "make no train block"),
+    ("block", "dataset.train_args.block_size", "hold [0-9]+ tokens, not one block of 100000"),
     ("split", "dataset.train_args.split", "use train, val or all"),
 ])
 def test_bad_input_names_the_key(tmp_path, case, key, match):
@@ -87,3 +87,43 @@ def test_bad_input_names_the_key(tmp_path, case, key, match):
     with pytest.raises(TrainerConfigError, match=match) as e:
         TokenizedText(**args)
     assert e.value.key == key
+
+
+def test_documents_tokenized_a_batch_at_a_time_give_the_same_stream(tmp_path, expected, monkeypatch):
+    from nnscaler.trainer.hf import tokenized_text
+    monkeypatch.setattr(tokenized_text, "_DOCS_PER_BATCH", 2)  # 3 documents: batches of 2 and 1
+    ds = TokenizedText(write(tmp_path, "jsonl"), TOKENIZER, block_size=1, split="all", text_field="body",
+                       cache_dir=str(tmp_path / "c"))
+    assert torch.equal(ds.blocks.flatten(), expected)
+
+
+def test_long_blocks_are_views_of_one_token_array(tmp_path):
+    """16384-token blocks: the same tokens as tokenizing each document, one int64 array (8 bytes a
+    token) of which every block is a view; a text too short for one block names the count."""
+    tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+    docs = [f"Document {i}: " + " ".join(f"word{(i * 7 + j) % 97} and more text" for j in range(400))
+            for i in range(60)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    stream = [t for d in tok(docs, add_special_tokens=False)["input_ids"] for t in d + [tok.eos_token_id]]
+    block = 16384
+    assert len(stream) > 3 * block
+    every = TokenizedText(str(path), TOKENIZER, block_size=block, split="all", cache_dir=str(tmp_path / "c"))
+    n = len(stream) // block
+    assert every.blocks.shape == (n, block) and every[0]["input_ids"].dtype == torch.long
+    assert torch.equal(every.blocks.flatten(), torch.tensor(stream[:n * block]))
+    assert every.blocks.untyped_storage().nbytes() == 8 * len(stream)  # the stream once, no copy per block
+    assert every[n - 1]["input_ids"].untyped_storage().data_ptr() == every.blocks.untyped_storage().data_ptr()
+    val = TokenizedText(str(path), TOKENIZER, block_size=block, split="val", val_fraction=0.34,
+                        cache_dir=str(tmp_path / "c"))
+    assert len(val) == int(n * 0.34) and torch.equal(val.blocks, every.blocks[n - len(val):])
+    with pytest.raises(TrainerConfigError) as e:
+        TokenizedText(str(path), TOKENIZER, block_size=len(stream) + 1, cache_dir=str(tmp_path / "c"))
+    assert e.value.key == "dataset.train_args.block_size"
+    assert f"hold {len(stream)} tokens, not one block of {len(stream) + 1}" in str(e.value)
+    assert f"a block_size of at most {len(stream)}" in str(e.value)
+    with pytest.raises(TrainerConfigError) as e:  # blocks, but none for val
+        TokenizedText(str(path), TOKENIZER, block_size=block, split="val", val_fraction=0.05,
+                      cache_dir=str(tmp_path / "c"))
+    assert e.value.key == "dataset.val_args.val_fraction"
+    assert f"keeps 0 of the {n} blocks of {block} tokens" in str(e.value) and "at least" in str(e.value)

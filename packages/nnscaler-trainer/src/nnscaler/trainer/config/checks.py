@@ -86,6 +86,7 @@ def validate(args) -> None:
     _check_model(args)
     _check_optimizer(args.optimizer)
     _importable("dataset.type", args.dataset.type, required=args.run_mode == "run", what="the dataset class")
+    _own_rules(args, args.dataset.type, "dataset.type")  # e.g. hf.TokenizedText's block_size under cp
     _importable("dataloader.type", args.dataloader.type, required=True, what="the dataloader class")
     _importable("dataset_sampler.type", args.dataset_sampler.type, required=True, what="the sampler class")
     _warn_ignored(args)
@@ -140,6 +141,16 @@ def _check_batches(args) -> None:
                                  f"global_batch_size / grad_accumulation_steps only, or make them agree")
 
 
+def _own_rules(args, name: Any, key: str) -> None:
+    """The class's classmethod ``validate_trainer_args(args)``, when it has one: a model's or a
+    dataset's own rules (raising TrainerConfigError), run with the other checks."""
+    if not isinstance(name, str):
+        return
+    check = getattr(resolve_object(name, key), "validate_trainer_args", None)
+    if callable(check):
+        check(args)
+
+
 def _check_model(args) -> None:
     model = args.model
     _importable("model.type", model.type, required=True, what="the model class")
@@ -148,9 +159,7 @@ def _check_model(args) -> None:
         if not isinstance(cls, type):
             raise TrainerConfigError("model.type", f"must be a class (an nn.Module subclass), not a factory "
                                                    f"function: {model.type!r}")
-        check = getattr(cls, "validate_trainer_args", None)
-        if callable(check):  # the model class's own rules (e.g. hf.CausalLM's config), before any worker
-            check(args)
+        _own_rules(args, model.type, "model.type")  # e.g. hf.CausalLM's config, before any worker
     if args.tracing_from_weights is None and any(pm.tracing_from_weights_prefix for pm in model.parallel_modules):
         i = next(i for i, pm in enumerate(model.parallel_modules) if pm.tracing_from_weights_prefix)
         raise TrainerConfigError(f"model.parallel_modules.{i}.tracing_from_weights_prefix",

@@ -14,6 +14,13 @@ own with labels, the next-token loss plus ``router_aux_loss_coef * aux_loss`` (t
 load-balancing loss); the Trainer logs ``aux_loss`` (`nnscaler.trainer.MoEModel`). The config is
 checked before any worker starts (`CausalLM.validate_trainer_args`): top-k against the experts,
 and under ``pas_policy: ep`` experts present and divisible by the expert-parallel size.
+
+Long context (``pas_policy: cp``, context parallelism: every op split along the sequence, attention
+as ring attention): the attention must be one ``F.scaled_dot_product_attention`` call, so
+`attn_implementation` must be ``sdpa`` (unset: transformers' default, sdpa for every architecture
+that has it) and the architecture must have sdpa attention; the attention dropout must be 0.
+`validate_trainer_args` refuses the rest before any worker starts (the sequence length is
+`TokenizedText.validate_trainer_args`'s check).
 """
 from __future__ import annotations
 
@@ -32,7 +39,8 @@ from ..errors import TrainerConfigError
 from ..hooks import TrainHook
 from ..moe import MoEModel
 
-__all__ = ["CausalLM", "Experts", "experts_of", "import_transformers", "load_hf_config", "tokenizer_files"]
+__all__ = ["CausalLM", "Experts", "attention_dropouts", "cp_size", "experts_of", "import_transformers",
+           "load_hf_config", "tokenizer_files"]
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -156,6 +164,81 @@ def _check_ep(args, hf_config, experts: Optional[Experts]) -> None:
                                  f"multiple of plan_ngpus), or a model whose expert count {ep} divides")
 
 
+def cp_size(args) -> int:
+    """The context-parallel size of `args` (TrainerArgs) under ``pas_policy: cp``: the devices of a
+    pipeline stage, plan_ngpus / pp_size; 0 under any other policy."""
+    from nnscaler.policies import resolve_policy
+    if resolve_policy(args.pas_policy).name != "cp":
+        return 0
+    cc = args.compute_config
+    pp = (cc.pas_config or {}).get("pp_size", 1)
+    pp = pp if isinstance(pp, int) and not isinstance(pp, bool) and pp > 0 else 1
+    return max(1, cc.plan_ngpus // pp)
+
+
+def attention_dropouts(hf_config) -> Dict[str, float]:
+    """The config's non-zero attention dropouts by field (``attention_dropout``, GPT-2's
+    ``attn_pdrop``, BERT's ``attention_probs_dropout_prob``, ...)."""
+    out = {}
+    for name, value in sorted(hf_config.to_dict().items()):
+        low = name.lower()
+        if ("attn" in low or "attention" in low) and "drop" in low and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and value:
+            out[name] = value
+    return out
+
+
+def _causal_lm_class(hf_config):
+    transformers = import_transformers("model.type")
+    try:
+        return transformers.AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except (KeyError, ValueError):
+        return None  # AutoModelForCausalLM names the problem when the model is built
+
+
+def _check_cp(args, config, hf_config) -> None:
+    """Under ``pas_policy: cp``: sdpa attention, no attention dropout (the policy's and ring
+    attention's refusals, said before any worker starts)."""
+    cp = cp_size(args)
+    if not cp:
+        return
+    where = "config.json" if isinstance(config, str) else "the mapping"
+    requested = _model_args(args).get("attn_implementation")
+    own = getattr(hf_config, "_attn_implementation_internal", None)
+    if requested is not None and requested != "sdpa":
+        raise TrainerConfigError("model.args.attn_implementation",
+                                 f"is {requested!r}, but pas_policy 'cp' runs every attention as ring attention, "
+                                 f"which needs it as one torch.nn.functional.scaled_dot_product_attention call: set "
+                                 f"it to sdpa (--model.args.attn_implementation sdpa), or leave it unset (sdpa is "
+                                 f"transformers' default), or use another policy")
+    if requested is None and own is not None and own != "sdpa":
+        raise TrainerConfigError("model.args.config",
+                                 f"asks for attn_implementation {own!r} ({where}), but pas_policy 'cp' runs every "
+                                 f"attention as ring attention, which needs it as one "
+                                 f"torch.nn.functional.scaled_dot_product_attention call: set model.args."
+                                 f"attn_implementation to sdpa (or drop attn_implementation from {where})")
+    model_class = _causal_lm_class(hf_config)
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", False):
+        raise TrainerConfigError("pas_policy",
+                                 f"'cp' runs every attention as ring attention, which needs it as one "
+                                 f"torch.nn.functional.scaled_dot_product_attention call, but transformers' "
+                                 f"{model_class.__name__} has no sdpa attention (it computes attention op by op): "
+                                 f"use dp, tp or another policy for this model")
+    dropouts = attention_dropouts(hf_config)
+    if dropouts:
+        name, value = next(iter(dropouts.items()))
+        fix = (f"--model.args.config.{name} 0" if not isinstance(config, str)
+               else f"{name}: 0.0 in {config!r}'s config.json, or give the config as a mapping")
+        raise TrainerConfigError("model.args.config",
+                                 f"{name} is {value} but pas_policy 'cp' runs attention as ring attention, which "
+                                 f"has no attention dropout: set {name} to 0 ({fix}), or use another policy")
+
+
+def _model_args(args) -> Dict[str, Any]:
+    from ..config.values import build_args
+    return build_args(args.model.args, "model.args")
+
+
 def _routes_aux_loss(model_class, hf_config) -> bool:
     """The architecture returns router logits and adds router_aux_loss_coef * aux_loss to its loss."""
     return (hasattr(hf_config, "router_aux_loss_coef")
@@ -226,16 +309,17 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel):
     @classmethod
     def validate_trainer_args(cls, args) -> None:
         """Before any worker starts (`TrainerArgs.validate`): the config loads, num_experts_per_tok
-        fits the experts, and under ``pas_policy: ep`` the model has experts that split over the
-        expert-parallel size (plan_ngpus / pp_size). Raises TrainerConfigError."""
-        from ..config.values import build_args
-        config = build_args(args.model.args, "model.args").get("config")
+        fits the experts, under ``pas_policy: ep`` the model has experts that split over the
+        expert-parallel size (plan_ngpus / pp_size), and under ``pas_policy: cp`` the attention is
+        sdpa without dropout. Raises TrainerConfigError."""
+        config = _model_args(args).get("config")
         if config is None:
             return  # instantiate() names the missing argument
         hf_config = load_hf_config(config)
         experts = check_experts(hf_config)
         if not args.uses_parallel_modules:
             _check_ep(args, hf_config, experts)
+            _check_cp(args, config, hf_config)
 
     def forward(self, batch: Mapping[str, torch.Tensor]) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         input_ids = batch["input_ids"]

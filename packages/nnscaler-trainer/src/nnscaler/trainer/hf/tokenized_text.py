@@ -4,14 +4,21 @@ Files are read through the ``datasets`` library (``text``, ``json`` or ``parquet
 files' extension), tokenized by a local tokenizer directory (``AutoTokenizer``), joined with the
 tokenizer's EOS token between documents, and cut into non-overlapping blocks of `block_size`
 tokens (the remainder is dropped). Every rank computes the same blocks, so the Trainer's sampler
-decides the order alone: the data order is deterministic. The token stream is held in memory.
+decides the order alone: the data order is deterministic. The token stream is held in memory, one
+int64 array (8 bytes a token); documents are read and tokenized a batch at a time, and the blocks
+are views of that array, so a long `block_size` (4096, 16384, ...) costs no more than a short one.
+Under ``pas_policy: cp`` `block_size` must split into 2 x cp equal chunks
+(`TokenizedText.validate_trainer_args`, before any worker starts).
 """
 from __future__ import annotations
 
 import glob
+import inspect
+import itertools
 import os
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from ..errors import TrainerConfigError
@@ -20,6 +27,7 @@ from .causal_lm import import_transformers
 __all__ = ["TokenizedText"]
 
 _BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_DOCS_PER_BATCH = 1000  # documents tokenized per call: the Python lists of one batch at a time
 
 
 def _files(paths: Union[str, Sequence[str]], key: str) -> List[str]:
@@ -63,14 +71,32 @@ class TokenizedText(torch.utils.data.Dataset):
                                      f"{os.getcwd()}): give a local tokenizer directory (nothing is downloaded)")
         self.tokenizer = tokenizer
         self.block_size = block_size
-        texts = _read_texts(paths, text_field, cache_dir, key)
-        ids = _tokenize(texts, tokenizer, f"{key}.tokenizer")
+        ids = _tokenize(_read_texts(paths, text_field, cache_dir, key), tokenizer, f"{key}.tokenizer")
         blocks = ids[:len(ids) // block_size * block_size].view(-1, block_size)
         cut = len(blocks) - int(len(blocks) * val_fraction)
         self.blocks = {"train": blocks[:cut], "val": blocks[cut:], "all": blocks}[split]
         if len(self.blocks) == 0:
-            raise TrainerConfigError(key, f"{len(ids)} tokens make no {split} block of {block_size}: give more text, "
-                                          f"a smaller block_size or another val_fraction")
+            raise _too_small(key, len(ids), len(blocks), block_size, val_fraction, paths)
+
+    @classmethod
+    def validate_trainer_args(cls, args) -> None:
+        """Before any worker starts (`TrainerArgs.validate`): under ``pas_policy: cp`` the
+        `block_size` of the train and val sets is a multiple of 2 x cp (cp = plan_ngpus /
+        pp_size): ring attention cuts every sequence into 2 x cp equal chunks (causal rows
+        balanced: chunks i and 2cp-1-i on rank i). Raises TrainerConfigError naming the values."""
+        from ..config.values import build_args
+        from .causal_lm import cp_size
+        cp = cp_size(args)
+        if cp < 2 or args.uses_parallel_modules:
+            return
+        default = inspect.signature(cls.__init__).parameters["block_size"].default
+        for stage in ("train", "val"):
+            raw = getattr(args.dataset, f"{stage}_args")
+            if stage == "val" and not raw:
+                continue
+            block = build_args(raw, f"dataset.{stage}_args").get("block_size", default)
+            if isinstance(block, int) and not isinstance(block, bool) and block >= 1 and block % (2 * cp):
+                raise TrainerConfigError(f"dataset.{stage}_args.block_size", _not_ring_chunks(block, cp, args))
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -79,7 +105,33 @@ class TokenizedText(torch.utils.data.Dataset):
         return {"input_ids": self.blocks[i]}
 
 
-def _read_texts(paths: List[str], field: str, cache_dir: Optional[str], key: str) -> List[str]:
+def _not_ring_chunks(block: int, cp: int, args) -> str:
+    chunks = 2 * cp
+    cc = args.compute_config
+    pp = cc.plan_ngpus // cp
+    size = f"plan_ngpus {cc.plan_ngpus}" + (f" / pp_size {pp}" if pp > 1 else "")
+    low, high = block // chunks * chunks, (block // chunks + 1) * chunks
+    use = f"{low} or {high}" if low else f"{high}"
+    return (f"is {block}, but pas_policy 'cp' cuts every sequence into 2 x cp = {chunks} equal chunks (cp {cp} = "
+            f"{size}; ring attention balances the causal rows, chunks i and {chunks - 1}-i on rank i), and {block} "
+            f"is not a multiple of {chunks}: use block_size {use} (a multiple of {chunks})")
+
+
+def _too_small(key: str, tokens: int, blocks: int, block_size: int, val_fraction: float,
+               paths: List[str]) -> TrainerConfigError:
+    files = paths[0] if len(paths) == 1 else f"{len(paths)} files ({paths[0]}, ...)"
+    if blocks == 0:
+        return TrainerConfigError(f"{key}.block_size", f"is {block_size}, but {files} hold {tokens} tokens, not "
+                                                       f"one block of {block_size}: give more text (files) or a "
+                                                       f"block_size of at most {tokens}")
+    return TrainerConfigError(f"{key}.val_fraction", f"is {val_fraction}, which keeps {int(blocks * val_fraction)} "
+                                                     f"of the {blocks} blocks of {block_size} tokens ({files}) for "
+                                                     f"val: raise val_fraction to at least {1 / blocks:.3g}, lower "
+                                                     f"block_size or give more text")
+
+
+def _read_texts(paths: List[str], field: str, cache_dir: Optional[str], key: str) -> Iterator[List[str]]:
+    """The non-empty documents, a batch (a list) at a time."""
     try:
         import datasets
     except ImportError:
@@ -96,17 +148,28 @@ def _read_texts(paths: List[str], field: str, cache_dir: Optional[str], key: str
     if field not in data.column_names:
         raise TrainerConfigError(f"{key}.text_field", f"{paths} have no column {field!r} (columns: "
                                                       f"{data.column_names}): name the text column")
-    return [t for t in data[field] if t]
+    return ([t for t in batch[field] if t] for batch in data.select_columns([field]).iter(batch_size=_DOCS_PER_BATCH))
 
 
-def _tokenize(texts: List[str], path: str, key: str) -> torch.Tensor:
+def _tokenize(batches: Iterator[List[str]], path: str, key: str) -> torch.Tensor:
+    """Every document's tokens followed by EOS, as one int64 tensor; each batch of documents goes
+    from the tokenizer's lists straight into an array (C loops, no per-token Python)."""
     transformers = import_transformers(key)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise TrainerConfigError(key, f"{path!r} is not a tokenizer directory transformers can read ({e})") from None
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids: List[int] = []
-    for doc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-        ids += doc + eos
-    return torch.tensor(ids, dtype=torch.long)
+    eos = tokenizer.eos_token_id
+    pieces: List[np.ndarray] = []
+    for texts in batches:
+        if not texts:
+            continue
+        docs = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int64, count=int(lengths.sum()))
+        if eos is not None:  # after every document
+            flat = np.insert(flat, np.cumsum(lengths), eos)
+        pieces.append(flat)
+        del docs
+    ids = np.concatenate(pieces) if len(pieces) > 1 else (pieces[0] if pieces else np.zeros(0, dtype=np.int64))
+    return torch.from_numpy(ids)
