@@ -14,15 +14,17 @@ this process waits for the thread, and so does the interpreter at exit (not a da
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import threading
 from pathlib import Path
 from typing import Optional
 
+from .errors import CheckpointError
 from .names import MANIFEST, MANIFEST_TMP
+from .records import Manifest
 
 __all__ = ["open_dir", "start", "wait", "THREAD_NAME"]
 
@@ -70,16 +72,15 @@ def _sha256(dir_fd: int, name: str) -> str:
 
 
 def _with_sha256(dir_fd: int, committed: bytes) -> Optional[bytes]:
-    data = json.loads(committed)
-    files = data["files"]
-    missing = [n for n, r in files.items() if "sha256" not in r]
+    """The bytes of the committed manifest with the SHA-256 of every file it records without one
+    (None: there is none), through the typed records."""
+    manifest = Manifest.loads(committed, MANIFEST)
+    missing = [n for n, r in manifest.files.items() if r.sha256 is None]
     if not missing:
         return None
     for name in missing:
-        record = files[name]
-        files[name] = {"size": record["size"], "sha256": _sha256(dir_fd, name),
-                       **{k: v for k, v in record.items() if k != "size"}}
-    return (json.dumps(data, indent=1, sort_keys=False) + "\n").encode("utf-8")
+        manifest.files[name] = dataclasses.replace(manifest.files[name], sha256=_sha256(dir_fd, name))
+    return manifest.dumps()
 
 
 def _replace_manifest(dir_fd: int, committed: bytes, new: bytes) -> None:
@@ -103,7 +104,7 @@ def _run(dir_fd: Optional[int], committed: Optional[bytes], replaced: Optional[P
             new = _with_sha256(dir_fd, committed)
             if new is not None:
                 _replace_manifest(dir_fd, committed, new)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, CheckpointError):
         pass  # the committed manifest stays: its CRC-32 checks the files
     finally:
         if dir_fd is not None:

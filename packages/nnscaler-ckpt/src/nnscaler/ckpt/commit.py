@@ -8,7 +8,6 @@ A crash at any point leaves either no ``<name>`` (or the previous one, untouched
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -61,8 +60,8 @@ class StagingDir:
         """Write the manifest (a `Manifest`, or its JSON) last, then move the directory into place.
         The checkpoint it replaces (``overwrite``) is deleted, or with `keep_replaced` left under
         a staging name in `replaced` for the caller to delete (`save` spreads it over its ranks)."""
-        data = manifest.to_json() if isinstance(manifest, Manifest) else dict(manifest)
-        atomic_write(self.path / MANIFEST, json.dumps(data, indent=1, sort_keys=False) + "\n")
+        typed = manifest if isinstance(manifest, Manifest) else Manifest.from_json(dict(manifest), self.path / MANIFEST)
+        atomic_write(self.path / MANIFEST, typed.dumps())
         fsync_dir(self.path)
         old: Optional[Path] = None
         if self.dest.exists() or self.dest.is_symlink():

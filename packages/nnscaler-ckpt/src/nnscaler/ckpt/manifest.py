@@ -7,12 +7,12 @@ config), ``files`` (name -> size, SHA-256 and chunked CRC-32 of every other file
 `checksums`), ``model`` and
 ``optimizer_state`` (one record per stored piece: its file and key and its place in the full
 tensor), ``tensors`` (full name -> shape and dtype), ``optimizer`` (class, hyper-parameters),
-``ranks`` (per saving rank: RNG states and the caller's ``extra``). No pickle anywhere.
+``ranks`` (per saving rank: RNG states and the caller's ``extra``). No pickle anywhere. The bytes
+are read and written only through `records.Manifest` (``loads`` / ``dumps``).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from .commit import abandoned_siblings
@@ -58,9 +58,4 @@ def read_manifest(path) -> Manifest:
     if not mpath.is_file():
         raise CheckpointError(f"{mpath} is missing: {path} is not a complete checkpoint (a save did not finish, "
                               f"or it is not a checkpoint); use an earlier checkpoint")
-    try:
-        data = json.loads(mpath.read_text("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{mpath} is corrupt ({e}): restore it from a copy, or use an earlier checkpoint") \
-            from None
-    return Manifest.from_json(data, mpath)
+    return Manifest.loads(mpath.read_bytes(), mpath)

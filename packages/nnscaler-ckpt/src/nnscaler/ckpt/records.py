@@ -5,10 +5,13 @@ the disk (and wire) boundary: ``to_json()`` gives exactly the JSON that was alwa
 ``from_json(data)`` checks the shape of what was read and raises `RecordError` naming the
 offending field (`Manifest.from_json` turns it into a `CheckpointError` naming the file and the
 fix). Fields older manifests lack are optional here; unknown fields are ignored.
+``Manifest.dumps()`` / ``Manifest.loads(raw)`` are the bytes of ``manifest.json``: every writer
+(the commit, the SHA-256 filled in after it) and every reader goes through them.
 (One file over 400 lines: the records nest into one schema, read and checked together.)
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -373,6 +376,20 @@ class Manifest(Record):
                    optimizer_state=[r.to_json() for r in self.optimizer_state],
                    ranks=[r.to_json() for r in self.ranks])
         return out
+
+    def dumps(self) -> bytes:
+        """The bytes of ``manifest.json`` (JSON, indented by one, ASCII, a final newline)."""
+        return (json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n").encode("utf-8")
+
+    @classmethod
+    def loads(cls, raw: bytes, path: Optional[Path] = None) -> "Manifest":
+        """The manifest in the bytes `raw` (of file `path`, named in errors), checked as `from_json`."""
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{'the manifest' if path is None else path} is corrupt ({e}): restore it from a "
+                                  f"copy, or use an earlier checkpoint") from None
+        return cls.from_json(data, path)
 
     @classmethod
     def from_json(cls, data: Any, path: Optional[Path] = None) -> "Manifest":
