@@ -115,7 +115,8 @@ def test_values_type_value_type_and_guessing():
     ({"model.parallel_modules": [
         {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
          "compute_config": {"use_zero": 3}},
-        {"type": "torch.nn.Linear", "forward_args_gen_fn": "trainer_models.mlp_forward_args"}]},
+        {"type": "torch.nn.Linear", "args": {"in_features": 16, "out_features": 16},
+         "forward_args_gen_fn": "trainer_models.mlp_forward_args"}]},
      "model.parallel_modules.1.compute_config.use_zero", "same use_zero, zero_ngroups"),
 ])
 def test_bad_input_names_key_and_fix(over, key, words):
@@ -189,3 +190,29 @@ def test_use_zero_3_reaches_compute_config_as_the_int_3(tmp_path):
     # pipelines shard each stage's parameters: accepted
     TrainerArgs.from_dict(base(**{"compute_config.use_zero": 3, "pas_policy": "pp", "compute_config.plan_ngpus": 2,
                                   "compute_config.runtime_ngpus": 4})).validate()
+
+
+@pytest.mark.parametrize("over, key, words", [
+    # a typo: refused before any worker starts, naming the closest valid argument
+    ({"model.args": {"nlayr": 3}}, "model.args.nlayr", "MLP has no argument 'nlayr'; did you mean 'nlayers'?"),
+    # a value the annotation contradicts, as the command line gives it (a string)
+    ({"model.args": {"nlayers": "three"}}, "model.args.nlayers", "expects int for 'nlayers' (its annotation), "
+                                                                 "got 'three'"),
+    ({"model.args": {"dropout": True}}, "model.args.dropout", "expects float"),
+    ({"model.args": {"dim": 1.5}}, "model.args.dim", "expects int"),
+    ({"model.parallel_modules": [{"type": "trainer_models.Inner", "args": {"dimm": 8},
+                                  "forward_args_gen_fn": "trainer_models.mlp_forward_args"}],
+      "model.type": "trainer_models.Outer"}, "model.parallel_modules.0.args.dimm", "did you mean 'dim'?"),
+    ({"model.type": "trainer_models.NeedsArgs"}, "model.args", "needs the argument width: set model.args.width"),
+])
+def test_model_arguments_are_checked_against_the_signature(over, key, words):
+    e = error_of(base(**over))
+    assert e.key == key, str(e)
+    assert words in str(e), str(e)
+
+
+def test_model_arguments_that_fit_the_signature_pass():
+    TrainerArgs.from_dict(base(**{"model.args": {"dim": "8", "nlayers": 3, "dropout": 0}}))  # '8' reads as 8; int for float
+    TrainerArgs.from_dict(base(**{"model.type": "trainer_models.NeedsArgs",  # Optional, **kwargs takes anything
+                                  "model.args": {"width": 4, "scale": None, "anything": [1]}}))
+    TrainerArgs.from_dict(base(**{"model.args": {"dim": {"__value_type": "int", "value": "8"}}}))

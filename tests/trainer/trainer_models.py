@@ -2,6 +2,8 @@
 (``trainer_models.MLP`` etc.; this folder is on sys.path / PYTHONPATH)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -138,3 +140,10 @@ class FailingDataset(RandomDataset):
         if os.environ.get("RANK") == "1" and self.reads == 9:
             raise RuntimeError("bad sample on rank 1")
         return super().__getitem__(i)
+
+
+class NeedsArgs(MLP):
+    """A model with a required, an Optional and **kwargs arguments (the model.args checks)."""
+
+    def __init__(self, width: int, scale: Optional[float] = 1.0, **kwargs):
+        super().__init__(dim=width)

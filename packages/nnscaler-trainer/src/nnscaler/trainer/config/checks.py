@@ -7,12 +7,15 @@ workers.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
+import typing
 import warnings
 from typing import Any, Dict, Iterable, Tuple
 
 from ..errors import TrainerConfigError, TrainerConfigWarning
 from .components import HookConfig, HookMapConfig
-from .values import resolve_object
+from .values import TYPE_KEY, VALUE_TYPE_KEY, guess_value, resolve_object
 
 __all__ = ["validate", "AUTO_SAMPLER_ARGS", "AUTO_DATALOADER_ARGS", "ignored_args", "RUN_MODES", "REUSE_VALUES",
            "BROADCAST_STRATEGIES"]
@@ -159,6 +162,7 @@ def _check_model(args) -> None:
         if not isinstance(cls, type):
             raise TrainerConfigError("model.type", f"must be a class (an nn.Module subclass), not a factory "
                                                    f"function: {model.type!r}")
+        _check_arguments(cls, model.args, "model.args")
         _own_rules(args, model.type, "model.type")  # e.g. hf.CausalLM's config, before any worker
     if args.tracing_from_weights is None and any(pm.tracing_from_weights_prefix for pm in model.parallel_modules):
         i = next(i for i, pm in enumerate(model.parallel_modules) if pm.tracing_from_weights_prefix)
@@ -170,6 +174,8 @@ def _check_model(args) -> None:
         _importable(f"{key}.type", pm.type, required=True, what="the sub-module class to parallelize")
         _importable(f"{key}.forward_args_gen_fn", pm.forward_args_gen_fn, required=True,
                     what="a function (trainer_args) -> dict of dummy forward arguments")
+        if isinstance(pm.type, str):
+            _check_arguments(resolve_object(pm.type, f"{key}.type"), pm.args, f"{key}.args")
         if pm.tracing_from_weights and pm.tracing_from_weights_prefix:
             raise TrainerConfigError(f"{key}.tracing_from_weights_prefix",
                                      "set tracing_from_weights or tracing_from_weights_prefix, not both")
@@ -202,6 +208,75 @@ def _check_model(args) -> None:
                                      f"use_zero, zero_ngroups and zero_use_reduce_scatter (or set them once in "
                                      f"the top-level compute_config)")
         zeros.append((key, zero))
+
+
+def _check_arguments(cls: Any, raw: Any, key: str) -> None:
+    """The config's arguments of ``cls(**args)`` against the signature of ``cls``: an unknown name
+    (naming the closest valid one), a missing required one, or a plain value whose type contradicts
+    the annotation (int / float / bool / str, Optional and Union of them) is refused here, before
+    any worker starts. A ``**kwargs`` parameter accepts any name; values built from ``__type`` /
+    ``__value_type`` and annotations of other types are not checked."""
+    if not isinstance(raw, dict):
+        return  # build_args names the key when the workers build it
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return
+    params = {n: p for n, p in signature.parameters.items()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    open_names = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    name = getattr(cls, "__qualname__", repr(cls))
+    if not open_names:
+        for arg in raw:
+            if arg not in params:
+                close = difflib.get_close_matches(str(arg), list(params), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise TrainerConfigError(f"{key}.{arg}", f"{name} has no argument {arg!r}; {hint}its arguments are "
+                                                         f"{', '.join(params) or 'none'}")
+    missing = [n for n, p in params.items() if p.default is p.empty and n not in raw]
+    if missing:
+        raise TrainerConfigError(key, f"{name} needs the argument{'s' if len(missing) > 1 else ''} "
+                                      f"{', '.join(missing)}: set {', '.join(f'{key}.{n}' for n in missing)}")
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # an annotation that does not resolve: check the ones that are types already
+        hints = {n: p.annotation for n, p in params.items() if not isinstance(p.annotation, str)}
+    for arg, value in raw.items():
+        if arg not in params or arg not in hints:
+            continue
+        if isinstance(value, dict) and (TYPE_KEY in value or VALUE_TYPE_KEY in value):
+            continue
+        if isinstance(value, str):
+            value = guess_value(value)
+        allowed = _plain_types(hints[arg])
+        if allowed is None or (value is None and params[arg].default is None):
+            continue
+        if not any(_is_a(value, t) for t in allowed):
+            expected = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise TrainerConfigError(f"{key}.{arg}", f"{name} expects {expected} for {arg!r} (its annotation), "
+                                                     f"got {value!r}; give a value of that type")
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_types(annotation: Any):
+    """The plain types an annotation allows (a tuple), None when it allows anything else too."""
+    if annotation in _PLAIN:
+        return (annotation,)
+    if typing.get_origin(annotation) is typing.Union or type(annotation).__name__ == "UnionType":
+        members = typing.get_args(annotation)
+        if all(m in _PLAIN for m in members):
+            return tuple(members)
+    return None
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def _check_optimizer(opt) -> None:
