@@ -14,7 +14,7 @@ from fake_modules import FakeParallel, trained
 from nnscaler.ckpt import CheckpointError, load, save, verify
 
 RANK0 = "rank-00000-of-00001.safetensors"
-save_module = importlib.import_module("nnscaler.ckpt.save")  # the module, not the function
+executor = importlib.import_module("nnscaler.ckpt.executor")  # the one writer of save and async_save
 
 
 def test_files_and_manifest(tmp_path):
@@ -81,7 +81,7 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
             f.write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(save_module, "write_record", full)
+    monkeypatch.setattr(executor, "write_record", full)
     with pytest.raises(CheckpointError, match=r"could not write .*No space left.*previous checkpoint is intact"):
         save(tmp_path / "ck", FakeParallel(seed=4), overwrite=True)
     with pytest.raises(CheckpointError, match="No space left"):

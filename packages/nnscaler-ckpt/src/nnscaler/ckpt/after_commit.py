@@ -10,7 +10,8 @@ write elsewhere), and only if the manifest is still the one committed. A kill be
 the committed manifest: the checkpoint is complete, and `verify` / `load` / `merge` check those
 files with their CRC-32. Freeing the blocks of a large replaced checkpoint takes a while too
 (~0.3 s for 2 GiB), so it is deleted by the same thread. The next `save` or `async_save` of
-this process waits for the thread, and so does the interpreter at exit (not a daemon).
+this process waits for the thread, and so does the interpreter at exit (not a daemon); the thread
+is the in-flight owner's (`inflight.OWNER`), like everything else a save leaves running.
 """
 from __future__ import annotations
 
@@ -18,19 +19,17 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import threading
 from pathlib import Path
 from typing import Optional
 
 from .errors import CheckpointError
+from .inflight import OWNER
 from .names import MANIFEST, MANIFEST_TMP
 from .records import Manifest
 
-__all__ = ["open_dir", "start", "wait", "THREAD_NAME"]
+__all__ = ["open_dir", "start", "wait"]
 
-THREAD_NAME = "nnscaler-ckpt-after-commit"
 _BLOCK = 16 * 2**20
-_pending: Optional[threading.Thread] = None
 
 
 def open_dir(path) -> int:
@@ -40,20 +39,16 @@ def open_dir(path) -> int:
 
 def start(dir_fd: Optional[int], replaced: Optional[Path]) -> None:
     """Rank 0, after a commit: fill in the missing SHA-256 of the manifest in directory `dir_fd`
-    (closed by the thread; None: nothing to hash), then delete `replaced` (or None), in a thread."""
-    global _pending
-    wait()
+    (closed by the thread; None: nothing to hash), then delete `replaced` (or None), in the
+    in-flight owner's after-commit thread."""
+    OWNER.wait_after_commit()
     committed = _read(dir_fd, MANIFEST) if dir_fd is not None else None
-    _pending = threading.Thread(target=_run, args=(dir_fd, committed, replaced), name=THREAD_NAME)
-    _pending.start()
+    OWNER.run_after_commit(_run, dir_fd, committed, replaced)
 
 
 def wait() -> None:
     """Wait until the work after the last commit of this process is done."""
-    global _pending
-    thread, _pending = _pending, None
-    if thread is not None:
-        thread.join()
+    OWNER.wait_after_commit()
 
 
 def _read(dir_fd: int, name: str) -> bytes:

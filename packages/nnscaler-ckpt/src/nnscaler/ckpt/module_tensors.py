@@ -3,9 +3,10 @@
 A parallelized module is recognised by the IR contract `GeneratedAttrs` (the generated class's
 attributes: ``COMPUTE_CONFIG``, ``GRAPH_FINGERPRINT``, ``PIPELINE``, ``unsharded``); its tensors are
 described by its ``fullmap`` (local name -> ``FullMapEntry``) and ``full_aliases``, which the
-runtime's ``ParallelModule`` provides. The checkpoint package never imports the runtime. A container holding parallelized
-modules contributes its own plain parameters and buffers too, whole (replicated on every rank).
-Full names are prefixed with the parallelized module's path in the container.
+runtime's ``ParallelModule`` provides. The checkpoint package never imports the runtime. A
+container holding parallelized modules contributes its own plain parameters and buffers too,
+whole (replicated on every rank). Full names are prefixed with the parallelized module's path in
+the container.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from nnscaler.ir.contracts import GeneratedAttrs
 from .errors import CheckpointError
 from .records import ModulePlan
 
-__all__ = ["LocalTensor", "parallel_modules", "random_streams", "local_tensors", "plan_identity", "module_plans", "piece_key",
-           "whole_tensors", "with_whole_tensors"]
+__all__ = ["LocalTensor", "parallel_modules", "random_streams", "local_tensors", "plan_identity", "module_plans",
+           "piece_key", "whole_tensors", "with_whole_tensors"]
 
 
 @dataclass
