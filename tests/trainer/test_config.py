@@ -65,7 +65,7 @@ def test_hook_union_and_parallel_modules_are_typed():
     assert isinstance(a.hook, HookMapConfig)
     a = TrainerArgs.from_dict(base(hook={"type": "nnscaler.trainer.TrainHook"}))
     assert isinstance(a.hook, HookConfig)
-    a = TrainerArgs.from_dict(base(**{"model.parallel_modules": [
+    a = TrainerArgs.from_dict(base(**{"model.type": "trainer_models.Outer", "model.parallel_modules": [
         {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
          "compute_config": {"use_zero": False}}]}))
     assert a.model.parallel_modules[0].compute_config.use_zero is False
@@ -152,7 +152,7 @@ def test_pipeline_rules_come_from_the_policy_registry():
     e = error_of(base(**{"pas_policy": "autodist", "compute_config.pas_config": {"pipeline_nmicros": 3}}))
     assert e.key == "compute_config.pas_config.pipeline_nmicros", str(e)
     # ...but it does not need the whole model: a parallel module may use it
-    TrainerArgs.from_dict(base(**{"model.parallel_modules": [
+    TrainerArgs.from_dict(base(**{"model.type": "trainer_models.Outer", "model.parallel_modules": [
         {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
          "pas_policy": "autodist"}]}))
     # a user's registered policy declaring whole_model is refused for a parallel module
@@ -181,7 +181,7 @@ def test_use_zero_3_reaches_compute_config_as_the_int_3(tmp_path):
                                (["--compute_config.use_zero", "0"], 0, 0)):
         cc = TrainerArgs.from_argv(["-f", str(path)] + argv).compute_config
         assert cc.use_zero == value and type(cc.use_zero) is type(value) and cc.zero_stage == stage, argv
-    a = TrainerArgs.from_dict(base(**{"model.parallel_modules": [
+    a = TrainerArgs.from_dict(base(**{"model.type": "trainer_models.Outer", "model.parallel_modules": [
         {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args",
          "compute_config": {"use_zero": "3"}}]}))
     assert a.model.parallel_modules[0].compute_config.use_zero == 3
@@ -216,3 +216,14 @@ def test_model_arguments_that_fit_the_signature_pass():
     TrainerArgs.from_dict(base(**{"model.type": "trainer_models.NeedsArgs",  # Optional, **kwargs takes anything
                                   "model.args": {"width": 4, "scale": None, "anything": [1]}}))
     TrainerArgs.from_dict(base(**{"model.args": {"dim": {"__value_type": "int", "value": "8"}}}))
+
+
+def test_parallel_module_type_the_model_does_not_contain_is_refused_before_any_worker():
+    # a real class, but MLP has no Inner: seen on the model built on the meta device
+    e = error_of(base(**{"model.parallel_modules": [
+        {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args"}]}))
+    assert e.key == "model.parallel_modules.0.type", str(e)
+    assert "trainer_models.MLP has no sub-module of type 'trainer_models.Inner'" in str(e), str(e)
+    assert "Linear" in str(e), str(e)  # the types it has
+    TrainerArgs.from_dict(base(**{"model.type": "trainer_models.Outer", "model.parallel_modules": [
+        {"type": "trainer_models.Inner", "forward_args_gen_fn": "trainer_models.mlp_forward_args"}]}))

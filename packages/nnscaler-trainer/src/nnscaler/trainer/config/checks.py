@@ -208,6 +208,30 @@ def _check_model(args) -> None:
                                      f"use_zero, zero_ngroups and zero_use_reduce_scatter (or set them once in "
                                      f"the top-level compute_config)")
         zeros.append((key, zero))
+    _check_contained(model)
+
+
+def _check_contained(model) -> None:
+    """Each ``parallel_modules`` type is the type of a sub-module of the model (what the workers
+    replace), seen on a model built on the meta device (no memory, no weights); a model that cannot
+    be built there is left to the workers' check."""
+    if not model.parallel_modules or not isinstance(model.type, str):
+        return
+    import torch
+    from .values import build_args
+    try:
+        with torch.device("meta"):
+            built = resolve_object(model.type, "model.type")(**build_args(model.args, "model.args"))
+        types = {type(m) for m in built.modules()}
+    except Exception:
+        return
+    for i, pm in enumerate(model.parallel_modules):
+        cls = resolve_object(pm.type, f"model.parallel_modules.{i}.type")
+        if cls not in types:
+            names = sorted({t.__name__ for t in types} - {type(built).__name__})
+            raise TrainerConfigError(f"model.parallel_modules.{i}.type",
+                                     f"{model.type} has no sub-module of type {pm.type!r} (its sub-module types: "
+                                     f"{', '.join(names) or 'none'}); name one of them, by its fully qualified name")
 
 
 def _check_arguments(cls: Any, raw: Any, key: str) -> None:
