@@ -42,6 +42,18 @@ def random_kind(target: str) -> Optional[str]:
     return RANDOM_OPS.get(target)
 
 
+def is_random_call(target: str, args, kwargs) -> bool:
+    """Whether a call of `target` with these arguments draws random numbers (attention only with a
+    non-zero ``dropout_p``)."""
+    if target in RANDOM_OPS:
+        return True
+    if target not in _DROPOUT_P:
+        return False
+    index, key = _DROPOUT_P[target]
+    p = kwargs[key] if key in kwargs else args[index] if len(args) > index else 0.0
+    return not isinstance(p, (int, float)) or p != 0
+
+
 def node_random_kind(node) -> Optional[str]:
     """`random_kind` of a traced op, plus ``other`` for attention with dropout (SDPA with a
     ``dropout_p`` that is not 0 in the traced mode or the other one)."""

@@ -17,6 +17,7 @@ from ..ops.op_names import op_name
 from ..ops.registry import REGISTRY
 from .guards import record_value_read
 from .identity_results import distinct_alias, returned_unchanged, traced_inputs
+from .replay import MISS, CallResults
 from .symbolic_int import TracedInt
 from .trace_device import ExecutionDevice
 from .trace_state import SavedState, autocast_region
@@ -50,10 +51,11 @@ class Tracer:
     """One run of the user's forward, recorded (implements `TracerSurface`).
 
     `flips`: the numbers of the boolean decisions on tensor values that this trace takes the other
-    way (nnscaler.ir.tracer.branches)."""
+    way (nnscaler.ir.tracer.branches). `results`: the first trace's results to take instead of
+    running the same calls again, or this first trace's to keep (nnscaler.ir.tracer.replay)."""
 
     def __init__(self, module: torch.nn.Module, constant_folding: bool, device: ExecutionDevice,
-                 flips=frozenset()):
+                 flips=frozenset(), results: Optional[CallResults] = None):
         self.module = module
         self.constant_folding = constant_folding
         self.device = device
@@ -71,6 +73,7 @@ class Tracer:
         self.param_names: Dict[int, str] = {}  # parameter/buffer value id -> full name
         self._decisions = 0  # bool() reads so far
         self.flips = frozenset(flips)
+        self._results = results
         self._producers: Dict[int, Node] = {}
         self._indexed = 0
         self.module_types: Dict[str, str] = {}  # module path -> "package.module.Class"
@@ -108,6 +111,8 @@ class Tracer:
                                           False, [], True)
         self.constants[name].tensor = tensor.detach().to("cpu") if tensor.device.type != "meta" else None
         self.bind_tensor(tensor, ref)
+        if self._results is not None:
+            self._results.constant(tensor)
         return ref
 
     def to_refs(self, obj):
@@ -206,6 +211,8 @@ class Tracer:
         owner = getattr(func, "__self__", None)
         if name == "__get__" and owner is not None:  # a Tensor property such as x.shape or x.T
             attr = owner.__name__
+            if attr == "data" and self._results is not None:  # writes through .data bump no version
+                self._results.forget(args[0])
             real = self.device.run(func, args, kwargs)
             if attr == "shape" and not self.constant_folding:
                 return self._record_size(args[0], real, "getattr", (args[0], "shape"))
@@ -237,11 +244,17 @@ class Tracer:
         if inplace and self.saved is not None:  # the trace must leave the user's weights as they were
             self.saved.before_write(kwargs.get("out", args[0] if args else None))
         inputs = None if inplace else traced_inputs(self, args, kwargs)  # x.float() may return x itself
-        try:
-            real = self.device.run(func, args, kwargs)
-        except Exception as e:
-            loc = self.source_location()
-            raise TraceError(f"tracing failed in {target} called at {loc}: {type(e).__name__}: {e}") from e
+        key = None if inplace or self._results is None else self._results.key(func, target, args, kwargs)
+        taken = MISS if key is None else self._results.take(key)  # the first trace's result (replay.py)
+        ran = taken is MISS
+        if not ran:
+            real, annotation = taken
+        else:
+            try:
+                real = self.device.run(func, args, kwargs)
+            except Exception as e:
+                loc = self.source_location()
+                raise TraceError(f"tracing failed in {target} called at {loc}: {type(e).__name__}: {e}") from e
         if name == "__setitem__":
             real = args[0]
         if real is None or (not _has_tensor(real) and self.constant_folding):
@@ -250,9 +263,12 @@ class Tracer:
             return real
         hint = name.strip("_") or "out"
         refs, result = self.wrap_outputs(real, hint, inputs)
-        annotation = self._annotation(func, args, kwargs, annotation_fn)
-        if annotation is not None:  # a register_op annotation of a torch function is checked like a custom op's
-            REGISTRY.check_call(func, func, annotation, args, kwargs, real)
+        if ran:
+            annotation = self._annotation(func, args, kwargs, annotation_fn)
+            if annotation is not None:  # a register_op annotation of a torch function is checked like a custom op's
+                REGISTRY.check_call(func, func, annotation, args, kwargs, real)
+        if self._results is not None:
+            self._results.after(key, target, args, inputs, real, result, annotation, ran)
         self.add_node(target, arg_refs, kwarg_refs, refs, annotation, inplace)
         return result
 

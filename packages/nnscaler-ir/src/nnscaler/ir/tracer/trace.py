@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -26,8 +26,10 @@ from .example_inputs import check_trace_inputs
 from .modes import annotate_modes, mode_name
 from .python_randomness import watch_python_randomness
 from .recorder import Tracer
+from .replay import CallResults
 from .trace_device import ExecutionDevice
 from .trace_state import SavedState, buffer_updates_of, warn_module_hooks
+from ..tree import iter_tensors as _tensors
 from ..user_code import warn_user
 
 __all__ = ["trace", "Tracer"]
@@ -52,7 +54,8 @@ def _input_leaves(tracer: Tracer, obj, path: tuple, hint: str, leaves: list):
 
 
 def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, constant_folding: bool = False,
-          trace_strategy: str = "cpu", both_modes: bool = True, both_branches: bool = True) -> IRGraph:
+          trace_strategy: str = "cpu", both_modes: bool = True, both_branches: bool = True,
+          replay: bool = True) -> IRGraph:
     """Run `module.forward(**dummy_forward_args)` and record it as an IRGraph.
 
     `dummy_forward_args` maps forward parameter names to example values (tensors, nested
@@ -66,9 +69,14 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
     A Python decision on a tensor's value (``if mask.all():``) becomes a guard (nnscaler.ir.tracer.guards);
     with `both_branches` the forward also runs with such a boolean decision flipped, and where the
     two traces line up both branches are kept, chosen at run time (nnscaler.ir.tracer.branches).
+
+    With `replay` those later runs take the first run's result of every call that cannot differ
+    instead of running it again (nnscaler.ir.tracer.replay): the same graph, in a fraction of the
+    time; ``replay=False`` runs every call (the reference the tests and bench/compile_time.py use).
     """
     check_trace_inputs(module, dummy_forward_args)  # NumPy inputs, quantized/sparse tensors: named refusals
-    graph = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy)
+    first = CallResults() if replay else None  # later traces take the calls they share with this one
+    graph = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy, results=first)
     graph.traced_training = module.training
     if both_modes:
         flags = [(m, m.training) for m in module.modules()]
@@ -76,7 +84,8 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
         try:
             with warnings.catch_warnings():  # the first trace has said it all
                 warnings.simplefilter("ignore")
-                other = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy)
+                other = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy,
+                                    results=first and first.next_trace())
         except Exception as exc:  # the other mode cannot even run: remember where, as a divergence
             graph.mode_divergence = (f"the forward fails in {mode_name(not graph.traced_training)} mode "
                                      f"({type(exc).__name__}: {exc})")
@@ -89,14 +98,15 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
         def retrace(flips):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return _trace_once(module, dummy_forward_args, constant_folding, trace_strategy, flips)
+                return _trace_once(module, dummy_forward_args, constant_folding, trace_strategy, flips,
+                                   first and first.next_trace())
         merge_branches(graph, retrace)
     warn_guards(graph)
     return graph
 
 
 def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], constant_folding: bool,
-                trace_strategy: str, flips=frozenset()) -> IRGraph:
+                trace_strategy: str, flips=frozenset(), results: Optional[CallResults] = None) -> IRGraph:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"trace() needs a torch.nn.Module instance, got {type(module).__name__}")
     if not isinstance(dummy_forward_args, dict):
@@ -113,7 +123,9 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
                             f"{type(module).__qualname__}.forward: arguments are passed by name; "
                             f"give the forward named parameters instead")
     device = ExecutionDevice.for_strategy(trace_strategy)
-    tracer = Tracer(module, constant_folding, device, flips)
+    if not device.runs_in_place:  # the forward sees per-trace copies: nothing to take from another trace
+        results = None
+    tracer = Tracer(module, constant_folding, device, flips, results)
 
     by_id: Dict[int, TensorSpec] = {}
     persistent = set(module.state_dict().keys())
@@ -135,6 +147,8 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
 
     params = bind_named(module.named_parameters(remove_duplicate=False))
     buffers = bind_named(module.named_buffers(remove_duplicate=False))
+    if results is not None:  # put back after every trace (trace_state.SavedState)
+        results.start((t for named in (module.named_parameters(), module.named_buffers()) for _, t in named), True)
 
     inputs, call_kwargs = [], {}
     for pname, param in signature.parameters.items():
@@ -160,6 +174,8 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
     for spec in inputs:  # guards name the forward argument a value derives from
         for path, ref in spec.leaves:
             tracer.input_names[ref.id] = spec.name + "".join(f"[{p!r}]" for p in path)
+    if results is not None:
+        results.start(_tensors(call_kwargs), False)
     warn_module_hooks(module)
     experts = experts_recorded_whole(module)  # transformers' experts modules: one routed_experts op each
     experts.__enter__()

@@ -47,6 +47,11 @@ class ExecutionDevice:
         raise ValueError(f"unknown trace_strategy {strategy!r}; use one of cpu, meta, cuda, "
                          f"cuda_run_cpu_offload, reuse_cache")
 
+    @property
+    def runs_in_place(self) -> bool:
+        """Functions run on the forward's own tensors (the CPU, no cache): no copies, no reuse."""
+        return self.device.type == "cpu" and self.cache is None
+
     # -- tensors ---------------------------------------------------------------------------------
     def twin(self, t: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
         """`t` on the execution device (cached, so a weight is copied once)."""

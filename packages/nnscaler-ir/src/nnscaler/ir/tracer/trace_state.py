@@ -106,8 +106,9 @@ class SavedState:
             if isinstance(m.__dict__.get(k), _PLAIN):
                 m.__dict__[k] = v
         with torch.no_grad():
-            for b, v in self.buffers:
-                b.copy_(v)
+            for b, v in self.buffers:  # one left as it was keeps its version counter (replay.py)
+                if not (b.shape == v.shape and b.dtype == v.dtype and torch.equal(b, v)):
+                    b.copy_(v)
             for p, v in self.params.values():
                 p.copy_(v)
         torch.set_rng_state(self.rng)
