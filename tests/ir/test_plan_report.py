@@ -112,3 +112,10 @@ def test_warning_when_nothing_is_sharded_but_collectives_run():
     # nothing to say with one device per unit, or without collectives and parameters
     assert PlanReport("pkg.Net", "dp", 1, 2, modules).warnings() == []
     assert PlanReport("pkg.Net", "tp", 2, 2, [ModuleReport("", "Net", [OpSplit("relu", None)])]).warnings() == []
+
+
+def test_cp_keeps_the_weights_whole_without_a_warning():
+    modules = [ModuleReport("fc", "Linear", [OpSplit("linear", "s")], 0, 2, 0, 100)]
+    collectives = [Collective("all_gather", 1, 8)]
+    assert PlanReport("pkg.Net", "tp", 2, 2, modules, forward=collectives).warnings()  # the same plan under tp: warned
+    assert PlanReport("pkg.Net", "cp", 2, 2, modules, forward=collectives).warnings() == []

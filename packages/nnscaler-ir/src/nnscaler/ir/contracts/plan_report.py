@@ -28,6 +28,8 @@ REPORT_TEXT = "plan_report.txt"
 # whole on several devices of the unit warns (PlanWarning): tensor parallelism that mostly
 # replicates costs communication and saves little memory.
 REPLICATED_WARN_FRACTION = 0.5
+# policies whose plans keep every weight whole on purpose (`cp` splits the sequence: activations)
+WHOLE_WEIGHT_POLICIES = ("cp",)
 
 
 @dataclass
@@ -165,6 +167,8 @@ class PlanReport:
     def warnings(self) -> List[str]:
         """The messages a plan that splits little deserves (empty for a plan that splits well)."""
         if self.plan_ngpus <= 1 or self.pipeline is not None and self.pipeline.get("tp_size", 1) <= 1:
+            return []
+        if self.policy in WHOLE_WEIGHT_POLICIES:  # they split the activations and keep the weights whole, by design
             return []
         total = self.bytes_sharded + self.bytes_replicated
         calls = self.total_calls()
