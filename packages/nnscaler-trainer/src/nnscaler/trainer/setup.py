@@ -16,6 +16,7 @@ from .config.checks import AUTO_DATALOADER_ARGS, AUTO_SAMPLER_ARGS
 from .config.values import build_args, instantiate, resolve_object
 from .errors import TrainerError
 from .state import SkippingSampler
+from .val_sampler import ValidationSampler
 from .config.components import HookConfig, HookMapConfig
 from .hooks import HookMap
 
@@ -90,9 +91,14 @@ def build_dataloader(args, dataset, stage: str, rank: int, generator: torch.Gene
     sampler_kwargs = _without(build_args(sampler_raw, f"dataset_sampler.{stage}_args"), AUTO_SAMPLER_ARGS)
     loader_kwargs = _without(build_args(loader_raw, f"dataloader.{stage}_args"), AUTO_DATALOADER_ARGS)
     plan_ngpus = args.compute_config.plan_ngpus
-    sampler = instantiate(resolve_object(scfg.type, "dataset_sampler.type"),
-                          dict(sampler_kwargs, dataset=dataset, num_replicas=args.dp_size, rank=rank // plan_ngpus),
-                          f"dataset_sampler.{stage}_args")
+    sampler_type = resolve_object(scfg.type, "dataset_sampler.type")
+    if stage == "val" and sampler_type is torch.utils.data.DistributedSampler:  # the same set for any dp
+        sampler = ValidationSampler(dataset, args.dp_size, rank // plan_ngpus, args.micro_batch_size,
+                                    args.max_val_steps)
+    else:
+        sampler = instantiate(sampler_type,
+                              dict(sampler_kwargs, dataset=dataset, num_replicas=args.dp_size, rank=rank // plan_ngpus),
+                              f"dataset_sampler.{stage}_args")
     loader_type = resolve_object(lcfg.type, "dataloader.type")
     if "generator" not in loader_kwargs and _accepts(loader_type, "generator"):
         loader_kwargs["generator"] = generator  # worker seeds drawn here, not from the global RNG

@@ -31,7 +31,23 @@ def sync_group_of(model: torch.nn.Module):
 def aggregate(trainer, outputs: List[Any]):
     """AggregatedOutputs of the micro-batch outputs over the data-parallel replicas."""
     fn = trainer.aggregate_outputs_fn or aggregate_outputs
+    if not outputs and fn is aggregate_outputs:  # a rank with only padding validation batches
+        return _aggregate_nothing(sync_group_of(trainer.model))
     return fn(outputs, sync_group_of(trainer.model))
+
+
+def _aggregate_nothing(group):
+    """What `aggregate_outputs` returns, this rank adding no batch (it joins the same all-reduce
+    of [loss_sum, num_batches] in float64 the other replicas run)."""
+    import torch.distributed as dist
+    from nnscaler.runtime import AggregatedOutputs
+    stats = torch.zeros(2, dtype=torch.float64)
+    if group is not None and dist.is_initialized():
+        if dist.get_backend(group) == "nccl":
+            stats = stats.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(stats, group=group)
+        stats = stats.cpu()
+    return AggregatedOutputs(loss_sum=float(stats[0]), num_batches=int(stats[1]))
 
 
 def _is_pipelined(model: torch.nn.Module) -> bool:

@@ -332,10 +332,13 @@ class Trainer:
         self.model.eval()
         self.val_sampler.set_epoch(0)
         outputs: List[Any] = []
+        real = getattr(self.val_sampler.sampler, "real_batches", None)  # ValidationSampler: padding after
         for i, batch in enumerate(self.val_loader):
-            if args.max_val_steps is not None and i >= args.max_val_steps:
+            if real is None and args.max_val_steps is not None and i >= args.max_val_steps:
                 break
-            outputs.extend(val_step(self, [batch]))
+            out = val_step(self, [batch])
+            if real is None or i < real:
+                outputs.extend(out)
         self.model.train()
         agg = aggregate(self, outputs)
         val_loss = agg.loss_sum / agg.num_batches if agg.num_batches else math.nan
