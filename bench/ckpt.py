@@ -20,6 +20,7 @@
 
     python bench/ckpt.py                 # 2 GiB, 8 tensors, 4 ranks (~4 min on 2 cores)
     python bench/ckpt.py --gib 0.25      # a quick run
+    python bench/ckpt.py --only merge    # save once, then merge against cp only (bench/results/ckpt_merge.json)
 """
 from __future__ import annotations
 
@@ -84,14 +85,14 @@ print(json.dumps({"seconds": seconds, "rss_before": before, "rss_peak": peak}))
 def _module(rank: int, world: int, rows: int, cols: int, ntensors: int):
     """A stand-in parallelized module: rank r holds rows [r*rows/world, (r+1)*rows/world) of each tensor."""
     import torch
-    from nnscaler.ir.contracts import FullMapEntry
+    from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs
 
-    class Sharded(torch.nn.Module):
+    class Sharded(GeneratedAttrs, torch.nn.Module):
         COMPUTE_CONFIG = {"plan_ngpus": world, "runtime_ngpus": world}
         GRAPH_FINGERPRINT = "bench"
 
     m = Sharded()
-    m.fullmap = {}
+    m.fullmap, m.full_aliases = {}, {}
     per = rows // world
     g = torch.Generator().manual_seed(rank)
     for i in range(ntensors):
@@ -178,6 +179,92 @@ def _ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str
     out = {**{k: statistics.median(v) for k, v in out.items()}, **runs}
     out["exact"] = all(torch.equal(a, b) for a, b in zip(m.parameters(), target.parameters()))
     return out
+
+
+def _save_once(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str):
+    """One `save` of the model (what `--only merge` merges), its after-commit work included."""
+    import nnscaler.ckpt as ckpt
+    ckpt.save(Path(root, "ck"), _module(rank, world, rows, cols, ntensors))
+    _settle()
+    return {}
+
+
+def _merge_figures(root: Path, total: int, tensor_bytes: int, rates: dict, repeat: int) -> dict:
+    """merge of ``root/ck`` at each level against cp, cp + sync and cp + SHA-256 of the same directory
+    (alternated, each after `sync`), with the floors the one-core hash rates imply."""
+    ref = {"cp": [], "cp_then_sync": [], "cp_then_sha256": []}
+    runs = {level: [] for level in LEVELS}
+    for _ in range(repeat):  # alternated: the references, then merge at each level
+        subprocess.run(["sync"], check=True)
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(root / "ck"), str(root / "copy")], check=True)
+        ref["cp"].append(time.perf_counter() - t)
+        subprocess.run(["sync", "-f", str(root / "copy")], check=True)  # cp does not fsync; merge does
+        ref["cp_then_sync"].append(time.perf_counter() - t)
+        shutil.rmtree(root / "copy")
+        subprocess.run(["sync"], check=True)
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(root / "ck"), str(root / "copy")], check=True)
+        for f in sorted((root / "copy").iterdir()):  # what sha256sum of the copy does: one stream
+            sha256_file(f)
+        ref["cp_then_sha256"].append(time.perf_counter() - t)
+        shutil.rmtree(root / "copy")
+        for level in LEVELS:
+            subprocess.run(["sync"], check=True)
+            dst = root / f"merged-{level}"
+            out = subprocess.run([sys.executable, "-c", _MERGE, str(root / "ck"), str(dst), level],
+                                 capture_output=True, text=True, check=True)
+            runs[level].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            shutil.rmtree(dst)
+    refs = {k: statistics.median(v) for k, v in ref.items()}
+    merges = {k: {"seconds": statistics.median(r["seconds"] for r in v), "all_seconds": [r["seconds"] for r in v],
+                  "rss_before": max(r["rss_before"] for r in v), "rss_peak": max(r["rss_peak"] for r in v)}
+              for k, v in runs.items()}
+    gbs = lambda s: total / s / 1e9  # noqa: E731
+    cores = cpu_count()
+    # floors: the merged model file's SHA-256 is one sequential stream on one core ...
+    sha_floor = total / rates["sha256_GBps"] / 1e9
+    # ... and the CPU of a fast-verified merge spread perfectly over the cores: the output's
+    # SHA-256, its CRC-32 and the sources' CRC-32, plus the copy itself (cp's time: kernel CPU)
+    cpu_floor = (sha_floor + 2 * total / rates["crc32_GBps"] / 1e9 + refs["cp"]) / cores
+    merge_floor = max(sha_floor, cpu_floor, refs["cp"])
+    best_floor = max(sha_floor, (sha_floor + 2 * total / rates["crc32_GBps"] / 1e9 + min(ref["cp"])) / cores,
+                     min(ref["cp"]))
+    return {**{k: {**v, "GBps": gbs(v["seconds"]), "ratio_vs_cp": refs["cp"] / v["seconds"],
+                   "ratio_vs_cp_then_sync": refs["cp_then_sync"] / v["seconds"],
+                   "ratio_vs_cp_then_sha256": refs["cp_then_sha256"] / v["seconds"],
+                   "ratio_vs_floor": merge_floor / v["seconds"],
+                   "ratio_vs_sha256_stream": sha_floor / v["seconds"],
+                   "best_seconds": min(v["all_seconds"]),  # the I/O of a shared machine swings 5x
+                   "best_ratio_vs_cp": min(ref["cp"]) / min(v["all_seconds"]),
+                   "best_ratio_vs_cp_then_sync": min(ref["cp_then_sync"]) / min(v["all_seconds"]),
+                   "best_ratio_vs_cp_then_sha256": min(ref["cp_then_sha256"]) / min(v["all_seconds"]),
+                   "best_ratio_vs_floor": best_floor / min(v["all_seconds"]),
+                   "extra_rss_bytes": v["rss_peak"] - v["rss_before"],
+                   "extra_rss_minus_largest_tensor": v["rss_peak"] - v["rss_before"] - tensor_bytes}
+               for k, v in merges.items()},
+            **{f"{k}_seconds": v for k, v in refs.items()}, **{f"{k}_all_seconds": v for k, v in ref.items()},
+            "cp_GBps": gbs(refs["cp"]), "cp_then_sync_GBps": gbs(refs["cp_then_sync"]),
+            "floor_seconds": merge_floor, "floor_sha256_stream_seconds": sha_floor,
+            "floor_cpu_seconds": cpu_floor,
+            "floor_note": "max(cp, bytes / SHA-256 rate (the merged file's SHA-256 is one stream), (bytes / SHA-256 "
+                          "rate + 2 bytes / CRC-32 rate + cp) / cores (all the CPU work on all cores))",
+            "ratio_floor_vs_cp": refs["cp"] / merge_floor, "best_floor_seconds": best_floor,
+            "best_ratio_floor_vs_cp": min(ref["cp"]) / best_floor}
+
+
+def _merge_rows(merge: dict, tensor_bytes: int) -> list:
+    r = lambda x: f"{x:.2f}"  # noqa: E731
+    rows = []
+    for k in LEVELS:
+        v = merge[k]
+        rows.append([f"merge ({k}) vs cp | cp+sync | cp+sha256 | floor | SHA-256 stream", f"{v['GBps']:.2f} GB/s",
+                     f"{r(v['ratio_vs_cp'])} | {r(v['ratio_vs_cp_then_sync'])} | {r(v['ratio_vs_cp_then_sha256'])} | "
+                     f"{r(v['ratio_vs_floor'])} | {r(v['ratio_vs_sha256_stream'])} (best of runs: "
+                     f"{r(v['best_ratio_vs_cp'])} | {r(v['best_ratio_vs_cp_then_sync'])} | "
+                     f"{r(v['best_ratio_vs_cp_then_sha256'])} | {r(v['best_ratio_vs_floor'])})  extra RSS "
+                     f"{fmt_bytes(v['extra_rss_bytes'])} (largest tensor {fmt_bytes(tensor_bytes)})"])
+    return rows
 
 
 def _mlp(threads: int):
@@ -288,8 +375,14 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--hash-mib", type=int, default=256, help="buffer of the one-core hash rates, MiB")
     ap.add_argument("--steps", type=int, default=20, help="training steps timed during each background save")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "ckpt.json"))
+    ap.add_argument("--only", choices=("all", "merge"), default="all",
+                    help="merge: save once, then time merge against cp only (results: ckpt_merge.json)")
+    ap.add_argument("--out", default=None, help="results file (default: bench/results/ckpt.json, or "
+                                                "ckpt_merge.json with --only merge)")
     args = parse_args(ap, {"gib": 0.004, "tensors": 2, "ranks": 2, "repeat": 1, "hash_mib": 4, "steps": 2}, "ckpt.json")
+    if args.out is None:
+        args.out = str(Path(__file__).resolve().parent / "results" /
+                       ("ckpt_merge.json" if args.only == "merge" else "ckpt.json"))
     cols = 4096
     rows = int(args.gib * 2**30 / 4 / args.tensors / cols) // args.ranks * args.ranks
     tensor_bytes = rows * cols * 4
@@ -298,61 +391,40 @@ def main() -> None:
     rates = hash_rates(args.hash_mib * 2**20)
     root = Path(tempfile.mkdtemp(prefix="nnscaler-bench-ckpt-", dir=args.workdir))
     (root / "async").mkdir()
+    per_rank = async_ranks = None
     try:
-        per_rank, _ = spawn_gloo(_ranks, (args.ranks, rows, cols, args.tensors, str(root), args.repeat), args.ranks,
-                                 str(root / "result.json"))
-        async_ranks, _ = spawn_gloo(_async_ranks, (args.ranks, rows, cols, args.tensors, str(root / "async"),
-                                                   args.repeat, args.steps), args.ranks, str(root / "async.json"))
-        slowest = {k: max(r[k] for r in per_rank) for k in ("save", "save_after_commit", "save_file", "save_file_fsync", "load", "load_sha256",
-                                                            "load_no_verify", "load_file")}
-        ref = {"cp": [], "cp_then_sync": [], "cp_then_sha256": []}
-        runs = {level: [] for level in LEVELS}
-        for _ in range(args.repeat):  # alternated: the references, then merge at each level
-            subprocess.run(["sync"], check=True)
-            t = time.perf_counter()
-            subprocess.run(["cp", "-r", str(root / "ck"), str(root / "copy")], check=True)
-            ref["cp"].append(time.perf_counter() - t)
-            subprocess.run(["sync", "-f", str(root / "copy")], check=True)  # cp does not fsync; merge does
-            ref["cp_then_sync"].append(time.perf_counter() - t)
-            shutil.rmtree(root / "copy")
-            subprocess.run(["sync"], check=True)
-            t = time.perf_counter()
-            subprocess.run(["cp", "-r", str(root / "ck"), str(root / "copy")], check=True)
-            for f in sorted((root / "copy").iterdir()):  # what sha256sum of the copy does: one stream
-                sha256_file(f)
-            ref["cp_then_sha256"].append(time.perf_counter() - t)
-            shutil.rmtree(root / "copy")
-            for level in LEVELS:
-                subprocess.run(["sync"], check=True)
-                dst = root / f"merged-{level}"
-                out = subprocess.run([sys.executable, "-c", _MERGE, str(root / "ck"), str(dst), level],
-                                     capture_output=True, text=True, check=True)
-                runs[level].append(json.loads(out.stdout.strip().splitlines()[-1]))
-                shutil.rmtree(dst)
-        refs = {k: statistics.median(v) for k, v in ref.items()}
-        merges = {k: {"seconds": statistics.median(r["seconds"] for r in v), "all_seconds": [r["seconds"] for r in v],
-                      "rss_before": max(r["rss_before"] for r in v), "rss_peak": max(r["rss_peak"] for r in v)}
-                  for k, v in runs.items()}
+        if args.only == "merge":
+            spawn_gloo(_save_once, (args.ranks, rows, cols, args.tensors, str(root)), args.ranks,
+                       str(root / "result.json"))
+        else:
+            per_rank, _ = spawn_gloo(_ranks, (args.ranks, rows, cols, args.tensors, str(root), args.repeat),
+                                     args.ranks, str(root / "result.json"))
+            async_ranks, _ = spawn_gloo(_async_ranks, (args.ranks, rows, cols, args.tensors, str(root / "async"),
+                                                       args.repeat, args.steps), args.ranks, str(root / "async.json"))
+        merge = _merge_figures(root, total, tensor_bytes, rates, args.repeat)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    header = {**run_header(), "loadavg": {"before": load_before, "after": loadavg()},
+              "config": {"gib": args.gib, "tensors": args.tensors, "ranks": args.ranks, "tensor_shape": [rows, cols],
+                         "bytes": total, "largest_tensor_bytes": tensor_bytes},
+              "rates_one_core": rates}
+    r = lambda x: f"{x:.2f}"  # noqa: E731
+    summary = (f"{fmt_bytes(total)} in {args.tensors} tensors over {args.ranks} ranks; one core: SHA-256 "
+               f"{rates['sha256_GBps']:.2f} GB/s, CRC-32 {rates['crc32_GBps']:.2f} GB/s; merge floor "
+               f"{r(merge['ratio_floor_vs_cp'])} x cp")
+    if args.only == "merge":
+        print(summary)
+        print(table(["what", "throughput", "ratio to reference"], _merge_rows(merge, tensor_bytes)))
+        save_results(args.out, {**header, "merge": merge})
+        return
     gbs = lambda s: total / s / 1e9  # noqa: E731
     cores = cpu_count()
-    # floors: the merged model file's SHA-256 is one sequential stream on one core; the fast load
-    # check adds a CRC-32 pass over every byte, spread over the cores, to what load_file does
-    sha_floor = total / rates["sha256_GBps"] / 1e9
-    # ... and the CPU of a fast-verified merge spread perfectly over the cores: the output's
-    # SHA-256, its CRC-32 and the sources' CRC-32, plus the copy itself (cp's time: kernel CPU)
-    cpu_floor = (sha_floor + 2 * total / rates["crc32_GBps"] / 1e9 + refs["cp"]) / cores
-    merge_floor = max(sha_floor, cpu_floor, refs["cp"])
-    best_floor = max(sha_floor, (sha_floor + 2 * total / rates["crc32_GBps"] / 1e9 + min(ref["cp"])) / cores,
-                     min(ref["cp"]))
+    slowest = {k: max(x[k] for x in per_rank) for k in ("save", "save_after_commit", "save_file", "save_file_fsync",
+                                                         "load", "load_sha256", "load_no_verify", "load_file")}
+    # the fast load check adds a CRC-32 pass over every byte, spread over the cores, to what load_file does
     load_floor = slowest["load_file"] + total / (rates["crc32_GBps"] * 1e9 * cores)
     result = {
-        **run_header(),
-        "loadavg": {"before": load_before, "after": loadavg()},
-        "config": {"gib": args.gib, "tensors": args.tensors, "ranks": args.ranks, "tensor_shape": [rows, cols],
-                   "bytes": total, "largest_tensor_bytes": tensor_bytes},
-        "rates_one_core": rates,
+        **header,
         "save": {"seconds": slowest["save"], "GBps": gbs(slowest["save"]),
                  "ref_save_file_seconds": slowest["save_file"], "ratio_vs_save_file": slowest["save_file"] /
                  slowest["save"], "ref_save_file_fsync_seconds": slowest["save_file_fsync"],
@@ -369,31 +441,11 @@ def main() -> None:
                  "floor_fast_seconds": load_floor, "floor_fast_note": "load_file + bytes / (CRC-32 rate x cores)",
                  "ratio_floor_fast_vs_load_file": slowest["load_file"] / load_floor,
                  "ratio_vs_floor_fast": load_floor / slowest["load"],
-                 "exact": all(r["exact"] for r in per_rank)},
-        "merge": {**{k: {**v, "GBps": gbs(v["seconds"]), "ratio_vs_cp": refs["cp"] / v["seconds"],
-                         "ratio_vs_cp_then_sync": refs["cp_then_sync"] / v["seconds"],
-                         "ratio_vs_cp_then_sha256": refs["cp_then_sha256"] / v["seconds"],
-                         "ratio_vs_floor": merge_floor / v["seconds"],
-                         "best_seconds": min(v["all_seconds"]),  # the I/O of a shared machine swings 5x
-                         "best_ratio_vs_cp": min(ref["cp"]) / min(v["all_seconds"]),
-                         "best_ratio_vs_cp_then_sync": min(ref["cp_then_sync"]) / min(v["all_seconds"]),
-                         "best_ratio_vs_cp_then_sha256": min(ref["cp_then_sha256"]) / min(v["all_seconds"]),
-                         "best_ratio_vs_floor": best_floor / min(v["all_seconds"]),
-                         "extra_rss_bytes": v["rss_peak"] - v["rss_before"],
-                         "extra_rss_minus_largest_tensor": v["rss_peak"] - v["rss_before"] - tensor_bytes}
-                     for k, v in merges.items()},
-                  **{f"{k}_seconds": v for k, v in refs.items()}, **{f"{k}_all_seconds": v for k, v in ref.items()},
-                  "cp_GBps": gbs(refs["cp"]), "cp_then_sync_GBps": gbs(refs["cp_then_sync"]),
-                  "floor_seconds": merge_floor, "floor_sha256_stream_seconds": sha_floor,
-                  "floor_cpu_seconds": cpu_floor,
-                  "floor_note": "max(cp, bytes / SHA-256 rate (the merged file's SHA-256 is one stream), (bytes / "
-                                "SHA-256 rate + 2 bytes / CRC-32 rate + cp) / cores (all the CPU work on all cores))",
-                  "ratio_floor_vs_cp": refs["cp"] / merge_floor, "best_floor_seconds": best_floor,
-                  "best_ratio_floor_vs_cp": min(ref["cp"]) / best_floor},
+                 "exact": all(x["exact"] for x in per_rank)},
+        "merge": merge,
         "per_rank": per_rank,
         "async": _async_figures(async_ranks, total),
     }
-    r = lambda x: f"{x:.2f}"  # noqa: E731
     rows_ = [["save vs save_file", f"{result['save']['GBps']:.2f} GB/s", r(result['save']['ratio_vs_save_file'])],
              ["save vs save_file + fsync", f"{result['save']['GBps']:.2f} GB/s",
               r(result['save']['ratio_vs_save_file_fsync'])],
@@ -403,14 +455,7 @@ def main() -> None:
               r(result["load"]["ratio_vs_load_file_sha256"])],
              ["load (size only) vs load_file", f"{gbs(slowest['load_no_verify']):.2f} GB/s",
               r(result["load"]["ratio_vs_load_file_no_verify"])]]
-    for k in LEVELS:
-        v = result["merge"][k]
-        rows_.append([f"merge ({k}) vs cp | cp+sync | cp+sha256 | floor", f"{v['GBps']:.2f} GB/s",
-                      f"{r(v['ratio_vs_cp'])} | {r(v['ratio_vs_cp_then_sync'])} | {r(v['ratio_vs_cp_then_sha256'])} | "
-                      f"{r(v['ratio_vs_floor'])} (best of runs: {r(v['best_ratio_vs_cp'])} | "
-                      f"{r(v['best_ratio_vs_cp_then_sync'])} | {r(v['best_ratio_vs_cp_then_sha256'])} | "
-                      f"{r(v['best_ratio_vs_floor'])})  extra RSS {fmt_bytes(v['extra_rss_bytes'])} "
-                      f"(largest tensor {fmt_bytes(tensor_bytes)})"])
+    rows_ += _merge_rows(merge, tensor_bytes)
     a = result["async"]
     rows_ += [["async_save blocking vs save (target <= 0.15)", f"{a['async_blocking_seconds']:.3f} s",
                r(a["ratio_async_blocking_vs_save"])],
@@ -420,12 +465,9 @@ def main() -> None:
                f"{r(a['ratio_async_total_vs_save'])} | {r(a['ratio_async_total_vs_dcp_total'])}"],
               ["training step during async_save | DCP async_save vs none", f"{a['step_idle_seconds'] * 1e3:.1f} ms",
                f"{r(a['ratio_step_during_async_vs_idle'])} | {r(a['ratio_step_during_dcp_vs_idle'])}"]]
-    print(f"{fmt_bytes(total)} in {args.tensors} tensors over {args.ranks} ranks; one core: SHA-256 "
-          f"{rates['sha256_GBps']:.2f} GB/s, CRC-32 {rates['crc32_GBps']:.2f} GB/s; merge floor "
-          f"{r(result['merge']['ratio_floor_vs_cp'])} x cp")
+    print(summary)
     print(table(["what", "throughput", "ratio to reference"], rows_))
     save_results(args.out, result)
-
 
 if __name__ == "__main__":
     main()

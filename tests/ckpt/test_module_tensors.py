@@ -6,6 +6,7 @@ from fake_modules import FakeParallel
 from nnscaler.ckpt import CheckpointError, load, save
 from nnscaler.ckpt.module_tensors import local_tensors, plan_identity
 from nnscaler.ir.config import ComputeConfig
+from nnscaler.ir.contracts import GeneratedAttrs
 
 
 class Container(torch.nn.Module):
@@ -33,6 +34,12 @@ def test_a_module_with_a_fullmap_but_not_the_contract_is_not_a_parallelized_modu
         fullmap = {}
     with pytest.raises(CheckpointError, match="not a parallelized module.*nnscaler.parallelize"):
         save(tmp_path / "ck", Lookalike())
+
+    class Incomplete(GeneratedAttrs, torch.nn.Module):  # the contract, but not the runtime's tensors map
+        pass
+    with pytest.raises(CheckpointError, match=r"Incomplete \(at the top\) is a generated module without a fullmap"):
+        save(tmp_path / "ck", Incomplete())
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_container_round_trip(tmp_path):

@@ -99,6 +99,17 @@ def _prefix(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+def _full_map(path: str, pm: torch.nn.Module):
+    """(``fullmap``, ``full_aliases``) of parallelized module `pm`, which the runtime's
+    ``ParallelModule`` holds; a `GeneratedAttrs` without them is refused by name."""
+    try:
+        return pm.fullmap, pm.full_aliases
+    except AttributeError:
+        raise CheckpointError(f"{type(pm).__name__} (at {path or 'the top'}) is a generated module without a fullmap "
+                              f"and full_aliases: pass the module nnscaler.parallelize returned (a ParallelModule)") \
+            from None
+
+
 def local_tensors(module: torch.nn.Module) -> List[LocalTensor]:
     """Every persistent or non-persistent local tensor of this rank, parallelized ones first."""
     out: List[LocalTensor] = []
@@ -107,9 +118,10 @@ def local_tensors(module: torch.nn.Module) -> List[LocalTensor]:
     for path, pm in pms:
         persistent = set(pm.state_dict(keep_vars=True))
         aliases: Dict[str, List[str]] = {}
-        for full, local in pm.full_aliases.items():
+        fullmap, full_aliases = _full_map(path, pm)
+        for full, local in full_aliases.items():
             aliases.setdefault(local, []).append(_prefix(path, full))
-        for local, e in pm.fullmap.items():
+        for local, e in fullmap.items():
             t = getattr(pm, local)
             seen.add(id(t))
             out.append(LocalTensor(_prefix(path, e.full_name), tuple(e.full_shape), tuple(map(tuple, e.slices)),
