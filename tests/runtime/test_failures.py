@@ -1,5 +1,5 @@
-"""Single-process parts of the failure protocol (runtime/failures.py); the multi-process behaviour
-is in test_failures_dp.py."""
+"""Single-process parts of the failure protocol (runtime/failures/); the multi-process behaviour
+is in test_failures_dp.py and test_failures_gloo.py."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -10,12 +10,13 @@ import time
 import pytest
 import torch
 
-from nnscaler.runtime import backward_watch, failures
+from nnscaler.runtime import failures
+from nnscaler.runtime.failures import backward, peers
 
 
 def _queue_pass_end(record):
     def hook(grad):
-        torch.autograd.Variable._execution_engine.queue_callback(backward_watch._PassEnd(record.append))
+        torch.autograd.Variable._execution_engine.queue_callback(backward._PassEnd(record.append))
     return hook
 
 
@@ -61,16 +62,16 @@ def _sleep():
 
 @pytest.mark.multiprocess  # forks a process and kills it
 def test_a_killed_process_counts_as_dead_even_before_it_is_reaped():
-    assert failures._alive(os.getpid())
+    assert peers.alive(os.getpid())
     proc = mp.get_context("fork").Process(target=_sleep)
     proc.start()
     try:
-        assert failures._alive(proc.pid)
+        assert peers.alive(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while failures._alive(proc.pid) and time.monotonic() < deadline:  # a zombie until joined
+        while peers.alive(proc.pid) and time.monotonic() < deadline:  # a zombie until joined
             time.sleep(0.01)
-        assert not failures._alive(proc.pid)
+        assert not peers.alive(proc.pid)
     finally:
         proc.join()
-    assert not failures._alive(proc.pid)
+    assert not peers.alive(proc.pid)

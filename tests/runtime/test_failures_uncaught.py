@@ -1,6 +1,7 @@
 """A rank whose process ends by an uncaught exception is named, with its error, by its peers
-(runtime/uncaught.py), on 2 real gloo processes started as plain ``python`` processes (as torchrun
-starts them: the interpreter's ``sys.excepthook`` runs).
+(runtime/failures/uncaught.py), on 2 real gloo processes started as plain ``python`` processes (as
+torchrun starts them: the interpreter's ``sys.excepthook`` runs). The hook is installed by building
+a ParallelModule, or (before `parallelize`) by the script's `failures.install_excepthook()`.
 
 Rank 1 raises in the user's own code, outside nnscaler's steps: between forward and backward
 (rank 0 waits in the gradient all-reduce), between two pipeline steps (rank 0 waits in a pipeline

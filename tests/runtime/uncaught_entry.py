@@ -5,7 +5,9 @@ interpreter's ``sys.excepthook`` and ends the process).
     RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python uncaught_entry.py SCENARIO GEN_DIR OUT_DIR
 
 Rank 1 raises, uncaught, where SCENARIO says (the lines marked ``# RAISES``); rank 0 writes what
-it raised to ``OUT_DIR/rank0.json`` (JSON: type, message, and PeerFailedError's rank / died).
+it raised to ``OUT_DIR/rank0.json`` (JSON: type, message, and PeerFailedError's rank / died). The
+excepthook is installed by building the ParallelModule (dp_between, pp_between), or by the
+script's own `failures.install_excepthook()` call (before_parallelize): importing nnscaler does not.
 """
 from __future__ import annotations
 
@@ -56,7 +58,9 @@ def _pp(gen_dir):
 def _before(gen_dir):
     import toy_models
     from nnscaler import ComputeConfig, parallelize
+    from nnscaler.runtime import failures
 
+    failures.install_excepthook()  # parallelize installs it too, but rank 1 raises before that
     if dist.get_rank() == 1:
         raise ValueError("the data shard of this rank could not be read")  # RAISES before_parallelize
     parallelize(toy_models.MLP(), toy_models.mlp_batch(0, 4), "dp", ComputeConfig(1, 2, trace_strategy="cpu"),

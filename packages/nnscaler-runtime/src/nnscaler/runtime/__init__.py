@@ -12,9 +12,7 @@ from . import ring_attention  # context parallelism (nr.ring_attention.attention
 from . import moe  # expert parallelism (nr.moe.expert_parallel)
 from .device import default_backend, default_device
 from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
-from .failures import CollectiveTimeoutError, PeerFailedError, StepRefusedError  # a failed step reaches every rank (failures.py)
-from . import uncaught as _uncaught
-_uncaught.install()  # a process ended by an uncaught exception tells its peers why (uncaught.py)
+from .failures import CollectiveTimeoutError, PeerFailedError, StepRefusedError  # a failed step reaches every rank (failures/)
 from . import guards  # run-time checks of the trace's decisions on tensor values (nr.guards.check)
 from .guards import GuardError
 from .driver.gen_dir import ReuseType

@@ -42,7 +42,7 @@ from nnscaler.ir.contracts import WEIGHTS_FILE
 from nnscaler.ir import map_tensors
 
 from . import failures
-from .backward_watch import watch_backward
+from .failures import watch_backward
 from .call_arguments import call_error
 from .device import default_device
 from .errors import GenerationError, NnScalerError, PlanMismatchError

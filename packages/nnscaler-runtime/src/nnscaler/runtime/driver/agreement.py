@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import failures
 from ..failures import PeerFailedError
-from ..uncaught import call_site, summary
+from ..failures import call_site, summary
 
 __all__ = ["ArgumentAgreement"]
 

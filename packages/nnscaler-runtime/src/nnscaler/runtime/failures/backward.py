@@ -1,4 +1,4 @@
-"""A backward pass that raises on this rank still tells the peers (`nnscaler.runtime.failures`).
+"""A backward pass that raises on this rank still tells the peers (notices.py).
 
 The generated forward hooks its outputs (`watch_backward`); the first gradient arriving in a pass
 queues a callback on the autograd engine (`_PassEnd`). The engine runs it when the pass succeeds
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from nnscaler.ir import iter_tensors as _tensors
 
-from . import failures
+from . import notices
 
 __all__ = ["watch_backward"]
 
@@ -46,13 +46,12 @@ class _PassEnd:
 
 
 def _backward_failed(exc: Optional[BaseException]) -> None:
-    state = failures._state()
-    if state.broken is not None or not failures._multi_rank():
+    if notices.failed() is not None or not notices.multi_rank():
         return  # a peer's failure raised in this pass (already known), or nobody to tell
     if exc is None:
-        failures._post(state, f"rank {dist.get_rank()} failed in backward (its error is in its own log)")
+        notices.post(f"rank {dist.get_rank()} failed in backward (its error is in its own log)")
     else:
-        failures.report(exc, "backward")
+        notices.report(exc, "backward")
 
 
 def _catch_leaving_error(callback) -> bool:
@@ -100,10 +99,10 @@ def _no_new_frames(frame, event, arg):
 
 
 def _on_backward_start(grad):
-    state = failures._state()
+    state = notices.state()
     task = torch._C._current_graph_task_id() if hasattr(torch._C, "_current_graph_task_id") else None
-    if task is None or task != state.task:
-        state.task = task
+    if task is None or task != state.backward_task:
+        state.backward_task = task
         try:
             torch.autograd.Variable._execution_engine.queue_callback(_PassEnd(_backward_failed))
         except RuntimeError:  # not inside a backward pass (cannot happen from a tensor hook)
@@ -114,7 +113,7 @@ def _on_backward_start(grad):
 def watch_backward(outputs: Any) -> None:
     """Watch the backward passes through `outputs` (a forward's result): a pass that raises posts
     this rank's failure notice. One hook per output tensor with a gradient graph."""
-    if not failures._multi_rank() or not torch.is_grad_enabled():
+    if not notices.multi_rank() or not torch.is_grad_enabled():
         return
     for t in _tensors(outputs):
         if t.grad_fn is not None:

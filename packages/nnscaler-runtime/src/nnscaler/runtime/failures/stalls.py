@@ -1,34 +1,24 @@
 """Stalls: a collective that outlasts the default process group's timeout. A rank records in the
 rendezvous store where it waits once a wait outlasts one slice (`arrive` / `leave`); when the
 timeout passes, `timed_out` names the ranks of the group with no such record (alive, but outside
-nnscaler's collectives) and those waiting in another collective. The waiting itself is
-failures.py's."""
+nnscaler's collectives) and those waiting in another collective. The waiting itself is waits.py's."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from .errors import NnScalerError
-from .grid import default_timeout
+from ..grid import default_timeout
+from .errors import CollectiveTimeoutError
+from .notices import PREFIX
 
-__all__ = ["CollectiveTimeoutError", "arrive", "leave", "timed_out"]
-
-
-class CollectiveTimeoutError(NnScalerError, RuntimeError):
-    """A collective waited longer than the default process group's timeout: `missing` are the
-    ranks of its group that never arrived (alive, but not waiting in any collective of nnscaler),
-    `what` the collective this rank waited in."""
-
-    def __init__(self, message: str, missing: Sequence[int], what: str, reason: str = ""):
-        super().__init__(message)
-        self.missing, self.what, self.reason = tuple(missing), what, reason or message
+__all__ = ["arrive", "leave", "timed_out"]
 
 
-def arrive(store, what: str, prefix: str) -> Optional[str]:
+def arrive(store, what: str) -> Optional[str]:
     """Record in the store that this rank waits in `what` (only once a wait outlasts a slice);
     returns the key, None when the store is unreachable."""
-    key = f"{prefix}waiting/{dist.get_rank()}"
+    key = f"{PREFIX}waiting/{dist.get_rank()}"
     try:
         store.set(key, what)
     except Exception:  # noqa: BLE001 - only a peer's timeout message needs it
@@ -46,7 +36,7 @@ def leave(store, key: Optional[str]) -> None:
         pass
 
 
-def timed_out(store, ranks: Sequence[int], what: str, waited_s: float, prefix: str) -> CollectiveTimeoutError:
+def timed_out(store, ranks: Sequence[int], what: str, waited_s: float) -> CollectiveTimeoutError:
     """The error of a wait in `what` that outlasted the default group's timeout: the ranks of the
     group with no arrival record did not arrive; ranks waiting in another collective are named."""
     me = dist.get_rank()
@@ -55,7 +45,7 @@ def timed_out(store, ranks: Sequence[int], what: str, waited_s: float, prefix: s
         if r == me:
             continue
         try:
-            key = f"{prefix}waiting/{r}"
+            key = f"{PREFIX}waiting/{r}"
             where = store.get(key).decode() if store is not None and store.check([key]) else None
         except Exception:  # noqa: BLE001 - store unreachable: count it as not arrived
             where = None

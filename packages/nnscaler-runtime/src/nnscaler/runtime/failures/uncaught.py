@@ -1,16 +1,19 @@
 """A rank whose process ends by an uncaught exception tells its peers why before it exits.
 
 Without this, a rank that raises outside nnscaler's steps (in the user's own loop, between forward
-and backward, before `parallelize`) posts no failure notice (failures.py): its peers wait in their
+and backward, before `parallelize`) posts no failure notice (notices.py): its peers wait in their
 next collective until the process exits, then name it as "died ... killed, e.g. by SIGKILL".
 
-`install()` (run when nnscaler.runtime is imported) wraps ``sys.excepthook``, keeping the hook it
-found (torch's, which prefixes ``[rankN]:``, or Python's): when an exception reaches the top of
-the main thread of a process in a multi-rank job, the hook posts the notice
+`install()` wraps ``sys.excepthook``, keeping the hook it found (torch's, which prefixes
+``[rankN]:``, or Python's). It runs when a ParallelModule is built and when `parallelize` starts
+(`nnscaler.runtime.failures.arm`), or when the user calls
+`nnscaler.runtime.failures.install_excepthook()` (to cover what raises before `parallelize`);
+importing nnscaler leaves ``sys.excepthook`` alone. When an exception reaches the top of the main
+thread of a process in a multi-rank job, the hook posts the notice
 ``rank R raised RuntimeError: <message> at <file>:<line> (uncaught: it ends that process)``
-(the deepest frame of the user's code) through `failures.post`, then lets the process print its
+(the deepest frame of the user's code) through `notices.post`, then lets the process print its
 traceback and exit as before. A peer waiting in a polled collective raises `PeerFailedError` with
-that text within `failures.POLL_S`; one blocked elsewhere (a pipeline receive, a parallelize
+that text within `waits.POLL_S`; one blocked elsewhere (a pipeline receive, a parallelize
 collective) when the exiting process's connections close. The post is bounded (`POST_S`) so an
 unreachable store never holds up the exit. An ``atexit`` fallback posts the same notice when a
 later ``sys.excepthook`` replaced this one without calling it (Python keeps the exception in
@@ -28,7 +31,13 @@ import atexit
 import sys
 import threading
 from typing import Optional
-from . import failures
+
+import torch.distributed as dist
+
+from nnscaler.ir import is_internal
+
+from . import backends, notices
+from .errors import PeerFailedError, StepRefusedError
 
 __all__ = ["install", "summary", "call_site", "POST_S"]
 
@@ -39,7 +48,8 @@ _done = False  # this process reported its uncaught exception
 
 
 def install() -> None:
-    """Wrap ``sys.excepthook`` (once per process) and register the atexit fallback."""
+    """Wrap ``sys.excepthook`` (once per process) and register the atexit fallback; later calls do
+    nothing."""
     global _installed, _previous
     if _installed:
         return
@@ -64,7 +74,6 @@ def summary(exc: BaseException, where: Optional[str] = None) -> str:
 
 def call_site() -> Optional[str]:
     """``file:line`` of the innermost frame of the user's code calling into nnscaler now."""
-    from nnscaler.ir import is_internal
     frame = sys._getframe(1)
     while frame is not None and is_internal(frame.f_code.co_filename):
         frame = frame.f_back
@@ -72,7 +81,6 @@ def call_site() -> Optional[str]:
 
 
 def _user_frame(exc: BaseException) -> Optional[str]:
-    from nnscaler.ir import is_internal
     tb, last, user = exc.__traceback__, None, None
     while tb is not None:
         code = tb.tb_frame.f_code
@@ -87,17 +95,16 @@ def _report(exc: Optional[BaseException]) -> None:
     global _done
     if _done or exc is None or isinstance(exc, SystemExit):
         return
-    if (not failures._multi_rank() or isinstance(exc, (failures.PeerFailedError, failures.StepRefusedError))
-            or getattr(exc, "raised_on_every_rank", False) or failures.is_connection_error(exc)):
+    if (not notices.multi_rank() or isinstance(exc, (PeerFailedError, StepRefusedError))
+            or getattr(exc, "raised_on_every_rank", False) or backends.meaning(exc) == backends.PEER_LOST):
         return
     _done = True
-    import torch.distributed as dist
     reason = f"rank {dist.get_rank()} raised {summary(exc)} (uncaught: it ends that process)"
-    poster = threading.Thread(target=failures.post, args=(reason,), daemon=True, name="nnscaler-exit-notice")
+    poster = threading.Thread(target=notices.post, args=(reason,), daemon=True, name="nnscaler-exit-notice")
     try:
         poster.start()
     except RuntimeError:  # no new thread at interpreter shutdown (the atexit fallback): post here
-        failures.post(reason)
+        notices.post(reason)
         return
     poster.join(POST_S)
 
