@@ -110,3 +110,30 @@ def test_sigterm_stops_after_the_step_and_resume_is_bitwise(tmp_path, reference)
     assert "nnscaler: stopped by SIGTERM" in err
     assert _steps_saved(tmp_path / "ckpt") == ["0000-0001", "0000-0002", "0000-0003"]
     _assert_same(_final(tmp_path / "ckpt"), _final(reference, step=3), step=3)
+
+
+def test_ctrl_c_stops_after_the_step_and_commits_it(tmp_path):
+    # Ctrl-C: the terminal sends SIGINT to the command's whole process group; the workers (signalled
+    # directly or by the agent) finish step 3, commit it and exit, with no KeyboardInterrupt traceback
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    exe = os.path.join(os.path.dirname(sys.executable), "nnscaler")
+    proc = subprocess.Popen([exe, "train", "-f", _cfg(tmp_path, marker=[3, str(marker)]), "--nproc", "2"],
+                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (marker / "step").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (marker / "step").exists(), "step 3 never ran"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "preempted: stopped at step 3 (epoch 0) on SIGINT" in out, out[-3000:]
+    assert "nnscaler: stopped by SIGINT" in err
+    assert _steps_saved(tmp_path / "ckpt") == ["0000-0002", "0000-0003"]

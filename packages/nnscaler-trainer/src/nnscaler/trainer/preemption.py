@@ -1,5 +1,6 @@
 """Preemption: SIGTERM (what SLURM and Kubernetes send before they reclaim a node; torchrun's agent
-forwards it to its workers) asks the Trainer to stop after the step in progress.
+forwards it to its workers) asks the Trainer to stop after the step in progress; so does SIGINT
+(Ctrl-C: the terminal sends it to every process of the group, the workers included).
 
     watch = PreemptionWatch()          # installs the handler (main thread only)
     ... after each step:
@@ -22,7 +23,7 @@ from nnscaler.runtime import default_device
 
 __all__ = ["PreemptionWatch", "PREEMPTION_SIGNALS"]
 
-PREEMPTION_SIGNALS = (signal.SIGTERM,)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionWatch:

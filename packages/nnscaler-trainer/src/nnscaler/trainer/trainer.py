@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -192,7 +193,7 @@ class Trainer:
         args = self.train_args
         self._resume()
         self.hooks.on_train_start(self)
-        with PreemptionWatch() as preemption:  # SIGTERM: stop after the step in progress
+        with PreemptionWatch() as preemption:  # SIGTERM / SIGINT: stop after the step in progress
             while not self._finished():
                 epoch = self._start_epoch()
                 for idx, batches in self._step_batches():
@@ -205,7 +206,7 @@ class Trainer:
                     if self.checkpoints.due_after_step(self.state.step):
                         self.save_checkpoint(val_loss)
                     if preemption.requested():
-                        return self._stop_preempted()
+                        return self._stop_preempted(preemption)
                 if self._step_limit_reached() and self.state.idx_in_epoch < self.steps_per_epoch:
                     break  # max_train_steps ended the run inside this epoch
                 self._end_epoch(epoch)
@@ -214,7 +215,7 @@ class Trainer:
                 if self.checkpoints.due_after_epoch(epoch + 1):
                     self.save_checkpoint(val_loss)
                 if preemption.requested():
-                    return self._stop_preempted()
+                    return self._stop_preempted(preemption)
         self.hooks.on_train_end(self)
         if self.checkpoints.due_at_end(self.state.step):
             self.save_checkpoint()  # the final state (nothing when this step is saved already)
@@ -234,7 +235,7 @@ class Trainer:
                 restore_rng_snapshot(resumed.rng, self.model)
         self.console.set_completed(self.state.step)
 
-    def _stop_preempted(self) -> None:
+    def _stop_preempted(self, preemption: PreemptionWatch) -> None:
         """Every rank got (or learnt of) a preemption signal: commit a checkpoint of the step just
         taken (unless saved already) and say where training stopped; the run then ends normally."""
         state = self.state
@@ -245,7 +246,8 @@ class Trainer:
         else:
             saved = "nothing saved (checkpoint.no_save)"
         self.checkpoints.close()
-        self.console.line(f"preempted: stopped at step {state.step} (epoch {state.current_epoch}) on SIGTERM; {saved}")
+        name = signal.Signals(preemption.received).name if preemption.received else "a signal another rank got"
+        self.console.line(f"preempted: stopped at step {state.step} (epoch {state.current_epoch}) on {name}; {saved}")
 
     def _finished(self) -> bool:
         args = self.train_args

@@ -59,9 +59,10 @@ _OPTIONS = """
 
   --print-config      print the resolved config as YAML and exit
 
-  SIGTERM             (to this command or to every worker) the workers
-                      finish the step, commit a checkpoint and exit; exit
-                      code 143 when this command got it, else 0
+  SIGTERM, SIGINT     (to this command or to every worker; Ctrl-C sends
+                      SIGINT to all) the workers finish the step, commit
+                      a checkpoint and exit; exit code 143 (SIGTERM) or
+                      130 (SIGINT) when this command got it, else 0
 
   --a.b.c VALUE       override a key (also --a.b.c=VALUE, list items --log.0.type X, --a.b! removes)
 """

@@ -7,7 +7,8 @@ Exit codes: 0 finished (or stopped by a preemption signal the workers received: 
 checkpoint), 1 failed, 2 a bad config (found before any worker starts, or a setting the engine
 refuses in the workers: a policy's `PlanError`, a `ConfigError`; rank 0 prints it, one line),
 `PREEMPTED_EXIT` (143) the launcher itself received SIGTERM (it forwards it; the workers finish
-their step, commit a checkpoint and exit)."""
+their step, commit a checkpoint and exit), 130 the same for SIGINT (Ctrl-C) or an interrupt
+outside the training loop (one line says whether a checkpoint was committed; no traceback)."""
 from __future__ import annotations
 
 import logging
@@ -223,3 +224,8 @@ def main(argv: Optional[List[str]] = None, run_mode: Optional[str] = None) -> in
         return 0
     except NnScalerError as e:
         return _report(e)
+    except KeyboardInterrupt:  # SIGINT before or after the training loop (inside it, it stops the run)
+        if os.environ.get("RANK", "0") == "0":
+            print("nnscaler: interrupted (SIGINT) outside the training steps: nothing committed since the last "
+                  "checkpoint", file=sys.stderr)
+        return 128 + signal.SIGINT
