@@ -29,3 +29,30 @@ def test_every_world_size_validates_the_same_batches_each_once(n, mbs, max_batch
             reference = real
             assert real == [list(range(i, min(i + mbs, n))) for i in range(0, n, mbs)][:max_batches]
         assert real == reference, dp  # the same batches, each once, whatever dp
+
+
+@pytest.mark.multiprocess
+def test_validation_loss_and_batches_are_the_same_on_one_and_two_processes(tmp_path):
+    # 12 validation samples, micro-batch 4: 3 batches; on 2 processes rank 1 runs one padding batch,
+    # and with max_val_steps 1 it runs only a padding batch (its aggregation adds nothing)
+    import re
+
+    import yaml
+
+    from loop_helpers import config
+    from test_cli import nnscaler
+
+    def val_lines(n, **over):
+        run = tmp_path / f"{n}-{len(over)}"
+        run.mkdir()
+        data = config(run, max_train_steps=1, val_every_n_train_steps=1, **{
+            "compute_config.runtime_ngpus": n, "dataset.val_args": {"size": 12, "seed": 1}}, **over)
+        (run / "cfg.yaml").write_text(yaml.safe_dump(data))
+        r = nnscaler("train", "-f", str(run / "cfg.yaml"), "--nproc", str(n), cwd=run)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        return re.findall(r"val_loss \S+ \(\d+ batches\)", r.stdout)
+
+    one = val_lines(1)
+    assert one and one == val_lines(2) and "(3 batches)" in one[0], one
+    capped = val_lines(2, max_val_steps=1)
+    assert capped and "(1 batches)" in capped[0] and capped == val_lines(1, max_val_steps=1), capped
