@@ -1,4 +1,4 @@
-"""Failures reach every rank under dp, tp x dp and ZeRO (runtime/failures.py), on real gloo processes.
+"""Failures reach every rank under dp, tp x dp and ZeRO (runtime/failures/), on real gloo processes.
 
 One rank raises inside forward (an op of the generated code fails) or inside backward (a hook on
 one of its parameters), catches the error in its own loop and stays alive, waiting (through the

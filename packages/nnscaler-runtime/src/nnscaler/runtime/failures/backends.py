@@ -121,8 +121,8 @@ _POINT_TO_POINT = _point_to_point_types()
 
 def timed_wait_breaks(work) -> bool:
     """Whether a timed ``work.wait(timeout)`` that ends early would close this process's
-    connections: gloo's send / receive work (told by ``Work._get_op_type``, torch 2.6 on; work
-    whose type cannot be read counts as a collective)."""
+    connections: gloo's send / receive work (told by ``Work._get_op_type``, checked on torch 2.13;
+    work whose type cannot be read counts as a collective, waited for in slices as before)."""
     get = getattr(work, "_get_op_type", None)
     if get is None or not _POINT_TO_POINT:
         return False
