@@ -114,7 +114,7 @@ def test_compute_config_rejects_bad_values(kwargs, match):
     (lambda d: parallelize(toy_models.MLP(), {"x": ARGS["x"]}, "dp", cfg(), gen_savedir=d),
      TypeError, "missing 'y'"),
     (lambda d: parallelize(toy_models.MLP(), ARGS, "nope", cfg(), gen_savedir=d),
-     ValueError, "unknown pas_policy .nope.; built-in policies: autodist, data, dp"),
+     ValueError, "unknown pas_policy .nope.; built-in policies: autodist, cp, data, dp"),
     (lambda d: parallelize(toy_models.MLP(), ARGS, lambda g: g, cfg(), gen_savedir=d),
      TypeError, r"must take \(graph, compute_config\)"),
     (lambda d: parallelize(toy_models.MLP(), ARGS, "dp", ComputeConfig(2, 2, trace_strategy="cpu"),

@@ -12,7 +12,8 @@ from . import ring_attention  # context parallelism (nr.ring_attention.attention
 from . import moe  # expert parallelism (nr.moe.expert_parallel)
 from .device import default_backend, default_device
 from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
-from .failures import CollectiveTimeoutError, PeerFailedError, StepRefusedError  # a failed step reaches every rank (failures/)
+from . import failures  # a failed step reaches every rank (nr.failures: run, install_excepthook, ...)
+from .failures import CollectiveTimeoutError, PeerFailedError, StepRefusedError
 from . import guards  # run-time checks of the trace's decisions on tensor values (nr.guards.check)
 from .guards import GuardError
 from .driver.gen_dir import ReuseType
@@ -40,7 +41,7 @@ __all__ = [
     "parse_precision", "with_master_weights",
     "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "GuardError", "guards", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
-    "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm", "moe", "ring_attention",
+    "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm", "moe", "ring_attention", "failures",
     "PeerFailedError", "StepRefusedError", "CollectiveTimeoutError", "ForwardArgumentError",
     "OffloadedOptimizer", "offload_optimizer", "step_gradients",
     "plain_trainables", "OptimizerState", "ModuleState", "optimizer_state", "module_state", "FullyShardedParams",

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from nnscaler.runtime import default_device
+from nnscaler.runtime import default_device, failures
 
 __all__ = ["PreemptionWatch", "PREEMPTION_SIGNALS"]
 
@@ -53,7 +53,7 @@ class PreemptionWatch:
             return local
         device = default_device() if dist.get_backend() == "nccl" else torch.device("cpu")
         flag = torch.tensor([int(local)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failures.run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, what="the preemption check's all-reduce")
         return bool(flag.item())
 
     def close(self) -> None:

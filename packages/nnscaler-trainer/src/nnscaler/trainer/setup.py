@@ -44,6 +44,8 @@ def init_distributed(world_size: int, timeout_s: float = 600) -> bool:
     else:
         dist.init_process_group(default_backend(), timeout=timeout, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]))
+    from nnscaler.runtime import failures
+    failures.install_excepthook()  # a rank failing before its module is built tells its peers why
     return True
 
 

@@ -323,4 +323,5 @@ def _rank_world() -> Tuple[int, int]:
 
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        from nnscaler.runtime import failures  # a dead peer: its one-line error, not gloo's traceback
+        failures.run(dist.barrier, what="the checkpoint barrier")
