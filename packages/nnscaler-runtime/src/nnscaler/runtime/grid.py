@@ -97,7 +97,7 @@ def default_timeout() -> timedelta:
     """The timeout of the default process group (``init_process_group(..., timeout=...)``; the
     Trainer sets it from ``collective_timeout``). Every group created here gets it (torch's
     `new_group` would otherwise take the backend's default, 30 minutes for gloo), and the waits of
-    failures.py give up after it. torch keeps the value only in the backend's options
+    failures/ give up after it. torch keeps the value only in the backend's options
     (``options._timeout``, checked on torch 2.6 to 2.13); the backend's default when unreadable."""
     group = dist.group.WORLD
     for device in getattr(group, "_device_types", None) or (torch.device("cpu"),):

@@ -83,7 +83,7 @@ def check(value: torch.Tensor, read: str, traced: Any, *, at: str = "", cause: s
     if bad_rank is None:
         return
     error = GuardError(_message(read, traced, now if not ok else None, bad_rank, rank, world, at, cause, via))
-    # all ranks agreed and raise here together: their collectives stay in step (runtime/failures.py)
+    # all ranks agreed and raise here together: their collectives stay in step (runtime/failures/)
     error.raised_on_every_rank = agree and world > 1
     raise error
 

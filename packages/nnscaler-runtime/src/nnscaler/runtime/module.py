@@ -77,7 +77,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         self.training = bool(self.TRACED_TRAINING)
         self.compute_config = make_compute_config(self.COMPUTE_CONFIG)
         self.grid = RankGrid.get(self.compute_config.plan_ngpus, self.compute_config.runtime_ngpus)
-        failures.arm()  # lets peers tell that this process died (failures.py)
+        failures.arm()  # lets peers tell that this process died (failures/)
         self.rank = self.grid.rank
         self.device = default_device()
         self.reducer: Optional[Reducer] = None  # the data-parallel gradient sync
@@ -170,7 +170,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
             raise NnScalerError(f"{type(self).__name__} is pipelined (pipeline_scheduler "
                                 f"{self.PIPELINE.scheduler!r}): its stages run only inside train_step(samples) "
                                 f"/ infer_step(samples), not through a plain forward call")
-        failures.check_step(f"{type(self).__name__}.forward")  # refused after a failed step (failures.py)
+        failures.check_step(f"{type(self).__name__}.forward")  # refused after a failed step (failures/)
         self.check_mode()
         args, kwargs = self.to_device((args, kwargs))
         try:
@@ -183,7 +183,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
             if bad_call is not None:
                 raise bad_call from None
             raise
-        watch_backward(out)  # a backward pass through `out` that raises is reported too (backward_watch.py)
+        watch_backward(out)  # a backward pass through `out` that raises is reported too (failures/backward.py)
         return out
 
     def _sharded_scope(self):

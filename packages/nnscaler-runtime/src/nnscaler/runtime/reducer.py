@@ -33,7 +33,7 @@ An unused parameter delays the launch of its bucket (and, to keep the order, of 
 after it) to the end of backward; results stay correct.
 
 Every all-reduce is waited for through `failures.wait`: a rank whose step failed (or died) makes
-this one raise `PeerFailedError` within a fraction of a second instead of blocking (failures.py).
+this one raise `PeerFailedError` within a fraction of a second instead of blocking (failures/).
 
 Not supported: reentrant activation checkpointing (`use_reentrant=True`) runs a nested backward
 whose end would trigger the sync too early; use `use_reentrant=False`.

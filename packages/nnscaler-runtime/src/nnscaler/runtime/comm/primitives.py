@@ -132,7 +132,7 @@ def check_divisible(x: torch.Tensor, dim: int, n: int, op: str, ranks) -> int:
 
 
 def _what(op: str, rs: "RankSet") -> str:
-    """How failure messages name a collective (failures.py)."""
+    """How failure messages name a collective (failures/)."""
     return f"the tensor-parallel {op} over ranks {rs.ranks}"
 
 

@@ -8,9 +8,9 @@ waited for it in parallelize's next collective until its process exited, then ra
 
 So the ranks agree once their checks are done, before rank 0 generates (`ArgumentAgreement`:
 one all-gather of a small JSON record per rank over the default group, waited for like the
-step's collectives, failures.py): a rank whose checks raised contributes its error and raises it;
+step's collectives, failures/): a rank whose checks raised contributes its error and raises it;
 every other rank raises `PeerFailedError` naming that rank and its error. After the agreement,
-gloo's lost-connection error from a peer that exited (its uncaught exception, uncaught.py, or a
+gloo's lost-connection error from a peer that exited (its uncaught exception, failures/uncaught.py, or a
 kill) is raised as `PeerFailedError` too (`ArgumentAgreement.error_for`).
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _gather(outcome: Optional[str]) -> List[Optional[str]]:
     """Every rank's `outcome`, by rank (collective over the default group; [outcome] alone)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [outcome]
-    failures.arm()  # peers can tell this process died (failures.py)
+    failures.arm()  # peers can tell this process died (failures/)
     data = json.dumps(outcome).encode()
     world = dist.get_world_size()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]

@@ -171,7 +171,7 @@ class PipelineExecutor:
             raise NnScalerError(f"{type(self.module).__name__}.{name}: {exc}") from None
         except BaseException as exc:  # this rank failed: tell the peers waiting for it, then raise
             self._fail(training, a, f"rank {self.mailbox.rank}: {type(exc).__name__}: {exc}")
-            failures.report(exc, name)  # data-parallel peers in other units (runtime/failures.py)
+            failures.report(exc, name)  # data-parallel peers in other units (runtime/failures/)
             raise
         finally:
             self._ins, self._outs = {}, {}

@@ -27,7 +27,7 @@ its header and its payload (``3t + 2``), each received when needed, in the sende
 **A peer that died.** A peer process that exits (killed, or ended by an uncaught exception) makes
 gloo fail the pending send or receive with "Connection closed by peer" / "Connection reset by
 peer"; every send and receive here turns that into the `PeerFailedError` the data-parallel
-collectives raise (failures.py): the rank, and the error it reported before exiting or that it died.
+collectives raise (failures/): the rank, and the error it reported before exiting or that it died.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class PeerFailure(NnScalerError):
 
 @contextmanager
 def _peer_lost(peer: int, what: str):
-    """gloo's lost-connection error from a message with `peer` as `PeerFailedError` (failures.py)."""
+    """gloo's lost-connection error from a message with `peer` as `PeerFailedError` (failures/)."""
     try:
         yield
     except RuntimeError as exc:
