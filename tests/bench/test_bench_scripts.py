@@ -31,7 +31,8 @@ def _scripts():
 
 SCRIPTS = _scripts()
 OWN_TEST = {"autodist": "test_autodist_bench.py", "guards": "test_guards_bench.py", "pipeline": "test_pipeline_bench.py",
-            "gpu": "test_gpu_bench.py", "moe": "test_moe_bench.py"}
+            "gpu": "test_gpu_bench.py", "moe": "test_moe_bench.py",
+            "long_context": "test_long_context_bench.py"}
 
 
 def test_no_bench_file_shadows_an_importable_module():
