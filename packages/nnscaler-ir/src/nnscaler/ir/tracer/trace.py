@@ -75,7 +75,8 @@ def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, consta
     time; ``replay=False`` runs every call (the reference the tests and bench/compile_time.py use).
     """
     check_trace_inputs(module, dummy_forward_args)  # NumPy inputs, quantized/sparse tensors: named refusals
-    first = CallResults() if replay else None  # later traces take the calls they share with this one
+    # later traces (the other mode, flipped decisions) take the calls they share with this one
+    first = CallResults() if replay and (both_modes or both_branches) else None
     graph = _trace_once(module, dummy_forward_args, constant_folding, trace_strategy, results=first)
     graph.traced_training = module.training
     if both_modes:
