@@ -14,8 +14,8 @@ from nnscaler.runtime import aggregate_outputs, count_tokens
 class MLP(nn.Module):
     """forward(batch) -> loss; ``batch = {'x': [b, dim], 'y': [b, dim]}``."""
 
-    def __init__(self, dim: int = 16, nlayers: int = 2, dropout: float = 0.0):
-        super().__init__()
+    def __init__(self, dim: int = 16, nlayers: int = 2, dropout: float = 0.0, name: str = ""):
+        super().__init__()  # name: a str argument, for the command line's typing tests
         self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(nlayers))
         self.dropout = dropout
 
