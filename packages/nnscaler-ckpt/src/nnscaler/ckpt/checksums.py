@@ -17,6 +17,7 @@ Verification levels of `load(verify=...)` and `merge(verify=...)`:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import queue
@@ -28,7 +29,8 @@ from typing import List, Optional, Tuple, Union
 from .errors import CheckpointError
 from .records import Crc32, FileRecord
 
-__all__ = ["CRC_CHUNK", "LEVELS", "verify_level", "Digests", "crc32_chunks", "file_crc32_chunks", "bytes_record"]
+__all__ = ["CRC_CHUNK", "LEVELS", "verify_level", "Digests", "Piece", "crc32_combine", "crc32_chunks",
+           "file_crc32_chunks", "bytes_record"]
 
 CRC_CHUNK = 64 * 2**20
 _WINDOW = 8 * 2**20  # bytes of a file read at a time by file_crc32_chunks
@@ -66,30 +68,75 @@ class _Pending:
         self._done.wait()
 
 
+# CRC-32 of a concatenation from the CRC-32 of its parts (zlib's crc32_combine, which Python's
+# zlib does not expose): multiplication modulo the CRC polynomial in GF(2), reflected.
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+@functools.lru_cache(maxsize=256)
+def _x8n(n: int) -> int:
+    """x^(8 n) modulo the polynomial: appending n zero bytes."""
+    p, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A + B from the CRC-32 of A (`crc1`), of B (`crc2`) and the length of B."""
+    return _multmodp(_x8n(len2), crc1) ^ crc2
+
+
+Piece = Tuple[object, int, int, int]  # (what the bytes came from, offset there, length, their own CRC-32)
+
+
 class Digests:
     """SHA-256 and chunked CRC-32 of the buffers given to `feed`, in order, each computed by its
     own helper thread (both release the GIL). A fed buffer must stay unchanged until the
     `_Pending` that `feed` returns is done; `finish` returns ``(sha256 hex, crc32 record)``.
     ``Digests(sha256=False)``: the CRC-32 only (one helper thread; `finish` gives ``None`` for
-    the SHA-256)."""
+    the SHA-256). A buffer fed with a `tag` ``(source, offset)`` (bytes copied from another
+    file) also gets its own CRC-32 in `pieces`, one per output chunk it falls into, computed in
+    the same pass: the chunk CRC-32 of the output is combined from them (`crc32_combine`), and
+    the source's can be (`merge_check`), so the copied bytes are read and CRC'd once."""
 
     def __init__(self, sha256: bool = True):
         self._sha = hashlib.sha256() if sha256 else None
         self._crcs: List[int] = []
         self._crc, self._crc_len = 0, 0
         self._error: Optional[BaseException] = None
-        updates = [self._crc_update] + ([self._sha.update] if sha256 else [])
+        self.pieces: List[Piece] = []
+        updates = [self._crc_update] + ([lambda view, tag: self._sha.update(view)] if sha256 else [])
         self._queues = [queue.SimpleQueue() for _ in updates]
         self._threads = [threading.Thread(target=self._run, args=(q, fn), daemon=True)
                          for q, fn in zip(self._queues, updates)]
         for t in self._threads:
             t.start()
 
-    def feed(self, data) -> _Pending:
+    def feed(self, data, tag: Optional[Tuple[object, int]] = None) -> _Pending:
         view = memoryview(data).cast("B")
         pending = _Pending(len(self._queues))
         for q in self._queues:
-            q.put((view, pending))
+            q.put((view, pending, tag))
         return pending
 
     def _run(self, q, update) -> None:
@@ -97,21 +144,28 @@ class Digests:
             item = q.get()
             if item is None:
                 return
-            view, pending = item
+            view, pending, tag = item
             del item
             try:
                 if self._error is None:
-                    update(view)
+                    update(view, tag)
             except BaseException as e:  # noqa: BLE001 - re-raised by finish()
                 self._error = e
             finally:
                 del view  # the buffer (a memory map) may be closed once released
                 pending.release()
 
-    def _crc_update(self, view: memoryview) -> None:
+    def _crc_update(self, view: memoryview, tag: Optional[Tuple[object, int]]) -> None:
+        done = 0
         while len(view):
             take = min(len(view), CRC_CHUNK - self._crc_len)
-            self._crc = zlib.crc32(view[:take], self._crc)
+            if tag is None:
+                self._crc = zlib.crc32(view[:take], self._crc)
+            else:
+                own = zlib.crc32(view[:take])
+                self.pieces.append((tag[0], tag[1] + done, take, own))
+                self._crc = crc32_combine(self._crc, own, take) if self._crc_len else own
+            done += take
             self._crc_len += take
             view = view[take:]
             if self._crc_len == CRC_CHUNK:

@@ -21,6 +21,7 @@ from nnscaler.ir import NnScalerWarning
 from .commit import StagingDir, new_token
 from .errors import CheckpointError
 from .merge import Progress, merged_manifest, write_model
+from .merge_writer import slabs
 from .records import MergeSource
 from .replace_guard import check_merge_destination
 from .sizes import parse_size
@@ -54,7 +55,8 @@ def _torch_file(path: Path) -> Dict[str, torch.Tensor]:
 
 
 def _safetensors_files(paths: List[Path]):
-    """(name -> (shape, dtype, group key)), fetch(name)) of safetensors files (nothing loaded)."""
+    """(name -> (shape, dtype, group key)), fetch(name, region)) of safetensors files (nothing
+    loaded; a region is read alone)."""
     where: Dict[str, Path] = {}
     metas: Dict[str, tuple] = {}
     for p in paths:
@@ -64,9 +66,9 @@ def _safetensors_files(paths: List[Path]):
                 where[k] = p
                 metas[k] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower()), k)
 
-    def fetch(name: str) -> torch.Tensor:
+    def fetch(name: str, region) -> torch.Tensor:
         with safe_open(str(where[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_slice(name)[_slices(region)] if region else f.get_tensor(name)
     return metas, fetch
 
 
@@ -77,11 +79,15 @@ def _tensor_dict(tensors: Dict[str, torch.Tensor]):
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                t.dtype) if t.numel() else name
         metas[name] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), key)
-    return metas, tensors.__getitem__
+    return metas, lambda name, region: tensors[name][_slices(region)]
+
+
+def _slices(region) -> tuple:
+    return tuple(slice(a, b) for a, b in region)
 
 
 def _sources(src: Path):
-    """(name -> (shape, dtype, tie key)), fetch(name)) of the weights at `src`."""
+    """(name -> (shape, dtype, tie key)), fetch(name, region)) of the weights at `src`."""
     if src.is_dir():
         index = src / "model.safetensors.index.json"
         if index.is_file():
@@ -126,9 +132,10 @@ def convert(src, dst, *, max_shard_size="5GB", overwrite: bool = False, progress
         plan.append((sorted(names)[0], names, shape, dtype, size))
     stage = StagingDir(dst, new_token(), overwrite).create()
     try:
-        files, model = write_model(stage, plan, parse_size(max_shard_size),
-                                   lambda names, shape, dtype: fetch(names[0]).to(getattr(torch, dtype)).contiguous(),
-                                   [0], sum(p[4] for p in plan), progress)
+        def parts(names, shape, dtype):  # in slabs of rows: a few in memory, never two tensors
+            return slabs(lambda region: fetch(names[0], region).to(getattr(torch, dtype)).contiguous(), shape, dtype)
+        files, model, _ = write_model(stage, plan, parse_size(max_shard_size), parts, [0], sum(p[4] for p in plan),
+                                      progress)
         check_merge_destination(dst, overwrite, [src])  # still safe to replace
         stage.commit(merged_manifest(plan, files, model, world_size=1, plans=None,
                                      source=MergeSource("converted", str(src))))

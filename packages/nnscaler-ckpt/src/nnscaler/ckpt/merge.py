@@ -19,8 +19,7 @@ import datetime
 import json
 import math
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -31,11 +30,12 @@ from .manifest import read_manifest
 from .records import FileRecord, Manifest, MergeSource, ModelPiece, OptimizerPiece, RankRecord, TensorInfo
 from .names import MERGED_INDEX, MERGED_MODEL, MERGED_OPTIMIZER, MERGED_RNG, merged_shard
 from .replace_guard import check_merge_destination
-from .reshard import model_region, model_segments, optimizer_region
-from .safetensors_file import SafetensorsWriter, dtype_name, write_record
+from .reshard import model_region, model_segments, optimizer_region, optimizer_segments
+from .safetensors_file import write_record
 from .sizes import parse_size
 from .sources import Sources
-from .verify import check_file
+from .merge_check import SourceCheck
+from .merge_writer import Whole, slabs, write_files
 
 __all__ = ["merge", "Progress", "write_model", "merged_manifest"]
 
@@ -73,63 +73,38 @@ def _split(plan, max_bytes: int) -> List[list]:
     return files
 
 
-def write_model(stage: StagingDir, plan, max_bytes: int, fetch: Callable[[list, tuple, str], torch.Tensor],
-                done: List[int], total: int, progress: Optional[Progress], segments: Optional[Callable] = None):
-    """The model files (and index) of a merged checkpoint, one tensor in memory at a time;
-    `plan`: see `_model_plan`; `fetch(names, shape, dtype)` gives a full tensor, or
-    `segments(names, shape, dtype)` the byte ranges to copy as they are (None: use fetch).
-    Returns (file records, model piece records)."""
-    files = _split(plan, max_bytes)
-    records, model, weight_map = {}, [], {}
-    closing: List[tuple] = []  # (file name, writer, future of its close): hashed while the next is written
-    with ThreadPoolExecutor(1) as closer:
-        try:
-            for k, items in enumerate(files, 1):
-                fname = MERGED_MODEL if len(files) == 1 else merged_shard(k, len(files))
-                specs = [(name, dtype_name(getattr(torch, dtype)), shape) for name, _, shape, dtype, _ in items]
-                writer = SafetensorsWriter(stage.file(fname), specs, _META)
-                try:
-                    for name, names, shape, dtype, nbytes in items:
-                        ranges = segments(names, shape, dtype) if segments is not None else None
-                        if ranges is not None:
-                            writer.copy(name, ranges)
-                        else:
-                            value = fetch(names, shape, dtype)
-                            writer.write(name, value.reshape(shape))
-                            writer.drain()  # the next tensor is assembled only once this one is hashed
-                            del value
-                        done[0] += nbytes
-                        if progress:
-                            progress(done[0], total, name)
-                        weight_map[name] = fname
-                        model.append(ModelPiece(file=fname, key=name, full_name=name, full_shape=tuple(shape),
-                                                slices=tuple((0, d) for d in shape), value_split=(0, 1), dtype=dtype,
-                                                aliases=[n for n in names if n != name]))
-                except BaseException:
-                    writer.abort()
-                    raise
-                if closing:  # at most two files hashing at a time
-                    closing[-1][2].result()
-                closing.append((fname, writer, closer.submit(writer.close)))
-            for fname, writer, future in closing:
-                future.result()
-                records[fname] = writer.record
-        except BaseException:
-            for _, writer, future in closing:
-                if future.exception() is not None:
-                    writer.abort()
-            raise
+def write_model(stage: StagingDir, plan, max_bytes: int, parts: Callable[[list, tuple, str], Iterable[torch.Tensor]],
+                done: List[int], total: int, progress: Optional[Progress], segments: Optional[Dict[str, list]] = None):
+    """The model files (and index) of a merged checkpoint (`merge_writer.write_files`); `plan`: see
+    `_model_plan`; `parts(names, shape, dtype)` gives a tensor's slabs, `segments[name]` the byte
+    ranges of other files to copy as they are, when it has some. Returns (file records, model piece
+    records, the CRC-32 pieces of the copied bytes)."""
+    split = _split(plan, max_bytes)
+    files = [(MERGED_MODEL if len(split) == 1 else merged_shard(k, len(split)), items) for k, items in
+             enumerate(split, 1)]
+    by_name = {name: names for name, names, *_ in plan}
+    records, pieces = write_files(stage, [(f, [(n, s, d, b) for n, _, s, d, b in items]) for f, items in files],
+                                  lambda item: parts(by_name[item[0]], item[1], item[2]), segments or {}, done,
+                                  total, progress)
+    model, weight_map = [], {}
+    for fname, items in files:
+        for name, names, shape, dtype, _ in items:
+            weight_map[name] = fname
+            model.append(ModelPiece(file=fname, key=name, full_name=name, full_shape=tuple(shape),
+                                    slices=tuple((0, d) for d in shape), value_split=(0, 1), dtype=dtype,
+                                    aliases=[n for n in names if n != name]))
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(p[4] for p in plan)}, "weight_map": dict(sorted(weight_map.items()))}
         data = (json.dumps(index, indent=2) + "\n").encode("utf-8")
         stage.file(MERGED_INDEX).write_bytes(data)
         records[MERGED_INDEX] = bytes_record(data)
-    return records, model
+    return records, model, pieces
 
 
-def _write_optimizer(src: Sources, stage: StagingDir, stored: Dict[str, str], done, total, progress):
-    """optimizer.safetensors: every state of every parameter, full shape, keyed ``<name>.<state>``."""
-    specs, jobs, records = [], [], []
+def _optimizer_plan(src: Sources, stored: Dict[str, str]):
+    """optimizer.safetensors: (its tensors, their values, the byte ranges to copy, the optimizer
+    piece records): every state of every parameter, full shape, keyed ``<name>.<state>``."""
+    items, values, segments, records = [], {}, {}, []
     table = src.manifest.tensors
     for (name, state), recs in sorted(src.optim.items()):
         key = f"{stored.get(name, name)}.{state}"
@@ -142,29 +117,22 @@ def _write_optimizer(src: Sources, stage: StagingDir, stored: Dict[str, str], do
             continue
         if first.kind == "scalar":
             value = optimizer_region(src, name, state, ())
-            specs.append((key, dtype_name(value.dtype), tuple(value.shape)))
-            jobs.append((key, lambda v=value: v, 0))
+            items.append((key, tuple(value.shape), str(value.dtype).replace("torch.", ""),
+                          value.numel() * value.element_size()))
+            values[key] = Whole(lambda v=value: v)
             records.append(OptimizerPiece(**base, kind="scalar", key=key, dtype=first.dtype))
             continue
-        dtype = getattr(torch, first.dtype)
-        specs.append((key, dtype_name(dtype), shape))
-        region = tuple((0, d) for d in shape)
-        jobs.append((key, lambda n=name, s=state, r=region: optimizer_region(src, n, s, r),
-                     math.prod(shape) * _itemsize(first.dtype)))
+        items.append((key, shape, first.dtype, math.prod(shape) * _itemsize(first.dtype)))
+        ranges = optimizer_segments(src, name, state, shape, first.dtype)
+        if ranges is not None:
+            segments[key] = ranges
+        elif all(r.kind == "local" for r in recs):  # read in slabs of rows
+            values[key] = slabs(lambda region, n=name, s=state: optimizer_region(src, n, s, region), shape,
+                                first.dtype)
+        else:  # ZeRO ranges of locals split along another dim: rebuilt whole
+            values[key] = Whole(lambda n=name, s=state, r=tuple((0, d) for d in shape): optimizer_region(src, n, s, r))
         records.append(OptimizerPiece(**base, kind="local", key=key, dtype=first.dtype))
-    writer = SafetensorsWriter(stage.file(MERGED_OPTIMIZER), specs, _META)
-    try:
-        for key, make, nbytes in jobs:
-            writer.write(key, make())
-            writer.drain()  # one assembled tensor in memory at a time
-            done[0] += nbytes
-            if progress:
-                progress(done[0], total, key)
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
-    return {MERGED_OPTIMIZER: writer.record}, records
+    return items, values, segments, records
 
 
 def _write_rng(src: Sources, stage: StagingDir, manifest: Manifest) -> Tuple[Dict[str, FileRecord], list]:
@@ -190,11 +158,6 @@ def merged_manifest(plan, files: Dict[str, FileRecord], model: List[ModelPiece],
                     ranks=list(ranks))
 
 
-def _check_sources(root: Path, manifest: Manifest, level: str) -> None:
-    for name, record in manifest.files.items():
-        check_file(root, name, record, level)
-
-
 def merge(src, dst, *, max_shard_size="5GB", model_only: bool = False, overwrite: bool = False,
           verify: Union[str, bool] = "fast", progress: Optional[Progress] = None, hf: bool = False) -> Path:
     """Merge checkpoint `src` into a new merged checkpoint `dst` (see the module docstring).
@@ -212,47 +175,72 @@ def merge(src, dst, *, max_shard_size="5GB", model_only: bool = False, overwrite
     level = verify_level(verify)
     max_bytes = parse_size(max_shard_size)
     stage = StagingDir(dst, new_token(), overwrite).create()
-    with ThreadPoolExecutor(1) as checker:
-        checked = checker.submit(_check_sources, src_root, manifest, level)
-        try:
-            _merge_into(stage, src_root, manifest, max_bytes, model_only, progress, checked, hf)
-        except BaseException as e:
-            stage.discard()
-            bad = checked.exception()  # a corrupt source explains a failure better than its effect
-            if bad is not None and bad is not e:
-                raise bad from None
-            raise
+    try:
+        _merge_into(stage, src_root, manifest, max_bytes, model_only, progress, level, hf)
+    except BaseException:
+        stage.discard()
+        raise
     return dst
 
 
-def _merge_into(stage, src_root: Path, manifest: Manifest, max_bytes: int, model_only: bool, progress, checked,
-                hf) -> None:
+def _merge_into(stage, src_root: Path, manifest: Manifest, max_bytes: int, model_only: bool, progress,
+                level: str, hf) -> None:
     with Sources(src_root, manifest, verify=False) as source:
-        plan = _model_plan(manifest)
-        if hf:  # hf_export: the Hugging Face names, config.json and tokenizer; no optimizer or RNG states
-            record, model_only = read_hf_record(source, manifest), True
-            plan = hf_plan(plan, record)
-        total = sum(p[4] for p in plan)
-        if not model_only:
-            total += sum(math.prod(r[0].full_shape) * _itemsize(r[0].dtype)
-                         for r in source.optim.values() if r[0].kind in ("flat", "local"))
-        done = [0]
-        files, model = write_model(stage, plan, max_bytes, lambda names, shape, dtype: model_region(
-            source, names, shape, tuple((0, d) for d in shape), getattr(torch, dtype)), done, total, progress,
-            segments=lambda names, shape, dtype: model_segments(source, names, shape, dtype))
-        stored = {names[0]: name for name, names, *_ in plan}  # saved full name -> stored name
-        optimizer_state, ranks = [], []
-        if not model_only and source.optim:
-            more, optimizer_state = _write_optimizer(source, stage, stored, done, total, progress)
-            files.update(more)
-        if not model_only and manifest.ranks:
-            more, ranks = _write_rng(source, stage, manifest)
-            files.update(more)
-        if hf:
-            files.update(write_hf_files(stage, record, [p[3] for p in plan]))
-    checked.result()  # every source file passed its check
-    check_merge_destination(stage.dest, stage.overwrite, [src_root])  # still safe to replace
+        check, hf_record = None, None
+        try:
+            plan = _model_plan(manifest)
+            if hf:  # hf_export: the Hugging Face names, config.json and tokenizer; no optimizer or RNG states
+                hf_record, model_only = read_hf_record(source, manifest), True
+                plan = hf_plan(plan, hf_record)
+            segments = {}  # stored name -> the byte ranges to copy (pieces cut along dim 0 only)
+            for name, names, shape, dtype, _ in plan:
+                ranges = model_segments(source, names, shape, dtype)
+                if ranges is not None:
+                    segments[name] = ranges
+            stored = {names[0]: name for name, names, *_ in plan}  # saved full name -> stored name
+            optimizer = _optimizer_plan(source, stored) if not model_only and source.optim else None
+            copied: Dict[str, list] = {}
+            for ranges in [*segments.values(), *(optimizer[2].values() if optimizer else ())]:
+                for path, offset, length in ranges:
+                    copied.setdefault(Path(path).name, []).append((offset, length))
+            check = SourceCheck(src_root, manifest, level, copied)  # a helper thread, meanwhile
+            _write_all(stage, source, manifest, plan, segments, optimizer, max_bytes, model_only, progress, check,
+                       hf_record)
+        except BaseException as e:
+            if check is None:  # failed before: check every file whole
+                check = SourceCheck(src_root, manifest, level, {})
+            bad = check.explain()  # a corrupt source explains a failure better than its effect
+            if bad is not None and bad is not e:
+                raise bad from None
+            raise
+        finally:
+            if check is not None:
+                check.close()
+
+
+def _write_all(stage, source: Sources, manifest: Manifest, plan, segments, optimizer, max_bytes: int, model_only: bool,
+               progress, check: SourceCheck, hf_record) -> None:
+    total = sum(p[4] for p in plan) + (sum(item[3] for item in optimizer[0]) if optimizer else 0)
+    done = [0]
+
+    def parts(names, shape, dtype):
+        return slabs(lambda region: model_region(source, names, shape, region, getattr(torch, dtype)), shape, dtype)
+    files, model, pieces = write_model(stage, plan, max_bytes, parts, done, total, progress, segments)
+    optimizer_state, ranks = [], []
+    if optimizer is not None:
+        items, values, ranges, optimizer_state = optimizer
+        more, copied = write_files(stage, [(MERGED_OPTIMIZER, items)], lambda item: values[item[0]], ranges, done,
+                                   total, progress)
+        files.update(more)
+        pieces += copied
+    if not model_only and manifest.ranks:
+        more, ranks = _write_rng(source, stage, manifest)
+        files.update(more)
+    if hf_record:
+        files.update(write_hf_files(stage, hf_record, [p[3] for p in plan]))
+    check.finish(pieces)  # every source file passed its check
+    check_merge_destination(stage.dest, stage.overwrite, [source.root])  # still safe to replace
     stage.commit(merged_manifest(plan, files, model, world_size=manifest.world_size, plans=manifest.plan,
-                                 source=MergeSource(manifest.kind, str(src_root)),
+                                 source=MergeSource(manifest.kind, str(source.root)),
                                  optimizer=None if model_only else manifest.optimizer,
                                  optimizer_state=optimizer_state, ranks=ranks))

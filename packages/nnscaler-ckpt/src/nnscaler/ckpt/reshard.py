@@ -17,7 +17,7 @@ from .errors import CheckpointError
 from .records import ModelPiece, OptimizerPiece
 from .sources import Sources
 
-__all__ = ["intersect", "model_region", "optimizer_region", "Region"]
+__all__ = ["intersect", "model_region", "model_segments", "optimizer_region", "optimizer_segments", "Region"]
 
 Region = Tuple[Tuple[int, int], ...]
 
@@ -112,6 +112,47 @@ def model_segments(src: Sources, names: Sequence[str], full_shape: Tuple[int, ..
     if pos != (full_shape[0] if full_shape else 1):
         return None
     return [src.byte_range(rec) for rec in order if _volume(rec.slices)]
+
+
+def optimizer_segments(src: Sources, name: str, state: str, full_shape: Tuple[int, ...], dtype: str):
+    """The byte ranges whose concatenation is optimizer state `state` of `name` at its full shape,
+    when its source local tensors are cut along dim 0 only (or whole) and each is stored whole
+    (``local``) or as ZeRO ranges that tile it (``flat``: a local tensor's ranges concatenated
+    are its bytes, row-major), all in dtype `dtype`; None otherwise (then assemble it)."""
+    recs = src.optim[(name, state)]
+    if any(r.kind not in ("flat", "local") or r.dtype != dtype for r in recs):
+        return None
+    by_local: Dict[Region, List[OptimizerPiece]] = {}
+    for rec in recs:
+        if rec.slices[1:] != tuple((0, d) for d in full_shape[1:]):
+            return None
+        by_local.setdefault(rec.slices, []).append(rec)
+    pos, out = 0, []
+    for local in sorted(by_local, key=lambda r: r[0] if r else (0, 1)):
+        lo, hi = local[0] if local else (0, 1)
+        if hi <= pos:
+            continue  # the same rows held twice (replicas)
+        if lo != pos:
+            return None
+        pieces = by_local[local]
+        whole = next((r for r in pieces if r.kind == "local"), None)
+        if whole is not None:
+            out.append(whole)
+        else:
+            at = 0
+            for rec in sorted(pieces, key=lambda r: (r.start, r.stop)):
+                if rec.stop <= at:
+                    continue  # a range held twice
+                if rec.start != at:
+                    return None
+                out.append(rec)
+                at = rec.stop
+            if at != _volume(local):
+                return None
+        pos = hi
+    if pos != (full_shape[0] if full_shape else 1):
+        return None
+    return [src.byte_range(rec) for rec in out if (rec.stop - rec.start if rec.kind == "flat" else _volume(rec.slices))]
 
 
 def _reads(src: Sources, region: Region, pieces):

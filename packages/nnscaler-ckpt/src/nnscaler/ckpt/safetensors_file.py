@@ -4,7 +4,8 @@ The format (https://github.com/huggingface/safetensors): an 8-byte little-endian
 a JSON header ``{name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}`` padded with
 spaces to a multiple of 8, then the tensors' bytes back to back. Writing it here instead of
 ``safetensors.torch.save_file`` lets a merge stream (one tensor in memory at a time) and gives the
-SHA-256 and the chunked CRC-32 (`checksums`) without reading the file again. Files are read with ``safetensors.safe_open``.
+SHA-256 and the chunked CRC-32 (`checksums`) without reading the file again. Files are read
+with ``safetensors.safe_open``.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Deque, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .checksums import Digests
+from .checksums import Digests, Piece
 from .records import FileRecord
+from .writeback import start_writeback
 
 __all__ = ["DTYPES", "dtype_name", "dtype_of", "TensorSpec", "SafetensorsWriter", "write_tensors",
            "write_record", "read_header", "tensor_bytes"]
@@ -70,15 +72,17 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 class SafetensorsWriter:
     """``w = SafetensorsWriter(path, specs, metadata)``, then ``w.write(name, tensor)`` (or
-    ``w.copy``) for every spec in order, then ``size, sha256 = w.close()`` (flushed and fsynced;
-    ``w.record`` is then the file's manifest record: size, SHA-256, chunked CRC-32). The bytes are
-    hashed by helper threads (`checksums.Digests`) while they are written: writing runs ahead of
-    the hashing (up to 1 GiB of the caller's tensors, 4 windows of copied files) and the fsync
-    overlaps the hashing of the tail, so a save takes about max(write + fsync, SHA-256), not
-    their sum. ``sha256=False``: the CRC-32 only (``record.sha256`` is None)."""
+    ``w.write_parts`` / ``w.copy``) for every spec in order, then ``size, sha256 = w.close()``
+    (flushed and fsynced; ``w.record`` is then the file's manifest record: size, SHA-256, chunked
+    CRC-32). The bytes are hashed by helper threads (`checksums.Digests`) while they are written:
+    writing runs ahead of the hashing (up to `inflight_bytes` of the caller's tensors, 4 windows of
+    copied files), the writeback to disk is started as each chunk is written (`writeback`) and the
+    fsync overlaps the hashing of the tail, so a file takes about max(write, SHA-256), not their
+    sum. ``sha256=False``: the CRC-32 only (``record.sha256`` is None). Bytes copied from other
+    files (`copy`) get their own CRC-32 in ``w.pieces`` (`Digests`)."""
 
     def __init__(self, path, specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, str]] = None,
-                 sha256: bool = True):
+                 sha256: bool = True, inflight_bytes: int = _INFLIGHT_BYTES):
         self.path = Path(path)
         self._specs = list(specs)
         self._next = 0
@@ -93,7 +97,9 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
         self.record: Optional[FileRecord] = None
+        self.pieces: List[Piece] = []
         self._digests: Optional[Digests] = Digests(sha256)
+        self._inflight_limit = inflight_bytes
         self._inflight: Deque[tuple] = collections.deque()  # (pending, bytes, what to release once hashed)
         self._inflight_bytes = 0
         self._windows = 0
@@ -105,7 +111,7 @@ class SafetensorsWriter:
         self._inflight.append((pending, nbytes, hold))
         self._inflight_bytes += nbytes
         self._windows += bool(hold)
-        while self._windows > _INFLIGHT or self._inflight_bytes > _INFLIGHT_BYTES:
+        while self._windows > _INFLIGHT or self._inflight_bytes > self._inflight_limit:
             self._retire()
 
     def _retire(self) -> None:
@@ -115,7 +121,10 @@ class SafetensorsWriter:
         pending.wait()
         for h in hold:  # memory maps of source windows, their views first
             try:
-                h.release() if isinstance(h, memoryview) else h.close()
+                if isinstance(h, memoryview):
+                    h.release()
+                elif isinstance(h, mmap.mmap):
+                    h.close()
             except BufferError:  # still exported somewhere: the garbage collector unmaps it
                 pass
 
@@ -131,6 +140,7 @@ class SafetensorsWriter:
             chunk = view[start:start + _CHUNK]
             self._track(self._digests.feed(chunk), len(chunk))
             _write_all(self._file, chunk)
+            start_writeback(self._file.fileno(), self._size, len(chunk))
             self._size += len(chunk)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -139,6 +149,25 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path.name}: expected {expected} {code}{list(shape)}, got {name} "
                              f"{dtype_name(tensor.dtype)}{list(tensor.shape)}")
         self._emit(tensor_bytes(tensor))
+        self._next += 1
+
+    def write_parts(self, name: str, parts: Iterable[torch.Tensor]) -> None:
+        """Write tensor `name` as the concatenation of the bytes of `parts` (e.g. its rows in slabs,
+        produced while the previous ones are written); each part is kept until it is hashed."""
+        expected, code, shape = self._specs[self._next]
+        n, written = _itemsize(code), 0
+        for d in shape:
+            n *= int(d)
+        if name != expected:
+            raise ValueError(f"{self.path.name}: expected {expected}, got {name}")
+        for part in parts:
+            if dtype_name(part.dtype) != code:
+                raise ValueError(f"{self.path.name}: {name} is {code}, a part of it is {dtype_name(part.dtype)}")
+            data = tensor_bytes(part)
+            written += len(data)
+            self._emit(data)
+        if written != n:
+            raise ValueError(f"{self.path.name}: expected {expected} of {n} bytes, got {written}")
         self._next += 1
 
     def copy(self, name: str, segments: Sequence[Tuple[str, int, int]]) -> None:
@@ -155,14 +184,15 @@ class SafetensorsWriter:
         out = self._file.fileno()
         for path, offset, length in segments:
             with open(path, "rb", buffering=0) as src:
-                for start in range(offset, offset + length, _CHUNK):
-                    size = min(_CHUNK, offset + length - start)
+                start = offset
+                while start < offset + length:  # windows end at multiples of _CHUNK of the source
+                    size = min(_CHUNK - start % _CHUNK, offset + length - start)
                     base = start - start % mmap.ALLOCATIONGRANULARITY
                     window = mmap.mmap(src.fileno(), start + size - base, access=mmap.ACCESS_READ, offset=base)
                     view = memoryview(window)[start - base:]
                     if len(view) != size:
                         raise OSError(f"{path}: unexpected end of file at {start + len(view)}")
-                    self._track(self._digests.feed(view), size, view, window)
+                    self._track(self._digests.feed(view, (path, start)), size, view, window)
                     done = 0
                     while done < size:
                         try:
@@ -172,7 +202,9 @@ class SafetensorsWriter:
                         if moved == 0:
                             raise OSError(f"{path}: unexpected end of file at {start + done}")
                         done += moved
+                    start_writeback(out, self._size, size)
                     self._size += size
+                    start += size
         self._next += 1
 
     def close(self) -> Tuple[int, str]:
@@ -188,6 +220,7 @@ class SafetensorsWriter:
             raise
         self.drain()
         digest, crc = self._digests.finish()
+        self.pieces = self._digests.pieces
         self._digests = None
         self._file.close()
         self.record = FileRecord(self._size, digest, crc)

@@ -14,7 +14,7 @@ from .errors import CheckpointError
 from .manifest import read_manifest, sha256_file
 from .records import FileRecord, Manifest
 
-__all__ = ["verify", "check_file", "read_checked"]
+__all__ = ["verify", "check_file", "read_checked", "crc_uses", "crc_mismatch"]
 
 
 def _mismatch(path: Path) -> CheckpointError:
@@ -37,6 +37,26 @@ def _crc_mismatch(path: Path) -> CheckpointError:
                            f"or use an earlier checkpoint")
 
 
+def crc_uses(record: FileRecord, level: str) -> bool:
+    """Whether a file of `record` is checked at `level` by its chunked CRC-32 (see `_check_content`)."""
+    crc = record.crc32
+    return level != "size" and crc is not None and crc.chunk > 0 and record.size > 0 and \
+        (record.sha256 is None or level == "fast")
+
+
+def crc_mismatch(path: Path, record: FileRecord, sha=None) -> CheckpointError:
+    """The error for file `path` whose chunks do not match their CRC-32: confirmed with the
+    SHA-256 when the record has one (`sha`: a function giving the file's, default: read it), so
+    a corrupted file gets the same error at every level, and a manifest whose CRC-32 is wrong is
+    named as corrupt."""
+    if record.sha256 is None:
+        return _crc_mismatch(path)
+    if (sha or (lambda: sha256_file(path)))() == record.sha256:  # confirm: is it the file or the manifest?
+        return CheckpointError(f"{path} matches its SHA-256 but not its CRC-32 in the manifest: the manifest is "
+                               f"corrupt; check it with `nnscaler ckpt verify` or use an earlier checkpoint")
+    return _mismatch(path)
+
+
 def _check_content(path: Path, data, record: FileRecord, level: str) -> None:
     """Check file `path` (its bytes `data`, a buffer, or None: read the file) at `level`. A record
     without a SHA-256 is checked with its CRC-32 at both the "fast" and the "sha256" level."""
@@ -50,14 +70,11 @@ def _check_content(path: Path, data, record: FileRecord, level: str) -> None:
             raise _crc_mismatch(path)
         return
     sha = (lambda: hashlib.sha256(data).hexdigest()) if data is not None else (lambda: sha256_file(path))
-    if level == "fast" and crc is not None and crc.chunk > 0 and record.size:
+    if crc_uses(record, level):
         got = crc32_chunks(data, crc.chunk) if data is not None else file_crc32_chunks(path, record.size, crc.chunk)
-        if got == list(crc.values):
-            return
-        if sha() == record.sha256:  # confirm: is it the file or the manifest?
-            raise CheckpointError(f"{path} matches its SHA-256 but not its CRC-32 in the manifest: the manifest is "
-                                  f"corrupt; check it with `nnscaler ckpt verify` or use an earlier checkpoint")
-        raise _mismatch(path)
+        if got != list(crc.values):
+            raise crc_mismatch(path, record, sha)
+        return
     if sha() != record.sha256:
         raise _mismatch(path)
 
