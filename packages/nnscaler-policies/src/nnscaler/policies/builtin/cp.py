@@ -30,8 +30,9 @@ from nnscaler.ir import RING_DIM, SDPA, ConfigError, Replicate, Shard
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
-from ._spread import dim_of_input_axis, replicate_over_unit, split_over_unit, splittable
+from ._spread import replicate_over_unit, split_over_unit
 from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
+from .megatron import follow_split
 
 __all__ = ["cp", "split_ring"]
 
@@ -63,7 +64,7 @@ def cp(graph, cfg):
         elif tp_dim is not None:
             tp.split(graph, node, tp_dim, devices)
         else:
-            dim = _sequence_dim(graph, node, along, len(devices))
+            dim = follow_split(graph, node, along, len(devices))  # an input's split axis, where the op splits it
             if dim is None:
                 replicate_over_unit(graph, node, len(devices), devices)
                 continue
@@ -72,18 +73,6 @@ def cp(graph, cfg):
             if isinstance(place, Shard):
                 along[ref.id] = place.dim
     return graph
-
-
-def _sequence_dim(graph, node, along, n: int):
-    """The annotated dim of `node` at the axis an input is split along, when it splits into n."""
-    for index, ref in enumerate(tensor_inputs(graph, node)):
-        axis = along.get(ref.id)
-        if axis is None:
-            continue
-        dim = dim_of_input_axis(graph, node, index, axis)
-        if dim is not None and dim in splittable(graph, node, n):
-            return dim
-    return None
 
 
 def split_ring(graph, node, devices: Sequence[int]) -> None:

@@ -27,7 +27,7 @@ from ._nothing_split import PolicyWarning
 from ._spread import dim_of_input_axis, replicate_over_unit, split_over_unit, splittable
 
 __all__ = ["COLUMN", "ROW", "HEADS", "MegatronPatternWarning", "megatron_policy", "megatron_dim", "megatron_globs",
-           "note_split"]
+           "note_split", "follow_split"]
 
 COLUMN = (
     "*.q_proj", "*.k_proj", "*.v_proj", "*.c_fc",  # example GPT, GPT-2 MLP, Llama attention
@@ -100,7 +100,7 @@ def megatron_dim(graph, node, n, globs, split_on):
     elif projection and _matches(node.module_path, row):
         dim = "k"
     else:
-        dim = _follow(graph, node, split_on, n)
+        dim = follow_split(graph, node, split_on, n)
         if dim is None and _matches(node.module_path, heads):
             dim = _heads_dim(graph, node, n)
     return dim if dim is not None and dim in splittable(graph, node, n) else None
@@ -113,7 +113,7 @@ def note_split(graph, node, split_on) -> None:
             split_on[ref.id] = place.dim
 
 
-def _follow(graph, node, split_on, n):
+def follow_split(graph, node, split_on, n):
     """The dim along which an input of `node` is already split, if the op can split along it."""
     for index, ref in enumerate(tensor_inputs(graph, node)):
         axis = split_on.get(ref.id)
