@@ -54,22 +54,6 @@ VARIANTS = ("nnscaler", "nnscaler_async", "ddp")
 
 # -- per process ------------------------------------------------------------------------------------
 
-def _step(model, opt, batch, phases=None):
-    t0 = time.perf_counter()
-    opt.zero_grad()
-    loss = model(**batch)
-    t1 = time.perf_counter()
-    loss.backward()
-    t2 = time.perf_counter()
-    opt.step()
-    t3 = time.perf_counter()
-    if phases is not None:
-        phases[0] += t1 - t0
-        phases[1] += t2 - t1
-        phases[2] += t3 - t2
-    return loss
-
-
 def _build(rank: int, args):
     from gpt import GPT, GPTConfig, random_batch
     from nnscaler import ComputeConfig, build_optimizer, parallelize
@@ -120,7 +104,7 @@ def _profile(rank: int, models, batches, steps: int, top: int, save_dir: str) ->
         if prof:
             prof.enable()
         for i in range(steps):
-            _step(model, opt, batches[i % len(batches)])
+            _common.timed_step(model, opt, batches[i % len(batches)])
         if prof:
             prof.disable()
             prof.dump_stats(os.path.join(save_dir, f"dp_overhead_{name}_rank0.prof"))
@@ -145,7 +129,7 @@ def _run(rank: int, args) -> dict:
     for _ in range(args.warmup):
         for n in names:
             model, opt = models[n]
-            losses[n].append(_step(model, opt, batch_for(n)).item())
+            losses[n].append(_common.timed_step(model, opt, batch_for(n)).item())
     loss_t = torch.tensor([losses[n] for n in names], dtype=torch.float64)
     dist.all_reduce(loss_t)
     loss_t /= args.nproc
@@ -162,7 +146,7 @@ def _run(rank: int, args) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.block):
-                _step(model, opt, batch_for(n), phases[n])
+                _common.timed_step(model, opt, batch_for(n), phases[n])
             per_block[n].append((time.perf_counter() - t0) * 1e3 / args.block)
     # the slower rank of each block counts
     flat = torch.tensor([per_block[n] for n in names], dtype=torch.float64)

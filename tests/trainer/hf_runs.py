@@ -52,3 +52,18 @@ def worker(rank, world, runs):
         [loss] = trainer.model.infer_step([({"input_ids": batch},)])
         out[label] = (float(loss), batch, full_weights(trainer.model))
     return out
+
+
+def assert_refused_in_one_line(example: str, run_dir: str, overrides, capsys, monkeypatch) -> None:
+    """`nnscaler train -f example --nproc 2 <override>` exits 2 with one `error:` line for each
+    override in `overrides`, without starting a worker or writing anything under `run_dir`."""
+    import importlib
+    import pytest
+    cli_main = importlib.import_module("nnscaler.trainer.cli.main")
+    monkeypatch.setattr(cli_main, "_launch", lambda *a, **k: pytest.fail("a worker was started"))
+    monkeypatch.chdir(ROOT)
+    for override in overrides:
+        assert cli_main.main(["-f", example, "--nproc", "2", "--vars.run_dir", run_dir, *override]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not os.listdir(run_dir)

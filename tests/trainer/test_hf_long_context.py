@@ -123,13 +123,8 @@ def test_cp_size_is_per_pipeline_stage():
 
 
 def test_the_command_prints_one_line_and_starts_no_worker(tmp_path, capsys, monkeypatch):
-    import importlib
-    cli_main = importlib.import_module("nnscaler.trainer.cli.main")
-    monkeypatch.setattr(cli_main, "_launch", lambda *a, **k: pytest.fail("a worker was started"))
-    monkeypatch.chdir(ROOT)
-    for override in (["--model.args.attn_implementation", "eager"], ["--model.args.config.attention_dropout", "0.1"],
-                     ["--vars.block_size", "4094"]):
-        assert cli_main.main(["-f", EXAMPLE, "--nproc", "2", "--vars.run_dir", str(tmp_path), *override]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    assert not os.listdir(tmp_path)
+    from hf_runs import assert_refused_in_one_line
+    assert_refused_in_one_line(EXAMPLE, str(tmp_path), [
+        ["--model.args.attn_implementation", "eager"], ["--model.args.config.attention_dropout", "0.1"],
+        ["--vars.block_size", "4094"],
+    ], capsys, monkeypatch)
