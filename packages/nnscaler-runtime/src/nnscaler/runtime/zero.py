@@ -87,6 +87,9 @@ Checkpoint metadata
 `ZeroShardLayout` (``opt.zero_layout``; ``to_dict()`` is JSON, ``from_dict()`` reads it back)
 says which slice of which parameter's state lives on which rank; see its docstring. It is the
 public contract: a checkpoint reader needs only these dataclasses, or just the dict.
+
+(One file over 400 lines: the buckets, their reduction and the sharded step are one engine whose
+state the three share; the fully sharded mode's unit cycle is `zero3`.)
 """
 from __future__ import annotations
 

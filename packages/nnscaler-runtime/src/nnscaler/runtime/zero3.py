@@ -35,9 +35,9 @@ micro-batch instead (shard-size gradients only). One flag per tensor travels wit
 so a tensor no rank gave a gradient keeps a None gradient, as in single-device training.
 
 Buffers are not sharded (they are small and read in place). Collectives are recorded in the comm
-stats as ``zero3_all_gather``, ``zero3_reduce_scatter`` and ``zero_all_reduce``. (One file: the
-gather, prefetch, free and reduce-scatter of a unit share its state through one cycle; the
-optimizer's side is `zero3_optimizer`.)
+stats as ``zero3_all_gather``, ``zero3_reduce_scatter`` and ``zero_all_reduce``. (One file over 400
+lines: the gather, prefetch, free and reduce-scatter of a unit share its state through one cycle;
+the optimizer's side is `zero3_optimizer`.)
 """
 from __future__ import annotations
 
