@@ -6,7 +6,8 @@ import torch
 
 from fake_modules import FakeParallel
 from nnscaler.ckpt import load, save
-from nnscaler.ckpt.optimizer_tensors import apply_hyper_parameters, hyper_parameters, optimizer_class
+from nnscaler.ckpt.optimizer_tensors import apply_hyper_parameters, hyper_parameters, optimizer_class, zero_layout
+from nnscaler.ir.contracts import OptimizerAttrs
 
 
 def _bf16(seed):
@@ -45,3 +46,16 @@ def test_master_weights_round_trip(tmp_path):
     a, b = opt.state_dict()["master_weights"], opt2.state_dict()["master_weights"]
     assert a.keys() == b.keys() and all(torch.equal(a[i], b[i]) and a[i].dtype == torch.float32 for i in a)
     assert all(torch.equal(x, y) for x, y in zip(pm.state_dict().values(), pm2.state_dict().values()))
+
+
+def test_the_zero_layout_is_read_through_the_ir_contract():
+    """Only an `OptimizerAttrs` (what build_optimizer returns) has a ZeRO layout; an attribute of
+    that name on another optimizer is not read."""
+    pm = FakeParallel()
+    plain = torch.optim.Adam(pm.parameters(), lr=0.1)
+    plain.zero_layout = "not a layout"
+    assert zero_layout(plain) is None
+
+    class Built(OptimizerAttrs, torch.optim.Adam):
+        pass
+    assert zero_layout(Built(pm.parameters(), lr=0.1)) is None

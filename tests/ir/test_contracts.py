@@ -82,6 +82,14 @@ def test_runtime_module_declares_from_the_contract():
     assert all(hasattr(ParallelModule, name) for name in GENERATED_ATTR_NAMES)
 
 
+def test_runtime_optimizer_declares_from_the_contract():
+    """build_optimizer's mixin is the IR's OptimizerAttrs (what the checkpoint package reads);
+    the contract's own zero_layout is None."""
+    from nnscaler.ir.contracts import OptimizerAttrs
+    from nnscaler.runtime.optimizer import NnScalerOptimizerMixin
+    assert issubclass(NnScalerOptimizerMixin, OptimizerAttrs) and OptimizerAttrs().zero_layout is None
+
+
 
 def test_zero_layout_is_a_zero_geometry_and_round_trips():
     import dataclasses

@@ -2,7 +2,8 @@
 
 Without ZeRO, optimizer parameter ``i`` is the ``i``-th trainable parameter of the module
 (``build_optimizer``'s contract) and its state tensors have the local tensor's shape. Under ZeRO
-(``opt.zero_layout``, the IR's ``ZeroShardLayout``) parameter ``piece.state_index`` is elements
+(an optimizer ``build_optimizer`` returned is an IR `OptimizerAttrs`; its ``zero_layout``, the
+IR's ``ZeroShardLayout``, is not None) parameter ``piece.state_index`` is elements
 ``[start, stop)`` of the flattened local tensor and its state tensors are 1-D. State tensors of
 another shape (Adam's ``step``) are per-parameter values, the same on every piece. fp32 masters
 (``state_dict()["master_weights"]``) are kept as the state ``master_weights``.
@@ -15,10 +16,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from nnscaler.ir.contracts import OptimizerAttrs, ZeroShardLayout
+
 from .errors import CheckpointError
 from .module_tensors import LocalTensor
 
-__all__ = ["OptimizerSlot", "optimizer_slots", "optimizer_class", "hyper_parameters", "apply_hyper_parameters",
+__all__ = ["OptimizerSlot", "zero_layout", "optimizer_slots", "optimizer_class", "hyper_parameters", "apply_hyper_parameters",
            "MASTER"]
 
 MASTER = "master_weights"
@@ -50,9 +53,14 @@ def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
     return type(optimizer).__qualname__
 
 
+def zero_layout(optimizer) -> Optional[ZeroShardLayout]:
+    """The optimizer's ZeRO layout (the IR contract `OptimizerAttrs`), None when its state is not sharded."""
+    return optimizer.zero_layout if isinstance(optimizer, OptimizerAttrs) else None
+
+
 def optimizer_slots(module: torch.nn.Module, optimizer, tensors: List[LocalTensor]) -> List[OptimizerSlot]:
     """Every optimizer parameter of this rank, by index."""
-    layout = getattr(optimizer, "zero_layout", None)
+    layout = zero_layout(optimizer)
     if layout is not None:
         by_place = {(lt.full_name, lt.slices): lt for lt in tensors}
         slots = []

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import failures
 from .errors import ConfigError, NnScalerError
 from .grid import RankGrid
-from nnscaler.ir.contracts import FullMapEntry
+from nnscaler.ir.contracts import FullMapEntry, OptimizerAttrs
 
 from .class_mixin import mix_into
 from .module import ParallelModule
@@ -48,8 +48,9 @@ __all__ = ["build_optimizer", "NnScalerOptimizerMixin", "plain_trainables"]
 
 
 
-class NnScalerOptimizerMixin:
-    """The methods build_optimizer adds to the optimizer's class (its state: `optimizer_state`)."""
+class NnScalerOptimizerMixin(OptimizerAttrs):
+    """The methods build_optimizer adds to the optimizer's class (its state: `optimizer_state`);
+    `zero_layout` is the IR contract `OptimizerAttrs`'s, which the checkpoint package reads."""
 
     @property
     def zero_layout(self) -> Optional[ZeroShardLayout]:

@@ -8,6 +8,7 @@ no runtime import needed).
 - `Piece`: one piece of an op as a policy plans it (``Node.pieces``), read by codegen;
 - `FullMapEntry`: where a rank's local tensor sits in its full tensor;
 - `ZeroShardLayout` (`ZeroBucket`, `ZeroPiece`): how ZeRO shards the optimizer state;
+- `OptimizerAttrs`: what an optimizer ``build_optimizer`` returned declares (``zero_layout``);
 - `unit_names`: how ``use_zero=3`` groups parameters into gathered units;
 - `PlanReport` (`ModuleReport`, `OpSplit`, `Collective`, `UnannotatedOp`): what a plan split and the
   collectives it runs, written by codegen beside the code and read by the runtime.
@@ -22,8 +23,10 @@ from .pipeline_meta import PipelineMeta
 from .plan_report import (REPLICATED_WARN_FRACTION, REPORT_JSON, REPORT_TEXT, Collective, ModuleReport, OpSplit,
                           PlanReport, UnannotatedOp)
 from .zero_layout import LAYOUT_VERSION, ZeroBucket, ZeroGeometry, ZeroPiece, ZeroShardLayout
+from .optimizer_attrs import OptimizerAttrs
 
 __all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", "gencode_file", "is_gencode_file",
            "FullMapEntry", "GENERATED_ATTR_NAMES", "GENERATED_ATTRS", "GeneratedAttr", "GeneratedAttrs", "Piece",
            "PipelineMeta", "REPLICATED_WARN_FRACTION", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit",
-           "PlanReport", "UnannotatedOp", "ROOT_UNIT", "unit_names", "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout"]
+           "PlanReport", "UnannotatedOp", "ROOT_UNIT", "unit_names", "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout",
+           "OptimizerAttrs"]
