@@ -17,6 +17,7 @@ import torch
 
 from fake_modules import FakeParallel, trained
 from nnscaler.ckpt import AsyncSave, CheckpointError, async_save, load, save, stop_async_saves, verify
+from nnscaler.ckpt import prepare_async_save as ckpt_prepare
 from nnscaler.ckpt.async_save import _SAVER, AsyncSaveWarning
 from nnscaler.ckpt.inflight import in_flight
 
@@ -127,3 +128,67 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, kwargs, 
         async_save(tmp_path / "ck", pm, opt, **kwargs)
     assert list(tmp_path.iterdir()) == []
 
+
+
+def _unprepared():
+    """This process as if it had never saved: no background process, no buffer."""
+    stop_async_saves()
+    _SAVER._release_buffer()
+
+
+def _file_parts(path):
+    """(the safetensors header without this save's tag, the tensor bytes) of a rank file."""
+    import json
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"].pop("nnscaler_save", None)
+    return header, data[8 + n:]
+
+
+def _manifest(path):
+    import json
+    m = json.loads((path / "manifest.json").read_text())
+    for k in ("created", "files"):
+        m.pop(k)
+    return m
+
+
+def test_prepare_starts_the_writer_before_the_first_save(tmp_path, monkeypatch):
+    """prepare_async_save (before the optimizer's first step: Adam holds no state yet) makes the
+    buffer, touched, large enough for the save after that step, and starts the process; calling it
+    again sizes nothing; the first async_save then neither makes a buffer nor starts a process; the
+    checkpoint is byte for byte the one written without preparing (but for the save's tag in the
+    rank file's header) and holds the same tensors as `save`'s."""
+    import subprocess
+    import sys
+    module = sys.modules["nnscaler.ckpt.async_save"]
+    _unprepared()
+    pm = FakeParallel(dim=512)  # Adam's moments (2 MiB) outgrow the buffer's headroom (1 MiB)
+    opt = torch.optim.Adam(pm.parameters(), lr=0.1)
+    before = _SAVER.buffers_made
+    size = ckpt_prepare(pm, opt)
+    made, proc = _SAVER.buffers_made, _SAVER.proc
+    assert made == before + 1 and proc is not None and proc.poll() is None and size == _SAVER.buffer.numel()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("not expected now")
+    with monkeypatch.context() as m:
+        m.setattr(module, "collect", refused)  # a later call sizes nothing ...
+        assert ckpt_prepare(pm, opt) == size and _SAVER.proc is proc
+    opt.zero_grad()
+    pm(torch.randint(0, 6, (5,), generator=torch.Generator().manual_seed(0))).backward()
+    opt.step()  # Adam's state appears
+    with monkeypatch.context() as m:
+        m.setattr(subprocess, "Popen", refused)  # ... and the first save starts no process
+        async_save(tmp_path / "prepared", pm, opt, extra={"step": 1}).wait()
+    assert (_SAVER.buffers_made, _SAVER.proc) == (made, proc)
+    stop_async_saves()
+    assert ckpt_prepare(pm, opt) == size and _SAVER.proc is not proc and _SAVER.buffers_made == made  # restarted
+    _unprepared()
+    async_save(tmp_path / "unprepared", pm, opt, extra={"step": 1}).wait()
+    save(tmp_path / "sync", pm, opt, extra={"step": 1})
+    name = "rank-00000-of-00001.safetensors"
+    prepared, unprepared = _file_parts(tmp_path / "prepared" / name), _file_parts(tmp_path / "unprepared" / name)
+    assert prepared == unprepared and prepared[1] == _file_parts(tmp_path / "sync" / name)[1]
+    assert _manifest(tmp_path / "prepared") == _manifest(tmp_path / "unprepared") == _manifest(tmp_path / "sync")

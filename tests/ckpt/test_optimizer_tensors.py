@@ -2,6 +2,7 @@
 typed as the optimizer has them, fp32 master weights kept as a state."""
 import json
 
+import pytest
 import torch
 
 from fake_modules import FakeParallel
@@ -59,3 +60,50 @@ def test_the_zero_layout_is_read_through_the_ir_contract():
     class Built(OptimizerAttrs, torch.optim.Adam):
         pass
     assert zero_layout(Built(pm.parameters(), lr=0.1)) is None
+
+
+def _one_step(pm, opt):
+    opt.zero_grad()
+    pm(torch.randint(0, 6, (5,), generator=torch.Generator().manual_seed(0))).float().backward()
+    opt.step()
+
+
+def _specs(pm, opt, first_step=False):
+    from nnscaler.ckpt.buffer_layout import spec_of
+    from nnscaler.ckpt.rank_state import collect
+    return [spec_of(k, t) for k, t in collect(pm, opt, None, 0, first_step=first_step).tensors]
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=0.1),
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.SGD(ps, lr=0.1),  # no state tensor at all
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1),  # its state exists from the start
+    "bf16",
+], ids=["adam", "adamw-amsgrad", "sgd-momentum", "sgd", "adagrad", "bf16-master-adam"])
+def test_the_first_step_state_is_what_the_first_step_gives(make):
+    """What prepare_async_save sizes for before the optimizer's first step (its state estimated
+    from one step of its class over a stand-in) is exactly what a save after that step holds:
+    the same keys, dtypes and shapes, in the same order."""
+    if make == "bf16":
+        pm, opt = _bf16(0)
+    else:
+        pm = FakeParallel(dim=8)
+        opt = make(pm.parameters())
+    before = _specs(pm, opt, first_step=True)
+    _one_step(pm, opt)
+    assert before == _specs(pm, opt) == _specs(pm, opt, first_step=True)
+    assert all(s[0].startswith(("model/", "optim/", "rng/")) for s in before)
+
+
+def test_an_optimizer_its_class_cannot_rebuild_gets_no_estimate():
+    """An optimizer whose class needs more than its ``defaults`` to be built: nothing is added (the
+    first async_save sizes the buffer for what it finds), and nothing is raised."""
+    class Needs(torch.optim.SGD):
+        def __init__(self, params, scale, **kw):
+            super().__init__(params, **kw)
+
+    pm = FakeParallel(dim=8)
+    opt = Needs(pm.parameters(), 2.0, lr=0.1, momentum=0.9)
+    assert _specs(pm, opt, first_step=True) == _specs(pm, opt)

@@ -148,6 +148,9 @@ class FakeAsyncCkpt(FakeCkpt):
         super().__init__()
         self.log, self.fail = [], None
 
+    def prepare_async_save(self, model, optimizer):
+        self.log.append(("prepare", type(optimizer).__name__))
+
     def async_save(self, path, model, optimizer, kind, extra, files):
         from nnscaler.ckpt.names import staging_prefix
         staging = os.path.join(os.path.dirname(path), staging_prefix(os.path.basename(path)) + "0a1b")
@@ -212,6 +215,26 @@ def test_async_save_needs_a_backend_that_has_it(tmp_path, fake_ckpt):
     manager = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), async_save=True))
     with pytest.raises(TrainerError, match="checkpoint.async_save: the installed nnscaler-ckpt has no async_save"):
         save_at(manager, fake_trainer(), 1)
+
+
+def test_prepare_starts_the_writer_only_for_async_saves(tmp_path, monkeypatch):
+    """At set-up the manager has nnscaler.ckpt make the background writer and its buffer when
+    checkpoint.async_save is on (and the run saves); a backend without prepare_async_save is
+    refused naming the setting."""
+    from nnscaler.trainer.errors import TrainerError
+    fake = FakeAsyncCkpt()
+    monkeypatch.setattr(layout, "BACKEND", fake)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for async_save, no_save in ((False, False), (True, True)):
+        CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), async_save=async_save, no_save=no_save)).prepare(
+            None, opt)
+    assert fake.log == []
+    CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), async_save=True)).prepare(None, opt)
+    assert fake.log == [("prepare", "SGD")]
+    monkeypatch.setattr(layout, "BACKEND", FakeCkpt())
+    with pytest.raises(TrainerError, match=r"checkpoint.async_save: the installed nnscaler-ckpt has no "
+                                           r"prepare_async_save\(\); set checkpoint.async_save: false"):
+        CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), async_save=True)).prepare(None, opt)
 
 
 def test_the_schedule():

@@ -141,9 +141,10 @@ def test_precision(tmp_path, precision, dtype):
 
 
 def test_async_save_is_committed_at_the_end_at_a_preemption_and_on_a_failure(tmp_path, monkeypatch, capsys):
-    """checkpoint.async_save on a stand-in backend (no background process): the run waits for each
-    save before the next, commits the last one before it ends (or stops on SIGTERM, before saying
-    so), and a failing run still moves last to the save that committed."""
+    """checkpoint.async_save on a stand-in backend (no background process): the writer is prepared
+    at set-up, once the optimizer exists; the run waits for each save before the next, commits the
+    last one before it ends (or stops on SIGTERM, before saying so), and a failing run still moves
+    last to the save that committed."""
     import os
     from test_checkpoint_manager import FakeAsyncCkpt
     from nnscaler.trainer import Trainer
@@ -158,7 +159,7 @@ def test_async_save_is_committed_at_the_end_at_a_preemption_and_on_a_failure(tmp
             "checkpoint.no_save": False, "checkpoint.every_n_train_steps": 2, "checkpoint.async_save": True}))
 
     run("end")
-    assert fake.log == [("async_save", "0000-0002"), ("wait", "0000-0002"), ("async_save", "0000-0004"),
+    assert fake.log == [("prepare", "NnScalerAdamW"), ("async_save", "0000-0002"), ("wait", "0000-0002"), ("async_save", "0000-0004"),
                         ("wait", "0000-0004")]
     assert os.readlink(tmp_path / "end" / "ckpt" / "last") == "0000-0004"
 
@@ -166,7 +167,7 @@ def test_async_save_is_committed_at_the_end_at_a_preemption_and_on_a_failure(tmp
     monkeypatch.setattr(PreemptionWatch, "requested", lambda self: calls.append(1) or len(calls) == 3)
     capsys.readouterr()
     run("term", steps=6)  # SIGTERM seen after step 3
-    assert fake.log == [("async_save", "0000-0002"), ("wait", "0000-0002"), ("async_save", "0000-0003"),
+    assert fake.log == [("prepare", "NnScalerAdamW"), ("async_save", "0000-0002"), ("wait", "0000-0002"), ("async_save", "0000-0003"),
                         ("wait", "0000-0003")]
     assert os.readlink(tmp_path / "term" / "ckpt" / "last") == "0000-0003"
     assert "preempted: stopped at step 3" in capsys.readouterr().out
@@ -182,5 +183,5 @@ def test_async_save_is_committed_at_the_end_at_a_preemption_and_on_a_failure(tmp
     monkeypatch.setattr(Trainer, "_log_step", failing)
     with pytest.raises(RuntimeError, match="boom at step 3"):
         run("fail")
-    assert fake.log == [("async_save", "0000-0002"), ("wait", "0000-0002")]
+    assert fake.log == [("prepare", "NnScalerAdamW"), ("async_save", "0000-0002"), ("wait", "0000-0002")]
     assert os.readlink(tmp_path / "fail" / "ckpt" / "last") == "0000-0002"

@@ -3,7 +3,9 @@
 - `save(path, module, optimizer=None, *, kind="sharded"|"deduped", extra=None)`: collective;
 - `async_save(...)` (same arguments) -> `AsyncSave`: collective; returns once this rank's state is
   copied, the checkpoint is written and committed in a background process (``handle.wait()``);
-  `stop_async_saves()` waits for it and ends that process;
+  `stop_async_saves()` waits for it and ends that process; `prepare_async_save(module, optimizer)`
+  makes that process and its buffer ahead (at set-up), so the first `async_save` blocks no longer
+  than the later ones;
 - `load(path, module, optimizer=None) -> extra`: collective, into any plan and world size;
 - `merge(src, dst, *, max_shard_size="5GB", model_only=False, hf=False)`: offline, streaming, the
   Hugging Face layout; with ``hf=True`` a ``from_pretrained`` directory, from the `HFRecord` the
@@ -21,7 +23,7 @@ live in safetensors files, everything else in JSON. Nothing is ever unpickled on
 from .errors import CheckpointError
 from .names import FORMAT_VERSION, KINDS
 from .save import save
-from .async_save import AsyncSave, AsyncSaveWarning, async_save, stop_async_saves
+from .async_save import AsyncSave, AsyncSaveWarning, async_save, prepare_async_save, stop_async_saves
 from .load import load
 from .verify import verify
 from .summary import inspect
@@ -31,6 +33,6 @@ from .convert import convert
 from .extra import decode_extra, encode_extra
 from .rng import restore_rng_snapshot, rng_snapshot
 
-__all__ = ["save", "async_save", "AsyncSave", "AsyncSaveWarning", "stop_async_saves", "load", "merge", "verify",
+__all__ = ["save", "async_save", "prepare_async_save", "AsyncSave", "AsyncSaveWarning", "stop_async_saves", "load", "merge", "verify",
            "inspect", "convert", "CheckpointError", "FORMAT_VERSION", "KINDS", "encode_extra", "decode_extra",
            "rng_snapshot", "restore_rng_snapshot", "HFRecord", "HF_EXTRA_KEY"]

@@ -12,8 +12,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -25,7 +26,8 @@ __all__ = ["BackgroundProcess"]
 
 class BackgroundProcess:
     """``proc``: the process (None before the first save); ``buffer``: the shared buffer (a uint8
-    tensor, or None); ``buffers_made``: buffers allocated so far."""
+    tensor, or None); ``buffers_made``: buffers allocated so far; ``prepared``: weak references to
+    the (module, optimizer) `prepare_async_save` last sized the buffer for (None: not prepared)."""
 
     def __init__(self):
         self.forget()
@@ -38,12 +40,17 @@ class BackgroundProcess:
         self._map: Optional[mmap.mmap] = None
         self._fd: Optional[int] = None
         self.pinned = False
+        self.pin_failed = False  # pinning was asked for and refused: the pageable buffer serves as it is
         self.seq = 0
         self.buffers_made = 0
+        self.prepared: Optional[Tuple[weakref.ref, Optional[weakref.ref]]] = None
 
-    def ensure_buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """A shared buffer of at least `nbytes`: the kept one when it is large enough."""
-        if self.buffer is not None and self.buffer.numel() >= nbytes and (self.pinned or not pin):
+    def ensure_buffer(self, nbytes: int, pin: bool, *, touch: bool = False) -> torch.Tensor:
+        """A shared buffer of at least `nbytes`: the kept one when it is large enough. `touch`: a
+        new buffer has every page written once now (the first copy into fresh shared memory
+        otherwise pays a page fault per page: ~20x the copy of the later saves)."""
+        if (self.buffer is not None and self.buffer.numel() >= nbytes
+                and (self.pinned or self.pin_failed or not pin)):
             return self.buffer
         self.stop()  # a process maps the buffer it was started with
         self._release_buffer()
@@ -55,16 +62,19 @@ class BackgroundProcess:
         os.ftruncate(fd, max(nbytes, 1))
         self._fd, self._map = fd, mmap.mmap(fd, max(nbytes, 1))
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        if touch:
+            self.buffer.zero_()
         if pin and torch.cuda.is_available():  # pinned: the copies from the GPU run at full speed
             error = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
             self.pinned = int(getattr(error, "value", error)) == 0  # else pageable: slower, as correct
+        self.pin_failed = pin and not self.pinned
         self.buffers_made += 1
         return self.buffer
 
     def _release_buffer(self) -> None:
         if self.buffer is not None and self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-        self.buffer, self.pinned = None, False
+        self.buffer, self.pinned, self.pin_failed, self.prepared = None, False, False, None
         if self._map is not None:
             try:
                 self._map.close()
@@ -75,10 +85,23 @@ class BackgroundProcess:
             os.close(self._fd)
             self._fd = None
 
+    def prepared_for(self, module, optimizer) -> bool:
+        """Whether `prepare_async_save` sized the current buffer for this very module and optimizer."""
+        if self.prepared is None or self.buffer is None:
+            return False
+        m, o = self.prepared
+        return m() is module and (o() if o is not None else None) is optimizer
+
+    def mark_prepared(self, module, optimizer) -> None:
+        self.prepared = (weakref.ref(module), weakref.ref(optimizer) if optimizer is not None else None)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def start(self, script: str) -> None:
         """The process running `script` (``python -c``; arguments: buffer fd, buffer size, this
         process's pid, threads, answers fd), started when there is none (or it died)."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running():
             return
         read, write = os.pipe()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -10,6 +10,7 @@ another shape (Adam's ``step``) are per-parameter values, the same on every piec
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -21,7 +22,8 @@ from nnscaler.ir.contracts import OptimizerAttrs, ZeroShardLayout
 from .errors import CheckpointError
 from .module_tensors import LocalTensor
 
-__all__ = ["OptimizerSlot", "zero_layout", "optimizer_slots", "optimizer_class", "hyper_parameters", "apply_hyper_parameters",
+__all__ = ["OptimizerSlot", "zero_layout", "optimizer_slots", "optimizer_class", "user_optimizer_class",
+           "with_first_step_state", "hyper_parameters", "apply_hyper_parameters",
            "MASTER"]
 
 MASTER = "master_weights"
@@ -45,12 +47,18 @@ def _is_mixin_class(c: type) -> bool:
             and issubclass(b[1], torch.optim.Optimizer))
 
 
-def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
-    """The user's optimizer class (``torch.optim.adam.Adam``), not nnscaler's wrappers around it."""
+def user_optimizer_class(optimizer: torch.optim.Optimizer) -> Optional[type]:
+    """The user's optimizer class (``torch.optim.Adam``) behind nnscaler's mixins, or None."""
     for c in type(optimizer).__mro__:
         if issubclass(c, torch.optim.Optimizer) and not _is_mixin_class(c):
-            return f"{c.__module__}.{c.__qualname__}"
-    return type(optimizer).__qualname__
+            return c
+    return None
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The user's optimizer class by name (``torch.optim.adam.Adam``), not nnscaler's wrappers around it."""
+    c = user_optimizer_class(optimizer)
+    return f"{c.__module__}.{c.__qualname__}" if c is not None else type(optimizer).__qualname__
 
 
 def zero_layout(optimizer) -> Optional[ZeroShardLayout]:
@@ -134,3 +142,55 @@ def element_wise(value: torch.Tensor, slot: OptimizerSlot) -> bool:
 def state_of(optimizer) -> Tuple[Dict[int, Dict[str, Any]], Optional[Dict[int, torch.Tensor]]]:
     sd = optimizer.state_dict()
     return sd["state"], sd.get(MASTER)
+
+
+_PROBE_NUMEL = 3  # elements of the stand-in parameter: a state tensor of this shape is element-wise
+
+
+def _first_step_template(cls: type, optimizer, group: Dict[str, Any],
+                         like: torch.Tensor) -> Optional[Dict[str, Tuple[bool, Tuple[int, ...], torch.dtype]]]:
+    """name -> (element-wise, shape, dtype) of every state tensor the first step of `cls` gives a
+    parameter of `like`'s dtype and device under `group`'s settings: one step of a fresh `cls` over
+    a zero stand-in with a zero gradient. None when `cls` cannot be built or stepped that way."""
+    stand_in = torch.zeros(_PROBE_NUMEL, dtype=like.dtype, device=like.device, requires_grad=True)
+    stand_in.grad = torch.zeros_like(stand_in)
+    settings = {k: v for k, v in group.items() if k != "params"}
+    try:
+        accepted = inspect.signature(cls).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        # the constructor's own arguments among the defaults (AdamW's hold decoupled_weight_decay,
+        # which it does not take); the group's settings, all of them, are its param group's
+        kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+        probe = cls([{**settings, "params": [stand_in]}], **kwargs)
+        probe.step()
+        state = dict(probe.state.get(stand_in, {}))
+    except Exception:  # noqa: BLE001 - not an estimate then: async_save sizes for what there is
+        return None
+    return {name: (tuple(v.shape) == (_PROBE_NUMEL,), tuple(v.shape), v.dtype)
+            for name, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def with_first_step_state(optimizer, states: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """`states` (``state_dict()["state"]``) where every optimizer parameter that holds no state yet
+    gets the state tensors the optimizer's first step will give it, as ``meta`` tensors (shape and
+    dtype only: for sizing, never written): Adam's ``exp_avg`` / ``exp_avg_sq`` of the parameter's
+    shape and dtype and its ``step``. Each kind is found by one step of the user's optimizer class
+    (`user_optimizer_class`) over a stand-in of the parameter's dtype and device, with its param
+    group's settings; an optimizer class that cannot be built or stepped that way adds nothing."""
+    cls = user_optimizer_class(optimizer)
+    out = dict(states)
+    if cls is None:
+        return out
+    templates: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
+    index = 0  # state_dict()'s index: the parameters of every group, in order
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if not out.get(index):
+                key = (g, p.dtype, p.device)
+                if key not in templates:
+                    templates[key] = _first_step_template(cls, optimizer, group, p)
+                if templates[key]:
+                    out[index] = {name: torch.empty(tuple(p.shape) if per_element else shape, dtype=dtype, device="meta")
+                                  for name, (per_element, shape, dtype) in templates[key].items()}
+            index += 1
+    return out

@@ -9,7 +9,7 @@ import torch
 
 from .extra import split_extra
 from .module_tensors import LocalTensor, local_tensors, random_streams
-from .optimizer_tensors import MASTER, element_wise, optimizer_slots, state_of
+from .optimizer_tensors import MASTER, element_wise, optimizer_slots, state_of, with_first_step_state
 from .records import ModelPiece, OptimizerPiece
 from .rng import capture_rng
 
@@ -38,8 +38,11 @@ def _unique(key: str, used: set) -> str:
     return out
 
 
-def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int) -> RankState:
-    """Describe (and reference, without copying) everything this rank saves."""
+def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int, *, first_step: bool = False) -> RankState:
+    """Describe (and reference, without copying) everything this rank saves. `first_step`: an
+    optimizer parameter without state yet is described with the state its first step will give
+    it (``meta`` tensors, `with_first_step_state`): what a save after that step holds, for sizing
+    only (`async_save.prepare_async_save`)."""
     st = RankState()
     used: set = set()
     st.locals = local_tensors(module)
@@ -54,6 +57,8 @@ def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int) -> RankSt
                                    piece=lt.key))
     if optimizer is not None:
         states, masters = state_of(optimizer)
+        if first_step:
+            states = with_first_step_state(optimizer, states)
         for slot in optimizer_slots(module, optimizer, st.locals):
             values = dict(states.get(slot.index, {}))
             if masters is not None and slot.index in masters:

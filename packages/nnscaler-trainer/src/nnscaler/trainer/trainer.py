@@ -153,6 +153,7 @@ class Trainer:
         members += build.build_config_hooks(self.train_args)
         self.hooks = HookChain(members)
         self.checkpoints = CheckpointManager(args.checkpoint, config_yaml=dump_yaml(args.to_dict()))
+        self.checkpoints.prepare(self.model, self.optimizer)  # checkpoint.async_save: the writer starts now
         self._setup_loggers()
 
     def _setup_loggers(self) -> None:

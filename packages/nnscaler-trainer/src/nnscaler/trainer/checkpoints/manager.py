@@ -9,7 +9,8 @@ With ``checkpoint.async_save: true`` a save returns once the state is copied (nn
 move and pruning runs only once that checkpoint is committed: in `wait`, which the next save, the
 end of the run (`close`) and a preemption exit call. Until then the listing (and so
 ``resume_from: auto``) cannot see it: nnscaler.ckpt writes into a ``.<name>.writing-<token>``
-sibling and renames it at the commit.
+sibling and renames it at the commit. At set-up (`prepare`) every rank makes its background save
+process and shared buffer (`prepare_async_save`), so the first save blocks no longer than the later.
 
 One run per step directory: a run never writes a step that exists (it skips the steps it saved or
 resumed from itself, and refuses any other), and never saves a step older than a checkpoint in
@@ -134,6 +135,15 @@ class CheckpointManager:
         return True
 
     # -- saving -------------------------------------------------------------------------------
+    def prepare(self, model, optimizer) -> None:
+        """With ``checkpoint.async_save`` (and saving on): start each rank's background save
+        process and make its shared buffer now, sized for the model and the optimizer's state
+        after its first step (nnscaler.ckpt's `prepare_async_save`), so the run's first checkpoint
+        blocks training no longer than the later ones. Every rank calls it at set-up, once the
+        optimizer exists (collective where parameters are fully sharded)."""
+        if self.config.async_save and not self.config.no_save:
+            _async_backend("prepare_async_save").prepare_async_save(model, optimizer)
+
     def save(self, trainer, val_loss: Optional[float] = None) -> Optional[Saved]:
         """Save the running `trainer` (collective): validate when no loss is given (the training
         loss ranks checkpoints without validation data), record the Trainer's state in ``extra``,
@@ -161,16 +171,13 @@ class CheckpointManager:
         _barrier()  # every rank has seen the same listing before anyone writes
         path = self.path_for(epoch, step)
         files = {CONFIG_FILE: self.config_yaml} if self.config_yaml is not None else None
-        backend = ckpt_backend()
         if self.config.async_save:
-            if not hasattr(backend, "async_save"):
-                raise TrainerError("checkpoint.async_save: the installed nnscaler-ckpt has no async_save(); set "
-                                   "checkpoint.async_save: false or install a newer nnscaler-ckpt")
-            handle = backend.async_save(path, model, optimizer, kind=self.config.save_type, extra=extra, files=files)
+            handle = _async_backend("async_save").async_save(path, model, optimizer, kind=self.config.save_type,
+                                                             extra=extra, files=files)
             self._own_steps.add(step)
             self.pending = Pending(handle, path, step, val_loss, best)
             return path
-        backend.save(path, model, optimizer, kind=self.config.save_type, extra=extra, files=files)
+        ckpt_backend().save(path, model, optimizer, kind=self.config.save_type, extra=extra, files=files)
         self._own_steps.add(step)
         if self.rank == 0:
             self._committed(path, best)
@@ -309,6 +316,15 @@ def _config_wins(scheduler, config_args: Dict[str, Any]) -> str:
             changed.append(f"{name} {state[name]} -> {value}")
             setattr(scheduler, name, value)
     return ", ".join(changed)
+
+
+def _async_backend(name: str):
+    """The checkpoint package, checked to offer `name` (an asynchronous save's function)."""
+    backend = ckpt_backend()
+    if not hasattr(backend, name):
+        raise TrainerError(f"checkpoint.async_save: the installed nnscaler-ckpt has no {name}(); set "
+                           f"checkpoint.async_save: false or install a newer nnscaler-ckpt")
+    return backend
 
 
 def _every(every: Optional[int], count: int) -> bool:
