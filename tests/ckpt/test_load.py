@@ -4,7 +4,9 @@ initial weights and train on: every loss and every parameter equal an uninterrup
 run within 1e-5 (per tensor: norm of the difference over max(1, norm of the reference)), for A -> B
 in {tp2 x dp2 + ZeRO -> dp4, tp4, tp2 x dp2 + ZeRO (resume), one process; pp2 x dp2 -> tp2 x dp2;
 dp2 -> pp2}, from the sharded, the deduped and the merged checkpoint. The merged checkpoint holds
-exactly the saved parameters and loads with plain safetensors. One launch per world size."""
+exactly the saved parameters and loads with plain safetensors. Each saving run also calls
+prepare_async_save before its first step and async-saves beside its `save`: that first async_save
+makes no buffer and starts no process, and writes `save`'s bytes. One launch per world size."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +42,15 @@ def _check(ref, label, per_rank, case):
             assert rel_diff(value, ref_state[name]) <= TOL, f"{label} {kind}: {name} differs"
 
 
+def _check_prepared_async(results, labels):
+    for label in labels:
+        for rank, per_rank in enumerate(results):
+            same_writer, same_file = per_rank[label]["prepared_async"]
+            assert same_writer, f"{label} rank {rank}: the first async_save after prepare_async_save made a buffer " \
+                                f"or started a process"
+            assert same_file, f"{label} rank {rank}: the async_save's rank file differs from save's"
+
+
 def _check_merged(merged, ref, saved):
     """The merged checkpoint holds exactly the saving run's parameters, equals the single-process
     model's state_dict() and Adam state after the same steps, and loads with plain safetensors
@@ -68,6 +79,7 @@ def test_reshard_world4(tmp_path, ref):
     results = run_workers(run_parity, 4, str(tmp_path), sources, targets, timeout=400)
     for label in ("tp-zero2", "pp2"):  # the saving runs themselves
         assert all(abs(a - b) <= TOL * max(1.0, abs(b)) for a, b in zip(results[0][label]["losses"], ref[0])), label
+    _check_prepared_async(results, ("tp-zero2", "pp2"))
     for case in targets:
         _check(ref, f"{case[0]} -> {case[1]}{case[2]} x dp{4 // case[2]}", results, case)
     # resuming a deduped checkpoint on the plan that wrote it: each rank reads its own file only,
@@ -101,6 +113,7 @@ def test_reshard_world2_fully_sharded(tmp_path, ref):
     results = run_workers(run_parity, 2, str(tmp_path), sources, targets, timeout=400)
     for label in ("dp-zero31", "dp-zero1"):
         assert all(abs(a - b) <= TOL * max(1.0, abs(b)) for a, b in zip(results[0][label]["losses"], ref[0])), label
+    _check_prepared_async(results, ("dp-zero31", "dp-zero1"))
     for case in targets:
         _check(ref, f"{case[0]} -> {case[1]}{case[2]}", results, case)
     saved = assemble_full(((r, res["dp-zero31"]["shards"]) for r, res in enumerate(results)), "saved")
@@ -110,4 +123,5 @@ def test_reshard_world2_fully_sharded(tmp_path, ref):
 @pytest.mark.multiprocess
 def test_reshard_world2_dp_to_pp(tmp_path, ref):
     results = run_workers(run_parity, 2, str(tmp_path), [("dp", 1)], [("dp1", "pp", 2)], timeout=400)
+    _check_prepared_async(results, ("dp1",))
     _check(ref, "dp2 -> pp2", results, ("dp1", "pp", 2))

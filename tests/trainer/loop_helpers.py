@@ -49,6 +49,28 @@ def worker(rank, world, data):
     return run_trainer(data)
 
 
+def async_worker(rank, world, data):
+    """`worker` with checkpoint.async_save, also returning this rank's background writer as every
+    async_save found it and left it: [((running, pid, buffers made) before, (pid, buffers made)
+    after)]; stops the writer at the end."""
+    import nnscaler.ckpt as ckpt
+    from nnscaler.ckpt.inflight import OWNER
+    real, seen = ckpt.async_save, []
+
+    def recording(*args, **kwargs):
+        bg = OWNER.background
+        before = (bg.running(), bg.proc.pid if bg.proc is not None else None, bg.buffers_made)
+        handle = real(*args, **kwargs)
+        seen.append((before, (bg.proc.pid, bg.buffers_made)))
+        return handle
+    ckpt.async_save = recording
+    try:
+        return run_trainer(data), seen
+    finally:
+        ckpt.async_save = real
+        ckpt.stop_async_saves()
+
+
 def resume_worker(rank, world, data, resume_at):
     """`data` straight (saving a checkpoint every `resume_at` steps), then, in the same processes, a
     second run resumed from the checkpoint of step `resume_at` (into another save_dir) to the same

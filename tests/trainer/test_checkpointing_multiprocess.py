@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from launch import run_workers
-from loop_helpers import config, run_trainer, worker
+from loop_helpers import async_worker, config, run_trainer, worker
 from parity import assemble_full
 
 pytestmark = pytest.mark.multiprocess
@@ -49,7 +49,9 @@ def test_dp2_async_save_and_resume_are_bitwise(tmp_path):
     """An uninterrupted synchronous run of 12 steps against one of 6 steps with async_save (a
     checkpoint every 2 steps, keep_last_n_checkpoints 1) resumed (resume_from: auto) to 12: the
     same checkpoints bitwise, last / best / pruning as the synchronous rules have them, no staging
-    directory left, the same losses and final weights bitwise."""
+    directory left, the same losses and final weights bitwise. Each rank's background writer is
+    running before the first save (the Trainer prepared it at set-up, before Adam's first step) and
+    no save makes a buffer or starts a process: one buffer, one process per rank and run."""
     from nnscaler.trainer.checkpoints import checkpoint_state, list_checkpoints
     every2 = {"checkpoint.every_n_train_steps": 2}
     straight = run_workers(worker, 2, dp2(tmp_path / "a", max_train_steps=12, **every2), timeout=180)
@@ -62,12 +64,18 @@ def test_dp2_async_save_and_resume_are_bitwise(tmp_path):
         best = names[min((s for s in names if s <= last), key=lambda s: (loss[s], -s))]
         return sorted({names[last], best}), names[last], best, []
     asynch = {**every2, "checkpoint.async_save": True, "checkpoint.keep_last_n_checkpoints": 1}
-    run_workers(worker, 2, dp2(tmp_path / "b", max_train_steps=6, **asynch), timeout=180)
+    first = run_workers(async_worker, 2, dp2(tmp_path / "b", max_train_steps=6, **asynch), timeout=180)
     save_dir = tmp_path / "b" / "ckpt"
     assert _listing(save_dir) == expected(6)
     _assert_same_checkpoints(save_dir, sync)
-    resumed = run_workers(worker, 2, dp2(tmp_path / "b", max_train_steps=12, **asynch, **{
+    resumed = run_workers(async_worker, 2, dp2(tmp_path / "b", max_train_steps=12, **asynch, **{
         "checkpoint.resume_from": "auto"}), timeout=180)
+    for run in (first, resumed):
+        for rank, (_, seen) in enumerate(run):
+            assert len(seen) == 3, (rank, seen)  # steps 2, 4, 6 (8, 10, 12 resumed)
+            pid = seen[0][0][1]
+            assert all(before == (True, pid, 1) and after == (pid, 1) for before, after in seen), (rank, seen)
+    resumed = [r for r, _ in resumed]
     assert _listing(save_dir) == expected(12)
     _assert_same_checkpoints(save_dir, sync)
     assert resumed[0][0] == straight[0][0][6:]
