@@ -17,10 +17,15 @@
   time: until the call returns on the slowest rank; also until the save is committed), and the
   time of a training step (a small MLP, forward + backward + SGD) while a background save runs
   against without one, for both. Each rank runs with cores // ranks threads.
+* first async_save: in processes without a background process or buffer yet (the model plus Adam's
+  state), the time the first `async_save` blocks against a synchronous `save` of the same state in the same process, without
+  `prepare_async_save`, with it after the optimizer's first step, and with it before that step
+  (Adam's state then estimated); the second `async_save` of each for comparison.
 
     python bench/ckpt.py                 # 2 GiB, 8 tensors, 4 ranks (~4 min on 2 cores)
     python bench/ckpt.py --gib 0.25      # a quick run
     python bench/ckpt.py --only merge    # save once, then merge against cp only (bench/results/ckpt_merge.json)
+    python bench/ckpt.py --only async --gib 0.5 --ranks 2   # the async section alone (bench/results/ckpt_async.json)
 """
 from __future__ import annotations
 
@@ -341,6 +346,97 @@ def _async_ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, roo
     return res
 
 
+FIRST_VARIANTS = ("unprepared", "prepared", "prepared_before_step")
+
+
+def _first_async_ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str):
+    """For each variant, from a process without background process or buffer (`stop_async_saves(
+    release=True)` between them): a model and its Adam optimizer after one step; `save` timed (after
+    a warm-up save), then the first async_save timed, then a second one. Variants: unprepared;
+    prepared (prepare_async_save after the optimizer's first step); prepared_before_step
+    (prepare_async_save before it: Adam holds no state yet, its first step's is estimated)."""
+    import torch
+    import torch.distributed as dist
+    import nnscaler.ckpt as ckpt
+    from nnscaler.ckpt.inflight import OWNER
+    results = {}
+    for variant in FIRST_VARIANTS:
+        ckpt.stop_async_saves(release=True)
+        m = _module(rank, world, rows, cols, ntensors)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        out = results[variant] = {}
+
+        def prepare():
+            t = time.perf_counter()
+            out["prepare_buffer_bytes"] = ckpt.prepare_async_save(m, opt)
+            out["prepare_seconds"] = time.perf_counter() - t
+        if variant == "prepared_before_step":
+            prepare()
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        opt.step()
+        if variant == "prepared":
+            prepare()
+        background = OWNER.background
+        out["state_bytes"] = sum(t.numel() * t.element_size() for t in m.parameters()) + sum(
+            v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+        ckpt.save(Path(root, "sync"), m, opt, overwrite=True)  # warm-up: the first save into fresh page cache
+        _settle()
+        out["save"] = _timed(lambda: ckpt.save(Path(root, "sync"), m, opt, overwrite=True))
+        _settle()
+        time.sleep(3)  # training would run here: a prepared background process has finished starting
+        before = (background.proc.pid if background.proc is not None else None, background.buffers_made)
+        handles = []
+        out["first_blocking"] = _timed(lambda: handles.append(ckpt.async_save(Path(root, "async"), m, opt,
+                                                                              overwrite=True)))
+        out["first_started_process"] = before[0] != background.proc.pid
+        out["first_made_buffer"] = before[1] != background.buffers_made
+        handles.pop().wait()
+        dist.barrier()
+        out["second_blocking"] = _timed(lambda: handles.append(ckpt.async_save(Path(root, "async"), m, opt,
+                                                                               overwrite=True)))
+        handles.pop().wait()
+        dist.barrier()
+        del m, opt
+    ckpt.stop_async_saves(release=True)
+    return results
+
+
+def _first_figures(per_rank: list) -> dict:
+    """Per variant: slowest rank's seconds and the ratios to `save` of the same run."""
+    out = {}
+    for variant in FIRST_VARIANTS:
+        ranks = [r[variant] for r in per_rank]
+        slowest = {k: max(r[k] for r in ranks) for k in ("save", "first_blocking", "second_blocking")}
+        out[variant] = {
+            "save_seconds": slowest["save"], "first_blocking_seconds": slowest["first_blocking"],
+            "second_blocking_seconds": slowest["second_blocking"],
+            "ratio_first_blocking_vs_save": slowest["first_blocking"] / slowest["save"],
+            "ratio_second_blocking_vs_save": slowest["second_blocking"] / slowest["save"],
+            "first_started_process": any(r["first_started_process"] for r in ranks),
+            "first_made_buffer": any(r["first_made_buffer"] for r in ranks),
+            "prepare_seconds": max((r["prepare_seconds"] for r in ranks if "prepare_seconds" in r), default=None),
+            "state_bytes_per_rank": ranks[0]["state_bytes"],
+            "per_rank": ranks}
+    return out
+
+
+def _first_rows(first: dict) -> list:
+    r = lambda x: f"{x:.2f}"  # noqa: E731
+    return [[f"first async_save blocking vs save, {v.replace('_', ' ')} (second)",
+             f"{first[v]['first_blocking_seconds']:.3f} s vs {first[v]['save_seconds']:.3f} s",
+             f"{r(first[v]['ratio_first_blocking_vs_save'])} ({r(first[v]['ratio_second_blocking_vs_save'])})"]
+            for v in FIRST_VARIANTS if v in first]
+
+
+def _first_async(ranks: int, rows: int, cols: int, ntensors: int, root: Path) -> dict:
+    """`_first_async_ranks` (one launch, every variant)."""
+    (root / "first").mkdir()
+    per_rank, _ = spawn_gloo(_first_async_ranks, (ranks, rows, cols, ntensors, str(root / "first")), ranks,
+                             str(root / "first.json"))
+    return _first_figures(per_rank)
+
+
 def _async_figures(ranks: list, total: int) -> dict:
     """The async figures: slowest rank's times (blocking, total), mean step times over the ranks."""
     slowest = {k: max(r[k] for r in ranks) for k in ("save", "async_blocking", "async_total", "dcp_blocking",
@@ -368,6 +464,18 @@ def _async_figures(ranks: list, total: int) -> dict:
     }
 
 
+def _async_rows(a: dict) -> list:
+    r = lambda x: f"{x:.2f}"  # noqa: E731
+    return [["async_save blocking vs save (target <= 0.15)", f"{a['async_blocking_seconds']:.3f} s",
+             r(a["ratio_async_blocking_vs_save"])],
+            ["async_save blocking vs DCP async_save blocking (target <= 1.0)", f"{a['dcp_blocking_seconds']:.3f} s",
+             r(a["ratio_async_blocking_vs_dcp_blocking"])],
+            ["async_save committed vs save | DCP async_save finished", f"{a['async_total_seconds']:.3f} s",
+             f"{r(a['ratio_async_total_vs_save'])} | {r(a['ratio_async_total_vs_dcp_total'])}"],
+            ["training step during async_save | DCP async_save vs none", f"{a['step_idle_seconds'] * 1e3:.1f} ms",
+             f"{r(a['ratio_step_during_async_vs_idle'])} | {r(a['ratio_step_during_dcp_vs_idle'])}"]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=2.0, help="model size in GiB (float32)")
@@ -377,14 +485,15 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--hash-mib", type=int, default=256, help="buffer of the one-core hash rates, MiB")
     ap.add_argument("--steps", type=int, default=20, help="training steps timed during each background save")
-    ap.add_argument("--only", choices=("all", "merge"), default="all",
-                    help="merge: save once, then time merge against cp only (results: ckpt_merge.json)")
+    ap.add_argument("--only", choices=("all", "merge", "async"), default="all",
+                    help="merge: save once, then time merge against cp only (results: ckpt_merge.json); async: "
+                         "the async section alone (results: ckpt_async.json)")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/ckpt.json, or "
-                                                "ckpt_merge.json with --only merge)")
+                                                "ckpt_merge.json / ckpt_async.json with --only)")
     args = parse_args(ap, {"gib": 0.004, "tensors": 2, "ranks": 2, "repeat": 1, "hash_mib": 4, "steps": 2}, "ckpt.json")
     if args.out is None:
         args.out = str(Path(__file__).resolve().parent / "results" /
-                       ("ckpt_merge.json" if args.only == "merge" else "ckpt.json"))
+                       {"merge": "ckpt_merge.json", "async": "ckpt_async.json"}.get(args.only, "ckpt.json"))
     cols = 4096
     rows = int(args.gib * 2**30 / 4 / args.tensors / cols) // args.ranks * args.ranks
     tensor_bytes = rows * cols * 4
@@ -393,17 +502,20 @@ def main() -> None:
     rates = hash_rates(args.hash_mib * 2**20)
     root = Path(tempfile.mkdtemp(prefix="nnscaler-bench-ckpt-", dir=args.workdir))
     (root / "async").mkdir()
-    per_rank = async_ranks = None
+    per_rank = async_ranks = merge = None
     try:
         if args.only == "merge":
             spawn_gloo(_save_once, (args.ranks, rows, cols, args.tensors, str(root)), args.ranks,
                        str(root / "result.json"))
-        else:
+        elif args.only == "all":
             per_rank, _ = spawn_gloo(_ranks, (args.ranks, rows, cols, args.tensors, str(root), args.repeat),
                                      args.ranks, str(root / "result.json"))
+        if args.only in ("all", "async"):
             async_ranks, _ = spawn_gloo(_async_ranks, (args.ranks, rows, cols, args.tensors, str(root / "async"),
                                                        args.repeat, args.steps), args.ranks, str(root / "async.json"))
-        merge = _merge_figures(root, total, tensor_bytes, rates, args.repeat)
+            first = _first_async(args.ranks, rows, cols, args.tensors, root)
+        if args.only != "async":
+            merge = _merge_figures(root, total, tensor_bytes, rates, args.repeat)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     header = {**run_header(), "loadavg": {"before": load_before, "after": loadavg()},
@@ -412,12 +524,19 @@ def main() -> None:
               "rates_one_core": rates}
     r = lambda x: f"{x:.2f}"  # noqa: E731
     summary = (f"{fmt_bytes(total)} in {args.tensors} tensors over {args.ranks} ranks; one core: SHA-256 "
-               f"{rates['sha256_GBps']:.2f} GB/s, CRC-32 {rates['crc32_GBps']:.2f} GB/s; merge floor "
-               f"{r(merge['ratio_floor_vs_cp'])} x cp")
+               f"{rates['sha256_GBps']:.2f} GB/s, CRC-32 {rates['crc32_GBps']:.2f} GB/s")
+    if merge is not None:
+        summary += f"; merge floor {r(merge['ratio_floor_vs_cp'])} x cp"
     if args.only == "merge":
         print(summary)
         print(table(["what", "throughput", "ratio to reference"], _merge_rows(merge, tensor_bytes)))
         save_results(args.out, {**header, "merge": merge})
+        return
+    if args.only == "async":
+        result = {**header, "async": {**_async_figures(async_ranks, total), "first": first}}
+        print(summary)
+        print(table(["what", "measured", "ratio to reference"], _async_rows(result["async"]) + _first_rows(first)))
+        save_results(args.out, result)
         return
     gbs = lambda s: total / s / 1e9  # noqa: E731
     cores = cpu_count()
@@ -446,7 +565,7 @@ def main() -> None:
                  "exact": all(x["exact"] for x in per_rank)},
         "merge": merge,
         "per_rank": per_rank,
-        "async": _async_figures(async_ranks, total),
+        "async": {**_async_figures(async_ranks, total), "first": first},
     }
     rows_ = [["save vs save_file", f"{result['save']['GBps']:.2f} GB/s", r(result['save']['ratio_vs_save_file'])],
              ["save vs save_file + fsync", f"{result['save']['GBps']:.2f} GB/s",
@@ -458,15 +577,7 @@ def main() -> None:
              ["load (size only) vs load_file", f"{gbs(slowest['load_no_verify']):.2f} GB/s",
               r(result["load"]["ratio_vs_load_file_no_verify"])]]
     rows_ += _merge_rows(merge, tensor_bytes)
-    a = result["async"]
-    rows_ += [["async_save blocking vs save (target <= 0.15)", f"{a['async_blocking_seconds']:.3f} s",
-               r(a["ratio_async_blocking_vs_save"])],
-              ["async_save blocking vs DCP async_save blocking (target <= 1.0)", f"{a['dcp_blocking_seconds']:.3f} s",
-               r(a["ratio_async_blocking_vs_dcp_blocking"])],
-              ["async_save committed vs save | DCP async_save finished", f"{a['async_total_seconds']:.3f} s",
-               f"{r(a['ratio_async_total_vs_save'])} | {r(a['ratio_async_total_vs_dcp_total'])}"],
-              ["training step during async_save | DCP async_save vs none", f"{a['step_idle_seconds'] * 1e3:.1f} ms",
-               f"{r(a['ratio_step_during_async_vs_idle'])} | {r(a['ratio_step_during_dcp_vs_idle'])}"]]
+    rows_ += _async_rows(result["async"]) + _first_rows(first)
     print(summary)
     print(table(["what", "throughput", "ratio to reference"], rows_))
     save_results(args.out, result)

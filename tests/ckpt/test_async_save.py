@@ -132,8 +132,8 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, kwargs, 
 
 def _unprepared():
     """This process as if it had never saved: no background process, no buffer."""
-    stop_async_saves()
-    _SAVER._release_buffer()
+    stop_async_saves(release=True)
+    assert _SAVER.proc is None and _SAVER.buffer is None
 
 
 def _file_parts(path):

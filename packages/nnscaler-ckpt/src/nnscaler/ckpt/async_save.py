@@ -82,10 +82,11 @@ def prepare_async_save(module: torch.nn.Module, optimizer: Optional[torch.optim.
     return background.buffer.numel()
 
 
-def stop_async_saves() -> None:
+def stop_async_saves(*, release: bool = False) -> None:
     """Wait for this process's save in flight, then end its background save process (the next
-    `async_save` starts a new one). Also runs at exit."""
-    OWNER.stop()
+    `async_save` starts a new one). Also runs at exit. `release`: also free the shared buffer (the
+    next `async_save` or `prepare_async_save` makes a new one)."""
+    OWNER.stop(release=release)
 
 
 @with_whole_tensors(writeback=False)

@@ -53,7 +53,7 @@ class BackgroundProcess:
                 and (self.pinned or self.pin_failed or not pin)):
             return self.buffer
         self.stop()  # a process maps the buffer it was started with
-        self._release_buffer()
+        self.release_buffer()
         if hasattr(os, "memfd_create"):
             fd = os.memfd_create("nnscaler-ckpt-save")
         else:
@@ -71,7 +71,8 @@ class BackgroundProcess:
         self.buffers_made += 1
         return self.buffer
 
-    def _release_buffer(self) -> None:
+    def release_buffer(self) -> None:
+        """Free the shared buffer (its process, if any, is stopped first by the callers)."""
         if self.buffer is not None and self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
         self.buffer, self.pinned, self.pin_failed, self.prepared = None, False, False, None

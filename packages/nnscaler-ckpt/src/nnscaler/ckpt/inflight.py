@@ -59,10 +59,13 @@ class InFlight:
         self.wait_async()
         self.wait_after_commit()
 
-    def stop(self) -> None:
-        """Settle, then end the background process (the next `async_save` starts a new one)."""
+    def stop(self, release: bool = False) -> None:
+        """Settle, then end the background process (the next `async_save` starts a new one); with
+        `release` free its shared buffer too."""
         self.settle()
         self.background.stop()
+        if release:
+            self.background.release_buffer()
 
     def forget(self) -> None:
         """In a forked child: nothing is in flight."""
