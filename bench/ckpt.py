@@ -18,9 +18,9 @@
   time of a training step (a small MLP, forward + backward + SGD) while a background save runs
   against without one, for both. Each rank runs with cores // ranks threads.
 * first async_save: in processes without a background process or buffer yet (the model plus Adam's
-  state), the time the first `async_save` blocks against a synchronous `save` of the same state in the same process, without
-  `prepare_async_save`, with it after the optimizer's first step, and with it before that step
-  (Adam's state then estimated); the second `async_save` of each for comparison.
+  state), the time the first `async_save` blocks against a synchronous `save` of the same state in
+  the same process, without `prepare_async_save`, with it after the optimizer's first step, and
+  with it before that step (Adam's state then estimated); the second `async_save` of each too.
 
     python bench/ckpt.py                 # 2 GiB, 8 tensors, 4 ranks (~4 min on 2 cores)
     python bench/ckpt.py --gib 0.25      # a quick run
@@ -349,7 +349,7 @@ def _async_ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, roo
 FIRST_VARIANTS = ("unprepared", "prepared", "prepared_before_step")
 
 
-def _first_async_ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str):
+def _first_async_ranks(rank: int, world: int, rows: int, cols: int, ntensors: int, root: str, wait: float):
     """For each variant, from a process without background process or buffer (`stop_async_saves(
     release=True)` between them): a model and its Adam optimizer after one step; `save` timed (after
     a warm-up save), then the first async_save timed, then a second one. Variants: unprepared;
@@ -384,7 +384,7 @@ def _first_async_ranks(rank: int, world: int, rows: int, cols: int, ntensors: in
         _settle()
         out["save"] = _timed(lambda: ckpt.save(Path(root, "sync"), m, opt, overwrite=True))
         _settle()
-        time.sleep(3)  # training would run here: a prepared background process has finished starting
+        time.sleep(wait)  # training would run here: a prepared background process has finished starting
         before = (background.proc.pid if background.proc is not None else None, background.buffers_made)
         handles = []
         out["first_blocking"] = _timed(lambda: handles.append(ckpt.async_save(Path(root, "async"), m, opt,
@@ -429,10 +429,10 @@ def _first_rows(first: dict) -> list:
             for v in FIRST_VARIANTS if v in first]
 
 
-def _first_async(ranks: int, rows: int, cols: int, ntensors: int, root: Path) -> dict:
+def _first_async(ranks: int, rows: int, cols: int, ntensors: int, root: Path, wait: float) -> dict:
     """`_first_async_ranks` (one launch, every variant)."""
     (root / "first").mkdir()
-    per_rank, _ = spawn_gloo(_first_async_ranks, (ranks, rows, cols, ntensors, str(root / "first")), ranks,
+    per_rank, _ = spawn_gloo(_first_async_ranks, (ranks, rows, cols, ntensors, str(root / "first"), wait), ranks,
                              str(root / "first.json"))
     return _first_figures(per_rank)
 
@@ -485,12 +485,15 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--hash-mib", type=int, default=256, help="buffer of the one-core hash rates, MiB")
     ap.add_argument("--steps", type=int, default=20, help="training steps timed during each background save")
+    ap.add_argument("--first-wait", type=float, default=3.0,
+                    help="seconds between the timed save and the first async_save (training would run there)")
     ap.add_argument("--only", choices=("all", "merge", "async"), default="all",
                     help="merge: save once, then time merge against cp only (results: ckpt_merge.json); async: "
                          "the async section alone (results: ckpt_async.json)")
     ap.add_argument("--out", default=None, help="results file (default: bench/results/ckpt.json, or "
                                                 "ckpt_merge.json / ckpt_async.json with --only)")
-    args = parse_args(ap, {"gib": 0.004, "tensors": 2, "ranks": 2, "repeat": 1, "hash_mib": 4, "steps": 2}, "ckpt.json")
+    args = parse_args(ap, {"gib": 0.004, "tensors": 2, "ranks": 2, "repeat": 1, "hash_mib": 4, "steps": 2,
+                           "first_wait": 0.0}, "ckpt.json")
     if args.out is None:
         args.out = str(Path(__file__).resolve().parent / "results" /
                        {"merge": "ckpt_merge.json", "async": "ckpt_async.json"}.get(args.only, "ckpt.json"))
@@ -513,7 +516,7 @@ def main() -> None:
         if args.only in ("all", "async"):
             async_ranks, _ = spawn_gloo(_async_ranks, (args.ranks, rows, cols, args.tensors, str(root / "async"),
                                                        args.repeat, args.steps), args.ranks, str(root / "async.json"))
-            first = _first_async(args.ranks, rows, cols, args.tensors, root)
+            first = _first_async(args.ranks, rows, cols, args.tensors, root, args.first_wait)
         if args.only != "async":
             merge = _merge_figures(root, total, tensor_bytes, rates, args.repeat)
     finally:

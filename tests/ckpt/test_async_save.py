@@ -164,6 +164,10 @@ def test_prepare_starts_the_writer_before_the_first_save(tmp_path, monkeypatch):
     import sys
     module = sys.modules["nnscaler.ckpt.async_save"]
     _unprepared()
+    with pytest.raises(CheckpointError, match=r"Linear is not a parallelized module and holds none: pass the module "
+                                              r"nnscaler.parallelize returned"):
+        ckpt_prepare(torch.nn.Linear(2, 2))
+    assert _SAVER.proc is None and _SAVER.buffer is None
     pm = FakeParallel(dim=512)  # Adam's moments (2 MiB) outgrow the buffer's headroom (1 MiB)
     opt = torch.optim.Adam(pm.parameters(), lr=0.1)
     before = _SAVER.buffers_made

@@ -190,7 +190,8 @@ def with_first_step_state(optimizer, states: Dict[int, Dict[str, Any]]) -> Dict[
                 if key not in templates:
                     templates[key] = _first_step_template(cls, optimizer, group, p)
                 if templates[key]:
-                    out[index] = {name: torch.empty(tuple(p.shape) if per_element else shape, dtype=dtype, device="meta")
+                    out[index] = {name: torch.empty(tuple(p.shape) if per_element else shape, dtype=dtype,
+                                                    device="meta")
                                   for name, (per_element, shape, dtype) in templates[key].items()}
             index += 1
     return out
