@@ -41,7 +41,10 @@ GRACE_S = 10.0  # how long the other ranks get to finish once one has failed
 START_METHOD_VAR = "NNSCALER_TEST_START_METHOD"  # "forkserver" (default) or "spawn"
 # imported once by the fork server (a module that fails to import is skipped by multiprocessing)
 PRELOAD = ["torch", "torch.distributed", "nnscaler.ir", "nnscaler.runtime", "nnscaler.policies", "nnscaler.codegen",
-           "nnscaler.ckpt"]
+           "nnscaler.ckpt",
+           # the Hugging Face models of tests/models (2.7 s a worker to import)
+           "transformers", *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "mixtral", "qwen2_moe",
+                                                                              "gpt2", "bert", "resnet", "vit"))]
 
 
 class WorkerError(RuntimeError):
