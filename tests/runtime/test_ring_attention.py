@@ -69,3 +69,57 @@ def test_ring_attention_equals_one_process():
             diffs, all_to_all = results[rank][label]
             assert max(diffs) <= 1e-12, (label, rank, diffs)
             assert all_to_all == (8 if causal else 0), (label, all_to_all)  # q, k, v in and the output out; backward the same
+
+
+def _layout_job(rank, world):
+    """(label, layout of the query, output strides, torch's SDPA output strides for the same local
+    inputs, transpose(1, 2).contiguous() is a view of the output, max |error| of output and grads)."""
+    import torch.distributed as dist
+    from nnscaler.runtime import ring_attention
+    from nnscaler.runtime.comm import group_for
+    ranks = (0, 1)
+    group_for(ranks)
+    out = []
+    for label, causal, mask_kind in (("causal", True, None), ("mask", False, "bool"), ("full", False, None)):
+        for layout in ("bshd", "bhsd"):
+            q, k, v, dout, mask = _problem(7, mask_kind)
+            rows = slice(rank * S // 2, (rank + 1) * S // 2)
+            kw = dict(is_causal=causal, scale=0.3, enable_gqa=True)
+
+            def local(t):  # as transformers: the projection's (B, S, H, D) viewed as (B, H, S, D)
+                t = t[:, :, rows]
+                t = t.transpose(1, 2).contiguous().transpose(1, 2) if layout == "bshd" else t.contiguous()
+                return t.requires_grad_(True)
+
+            leaves = [local(t) for t in (q, k, v)]
+            lmask = None if mask is None else mask[:, :, rows]
+            got = ring_attention.attention(*leaves, lmask, ranks=ranks, **kw)
+            # torch's own CPU kernel on the same local tensors (keys of this rank's rows only: the values
+            # differ, the layout is what is compared)
+            ref = F.scaled_dot_product_attention(*[t.detach() for t in leaves],
+                                               attn_mask=None if lmask is None else lmask[..., rows], **kw)
+            moved = got.transpose(1, 2).contiguous()
+            got.backward(dout[:, :, rows])
+            full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            want = F.scaled_dot_product_attention(*full, attn_mask=mask, **kw)
+            want.backward(dout)
+            err = max([(got - want[:, :, rows]).abs().max().item()] + [
+                (a.grad - b.grad[:, :, rows]).abs().max().item() for a, b in zip(leaves, full)])
+            out.append((label, layout, got.stride(), ref.stride(), moved.data_ptr() == got.data_ptr(), err))
+    dist.barrier()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_ring_attention_output_layout_follows_sdpa():
+    """The output has the strides torch's CPU ``scaled_dot_product_attention`` gives for the same
+    inputs (the query's layout): with transformers' (batch, sequence, heads, dim) projections, the
+    model's ``transpose(1, 2).contiguous()`` after attention is then a view, not a copy (as in one
+    process); values and gradients stay exact."""
+    results = run_workers(_layout_job, 2, timeout=120)
+    for rank in (0, 1):
+        assert len(results[rank]) == 6
+        for label, layout, strides, sdpa_strides, shared, err in results[rank]:
+            assert strides == sdpa_strides, (rank, label, layout, strides, sdpa_strides)
+            assert shared == (layout == "bshd"), (rank, label, layout)
+            assert err <= 1e-12, (rank, label, layout, err)

@@ -19,7 +19,9 @@ Each block runs the fused CPU kernel (``_scaled_dot_product_flash_attention_for_
 (L, L) matrix, its log-sum-exp returned), its backward the matching kernel given the merged output
 and log-sum-exp (which makes each block's gradients exactly its share); on other devices a plain
 matrix implementation. Values match one process's ``scaled_dot_product_attention`` (float64:
-within 1e-12).
+within 1e-12), and so does the output's memory layout: the query's, as the CPU kernel's (with
+transformers' (batch, sequence, heads, dim) projections the model's ``transpose(1, 2).contiguous()``
+after attention is then a view).
 """
 from __future__ import annotations
 
@@ -61,9 +63,23 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         if query.shape[-2] % 2:
             raise CommError(f"ring attention: the local sequence ({query.shape[-2]} rows) does not split into 2 "
                             f"chunks: the sequence length must be a multiple of {2 * rs.n} (2 x the cp size)")
+        like = query  # the output takes the caller's query layout (as F.scaled_dot_product_attention's)
         query, key, value = (_zigzag(t, rs, forward=True) for t in (query, key, value))
     out = _Ring.apply(query, key, value, mask, bool(is_causal), balanced, scale, rs)
-    return _zigzag(out, rs, forward=False) if balanced else out
+    return _zigzag(out, rs, forward=False, like=like) if balanced else out
+
+
+def _cat_like(parts, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)`` whose memory follows `like`'s dim order (as ``empty_like``), not the
+    default contiguous one: the output of ``F.scaled_dot_product_attention`` on the CPU has its
+    query's layout, which is (batch, sequence, heads, dim) in transformers' attention (the
+    projections viewed and transposed), so the model's ``transpose(1, 2).contiguous()`` after it
+    copies nothing; ring attention's output does the same."""
+    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))  # outermost first (stable on ties)
+    if order == list(range(like.dim())):
+        return torch.cat(parts, dim)
+    inverse = [order.index(d) for d in range(like.dim())]
+    return torch.cat([p.permute(order) for p in parts], order.index(dim % like.dim())).permute(inverse)
 
 
 # -- the zigzag layout -------------------------------------------------------------------------------
@@ -72,9 +88,10 @@ def _owner(chunk: int, n: int) -> int:
     return chunk if chunk < n else 2 * n - 1 - chunk
 
 
-def _zigzag(x: torch.Tensor, rs, forward: bool) -> torch.Tensor:
+def _zigzag(x: torch.Tensor, rs, forward: bool, like: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows (dim -2) from the contiguous layout (piece i: sub-chunks 2i, 2i+1 of 2N) to the balanced
-    one (piece i: sub-chunks i, 2N-1-i), or back. Sub-chunks are equal, so every count is known."""
+    one (piece i: sub-chunks i, 2N-1-i), or back (in the memory layout of `like` when given).
+    Sub-chunks are equal, so every count is known."""
     n, me = rs.n, rs.index
     contiguous = lambda c: c // 2  # noqa: E731  (the piece holding sub-chunk c in each layout)
     balanced = lambda c: _owner(c, n)  # noqa: E731
@@ -90,6 +107,8 @@ def _zigzag(x: torch.Tensor, rs, forward: bool) -> torch.Tensor:
         recv[src(c)] += half
     got = torch.split(exchange_rows(torch.cat([parts[i] for i in order]), send, recv, rs), half)
     arrival = sorted(want, key=lambda c: (src(c), c))  # rows arrive by source piece, then its order
+    if like is not None:
+        return _cat_like([got[arrival.index(c)].movedim(0, -2) for c in want], like, -2)
     return torch.cat([got[arrival.index(c)] for c in want]).movedim(0, -2)
 
 
@@ -193,7 +212,7 @@ class _Ring(Function):
                 acc[i] = _merge(acc[i], o, lse)
             block = _finish(pending, rs) if pending is not None else block
         outs, lses = zip(*[_final(a, p) for a, p in zip(acc, q_parts)])
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        out, lse = _cat_like(outs, q, -2), torch.cat(lses, dim=-1)  # out in q's layout, as the fused kernel
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
         ctx.flags = (causal, balanced, scale, rs, mask is not None)
         return out
