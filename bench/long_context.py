@@ -104,7 +104,7 @@ from _common import MIB, fmt_mib as _mib  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from _causal_lm import CausalLMLoss  # noqa: E402
 
 CASES = ("one", "cp")
 TARGET = 0.55
@@ -119,19 +119,7 @@ def _labels(n: int, cores: int) -> Dict[str, str]:
 
 # -- the model --------------------------------------------------------------------------------------
 
-class LlamaLM(torch.nn.Module):
-    """forward(input_ids, labels) -> the mean cross-entropy of the logits against `labels`."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        logits = self.model(input_ids=input_ids).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
-def _llama(a: dict, seq: int, seed: int = 0, layers: Optional[int] = None) -> LlamaLM:
+def _llama(a: dict, seq: int, seed: int = 0, layers: Optional[int] = None) -> CausalLMLoss:
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["intermediate"],
                       num_hidden_layers=layers or a["layers"], num_attention_heads=a["heads"],
@@ -139,7 +127,7 @@ def _llama(a: dict, seq: int, seed: int = 0, layers: Optional[int] = None) -> Ll
                       attention_dropout=0.0, attn_implementation="sdpa", use_cache=False,
                       tie_word_embeddings=False)
     torch.manual_seed(seed)
-    return LlamaLM(LlamaForCausalLM(cfg)).float().train()
+    return CausalLMLoss(LlamaForCausalLM(cfg)).float().train()
 
 
 def _batch(a: dict, seq: int, step: int) -> dict:

@@ -104,7 +104,7 @@ from _common import fmt_mib  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from _causal_lm import CausalLMLoss  # noqa: E402
 
 CASES = ("dp", "ep")
 LABELS = {"dp": "nnscaler dp: ComputeConfig(1, n)", "ep": "nnscaler ep: ComputeConfig(n, n)"}
@@ -114,19 +114,7 @@ WARM_UP_COLLECTIVES = ("all_reduce", "all_to_all", "all_gather")  # those the ca
 
 # -- the model ------------------------------------------------------------------------------------
 
-class MixtralLM(torch.nn.Module):
-    """forward(input_ids, labels) -> next-token cross-entropy (no load-balancing loss)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels):
-        logits = self.model(input_ids=input_ids).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
-def _mixtral(a: dict, seed: int = 0) -> MixtralLM:
+def _mixtral(a: dict, seed: int = 0) -> CausalLMLoss:
     from transformers import MixtralConfig, MixtralForCausalLM
     cfg = MixtralConfig(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["intermediate"],
                         num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
@@ -135,7 +123,7 @@ def _mixtral(a: dict, seed: int = 0) -> MixtralLM:
                         router_aux_loss_coef=0.0, attn_implementation="sdpa", experts_implementation="eager",
                         use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    return MixtralLM(MixtralForCausalLM(cfg)).float().train()
+    return CausalLMLoss(MixtralForCausalLM(cfg)).float().train()
 
 
 def _global_batch(a: dict, step: int) -> dict:

@@ -53,7 +53,7 @@ def test_the_scripts_are_found():
     for script, test in OWN_TEST.items():  # those run by their own test, in the same configuration
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), test)) as f:
             text = f.read()
-        assert f'"{script}.py"), "--smoke"' in text, (script, test)
+        assert f'"{script}.py"), "--smoke"' in text or f'run_smoke("{script}.py"' in text, (script, test)
 
 
 def _results_state():

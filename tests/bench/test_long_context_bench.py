@@ -6,31 +6,15 @@ fits, the affine fit); cp's losses equal the one-process losses within 1e-4 (rel
 length. The figures are the benchmark's business: no timing or memory ratio is checked."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULTS = os.path.join(ROOT, "bench", "results")
+from bench_smoke import run_smoke
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_long_context_bench_runs_and_reports(tmp_path):
-    out = tmp_path / "long_context.json"
-    (tmp_path / "tmp").mkdir()
-    env = dict(os.environ, NNSCALER_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"),
-               PYTHONWARNINGS="ignore")
-    before = sorted(os.listdir(RESULTS))
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "long_context.py"), "--smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    data = json.loads(out.read_text())
-    assert {"timestamp", "command", "machine"} <= set(data) and "--smoke" in data["command"]
-    assert sorted(os.listdir(RESULTS)) == before
+    data = run_smoke("long_context.py", tmp_path)
 
     cfg = data["config"]
     lengths = cfg["lengths"]

@@ -67,3 +67,16 @@ def assert_refused_in_one_line(example: str, run_dir: str, overrides, capsys, mo
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert not os.listdir(run_dir)
+
+
+def assert_config_verdict(example, overrides, key, says) -> None:
+    """`example(*overrides)` (building and checking the config) passes when `key` is None, else
+    raises TrainerConfigError naming `key` whose message holds every text of `says`."""
+    import pytest
+    from nnscaler.trainer import TrainerConfigError
+    if key is None:
+        example(*overrides)
+        return
+    with pytest.raises(TrainerConfigError) as e:
+        example(*overrides)
+    assert e.value.key == key and all(s in str(e.value) for s in says), str(e.value)
