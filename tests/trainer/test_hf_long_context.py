@@ -40,15 +40,8 @@ def _example(*overrides, validate=True):
 def _reference_step_1(args):
     """The loss of transformers' forward (sdpa, one process) of the example's initial weights on
     its first micro-batch."""
-    from nnscaler.trainer.config.values import build_args
-    from nnscaler.trainer.hf import CausalLM, TokenizedText
-    from nnscaler.trainer.setup import seed_everything
-    data = TokenizedText(**build_args(args.dataset.train_args, "dataset.train_args"))
-    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(0)
-    batch = torch.stack([data[i]["input_ids"] for i in list(sampler)[:args.micro_batch_size]])
-    seed_everything(args.seed)  # as the Trainer does before it builds the model
-    model = CausalLM(**build_args(args.model.args, "model.args"))
+    from hf_runs import first_batch_and_model
+    batch, model = first_batch_and_model(args)
     assert model.model.config._attn_implementation == "sdpa"
     with torch.no_grad():
         return model.model(input_ids=batch, labels=batch).loss.item()

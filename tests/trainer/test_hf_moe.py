@@ -38,15 +38,8 @@ LINE = re.compile(r"^epoch \d+ step (\d+)/\d+ \| loss ([0-9.]+) \| aux_loss ([0-
 def _reference_step_1(args):
     """transformers' forward of the example's initial weights on its first batch (one process):
     (loss, aux_loss, expert imbalance)."""
-    from nnscaler.trainer.config.values import build_args
-    from nnscaler.trainer.hf import CausalLM, TokenizedText
-    from nnscaler.trainer.setup import seed_everything
-    data = TokenizedText(**build_args(args.dataset.train_args, "dataset.train_args"))
-    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(0)
-    batch = torch.stack([data[i]["input_ids"] for i in list(sampler)[:args.micro_batch_size]])
-    seed_everything(args.seed)  # as the Trainer does before it builds the model
-    model = CausalLM(**build_args(args.model.args, "model.args"))
+    from hf_runs import first_batch_and_model
+    batch, model = first_batch_and_model(args)
     with torch.no_grad():
         out = model.model(input_ids=batch, labels=batch, output_router_logits=True)
     experts = model.experts
