@@ -2,7 +2,8 @@
 tokens and of the experts, the outputs and every gradient (tokens, routing weights, expert
 weights and biases) equal `routed_experts` on the whole batch in one process (float64, 1e-12);
 the native all-to-all with variable counts and its all-gather fallback alike, with ranks in any
-order, an expert that receives no token, and a rank that sends none; the payload counted is the
+order, an expert that receives no token, a rank that sends none, and ranks whose experts receive
+no row at all (their backward still runs the exchanges: no hang); the payload counted is the
 rows exchanged; `expert_load` records the tokens per expert of the unit. One launch of 4 ranks
 runs every case."""
 from __future__ import annotations
@@ -19,7 +20,9 @@ def _problem(seed, skewed=False):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(TOKENS, HIDDEN, generator=g, dtype=torch.float64)
     index = torch.stack([torch.randperm(EXPERTS, generator=g)[:K] for _ in range(TOKENS)])
-    if skewed:  # expert 3 gets nothing; the first tokens all go to experts 0 and 1
+    if skewed == "first":  # every token to experts 0 and 1: the ranks holding the others receive no row
+        index = torch.stack([torch.randperm(2, generator=g) for _ in range(TOKENS)])
+    elif skewed:  # expert 3 gets nothing; the first tokens all go to experts 0 and 1
         index = torch.where(index == 3, torch.zeros_like(index), index)
         index[:, 1] = torch.where(index[:, 0] == index[:, 1], (index[:, 0] + 1) % 3, index[:, 1])
     weights = torch.rand(TOKENS, K, generator=g, dtype=torch.float64)
@@ -85,7 +88,9 @@ class _nothing:
 
 
 CASES = [("native", (0, 1, 2, 3), 1, False, False), ("fallback", (0, 1, 2, 3), 2, False, True),
-         ("reordered-pair", (3, 1), 3, True, False), ("pair-fallback", (0, 2), 4, True, True)]
+         ("reordered-pair", (3, 1), 3, True, False), ("pair-fallback", (0, 2), 4, True, True),
+         # ranks whose experts receive no row still run the backward's exchanges (no hang)
+         ("empty-ranks", (0, 1, 2, 3), 5, "first", False), ("empty-rank-pair", (1, 0), 6, "first", True)]
 
 
 @pytest.mark.multiprocess

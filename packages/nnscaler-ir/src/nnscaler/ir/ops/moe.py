@@ -102,8 +102,10 @@ def expert_mlp(x: torch.Tensor, counts: List[int], gate_up, down, gate_up_bias, 
             continue
         h = mlp.gated(mlp.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e]))
         outs.append(mlp.linear(h, down[e], None if down_bias is None else down_bias[e]))
-    if not outs:
-        return x.new_zeros((0, down.shape[2] if mlp.transposed else down.shape[1]))
+    if not outs:  # no rows here: still an output with a gradient path to `x` and every weight, so that
+        # every rank's backward runs the same collectives (expert parallelism; docs/moe.md)
+        h = mlp.gated(mlp.linear(x, gate_up[0], None if gate_up_bias is None else gate_up_bias[0]))
+        return mlp.linear(h, down[0], None if down_bias is None else down_bias[0])
     return torch.cat(outs, dim=0)
 
 
