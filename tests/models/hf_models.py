@@ -127,6 +127,16 @@ def qwen2():
     return _same_dtype_rms_norm(CausalLM(Qwen2ForCausalLM(cfg)))
 
 
+def mistral():
+    """A tiny Mistral: grouped-query attention with a sliding window (4 of the 8 positions), RMSNorm in
+    the input's dtype."""
+    from transformers import MistralConfig, MistralForCausalLM
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                        sliding_window=4, attention_dropout=0.0, attn_implementation="sdpa", use_cache=False)
+    return _same_dtype_rms_norm(CausalLM(MistralForCausalLM(cfg)))
+
+
 def mixtral(experts_implementation="eager"):
     """A tiny Mixtral: 4 experts, top-2, with the load-balancing loss (RMSNorm in the input's dtype,
     as `llama64`, so that float64 parity is element-wise)."""
@@ -147,6 +157,17 @@ def qwen2_moe(experts_implementation="eager"):
                          max_position_embeddings=SEQ, attention_dropout=0.0, router_aux_loss_coef=0.02,
                          attn_implementation="sdpa", experts_implementation=experts_implementation, use_cache=False)
     return _same_dtype_rms_norm(MoeCausalLM(Qwen2MoeForCausalLM(cfg)))
+
+
+def qwen3_moe(experts_implementation="eager"):
+    """A tiny Qwen3-MoE: 4 routed experts, top-2, q/k norms, no shared expert."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=SEQ,
+                         attention_dropout=0.0, router_aux_loss_coef=0.02, attn_implementation="sdpa",
+                         experts_implementation=experts_implementation, use_cache=False)
+    return _same_dtype_rms_norm(MoeCausalLM(Qwen3MoeForCausalLM(cfg)))
 
 
 def bert():
@@ -173,8 +194,8 @@ def vit():
 
 
 BUILDERS = {"gpt2": gpt2, "llama": llama, "llama64": llama64, "bert": bert, "resnet": resnet, "vit": vit,
-            "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen2": qwen2}
-TEXT = ("gpt2", "llama", "llama64", "bert", "mixtral", "qwen2_moe", "qwen2")
+            "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "qwen2": qwen2, "mistral": mistral}
+TEXT = ("gpt2", "llama", "llama64", "bert", "mixtral", "qwen2_moe", "qwen3_moe", "qwen2", "mistral")
 
 
 def make(name, dtype=torch.float64, train=True):

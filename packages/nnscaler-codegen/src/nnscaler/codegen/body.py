@@ -42,6 +42,7 @@ class BodyEmitter:
         self.prev_src: Optional[str] = None  # the user line of the last source comment
         self.defined: set = set()  # variables the body has defined so far
         self.last_use: Dict[int, List[int]] = {}
+        self.conditions: Dict[str, tuple] = {}  # variable -> (decision id, side): assigned on that branch only
 
     def emit(self, nodes: List[Node], head: List[str], head_values=()) -> Lines:
         """`head` lines, then `nodes` in order (recompute groups as checkpointed functions)."""
@@ -110,6 +111,8 @@ class BodyEmitter:
             out.append(indent + line, source)
         if header is not None:
             out.open(header)
+        if node.branch is not None:
+            self.conditions.update((self.names[r.id], tuple(node.branch)) for r in node.output_refs())
         if with_dels:
             dead = self.dead_names(idx)
             if dead:
