@@ -35,9 +35,12 @@ from . import failures
 from .comm.exchange import exchange_rows
 from .comm.primitives import CommError, as_ranks, resolve
 
-__all__ = ["attention"]
+__all__ = ["attention", "FUSED_CPU_KERNEL"]
 
 FULL, DIAG = "full", "diag"
+FUSED_CPU_KERNEL = True
+"""CPU blocks run torch's fused flash kernel; False: the matrix implementation other devices run
+(the tests run both paths on the CPU)."""
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -152,28 +155,47 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(b, h // groups, groups, length, d).sum(2)
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax statistics, the merge and the gradient sums: float32 for bfloat16 /
+    float16 inputs (as the fused kernels accumulate), else the input's."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def _block_forward(q, k, v, mask, diag: bool, scale: float):
-    """(out, lse) of softmax(q k^T * scale + mask) v; rows that see no key get lse = -inf."""
-    if q.device.type == "cpu":
+    """(out, lse) of softmax(q k^T * scale + mask) v, both in `_acc_dtype`; rows that see no key get
+    lse = -inf. On the CPU the fused kernel runs in the input dtype (it accumulates in float32 and
+    returns its log-sum-exp in float32); its output, rounded once to the input dtype, is merged in
+    float32. Elsewhere the scores, the softmax and the product run in float32."""
+    acc = _acc_dtype(q.dtype)
+    if q.device.type == "cpu" and FUSED_CPU_KERNEL:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, diag, attn_mask=mask, scale=scale)
+        out, lse = out.to(acc), lse.to(acc)
     else:
-        s = _scores(q, k, mask, diag, scale)
+        s = _scores(q.to(acc), k.to(acc), mask, diag, scale)
         lse = torch.logsumexp(s, dim=-1)
-        out = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0) @ v
+        out = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0) @ v.to(acc)
     if mask is not None:  # a row whose keys in this block are all masked contributes nothing
-        seen = torch.isfinite(mask).any(dim=-1).expand(lse.shape)
+        seen = _seen(mask).expand(lse.shape)
         lse = lse.masked_fill(~seen, float("-inf"))
         out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
     return out, lse
 
 
+def _seen(mask):
+    """Rows of a block mask with at least one visible key."""
+    return mask.any(dim=-1) if mask.dtype == torch.bool else torch.isfinite(mask).any(dim=-1)
+
+
 def _block_backward(dout, q, k, v, out, lse, mask, diag: bool, scale: float):
-    """(dq, dk, dv) of one block, given the merged `out` and `lse` of the rows (their global softmax)."""
-    if q.device.type == "cpu":
+    """(dq, dk, dv) of one block, given the merged `out` and `lse` of the rows (their global softmax);
+    off the fused CPU kernel computed in float32 for low-precision inputs."""
+    if q.device.type == "cpu" and FUSED_CPU_KERNEL:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, diag, attn_mask=mask, scale=scale)
-    p = torch.exp(_scores(q, k, mask, diag, scale) - lse.unsqueeze(-1)).nan_to_num(0.0)
+    acc = _acc_dtype(q.dtype)
+    q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
+    p = torch.exp(_scores(q, k, mask, diag, scale) - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)
     dv = p.transpose(-1, -2) @ dout
     dp = dout @ v.transpose(-1, -2)
     ds = p * (dp - (dout * out).sum(-1, keepdim=True))
@@ -183,7 +205,7 @@ def _block_backward(dout, q, k, v, out, lse, mask, diag: bool, scale: float):
 def _scores(q, k, mask, diag, scale):
     s = (q @ k.transpose(-1, -2)) * scale
     if mask is not None:
-        s = s + mask
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     if diag:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
@@ -227,8 +249,9 @@ class _Ring(Function):
         q_chunks = _chunks(me, n, balanced)
         split = lambda t, dim=-2: torch.chunk(t, len(q_chunks), dim=dim)  # noqa: E731
         q_parts, o_parts, do_parts, l_parts = split(q), split(out), split(dout.contiguous()), split(lse, -1)
-        dq_parts = [torch.zeros_like(p) for p in q_parts]
-        block = (k, v, torch.zeros_like(k), torch.zeros_like(v))
+        acc = _acc_dtype(q.dtype)  # gradient sums (and the dk / dv passed round) in float32 for bf16 / fp16
+        dq_parts = [torch.zeros_like(p, dtype=acc) for p in q_parts]
+        block = (k, v, torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
         for step in range(n):
             src = (me - step) % n
             k_chunks = _chunks(src, n, balanced)
@@ -238,14 +261,15 @@ class _Ring(Function):
                 dq, dk, dv = _block_backward(do_parts[i], q_parts[i], _expand(kb[j], groups), _expand(vb[j], groups),
                                              o_parts[i], l_parts[i], m, kind == DIAG, scale)
                 dq_parts[i] += dq
-                dkb[j].add_(_fold(dk, groups))
-                dvb[j].add_(_fold(dv, groups))
+                dkb[j].add_(_fold(dk.to(acc), groups))
+                dvb[j].add_(_fold(dv.to(acc), groups))
             if step < n - 1:
                 block = _finish(_shift(block, rs, n + step), rs)
         dk, dv = block[2], block[3]
         if n > 1:  # the gradients of the block in hand belong to the next rank: send them home
             dk, dv = _finish(_shift((dk, dv), rs, 2 * n), rs)
-        return torch.cat(dq_parts, dim=-2), dk, dv, None, None, None, None, None
+        dq = torch.cat(dq_parts, dim=-2).to(q.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _mask_block(mask, width: int, src: int):
@@ -271,7 +295,7 @@ def _final(acc, q_part):
     """Rows no key reached: output 0 and log-sum-exp 0 (as the fused kernel reports them)."""
     if acc is None:
         shape = q_part.shape
-        return q_part.new_zeros(shape), q_part.new_zeros(shape[:-1])
+        return q_part.new_zeros(shape), q_part.new_zeros(shape[:-1], dtype=_acc_dtype(q_part.dtype))
     out, lse = acc
     return out.to(q_part.dtype), torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
