@@ -170,6 +170,17 @@ def qwen3_moe(experts_implementation="eager"):
     return _same_dtype_rms_norm(MoeCausalLM(Qwen3MoeForCausalLM(cfg)))
 
 
+def qwen3_moe(experts_implementation="eager"):
+    """A tiny Qwen3-MoE: 4 routed experts, top-2, q/k norms, no shared expert."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=SEQ,
+                         attention_dropout=0.0, router_aux_loss_coef=0.02, attn_implementation="sdpa",
+                         experts_implementation=experts_implementation, use_cache=False)
+    return _same_dtype_rms_norm(MoeCausalLM(Qwen3MoeForCausalLM(cfg)))
+
+
 def bert():
     from transformers import BertConfig, BertForMaskedLM
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

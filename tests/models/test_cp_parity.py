@@ -6,6 +6,10 @@ steps within 1e-10 of single-process training on the global batch.
   balanced); a padded batch (attention mask with padding keys) under cp 2.
 - ``cp`` 2 x dp 2 on 4 processes: each unit takes half of the batch, the loss is the mean over all
   tokens (the reference: gradient accumulation over the two halves, each loss / 2).
+- mixture of experts (Mixtral, Qwen3-MoE) under ``cp`` 2 and ``cp`` 2 x dp 2: the routed experts are
+  split over the unit as ``ep`` splits them (rank 0 holds half of every expert weight; the generated
+  code calls ring attention and the experts' exchange), the next-token and load-balancing losses
+  exact (per replica under dp, as ``ep``).
 """
 from __future__ import annotations
 
@@ -18,14 +22,29 @@ from launch import run_workers
 from test_hf_parity import _check
 
 CP2 = [dict(mp.plan("cp2", "cp", 2), model="llama64"), dict(mp.plan("q-cp2", "cp", 2), model="qwen2"),
-       dict(mp.plan("cp2-pad", "cp", 2, pad=True), model="llama64")]
+       dict(mp.plan("cp2-pad", "cp", 2, pad=True), model="llama64"),
+       dict(mp.plan("m-cp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2", "cp", 2), model="qwen3_moe")]
 WORLD4 = [dict(mp.plan("cp4", "cp", 4), model="llama64"), dict(mp.plan("cp2-dp2", "cp", 2), model="qwen2"),
-          dict(mp.plan("cp2-dp2-zero3", "cp", 2, use_zero=3), model="llama64")]
+          dict(mp.plan("cp2-dp2-zero3", "cp", 2, use_zero=3), model="llama64"),
+          dict(mp.plan("m-cp2-dp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2-dp2", "cp", 2), model="qwen3_moe")]
+MOE = ("m-cp2", "q3-cp2", "m-cp2-dp2", "q3-cp2-dp2")
 
 
 def _activations_split(results, label):
     """Rank 0's local parameters are whole: cp splits activations, not weights."""
     return all(tuple(v.shape) == tuple(shape) for _, shape, _, v in results[0][label][1])
+
+
+def _experts_split(results, label):
+    """Rank 0 holds half of every expert weight (as under ``ep`` 2) and every other weight whole."""
+    shapes = [(name, tuple(shape), tuple(v.shape)) for name, shape, _, v in results[0][label][1]]
+    experts = [(full, local) for name, full, local in shapes if ".experts." in name]
+    return (experts and all(local[0] * 2 == full[0] and local[1:] == full[1:] for full, local in experts)
+            and all(full == local for name, full, local in shapes if ".experts." not in name))
+
+
+def _generated(tmp_path, label):
+    return [open(p).read() for p in glob.glob(str(tmp_path / "gen" / label / "**" / "gencode*.py"), recursive=True)]
 
 
 @pytest.mark.multiprocess
@@ -34,13 +53,17 @@ def test_cp2(tmp_path):
     results = run_workers(mp.run_plans, 2, CP2, str(tmp_path / "gen"), timeout=300)
     _check(results, CP2)
     assert _activations_split(results, "cp2")
-    for label in ("cp2", "q-cp2", "cp2-pad"):  # attention runs as ring attention on both ranks
-        code = [open(p).read() for p in glob.glob(str(tmp_path / "gen" / label / "**" / "gencode*.py"), recursive=True)]
+    for label in ("cp2", "q-cp2", "cp2-pad") + MOE[:2]:  # attention runs as ring attention on both ranks
+        code = _generated(tmp_path, label)
         assert len(code) == 2 and all(c.count("nr.ring_attention.attention(") >= 2 for c in code), label
+    for label in MOE[:2]:  # the experts exchange their tokens as under ep
+        assert _experts_split(results, label), label
+        assert all(c.count("nr.moe.expert_parallel(") == 2 for c in _generated(tmp_path, label)), label
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cp4_and_cp2_dp2(tmp_path):
     results = run_workers(mp.run_plans, 4, WORLD4, str(tmp_path / "gen"), timeout=400)
-    _check(results, WORLD4, halves_for=("cp2-dp2", "cp2-dp2-zero3"))
+    _check(results, WORLD4, halves_for=("cp2-dp2", "cp2-dp2-zero3") + MOE[2:])
+    assert all(_experts_split(results, label) for label in MOE[2:])

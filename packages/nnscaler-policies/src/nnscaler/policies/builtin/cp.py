@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
-from nnscaler.ir import RING_DIM, SDPA, ConfigError, Replicate, Shard
+from nnscaler.ir import RING_DIM, ROUTED_EXPERTS, SDPA, ConfigError, Replicate, Shard
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
-from ._spread import replicate_over_unit, split_over_unit
+from ._spread import replicate_over_unit, split_activation_batch_or_replicate, split_over_unit
 from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
+from .ep import moe_blocks, split_experts
 from .megatron import follow_split
 
 __all__ = ["cp", "split_ring"]
@@ -46,6 +47,7 @@ def cp(graph, cfg):
     if not any(n.target == SDPA for n in graph.nodes):
         raise PlanError(_no_attention(graph))
     stage_if_asked(graph, cfg, "cp")
+    blocks = moe_blocks(graph)  # mixture-of-experts modules: their tokens may split along the batch instead
     tp = TensorParallelModules(pas)
     along: Dict[int, int] = {}  # value id -> the axis it is split along
     for spec in graph.inputs:
@@ -61,18 +63,27 @@ def cp(graph, cfg):
         tp_dim = tp.dim(graph, node, devices)
         if node.target == SDPA:
             split_ring(graph, node, devices)
+        elif node.target == ROUTED_EXPERTS:
+            split_experts(graph, node, devices)  # experts over the devices, as `ep`
         elif tp_dim is not None:
             tp.split(graph, node, tp_dim, devices)
         else:
             dim = follow_split(graph, node, along, len(devices))  # an input's split axis, where the op splits it
-            if dim is None:
+            if dim is not None:
+                split_over_unit(graph, node, dim, len(devices), devices)
+            elif _in_blocks(node, blocks):  # a MoE block's (B, S, H) -> (B*S, H): split by the batch, as `ep`
+                split_activation_batch_or_replicate(graph, node, devices)
+            else:
                 replicate_over_unit(graph, node, len(devices), devices)
-                continue
-            split_over_unit(graph, node, dim, len(devices), devices)
         for ref, place in zip(tensor_outputs(graph, node), node.pieces[0].outputs):
             if isinstance(place, Shard):
                 along[ref.id] = place.dim
     return graph
+
+
+def _in_blocks(node, blocks) -> bool:
+    path = node.module_path or ""
+    return any(path == b or path.startswith(b + ".") for b in blocks)
 
 
 def split_ring(graph, node, devices: Sequence[int]) -> None:

@@ -29,7 +29,7 @@ from ..registry import register_policy
 from ._spread import split_activation_batch_or_replicate
 from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
 
-__all__ = ["ep", "split_experts"]
+__all__ = ["ep", "split_experts", "moe_blocks"]
 
 _EXPERT_HINTS = ("expert", "moe")
 
@@ -73,6 +73,15 @@ def split_experts(graph, node, devices: Sequence[int]) -> None:
     outs = [Shard(0)] * len(tensor_outputs(graph, node))
     node.pieces = [Piece(i, n, [Shard(0)] * len(ins), list(outs), EXPERT_DIM, device)
                    for i, device in enumerate(devices)]
+
+
+def moe_blocks(graph) -> set:
+    """The module paths of the mixture-of-experts blocks: the module holding each routed-experts op
+    (transformers' sparse block, whose ``experts`` module traced to the op), or the op's own module
+    when that module computes more than the op (a user's MoE module calling ``routed_experts``)."""
+    paths = {n.module_path or "" for n in graph.nodes if n.target == ROUTED_EXPERTS}
+    alone = {p for p in paths if all(n.target == ROUTED_EXPERTS for n in graph.nodes if (n.module_path or "") == p)}
+    return {p.rsplit(".", 1)[0] if p in alone and "." in p else p for p in paths}
 
 
 def _divisor(total: int, n: int) -> int:
