@@ -149,10 +149,15 @@ def _merged_weights(pm, opt, path):
     if dist.get_rank() == 0:
         merge(os.path.join(path, "sharded"), os.path.join(path, "merged"), model_only=True)
     dist.barrier()
-    params = {pm.fullmap[local].full_name for local, _ in pm.named_parameters()}
     weights = load_file(os.path.join(path, "merged", "model.safetensors"))
-    assert params <= set(weights), sorted(params - set(weights))
-    return [(n, tuple(v.shape), tuple((0, d) for d in v.shape), v) for n, v in weights.items() if n in params]
+    out = []
+    for local, _ in pm.named_parameters():  # a tied weight is merged once, under one of its names
+        name = pm.fullmap[local].full_name
+        stored = [n for n in (name, *(a for a, loc in pm.full_aliases.items() if loc == local)) if n in weights]
+        assert stored, f"{name} is not in the merged checkpoint"
+        v = weights[stored[0]]
+        out.append((name, tuple(v.shape), tuple((0, d) for d in v.shape), v))
+    return out
 
 
 def run_plans(rank, world, cases, gen_root):
