@@ -44,7 +44,8 @@ def with_branch_args(node: Node, args, kwargs):
     return args, kwargs
 
 
-def _if(gid: int, side: bool) -> str:
+def branch_if(gid: int, side: bool) -> str:
+    """The `if` line of one side of decision `gid`."""
     return f"if {'' if side else 'not '}{decision_var(gid)}:"
 
 
@@ -118,11 +119,11 @@ class BranchEmit:
         if node.branch is not None:
             gid, side = node.branch
             self.adapt.converted = self._restore
-            return [], [_if(gid, side)] + ["    " + line for line in conversions + own]
+            return [], [branch_if(gid, side)] + ["    " + line for line in conversions + own]
         blocks = []
         for (gid, side), lines in self.side_lines.items():
             if lines:
-                blocks += [_if(gid, side)] + ["    " + line for line in lines]
+                blocks += [branch_if(gid, side)] + ["    " + line for line in lines]
         return conversions + blocks, own
 
 

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 from nnscaler.ir import IRGraph, Node, Ref, Shard, is_guard
 
-from .branches import with_branch_args
+from .branches import branch_if, with_branch_args
 from .errors import GenerationError
 from .guards import guard_statement
 from .layouts import UnitPlan, is_shape_query
@@ -87,12 +87,34 @@ class _Divided(RawExpr):
 
 def rescale_sizes(node: Node, unit: UnitPlan, names: Dict[int, str], graph: IRGraph,
                   received=frozenset()) -> List[str]:
-    """Traced ints are full sizes: a size taken of a split tensor is scaled back up."""
-    if not is_shape_query(node):
+    """Traced ints are full sizes: a size taken of a split tensor is scaled back up.
+
+    A size read of a value that differs between the branches of a decision
+    (``(a if _branch_N else b).shape``) is scaled per branch: the plan may split `a` and `b`
+    along different dims, and scaling by the base side's layout alone gave the other side's
+    sizes wrong (a reshape then silently mixed the batch with the heads).
+    """
+    if not is_shape_query(node) or node.outputs is None:
         return []
-    src = node.args[0]
+    choices = [(gid, t, f) for where, key, gid, t, f in node.branch_args if where == "args" and key == 0]
+    if not choices:
+        return _rescale(node, node.args[0], unit, names, graph, received)
+    gid, when_true, when_false = choices[-1]  # the one `with_branch_args` renders
+    on_true = _rescale(node, when_true, unit, names, graph, received)
+    on_false = _rescale(node, when_false, unit, names, graph, received)
+    if on_true == on_false:
+        return on_true
+    lines: List[str] = []
+    for side, side_lines in ((True, on_true), (False, on_false)):
+        if side_lines:
+            lines += [branch_if(gid, side)] + ["    " + line for line in side_lines]
+    return lines
+
+
+def _rescale(node: Node, src, unit: UnitPlan, names: Dict[int, str], graph: IRGraph, received) -> List[str]:
+    """The lines scaling `node`'s sizes of `src` (one value) back to full sizes."""
     placement = unit.produced.get(src.id) if isinstance(src, Ref) and src.id not in received else None
-    if not isinstance(placement, Shard) or node.outputs is None:
+    if not isinstance(placement, Shard):
         return []
     n = unit.plan_ngpus
     outs = node.outputs
