@@ -7,19 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nnscaler.ir import RING_DIM, SDPA, ComputeConfig, Shard, trace
+from nnscaler.ir import CROSS_ENTROPY, RING_DIM, SDPA, SEQUENCE_LOSS_DIM, ComputeConfig, Replicate, Shard, trace
 from nnscaler.ir.config import ConfigError
 from nnscaler.ir.graph import IRGraph
 from nnscaler.policies import PlanError, apply_policy
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, eager=False, dropout=0.0, causal=True):
+    def __init__(self, eager=False, dropout=0.0, causal=True, reduction="mean"):
         super().__init__()
         self.emb = torch.nn.Embedding(16, 8)
         self.qkv = torch.nn.Linear(8, 24)
         self.out = torch.nn.Linear(8, 16)
-        self.eager, self.dropout, self.causal = eager, dropout, causal
+        self.eager, self.dropout, self.causal, self.reduction = eager, dropout, causal, reduction
 
     def forward(self, ids, labels):
         b, s = ids.shape
@@ -29,7 +29,7 @@ class Attention(torch.nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=self.causal)
         logits = self.out(y.transpose(1, 2).reshape(b, s, 8))
-        return F.cross_entropy(logits.transpose(1, 2), labels)
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction=self.reduction)
 
 
 def _graph(model, seq=8):
@@ -46,6 +46,20 @@ def test_ops_follow_the_sequence_and_attention_rings():
     emb = next(n for n in graph.nodes if n.short_name == "embedding")
     assert emb.pieces[0].dim is not None and isinstance(emb.pieces[0].outputs[0], Shard) \
         and emb.pieces[0].outputs[0].dim == 1  # the embedding splits along the sequence
+
+
+def test_mean_loss_splits_its_tokens_and_is_whole_on_every_rank():
+    """A mean cross-entropy over sequence-split logits: its own tokens on each rank (logits and labels
+    split alike, no gather), the mean replicated (nr.sequence_loss.cross_entropy); a sum splits by its
+    annotation (partial sums)."""
+    graph = apply_policy(_graph(Attention()), ComputeConfig(2, 2), "cp")
+    loss = next(n for n in graph.nodes if n.target == CROSS_ENTROPY)
+    assert [p.dim for p in loss.pieces] == [SEQUENCE_LOSS_DIM] * 2
+    assert [(type(p).__name__, getattr(p, "dim", None)) for p in loss.pieces[0].inputs] == [("Shard", 2), ("Shard", 1)]
+    assert all(isinstance(p, Replicate) for p in loss.pieces[0].outputs)
+    graph = apply_policy(_graph(Attention(reduction="sum")), ComputeConfig(2, 2), "cp")
+    loss = next(n for n in graph.nodes if n.target == CROSS_ENTROPY)
+    assert loss.pieces[0].dim != SEQUENCE_LOSS_DIM and isinstance(loss.pieces[0].inputs[0], Shard)
 
 
 def test_pipeline_stages():

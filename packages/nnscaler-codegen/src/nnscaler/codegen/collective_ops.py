@@ -5,7 +5,9 @@ them in a way no annotation can express.
   (`EXPERT_DIM`; piece i holds 1/n of the tokens and of the experts: the index holds global
   expert ids) calls ``nr.moe.expert_parallel``, which exchanges the tokens by all-to-all;
 - context parallelism: ``scaled_dot_product_attention`` split along `RING_DIM` (piece i holds 1/n
-  of the sequence of q, k, v and the mask's rows) calls ``nr.ring_attention.attention``.
+  of the sequence of q, k, v and the mask's rows) calls ``nr.ring_attention.attention``; a mean
+  ``cross_entropy`` split along `SEQUENCE_LOSS_DIM` (piece i holds 1/n of the tokens, the mean is
+  whole on every piece) calls ``nr.sequence_loss.cross_entropy``.
 
 `collective_call` rewrites the op's statement ``y = <target>(args...)`` to ``y = <runtime
 call>(args..., ranks=(...))`` with the ranks of the unit (or of the pipeline stage).
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from nnscaler.ir import EXPERT_DIM, RING_DIM, ROUTED_EXPERTS, SDPA, Node
+from nnscaler.ir import CROSS_ENTROPY, EXPERT_DIM, RING_DIM, ROUTED_EXPERTS, SDPA, SEQUENCE_LOSS_DIM, Node
 
 from .errors import GenerationError
 from .layouts import UnitPlan
@@ -22,7 +24,8 @@ from .layouts import UnitPlan
 __all__ = ["collective_call", "runtime_call", "RUNTIME_CALLS"]
 
 RUNTIME_CALLS = {(ROUTED_EXPERTS, EXPERT_DIM): "nr.moe.expert_parallel",
-                 (SDPA, RING_DIM): "nr.ring_attention.attention"}
+                 (SDPA, RING_DIM): "nr.ring_attention.attention",
+                 (CROSS_ENTROPY, SEQUENCE_LOSS_DIM): "nr.sequence_loss.cross_entropy"}
 
 
 def runtime_call(node: Node, unit: UnitPlan) -> Optional[str]:

@@ -9,6 +9,7 @@ from . import comm
 from . import random  # random streams of generated code (nr.random.*)
 from . import sync_batchnorm  # batch statistics over data-parallel replicas (nr.sync_batchnorm.*)
 from . import ring_attention  # context parallelism (nr.ring_attention.attention)
+from . import sequence_loss  # the mean loss over a sequence split by context parallelism
 from . import moe  # expert parallelism (nr.moe.expert_parallel)
 from .device import default_backend, default_device
 from .errors import ConfigError, GenerationError, NnScalerError, PlanMismatchError, ReuseError
@@ -41,7 +42,7 @@ __all__ = [
     "parse_precision", "with_master_weights",
     "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "GuardError", "guards", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
-    "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm", "moe", "ring_attention", "failures",
+    "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm", "moe", "ring_attention", "sequence_loss", "failures",
     "PeerFailedError", "StepRefusedError", "CollectiveTimeoutError", "ForwardArgumentError",
     "OffloadedOptimizer", "offload_optimizer", "step_gradients",
     "plain_trainables", "OptimizerState", "ModuleState", "optimizer_state", "module_state", "FullyShardedParams",

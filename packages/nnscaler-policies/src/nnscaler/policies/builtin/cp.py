@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
-from nnscaler.ir import RING_DIM, ROUTED_EXPERTS, SDPA, ConfigError, Replicate, Shard
+from nnscaler.ir import CROSS_ENTROPY, RING_DIM, ROUTED_EXPERTS, SDPA, SEQUENCE_LOSS_DIM, ConfigError, Replicate, Shard
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
@@ -35,7 +35,7 @@ from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_a
 from .ep import moe_blocks, split_experts
 from .megatron import follow_split
 
-__all__ = ["cp", "split_ring"]
+__all__ = ["cp", "split_ring", "split_loss"]
 
 
 @register_policy("cp", keys=UNIT_KEYS | {"sequence_dim"}, pipelines=True)
@@ -63,6 +63,8 @@ def cp(graph, cfg):
         tp_dim = tp.dim(graph, node, devices)
         if node.target == SDPA:
             split_ring(graph, node, devices)
+        elif node.target == CROSS_ENTROPY and split_loss(graph, node, along, devices):
+            pass  # a mean loss over this rank's tokens, the sums all-reduced (no logits gathered)
         elif node.target == ROUTED_EXPERTS:
             split_experts(graph, node, devices)  # experts over the devices, as `ep`
         elif tp_dim is not None:
@@ -108,6 +110,28 @@ def split_ring(graph, node, devices: Sequence[int]) -> None:
         rows.append(Shard(len(shape) - 2) if len(shape) >= 2 and shape[-2] != 1 else Replicate())
     outs = [Shard(len(graph.value(r).shape) - 2) for r in tensor_outputs(graph, node)]
     node.pieces = [Piece(i, n, list(rows), list(outs), RING_DIM, device) for i, device in enumerate(devices)]
+
+
+def split_loss(graph, node, along: Dict[int, int], devices: Sequence[int]) -> bool:
+    """Pieces of a mean ``cross_entropy`` whose input arrives split along its tokens (dim 0 of
+    (N, C), or a dim >= 2 of (N, C, d1, ...)): input and target split alike, the mean whole on every
+    piece (`SEQUENCE_LOSS_DIM`: ``nr.sequence_loss.cross_entropy``). False when it does not apply
+    (another reduction: its annotation splits it; an unsplit input; a dim that does not split evenly)."""
+    if (_argument(node, "reduction", 6) or "mean") != "mean" or _argument(node, "size_average", 3) is not None \
+            or _argument(node, "reduce", 5) is not None:
+        return False
+    ins = tensor_inputs(graph, node)
+    if len(ins) < 2 or ins[0].id not in along:
+        return False
+    x, target = graph.value(ins[0]).shape, graph.value(ins[1]).shape
+    dim, n = along[ins[0].id], len(devices)
+    if x is None or target is None or len(x) < 2 or dim == 1 or x[dim] % n:
+        return False
+    t_dim = dim if len(target) == len(x) or dim == 0 else dim - 1  # class probabilities: the input's shape
+    places = [Shard(dim), Shard(t_dim)] + [Replicate()] * (len(ins) - 2)  # the class weights whole
+    outs = [Replicate() for _ in tensor_outputs(graph, node)]
+    node.pieces = [Piece(i, n, list(places), list(outs), SEQUENCE_LOSS_DIM, device) for i, device in enumerate(devices)]
+    return True
 
 
 def _argument(node, name: str, position: int):

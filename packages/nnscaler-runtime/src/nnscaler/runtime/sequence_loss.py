@@ -1,0 +1,51 @@
+"""The mean cross-entropy over a sequence split by context parallelism, without gathering the logits.
+
+Under the `cp` policy the logits leave the model split along the sequence; a mean loss
+(``F.cross_entropy(..., reduction='mean')``, what transformers' own causal-LM loss computes) cannot
+be split by its annotation (a mean of partial means is not the mean), so without this op every rank
+would gather the whole (tokens, vocabulary) logits. The generated code calls
+``nr.sequence_loss.cross_entropy(input, target, ..., ranks=(...))`` instead: each rank sums the
+losses of its own tokens (``reduction='sum'``), one all-reduce adds the sums and the denominators
+(the tokens not ignored, or their class weights), and every rank returns the same mean. Backward:
+each rank's gradient of its own sum, over the global denominator (the all-reduce's dual is the
+identity), so nothing of the vocabulary's size crosses the ranks either way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .comm.collectives import all_reduce
+from .comm.primitives import CommError, as_ranks
+
+__all__ = ["cross_entropy"]
+
+
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+                  label_smoothing=0.0, *, ranks) -> torch.Tensor:
+    """``F.cross_entropy(reduction='mean')`` over the tokens of every rank in `ranks`, each holding
+    its own tokens (input and target split alike). COLLECTIVE over `ranks`: every rank runs one
+    all-reduce whatever its tokens (all ignored included)."""
+    ranks = as_ranks(ranks)
+    if reduction != "mean" or size_average is not None or reduce is not None:
+        raise CommError(f"sequence_loss.cross_entropy computes reduction='mean' only (got reduction={reduction!r}, "
+                        f"size_average={size_average!r}, reduce={reduce!r}): other reductions split by their "
+                        f"annotation")
+    total = F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction="sum",
+                            label_smoothing=label_smoothing)
+    count = _denominator(input, target, weight, ignore_index).to(total.dtype)
+    if len(ranks) == 1:
+        return total / count
+    both = all_reduce(torch.stack([total, count]), ranks)  # one collective: the sums and the denominators
+    return both[0] / both[1].detach()
+
+
+def _denominator(input, target, weight, ignore_index) -> torch.Tensor:
+    """What ``reduction='mean'`` divides by for these tokens: the targets not ignored (class indices),
+    their weights when given; every token for class probabilities."""
+    if target.is_floating_point():  # class probabilities: the mean over the tokens
+        return torch.tensor(float(input.numel() // input.shape[1 if input.dim() > 1 else 0]), device=input.device)
+    keep = target != ignore_index
+    if weight is None:
+        return keep.sum()
+    return torch.where(keep, weight[torch.where(keep, target, 0)], weight.new_zeros(())).sum()

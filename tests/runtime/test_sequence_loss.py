@@ -1,0 +1,75 @@
+"""nnscaler.runtime.sequence_loss.cross_entropy on real gloo processes: each rank holding 1/n of the
+tokens, the loss and the gradient of its logits equal ``F.cross_entropy(reduction='mean')`` over all
+tokens in one process (float64, 1e-12): class indices with ignored targets (one rank with every
+target ignored), class weights, label smoothing, class probabilities, spatial dims; one all-reduce a
+call, nothing of the logits' size sent. One launch of 2 ranks; the refusal of other reductions
+needs no process."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from launch import run_workers
+
+N, C = 12, 7
+
+
+def _problem(kind):
+    g = torch.Generator().manual_seed(len(kind))
+    x = torch.randn(N, C, dtype=torch.float64, generator=g)
+    kw = {}
+    if kind == "probabilities":
+        t = torch.softmax(torch.randn(N, C, dtype=torch.float64, generator=g), -1)
+    elif kind == "spatial":
+        x = torch.randn(2, C, N, dtype=torch.float64, generator=g)
+        t = torch.randint(0, C, (2, N), generator=g)
+    else:
+        t = torch.randint(0, C, (N,), generator=g)
+        t[: N // 2] = -100  # rank 0's tokens all ignored
+        t[N - 1] = -100
+        if kind == "weight":
+            kw["weight"] = torch.rand(C, dtype=torch.float64, generator=g) + 0.5
+        if kind == "smoothing":
+            kw["label_smoothing"] = 0.1
+    return x, t, kw
+
+
+def _job(rank, world, kinds):
+    from nnscaler.runtime import sequence_loss
+    from nnscaler.runtime.comm import count_collectives
+    out = {}
+    for kind in kinds:
+        x, t, kw = _problem(kind)
+        dim = 2 if kind == "spatial" else 0
+        rows = slice(rank * x.shape[dim] // world, (rank + 1) * x.shape[dim] // world)
+        mine = (x[:, :, rows] if dim == 2 else x[rows]).clone().requires_grad_(True)
+        t_mine = t[:, rows] if dim == 2 else t[rows]
+        with count_collectives() as stats:
+            loss = sequence_loss.cross_entropy(mine, t_mine, ranks=(0, 1), **kw)
+            loss.backward()
+        full = x.clone().requires_grad_(True)
+        want = F.cross_entropy(full, t, **kw)
+        want.backward()
+        grad = full.grad[:, :, rows] if dim == 2 else full.grad[rows]
+        out[kind] = (abs(loss.item() - want.item()), (mine.grad - grad).abs().max().item(),
+                     stats.calls("all_reduce"), stats.calls("all_gather"))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_split_mean_equals_one_process():
+    kinds = ("ignored", "weight", "smoothing", "probabilities", "spatial")
+    results = run_workers(_job, 2, kinds, timeout=120)
+    for rank in (0, 1):
+        for kind in kinds:
+            loss_diff, grad_diff, all_reduces, all_gathers = results[rank][kind]
+            assert loss_diff <= 1e-12 and grad_diff <= 1e-12, (rank, kind, loss_diff, grad_diff)
+            assert (all_reduces, all_gathers) == (1, 0), (rank, kind, all_reduces, all_gathers)
+
+
+def test_other_reductions_are_refused_by_name():
+    from nnscaler.runtime import sequence_loss
+    from nnscaler.runtime.comm import CommError
+    with pytest.raises(CommError, match="reduction='mean' only .*reduction='sum'"):
+        sequence_loss.cross_entropy(torch.randn(4, 3), torch.zeros(4, dtype=torch.long), reduction="sum", ranks=(0,))
