@@ -16,6 +16,7 @@ from nnscaler.policies.estimate import (ModelSpec, NoPlanFitsCluster, Plan, Work
                                         load_cluster, result_json, search)
 from nnscaler.policies.estimate import context
 from nnscaler.policies.estimate.plan_cost import _layer_times
+from nnscaler.policies.estimate.report import sequences_per_step, trainer_fragment
 from nnscaler.policies.estimate.search import candidates
 
 SPEC = ModelSpec(hidden=1024, layers=4, heads=16, kv_heads=4, head_dim=64, ffn=4096, vocab=32000)
@@ -181,8 +182,33 @@ def test_cp_that_leaves_no_plan_and_cp_with_ep(h100):
     with pytest.raises(NoPlanFitsCluster, match="the context-parallel degree the GPUs tp leaves"):
         search(SPEC, h100, Workload(gpus=8, seq=65536, global_batch_tokens=65536), fixed={"cp": 16})
     moe = dataclasses.replace(SPEC, experts=8, top_k=2, expert_ffn=512)
-    with pytest.raises(ConfigError, match="--cp 2 with --ep 2: context and expert parallelism together are not planned"):
-        search(moe, h100, Workload(gpus=8, seq=65536, global_batch_tokens=4 * 65536), fixed={"cp": 2, "ep": 2})
+    with pytest.raises(ConfigError, match=r"--cp 2 with --ep 4: .*experts are split over the cp ranks .*ep must divide "
+                                          r"cp; use --ep 1, 2"):
+        search(moe, h100, Workload(gpus=8, seq=65536, global_batch_tokens=4 * 65536), fixed={"cp": 2, "ep": 4})
+    with pytest.raises(ConfigError, match=r"Plan.ep \(4\) must be a whole number >= 1 dividing cp \(2\): with context"):
+        Plan(1, 1, 4, 0, 1, False, cp=2, ep=4)
+
+
+def test_cp_with_ep_is_planned(h100):
+    """ep with cp > 1 is carved out of the cp ranks (the cp policy splits the experts over its unit): the
+    search offers every ep dividing cp and the experts, the all-to-all runs over ep consecutive ranks of
+    the cp group, the experts' memory is / ep and their gradients reduce over dp·cp / ep ranks."""
+    moe = dataclasses.replace(SPEC, experts=8, top_k=2, expert_ffn=512, moe_layer_ids=None)
+    work = Workload(gpus=8, seq=65536, global_batch_tokens=4 * 65536)
+    assert {(p.cp, p.ep) for p in candidates(moe, h100, work) if p.tp == 1 and p.cp == 4} == {(4, 1), (4, 2), (4, 4)}
+    forced = search(moe, h100, work, fixed={"cp": 4, "ep": 4, "tp": 1})
+    assert (forced.best.plan.cp, forced.best.plan.ep) == (4, 4) and forced.best.ep_comm_s > 0
+    plan = Plan(1, 1, 2, 1, 1, False, cp=4, ep=4)
+    est, ep1 = estimate_plan(moe, h100, work, plan), estimate_plan(moe, h100, work, dataclasses.replace(plan, ep=1))
+    routed = moe.moe_layers * moe.routed_layer_params
+    assert ep1.memory_parts["weights"] - est.memory_parts["weights"] == pytest.approx(
+        routed * 3 / 4 * 2, rel=0.05)  # bf16 experts: / 4 on each rank
+    tokens = 65536 / 4  # a cp rank's tokens of one sequence; dispatch + combine over 4 intra-node ranks, fwd + bwd
+    per_pass = 2 * costs.all_to_all_time(tokens * 2 * moe.hidden * 2, 4, h100.intra_node)
+    assert est.ep_comm_s == pytest.approx(est.nmicros * moe.moe_layers * 2 * per_pass)
+    t = trainer_fragment(est, moe, h100)
+    assert t["pas_policy"] == "cp" and t["compute_config"]["pas_config"]["ep_size"] == 4
+    assert sequences_per_step(t) == work.sequences
 
 
 def test_cli_cp_errors_are_one_line(config):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -213,3 +214,25 @@ def test_trainer_fragment_runs_expert_parallelism_with_the_ep_policy(mixtral, h1
     assert c["pas_config"]["pipeline_scheduler"] == "1f1b_interleaved"
     with_tp = dataclasses.replace(plan, tp=2, dp=16, virtual=1)
     assert trainer_fragment(estimate_plan(mixtral, h100, work, with_tp), mixtral, h100)["pas_policy"] != "ep"
+
+
+def test_the_fragment_runs_the_planned_tokens_through_the_trainers_check(mixtral, h100):
+    """Mixtral-8x7B on 64 H100 (tp 1, pp 2, dp 32, ep 8): the fragment's config, checked by the Trainer
+    (TrainerArgs.validate, on the example hf_moe.yaml with the fragment's fields), takes the plan's 1,024
+    sequences a step: 4 units of ep 8 x pp 2, each micro-batch 8 sequences (1 per ep rank) x 32."""
+    import yaml
+    from nnscaler.policies.estimate.report import sequences_per_step, trainer_fragment
+    from nnscaler.trainer import TrainerArgs
+    work = Workload(gpus=64, seq=4096, global_batch_tokens=1024 * 4096)
+    plan = Plan(tp=1, pp=2, dp=32, ep=8, zero=1, micro_batch=1, recompute=False, virtual=1)
+    est = estimate_plan(mixtral, h100, work, plan)
+    t = trainer_fragment(est, mixtral, h100)
+    assert (t["micro_batch_size"], t["grad_accumulation_steps"], sequences_per_step(t)) == (8, 32, 1024)
+    with open(Path(__file__).parents[2] / "examples" / "trainer" / "hf_moe.yaml") as f:
+        data = yaml.safe_load(f)
+    data.pop("global_batch_size")
+    data["model"]["args"]["config"]["num_local_experts"] = 8
+    data.update(t)
+    args = TrainerArgs.from_dict(data)  # validates: the policy, its pas_config keys, the batches
+    assert args.dp_size == 4 and args.resolved_global_batch_size * work.seq == work.global_batch_tokens
+    assert est.nmicros * plan.dp * plan.micro_batch * work.seq == work.global_batch_tokens

@@ -11,9 +11,12 @@ Mixture of experts (`Plan.ep`, as Megatron-LM and torchtitan carve expert parall
 parallelism): `ep` consecutive data-parallel ranks split each MoE layer's routed experts (E / ep
 each, the expert matrices also split over tp: expert tensor parallelism = tp), so an ep group spans
 `tp * ep` ranks; the experts' gradients are reduced over the other dp / ep ranks (with ZeRO, their
-shards spread over those). Tokens reach their experts by an all-to-all (dispatch) and return by
-another (combine), forward and backward; the busiest rank's expert compute is `Workload.moe_imbalance`
-times the mean.
+shards spread over those). With context parallelism the ep ranks are carved out of the cp ranks
+instead (ep divides cp, as the runtime's ``cp`` policy splits the experts over its unit,
+``pas_config['ep_size']``): an ep group still spans `tp * ep` consecutive ranks and the experts'
+gradients are reduced over the dp·cp / ep ranks holding the same experts. Tokens reach their experts
+by an all-to-all (dispatch) and return by another (combine), forward and backward; the busiest rank's
+expert compute is `Workload.moe_imbalance` times the mean.
 
 Context parallelism (`Plan.cp`, `context`): cp ranks follow tp (tp, cp, dp, pp), each holding s/cp
 tokens of every sequence (activations, matmuls, elementwise ops and messages / cp; its 1/cp share of
@@ -63,11 +66,19 @@ class Plan:
         if self.zero_ngroups < 1 or self.dp % self.zero_ngroups or (self.zero_ngroups > 1 and not self.zero):
             raise ConfigError(f"Plan.zero_ngroups ({self.zero_ngroups}) must divide dp ({self.dp}), and needs "
                               f"zero 1 or 3 when above 1")
-        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
-            raise ConfigError(f"Plan.ep ({self.ep!r}) must be a whole number >= 1 dividing dp ({self.dp}): the "
-                              f"expert-parallel ranks are carved out of the data-parallel ones")
         if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
             raise ConfigError(f"Plan.cp must be a whole number >= 1 (the context-parallel degree), got {self.cp!r}")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.ep_pool % self.ep:
+            pool = f"cp ({self.cp}): with context parallelism" if self.cp > 1 else f"dp ({self.dp}):"
+            raise ConfigError(f"Plan.ep ({self.ep!r}) must be a whole number >= 1 dividing {pool} the "
+                              f"expert-parallel ranks are carved out of the "
+                              f"{'context' if self.cp > 1 else 'data'}-parallel ones")
+
+    @property
+    def ep_pool(self) -> int:
+        """The ranks ep is carved out of: the cp ranks with context parallelism (the runtime's cp policy
+        splits the experts over its unit), else the dp ranks."""
+        return self.cp if self.cp > 1 else self.dp
 
     @property
     def zero_group(self) -> int:
@@ -204,9 +215,9 @@ def _moe_mlp(spec: ModelSpec, m: int, tp: int, ep: int, imbalance: float):
 def _all_to_all_time(spec: ModelSpec, b: int, seq: int, tp: int, ep: int, cluster: Cluster, cp: int = 1) -> float:
     """Dispatch + combine of one forward pass of an MoE layer: two all-to-alls over ep ranks, each of the
     rank's b·s/(cp·tp) tokens (sequence parallel) x top_k copies x hidden, on the link an ep group of
-    tp·cp·ep consecutive ranks needs."""
+    tp·ep consecutive ranks needs (ep consecutive dp ranks, or cp ranks with context parallelism)."""
     nbytes = b * seq / cp / tp * spec.top_k * spec.hidden * cluster.gpu.dtype_bytes
-    return 2 * costs.all_to_all_time(nbytes, ep, _group_link(cluster, tp * cp * ep))
+    return 2 * costs.all_to_all_time(nbytes, ep, _group_link(cluster, tp * ep))
 
 
 def _head_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, cp: int = 1):
@@ -300,7 +311,7 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     grads = local_p * nbytes
     sync_plan = dataclasses.replace(plan, dp=dp * cp, cp=1)
     reduce, gather = zero_sync_times(grads, sync_plan, nmicros, cluster)
-    experts_plan = dataclasses.replace(plan, dp=dp // ep * cp, ep=1, cp=1, zero_ngroups=1)  # expert-data-parallel
+    experts_plan = dataclasses.replace(plan, dp=dp * cp // ep, ep=1, cp=1, zero_ngroups=1)  # expert-data-parallel
     if local_e:
         r_e, g_e = zero_sync_times(local_e * nbytes, experts_plan, nmicros, cluster, stride=ep)
         reduce, gather = reduce + r_e, gather + g_e

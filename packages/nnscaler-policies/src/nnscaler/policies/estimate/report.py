@@ -17,12 +17,20 @@ The mapping of a plan onto nnscaler (`trainer_fragment`):
 * expert parallelism (``ep`` > 1) with tp = 1: ``pas_policy: ep`` (docs/moe.md), ``plan_ngpus = pp * ep``,
   ``runtime_ngpus = pp * dp`` (dp / ep units), and with pp > 1 the pipeline keys (``pp_size``,
   ``pipeline_pivots``, ``pipeline_nstages = pp * virtual``, ``pipeline_nmicros``, the interleaved
-  scheduler when virtual > 1). With tp > 1 it is not mapped: the fragment runs the experts replicated
-  over dp (as ep 1, with more memory than estimated); ``trainer_note`` says so.
+  scheduler when virtual > 1). A unit of ep ranks splits one batch over its ranks, so the Trainer's
+  data-parallel size is dp / ep and ``micro_batch_size`` is the unit's, ``micro_batch * ep``: the
+  Trainer's step takes the plan's dp x micro_batch x nmicros sequences. With tp > 1 it is not mapped:
+  the fragment runs the experts replicated over dp (as ep 1, with more memory than estimated);
+  ``trainer_note`` says so.
 * context parallelism (``cp`` > 1) with tp = 1: ``pas_policy: cp`` (every op split along the sequence,
   ring attention), ``plan_ngpus = cp * pp``, ``runtime_ngpus = cp * pp * dp``, with pp > 1 the same
-  pipeline keys. With tp > 1 it is not mapped (the cp policy splits by sequence only): the fragment
-  runs cp over tp * cp ranks, the weights not split by tp; ``trainer_note`` says so.
+  pipeline keys; for a mixture-of-experts model ``pas_config['ep_size'] = ep`` (the experts split over
+  ep of each stage's cp ranks; 1: replicated). With tp > 1 it is not mapped (the cp policy splits by
+  sequence only): the fragment runs cp over tp * cp ranks, the weights not split by tp; ``trainer_note``
+  says so.
+
+`sequences_per_step(fragment)` is what the Trainer's step takes under a fragment (its data-parallel
+size x micro-batch x accumulation): the plan's ``dp * micro_batch * nmicros``.
 """
 from __future__ import annotations
 
@@ -37,7 +45,8 @@ from .model import ModelSpec
 from .plan_cost import Estimate, Workload
 from .search import SearchResult
 
-__all__ = ["FORMAT", "VERSION", "plan_json", "result_json", "trainer_fragment", "save_estimate", "use_zero_value"]
+__all__ = ["FORMAT", "VERSION", "plan_json", "result_json", "trainer_fragment", "save_estimate", "sequences_per_step",
+           "use_zero_value"]
 
 FORMAT = "nnscaler-estimate-plan"
 VERSION = 1
@@ -64,6 +73,8 @@ def trainer_fragment(est: Estimate, spec: ModelSpec, cluster: Cluster) -> dict:
         policy = "cp" if p.cp > 1 else "ep"
         plan_ngpus = p.pp * p.tp * p.cp if p.cp > 1 else p.pp * p.ep
         runtime_ngpus = p.pp * p.tp * p.cp * p.dp if p.cp > 1 else p.pp * p.dp
+        if p.cp > 1 and spec.is_moe:
+            pas["ep_size"] = p.ep  # the experts over ep of each stage's cp ranks (the cp policy's default: all)
         if p.pp > 1:
             pas.update(pp_size=p.pp, pipeline_pivots=layer, pipeline_nstages=p.pp * p.virtual,
                        pipeline_nmicros=est.nmicros)
@@ -87,8 +98,17 @@ def trainer_fragment(est: Estimate, spec: ModelSpec, cluster: Cluster) -> dict:
         compute["zero_use_reduce_scatter"] = True
     if p.zero_ngroups > 1:
         compute["zero_ngroups"] = p.zero_ngroups
-    return {"pas_policy": policy, "compute_config": compute, "micro_batch_size": p.micro_batch,
+    # a unit of the ep policy splits its batch over its ep ranks: its micro-batch is ep ranks' worth
+    unit_batch = p.micro_batch * (p.ep if policy == "ep" else 1)
+    return {"pas_policy": policy, "compute_config": compute, "micro_batch_size": unit_batch,
             "grad_accumulation_steps": est.nmicros, "precision": cluster.gpu.dtype}
+
+
+def sequences_per_step(fragment: dict) -> int:
+    """Sequences a Trainer step takes under `fragment`: the data-parallel size (runtime / plan GPUs) x
+    micro_batch_size x grad_accumulation_steps (as TrainerArgs.resolved_global_batch_size)."""
+    c = fragment["compute_config"]
+    return c["runtime_ngpus"] // c["plan_ngpus"] * fragment["micro_batch_size"] * fragment["grad_accumulation_steps"]
 
 
 def result_json(result: SearchResult, spec: ModelSpec, cluster: Cluster, work: Workload) -> dict:

@@ -1,8 +1,9 @@
 """The search: every tensor (inside a node, dividing the heads), context (`context.cp_options`),
 pipeline and data parallel degree of the whole cluster, with ZeRO (none, 1 or 3), micro-batch size
-and recomputation, and for a mixture-of-experts model every expert-parallel degree dividing dp and
-the experts (with cp 1); the fastest plan that fits wins, and the best plan of each other
-(tp, cp, pp, ep) family is kept with the reason it lost."""
+and recomputation, and for a mixture-of-experts model every expert-parallel degree dividing the
+experts and dp (cp with context parallelism: the experts split over the cp ranks); the fastest plan
+that fits wins, and the best plan of each other (tp, cp, pp, ep) family is kept with the reason it
+lost."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,7 +63,7 @@ def _plans(spec: ModelSpec, work: Workload, seqs: int, tp: int, cp: int):
                 # interleaving: more than one stage per GPU, nmicros a multiple of pp (Megatron-LM's rule)
                 if v > 1 and (pp == 1 or pp * v > spec.layers or nmicros % pp):
                     continue
-                for ep in ep_options(spec, dp) if cp == 1 else [1]:
+                for ep in ep_options(spec, cp if cp > 1 else dp):  # ep out of cp (the cp policy's unit) or dp
                     for zero in zero_options(tp, pp, dp * cp):  # ZeRO shards over the dp·cp replicas
                         for recompute in (False, True):
                             yield Plan(tp, pp, dp, zero, b, recompute, v, ep=ep, cp=cp)
@@ -106,9 +107,10 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
     _check_fixed_ep(spec, fixed.get("ep"))
     if "cp" in fixed:
         check_cp(work.seq, fixed["cp"])
-        if fixed["cp"] > 1 and fixed.get("ep", 1) > 1:
-            raise ConfigError(f"--cp {fixed['cp']} with --ep {fixed['ep']}: context and expert parallelism together "
-                              f"are not planned (the runtime's cp and ep policies do not combine); drop one")
+        if fixed["cp"] > 1 and fixed.get("ep", 1) > 1 and fixed["cp"] % fixed["ep"]:
+            raise ConfigError(f"--cp {fixed['cp']} with --ep {fixed['ep']}: with context parallelism the experts are "
+                              f"split over the cp ranks (the cp policy's ep_size), so ep must divide cp; use --ep "
+                              f"{', '.join(str(e) for e in _divisors(fixed['cp']) if spec.experts % e == 0)}")
     best_fit: Optional[Estimate] = None
     smallest: Optional[Estimate] = None
     family_best = {}
@@ -131,7 +133,7 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
                                 f"the {spec.heads} heads and fit in a node of {cluster.gpus_per_node}, the data-parallel "
                                 f"degree must divide the {work.sequences} sequences of a step"
                                 + (", the context-parallel degree the GPUs tp leaves" if fixed.get("cp", 1) > 1 else "")
-                                + (f", the expert-parallel degree dp and the {spec.experts} experts" if spec.is_moe
+                                + (f", the expert-parallel degree dp (cp with context parallelism) and the {spec.experts} experts" if spec.is_moe
                                    else "")
                                 + (f", and the fixed {fixed}" if fixed else "") + "); change --gpus or "
                                 f"--global-batch-tokens")
