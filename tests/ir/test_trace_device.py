@@ -98,11 +98,12 @@ def test_meta_gives_the_cpu_graph(cls, args):
     assert meta.summary() == cpu.summary()
 
 
-def test_meta_runs_intermediates_on_meta_and_keeps_weights():
+def test_meta_runs_what_reads_weights_on_meta_and_keeps_weights():
     m = DeviceSpy()
     weight = m.l1.weight.detach().clone()
     trace(m, {"x": torch.randn(2, 4)}, trace_strategy="meta")
-    assert m.seen == {"input": torch.device("meta"), "hidden": torch.device("meta"), "is_meta": True}
+    # the example batch keeps its values (a copy); what reads a weight runs on meta
+    assert m.seen == {"input": torch.device("cpu"), "hidden": torch.device("meta"), "is_meta": True}
     assert m.l1.weight.device.type == "cpu" and torch.equal(m.l1.weight, weight)
     trace(m, {"x": torch.randn(2, 4)}, trace_strategy="cpu")
     assert m.seen == {"input": torch.device("cpu"), "hidden": torch.device("cpu"), "is_meta": False}
@@ -295,3 +296,47 @@ def test_gpu_trace_restores_cuda_rng_and_buffers():
     assert g.nodes[-1].target == "torch.nn.functional.dropout"
     assert all(torch.equal(a, b) for a, b in zip(cuda_rng, torch.cuda.get_rng_state_all()))
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+# ----------------------------------------------------------------------------- meta-built modules
+class MaskedMLP(nn.Module):
+    """Reads the example batch's mask in Python (as transformers' mask checks do) before the weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x, mask):
+        if (mask == 0).any():  # a guard on the input: needs its value
+            x = x * mask[..., None]
+        keep = int(mask.sum().item())  # another value read of the batch
+        return (self.l1(x) * self.scale[:1])[:keep].sum()
+
+
+def test_meta_built_module_traces_value_reads_of_the_example_batch():
+    args = {"x": torch.randn(3, 4), "mask": torch.tensor([1.0, 0.0, 1.0])}
+    cpu = trace(MaskedMLP(), args, trace_strategy="cpu")
+    with torch.device("meta"):
+        m = MaskedMLP()
+    meta = trace(m, args, trace_strategy="meta")
+    assert meta.summary() == cpu.summary()
+    assert [n.target for n in meta.nodes] == [n.target for n in cpu.nodes]
+    assert all(t.is_meta for t in m.parameters())  # the module is left on meta
+
+
+def test_meta_keeps_the_users_example_batch_unchanged():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x.mul_(2)  # on the trace's copy of the batch
+            return self.l1(x).sum()
+
+    x = torch.ones(2, 4)
+    with torch.device("meta"):
+        m = InPlace()
+    trace(m, {"x": x}, trace_strategy="meta")
+    assert torch.equal(x, torch.ones(2, 4))

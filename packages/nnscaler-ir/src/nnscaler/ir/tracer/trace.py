@@ -147,6 +147,7 @@ def _trace_once(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], con
         return specs
 
     params = bind_named(module.named_parameters(remove_duplicate=False))
+    device.mark_weights(t for _, t in module.named_parameters())
     buffers = bind_named(module.named_buffers(remove_duplicate=False))
     if results is not None:  # put back after every trace (trace_state.SavedState)
         results.start((t for named in (module.named_parameters(), module.named_buffers()) for _, t in named), True)

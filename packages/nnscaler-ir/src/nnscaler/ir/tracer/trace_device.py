@@ -1,7 +1,12 @@
 """Where traced functions execute: the five trace strategies of ComputeConfig.
 
 - ``cpu``: weights and intermediates on the CPU.
-- ``meta``: weights stay on the CPU, intermediates are meta tensors (shapes only, no compute).
+- ``meta``: weights stay where they are (the CPU, or the meta device for a module built under
+  ``with torch.device("meta")``) and every function that reads a weight runs on meta twins of its
+  inputs (shapes only, no compute); a function of the example inputs, constants and buffers alone
+  runs on their real values (and so does a factory, ``torch.arange(n, device=x.device)``, sized by
+  the example batch), so what the forward reads from the example batch in Python (an attention
+  mask's ``.all()``, a position's ``.item()``) has a value to record a guard with.
 - ``cuda``: weights and intermediates on the GPU.
 - ``cuda_run_cpu_offload``: run on the GPU, retry a function on the CPU when it runs out of memory.
 - ``reuse_cache``: like ``cuda_run_cpu_offload``, and a function called again with inputs of the
@@ -28,6 +33,7 @@ class ExecutionDevice:
         self.offload_on_oom = offload_on_oom
         self.cache: Optional[Dict] = {} if cache else None
         self._twins: Dict[int, tuple] = {}
+        self._weights: set = set()  # ids of the module's parameters (meta: never computed for real)
         self.fallbacks = 0
 
     @classmethod
@@ -69,7 +75,22 @@ class ExecutionDevice:
         return copy
 
     def input_twin(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "meta" and t.device.type != "meta":  # the example batch keeps its values
+            copy = t.detach().clone()
+            return copy.requires_grad_(True) if t.requires_grad and copy.is_floating_point() else copy
         return self.twin(t)
+
+    def mark_weights(self, tensors) -> None:
+        """The module's parameters: under ``meta`` a function reading one never runs for real."""
+        self._weights.update(id(t) for t in tensors)
+
+    def _real_on_meta(self, args, kwargs) -> bool:
+        """Under ``meta``: whether a call reads only real tensors that are not weights (the example
+        batch, constants, buffers and what was computed from them alone), or no tensor at all (a
+        factory such as ``torch.arange(n, device=x.device)``: sized by the example batch)."""
+        if self.device.type != "meta":
+            return False
+        return all(t.device.type != "meta" and id(t) not in self._weights for t in _tensors((args, kwargs)))
 
     def _move(self, obj, device=None):
         if isinstance(obj, torch.Tensor):
@@ -85,6 +106,8 @@ class ExecutionDevice:
 
     # -- execution -------------------------------------------------------------------------------
     def run(self, func, args, kwargs, mode_off: bool = False):
+        if self._real_on_meta(args, kwargs):  # "meta" is the trace's device: a move there stays real
+            return _call(func, _meta_to_cpu(tuple(args)), _meta_to_cpu(dict(kwargs)), mode_off)
         args, kwargs = self._move(tuple(args)), self._move(dict(kwargs))
         key = self._cache_key(func, args, kwargs) if self.cache is not None else None
         if key is not None and key in self.cache:
@@ -113,6 +136,17 @@ def _call(func, args, kwargs, mode_off):
         with torch.overrides._pop_mode_temporarily():
             return func(*args, **kwargs)
     return func(*args, **kwargs)
+
+
+def _meta_to_cpu(obj):
+    """Device arguments naming ``meta`` replaced by the CPU (a real value moved to the trace's device)."""
+    if isinstance(obj, torch.device) and obj.type == "meta" or obj == "meta":
+        return torch.device("cpu")
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_meta_to_cpu(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _meta_to_cpu(v) for k, v in obj.items()}
+    return obj
 
 
 def _signature(obj):

@@ -27,6 +27,7 @@ from .gen_dir import (ReuseDecision, Identity, ReuseType, decide, generator_iden
                       state_schema,
                       swap_in, write_manifest)
 from .model_sources import collect_sources
+from .meta_init import check_initializable, fill_from_init, has_meta_tensors
 
 
 def parallelize(
@@ -74,12 +75,13 @@ def parallelize(
     `PeerFailedError` naming that rank and its error (runtime/driver/agreement.py).
     """
     agreement = ArgumentAgreement()
+    rng_state = torch.get_rng_state()  # a meta-built module is initialized from it (runtime/driver/meta_init.py)
     try:
         return _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute_config,
                             gen_savedir=gen_savedir, reuse=reuse, instance_name=instance_name,
                             load_module=load_module, module_fn=module_fn,
                             init_module_params=init_module_params, broadcast_strategy=broadcast_strategy,
-                            verbose=verbose, agreement=agreement)
+                            verbose=verbose, agreement=agreement, rng_state=rng_state)
     except Exception as e:
         e = agreement.error_for(e)  # the other ranks learn this rank's error, not gloo's (agreement.py)
         if is_deliberate(e):  # one message; an internal error keeps its traceback (runtime/driver/error_display.py)
@@ -89,7 +91,7 @@ def parallelize(
 
 def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute_config, *, gen_savedir,
                  reuse, instance_name, load_module, module_fn, init_module_params, broadcast_strategy,
-                 verbose=False, agreement: Optional[ArgumentAgreement] = None):
+                 verbose=False, agreement: Optional[ArgumentAgreement] = None, rng_state=None):
     from nnscaler.ir import ComputeConfig
 
     if not isinstance(compute_config, ComputeConfig):
@@ -109,6 +111,9 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
                                       or "/" in instance_name or instance_name in (".", "..")):
         raise ValueError(f"instance_name must be a non-empty name without '/', got {instance_name!r}")
     _check_policy_argument(pas_policy)
+    on_meta = not is_class and has_meta_tensors(module_or_module_class)
+    if on_meta:  # refused here, on every rank, before anything is generated
+        check_initializable(module_or_module_class, buffers_only=not init_module_params)
 
     cls = module_or_module_class if is_class else type(module_or_module_class)
     class_path = f"{cls.__module__}.{cls.__qualname__}"
@@ -147,7 +152,13 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
     if is_class:
         return gen_cls
     pm = gen_cls(init_params=False)
-    if init_module_params:
+    if on_meta:  # each rank fills only what it holds: constants, then the initialisation (meta_init.py)
+        constants = _constants(directory)
+        if constants:
+            pm.load_full_state(constants, strict=False)
+        fill_from_init(pm, module_or_module_class, rng_state if rng_state is not None else torch.get_rng_state(),
+                       buffers_only=not init_module_params)
+    elif init_module_params:
         pm.load_full_state(_full_state(module_or_module_class, directory))
         _broadcast_from_first_replica(pm)
     return pm
@@ -187,11 +198,14 @@ def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg,
             module = module_or_class
             if isinstance(module_or_class, type):
                 module = module_fn() if module_fn is not None else module_or_class()
-            graph = trace(module, dummy_args, constant_folding=cfg.constant_folding, trace_strategy=cfg.trace_strategy)
+            on_meta = has_meta_tensors(module)  # built on the meta device: only a meta trace can run it
+            graph = trace(module, dummy_args, constant_folding=cfg.constant_folding,
+                          trace_strategy="meta" if on_meta else cfg.trace_strategy)
             _write_json(staging / GRAPH_FILE, graph.to_json())
             _save_tensors(staging / CONSTANTS_FILE,
                           {name: getattr(spec, "tensor", None) for name, spec in graph.constants.items()})
-            _save_tensors(staging / WEIGHTS_FILE, _module_tensors(module))
+            if not on_meta:  # a meta module has no values: each rank fills its own (meta_init.py, nnscaler.ckpt.load)
+                _save_tensors(staging / WEIGHTS_FILE, _module_tensors(module))
             sources = collect_sources(module, graph)
         fingerprint = graph.fingerprint()
         graph = policies.apply_policy(graph, cfg, pas_policy)
@@ -270,12 +284,16 @@ def load_generated_class(directory: Path, rank: int, strategy: str = "none"):
 
 
 def _full_state(module: torch.nn.Module, directory: Path) -> Dict[str, torch.Tensor]:
-    state = dict(_module_tensors(module))
+    return {**_module_tensors(module), **_constants(directory)}
+
+
+def _constants(directory: Path) -> Dict[str, torch.Tensor]:
+    """The graph's tensor constants saved at generation."""
     constants = directory / CONSTANTS_FILE
-    if constants.exists():
-        from safetensors.torch import load_file
-        state.update(load_file(str(constants)))
-    return state
+    if not constants.exists():
+        return {}
+    from safetensors.torch import load_file
+    return load_file(str(constants))
 
 
 def _broadcast_from_first_replica(pm) -> None:
