@@ -1,7 +1,9 @@
 """nnscaler.runtime.ring_attention on real gloo processes: on n ranks, each holding 1/n of the
 sequence, the output and the gradients of q, k, v equal ``F.scaled_dot_product_attention`` on the
 whole sequence in one process (float64, 1e-12): causal (rows balanced in the zigzag layout), with
-a padding + causal mask (bool and additive), without either, with grouped-query heads and a
+a padding + causal mask (bool and additive), packed documents (a causal mask per document), key
+padding broadcast over the rows, without any; a boolean mask is read as key intervals (balanced when
+causal-like, nothing of its size kept for backward), with grouped-query heads and a
 given scale, at n = 2 and 4, with unsorted ranks. In bfloat16 (both block paths: the fused CPU
 kernel and the matrix one other devices run) against float32 ``scaled_dot_product_attention``:
 within torch's own bfloat16 ``scaled_dot_product_attention`` error (the softmax statistics, the
@@ -29,6 +31,12 @@ def _problem(seed, mask_kind):
         keep[1, :, :, :3] = False  # sample 1: 3 left-padding keys
         keep[1, :, :3, 0] = True  # ... that its padding rows still see (no row without keys)
         mask = keep if mask_kind == "bool" else torch.zeros(B, 1, S, S, dtype=torch.float64).masked_fill(~keep, -1e9)
+    if mask_kind == "packed":  # documents of 5, 6 and 5 tokens (sample 1: 9 and 7), causal inside each
+        doc = torch.tensor([[0] * 5 + [1] * 6 + [2] * 5, [0] * 9 + [1] * 7])
+        mask = (doc[:, None, :, None] == doc[:, None, None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+    if mask_kind == "keys":  # right padding of the keys only (2 and 0 positions), broadcast over the rows
+        mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+        mask[0, ..., S - 2:] = False
     return q, k, v, dout, mask
 
 
@@ -84,15 +92,18 @@ def _job(rank, world, cases, bf16_cases=()):
         rows = slice(piece * S // n, (piece + 1) * S // n)
         kw = dict(is_causal=causal, scale=0.3, enable_gqa=True)
         leaves = [t[:, :, rows].clone().requires_grad_(True) for t in (q, k, v)]
+        local_mask = None if mask is None else mask[:, :, rows] if mask.shape[-2] > 1 else mask
+        saved = []
         with count_collectives() as stats:
-            got = ring_attention.attention(*leaves, None if mask is None else mask[:, :, rows], ranks=ranks, **kw)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape[-2:])) or t, lambda t: t):
+                got = ring_attention.attention(*leaves, local_mask, ranks=ranks, **kw)
             got.backward(dout[:, :, rows])
         full = [t.clone().requires_grad_(True) for t in (q, k, v)]
         want = F.scaled_dot_product_attention(*full, attn_mask=mask, **kw)
         want.backward(dout)
         diffs = [(got - want[:, :, rows]).abs().max().item()] + [
             (a.grad - b.grad[:, :, rows]).abs().max().item() for a, b in zip(leaves, full)]
-        out[label] = (diffs, stats.calls("all_to_all"))
+        out[label] = (diffs, stats.calls("all_to_all"), (S // n, S) in saved)
     for label, ranks, causal, mask_kind, fused in bf16_cases:
         group_for(sorted(ranks))
         if rank in ranks:
@@ -103,7 +114,11 @@ def _job(rank, world, cases, bf16_cases=()):
 
 CASES = [("causal-4", (0, 1, 2, 3), 1, True, None), ("causal-2-unsorted", (3, 1), 2, True, None),
          ("mask-bool-4", (0, 1, 2, 3), 3, False, "bool"), ("mask-float-2", (0, 2), 4, False, "float"),
-         ("full-2", (1, 2), 5, False, None)]
+         ("full-2", (1, 2), 5, False, None), ("packed-4", (0, 1, 2, 3), 6, False, "packed"),
+         ("packed-2", (2, 0), 7, False, "packed"), ("keys-2", (1, 3), 8, False, "keys")]
+# all-to-alls a call: balanced, q, k, v in and the output out, backward the output again (not kept twice),
+# dout in and dq, dk, dv out; a mask read as key intervals (causal-like) also its rows' intervals
+ALL_TO_ALL = {"causal-4": 9, "causal-2-unsorted": 9, "mask-bool-4": 10, "packed-4": 10, "packed-2": 10}
 
 
 BF16 = [("bf16-causal-4-fused", (0, 1, 2, 3), True, None, True), ("bf16-causal-4-matrix", (0, 1, 2, 3), True, None, False),
@@ -123,9 +138,11 @@ def test_ring_attention_equals_one_process():
                 assert r <= 1.25 * t + 1e-4, (label, rank, what, r, t)
     for label, ranks, _, causal, _ in CASES:
         for rank in ranks:
-            diffs, all_to_all = results[rank][label]
+            diffs, all_to_all, mask_saved = results[rank][label]
             assert max(diffs) <= 1e-12, (label, rank, diffs)
-            assert all_to_all == (8 if causal else 0), (label, all_to_all)  # q, k, v in and the output out; backward the same
+            assert all_to_all == ALL_TO_ALL.get(label, 0), (label, all_to_all)
+            # a mask read as intervals is not kept: nothing of (rows x keys) saved (an additive -1e9 is a bias)
+            assert mask_saved == (label == "mask-float-2"), (label, rank)
 
 
 def _layout_job(rank, world):

@@ -34,10 +34,11 @@ from torch.autograd import Function
 from . import failures
 from .comm.exchange import exchange_rows
 from .comm.primitives import CommError, as_ranks, resolve
+from . import ring_masks
+from .ring_masks import DIAG, FULL, MASKED
 
 __all__ = ["attention", "FUSED_CPU_KERNEL"]
 
-FULL, DIAG = "full", "diag"
 FUSED_CPU_KERNEL = True
 """CPU blocks run torch's fused flash kernel; False: the matrix implementation other devices run
 (the tests run both paths on the CPU)."""
@@ -58,18 +59,31 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         raise CommError(f"ring attention: {query.shape[1]} query heads are not a multiple of {key.shape[1]} kv heads")
     rs = resolve(ranks, "ring_attention.attention")
     scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
-    mask = _additive(attn_mask, query.dtype)
-    balanced = bool(is_causal) and mask is None and rs.n > 1
-    if is_causal and mask is not None:
+    if is_causal and attn_mask is not None:
         raise CommError("ring attention: is_causal with an attn_mask (as scaled_dot_product_attention, refused)")
-    if balanced:
-        if query.shape[-2] % 2:
-            raise CommError(f"ring attention: the local sequence ({query.shape[-2]} rows) does not split into 2 "
+    rows = query.shape[-2]
+    iv = None if attn_mask is None else ring_masks.intervals(attn_mask, rows * rs.n, rs.ranks)
+    mask = _additive(attn_mask, query.dtype) if attn_mask is not None and iv is None else None
+    if iv is not None and iv.shape[-2] != rows:  # a mask broadcast over the rows (key padding only)
+        iv = iv.expand(*iv.shape[:-2], rows, 2).contiguous()
+    balanced = rs.n > 1 and (bool(is_causal) or (iv is not None and ring_masks.causal_like(iv, rs.index * rows)))
+    if balanced and rows % 2:
+        if iv is None:
+            raise CommError(f"ring attention: the local sequence ({rows} rows) does not split into 2 "
                             f"chunks: the sequence length must be a multiple of {2 * rs.n} (2 x the cp size)")
+        balanced = False  # a mask's intervals run unbalanced
+    holder: Optional[list] = None
+    if balanced:
         like = query  # the output takes the caller's query layout (as F.scaled_dot_product_attention's)
         query, key, value = (_zigzag(t, rs, forward=True) for t in (query, key, value))
-    out = _Ring.apply(query, key, value, mask, bool(is_causal), balanced, scale, rs)
-    return _zigzag(out, rs, forward=False, like=like) if balanced else out
+        iv = _zigzag(iv, rs, forward=True) if iv is not None else None
+        holder = []  # the output in the caller's order, which backward exchanges again instead of keeping a copy
+    out = _Ring.apply(query, key, value, mask, iv, bool(is_causal), balanced, scale, rs, holder)
+    if not balanced:
+        return out
+    out = _zigzag(out, rs, forward=False, like=like)
+    holder.append(out.detach())  # shares its storage with what the model keeps (o_proj's input)
+    return out
 
 
 def _cat_like(parts, like: torch.Tensor, dim: int) -> torch.Tensor:
@@ -215,11 +229,12 @@ def _scores(q, k, mask, diag, scale):
 
 class _Ring(Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, balanced, scale, rs):
+    def forward(ctx, q, k, v, mask, iv, causal, balanced, scale, rs, holder):
         n, me = rs.n, rs.index
         groups = q.shape[1] // k.shape[1]
         q_chunks = _chunks(me, n, balanced)
         q_parts = torch.chunk(q, len(q_chunks), dim=-2)
+        iv_parts = torch.chunk(iv, len(q_chunks), dim=-2) if iv is not None else None
         acc: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(q_parts)
         block = (k, v)
         for step in range(n):
@@ -227,28 +242,39 @@ class _Ring(Function):
             pending = _shift(block, rs, step) if step < n - 1 else None
             k_chunks = _chunks(src, n, balanced)
             k_parts, v_parts = torch.chunk(block[0], len(k_chunks), -2), torch.chunk(block[1], len(k_chunks), -2)
-            for i, j, kind in _pairs(q_chunks, k_chunks, causal):
-                m = _mask_block(mask, block[0].shape[-2], src)
+            for i, j, kind in _blocks(q_chunks, k_chunks, causal, iv_parts, k_parts[0].shape[-2]):
+                m = _block_mask(mask, iv_parts, i, k_chunks[j], k_parts[j].shape[-2], kind, block[0].shape[-2], src,
+                                q.dtype)
                 o, lse = _block_forward(q_parts[i], _expand(k_parts[j], groups), _expand(v_parts[j], groups), m,
                                         kind == DIAG, scale)
                 acc[i] = _merge(acc[i], o, lse)
             block = _finish(pending, rs) if pending is not None else block
         outs, lses = zip(*[_final(a, p) for a, p in zip(acc, q_parts)])
         out, lse = _cat_like(outs, q, -2), torch.cat(lses, dim=-1)  # out in q's layout, as the fused kernel
-        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
-        ctx.flags = (causal, balanced, scale, rs, mask is not None)
+        # saved: q, k, v (in the ring's row order), the log-sum-exp, the output unless the caller's
+        # reordered one stands in for it (`holder`), the general mask or the intervals (two ints a row)
+        extra = [t for t in (mask, iv) if t is not None]
+        ctx.save_for_backward(q, k, v, lse, *([] if holder is not None else [out]), *extra)
+        ctx.flags = (causal, balanced, scale, rs, mask is not None, iv is not None)
+        ctx.holder = holder
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        causal, balanced, scale, rs, has_mask = ctx.flags
-        q, k, v, out, lse, *rest = ctx.saved_tensors
-        mask = rest[0] if has_mask else None
+        causal, balanced, scale, rs, has_mask, has_iv = ctx.flags
+        q, k, v, lse, *rest = ctx.saved_tensors
+        if ctx.holder is not None:
+            out = _zigzag(ctx.holder[0], rs, forward=True)  # the caller's output, back in the ring's order
+        else:
+            out, rest = rest[0], rest[1:]
+        mask = rest.pop(0) if has_mask else None
+        iv = rest.pop(0) if has_iv else None
         n, me = rs.n, rs.index
         groups = q.shape[1] // k.shape[1]
         q_chunks = _chunks(me, n, balanced)
         split = lambda t, dim=-2: torch.chunk(t, len(q_chunks), dim=dim)  # noqa: E731
         q_parts, o_parts, do_parts, l_parts = split(q), split(out), split(dout.contiguous()), split(lse, -1)
+        iv_parts = split(iv) if iv is not None else None
         acc = _acc_dtype(q.dtype)  # gradient sums (and the dk / dv passed round) in float32 for bf16 / fp16
         dq_parts = [torch.zeros_like(p, dtype=acc) for p in q_parts]
         block = (k, v, torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
@@ -256,8 +282,9 @@ class _Ring(Function):
             src = (me - step) % n
             k_chunks = _chunks(src, n, balanced)
             kb, vb, dkb, dvb = (torch.chunk(t, len(k_chunks), -2) for t in block)
-            for i, j, kind in _pairs(q_chunks, k_chunks, causal):
-                m = _mask_block(mask, block[0].shape[-2], src)
+            for i, j, kind in _blocks(q_chunks, k_chunks, causal, iv_parts, kb[0].shape[-2]):
+                m = _block_mask(mask, iv_parts, i, k_chunks[j], kb[j].shape[-2], kind, block[0].shape[-2], src,
+                                q.dtype)
                 dq, dk, dv = _block_backward(do_parts[i], q_parts[i], _expand(kb[j], groups), _expand(vb[j], groups),
                                              o_parts[i], l_parts[i], m, kind == DIAG, scale)
                 dq_parts[i] += dq
@@ -269,7 +296,23 @@ class _Ring(Function):
         if n > 1:  # the gradients of the block in hand belong to the next rank: send them home
             dk, dv = _finish(_shift((dk, dv), rs, 2 * n), rs)
         dq = torch.cat(dq_parts, dim=-2).to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def _blocks(q_chunks, k_chunks, causal, iv_parts, chunk: int):
+    """The blocks to compute: from the intervals of a mask read as such, else all pairs (causal:
+    those with k <= q)."""
+    if iv_parts is not None:
+        return ring_masks.plan_blocks(q_chunks, k_chunks, chunk, iv_parts)
+    return _pairs(q_chunks, k_chunks, causal)
+
+
+def _block_mask(mask, iv_parts, i, k_chunk, width, kind, block_width, src, dtype):
+    if kind == MASKED:
+        return ring_masks.block_mask(iv_parts[i], k_chunk * width, width, dtype)
+    if iv_parts is not None:
+        return None
+    return _mask_block(mask, block_width, src)
 
 
 def _mask_block(mask, width: int, src: int):
