@@ -9,7 +9,8 @@ steps within 1e-10 of single-process training on the global batch.
 - mixture of experts (Mixtral, Qwen3-MoE) under ``cp`` 2 and ``cp`` 2 x dp 2: the routed experts are
   split over the unit as ``ep`` splits them (rank 0 holds half of every expert weight; the generated
   code calls ring attention and the experts' exchange), the next-token and load-balancing losses
-  exact (per replica under dp, as ``ep``).
+  exact (per replica under dp, as ``ep``); with ``pas_config={"ep_size": 1}`` every expert whole on
+  each rank.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from test_hf_parity import _check
 
 CP2 = [dict(mp.plan("cp2", "cp", 2), model="llama64"), dict(mp.plan("q-cp2", "cp", 2), model="qwen2"),
        dict(mp.plan("cp2-pad", "cp", 2, pad=True), model="llama64"),
-       dict(mp.plan("m-cp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2", "cp", 2), model="qwen3_moe")]
+       dict(mp.plan("m-cp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2", "cp", 2), model="qwen3_moe"),
+       dict(mp.plan("m-cp2-ep1", "cp", 2, pas_config={"ep_size": 1}), model="mixtral")]
 WORLD4 = [dict(mp.plan("cp4", "cp", 4), model="llama64"), dict(mp.plan("cp2-dp2", "cp", 2), model="qwen2"),
           dict(mp.plan("cp2-dp2-zero3", "cp", 2, use_zero=3), model="llama64"),
           dict(mp.plan("m-cp2-dp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2-dp2", "cp", 2), model="qwen3_moe")]
@@ -59,6 +61,8 @@ def test_cp2(tmp_path):
     for label in MOE[:2]:  # the experts exchange their tokens as under ep
         assert _experts_split(results, label), label
         assert all(c.count("nr.moe.expert_parallel(") == 2 for c in _generated(tmp_path, label)), label
+    assert _activations_split(results, "m-cp2-ep1")  # ep_size 1: every expert whole on each rank
+    assert not any("nr.moe.expert_parallel(" in c for c in _generated(tmp_path, "m-cp2-ep1"))
 
 
 @pytest.mark.multiprocess

@@ -109,3 +109,44 @@ def test_autodist_may_ring_the_attention():
     op = next(o for o in problem.ops if o.node.id == attention.id)
     times = dict(zip(op.labels, op.time))
     assert times["ring"] > 3e-3 / 2  # half the compute plus the blocks passed around the ring
+
+
+class AttentionMoE(Attention):
+    """Attention, then a mixture-of-experts layer on the flattened (batch x sequence) tokens."""
+
+    def __init__(self, experts=4):
+        super().__init__()
+        self.router = torch.nn.Linear(8, experts, bias=False)
+        self.up = torch.nn.Parameter(torch.randn(experts, 16, 8) * 0.1)
+        self.down = torch.nn.Parameter(torch.randn(experts, 8, 8) * 0.1)
+
+    def forward(self, ids, labels):
+        from nnscaler.ir.ops.moe import routed_experts
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 8)
+        x = y.reshape(-1, 8)
+        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+        y = y + routed_experts(x, index, weights, self.up, self.down).view(b, s, 8)
+        return F.cross_entropy(self.out(y).transpose(1, 2), labels)
+
+
+def test_experts_split_over_the_unit_as_ep():
+    from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS
+    graph = apply_policy(_graph(AttentionMoE()), ComputeConfig(2, 4), "cp")
+    experts = next(n for n in graph.nodes if n.target == ROUTED_EXPERTS)
+    assert [p.dim for p in experts.pieces] == [EXPERT_DIM, EXPERT_DIM]
+    assert all(isinstance(p, Shard) and p.dim == 0 for p in experts.pieces[0].inputs)  # tokens and experts
+    router = next(n for n in graph.nodes if n.module_path == "router")
+    assert router.pieces[0].dim is not None  # the flattened tokens split by the batch, not gathered
+    one = apply_policy(_graph(AttentionMoE()), ComputeConfig(2, 4, pas_config={"ep_size": 1}), "cp")
+    experts = next(n for n in one.nodes if n.target == ROUTED_EXPERTS)
+    assert experts.pieces[0].dim != EXPERT_DIM and isinstance(experts.pieces[0].inputs[3], type(Replicate()))
+
+
+@pytest.mark.parametrize("ep_size, words", [(3, r"must be a whole number dividing the 4 devices"),
+                                            (2, r"ep_size'\] = 2: .*all 4 devices .*or over none .*use ep_size 4"),
+                                            ("2", "must be a whole number")])
+def test_bad_ep_size(ep_size, words):
+    with pytest.raises(ConfigError, match=words):
+        apply_policy(_graph(AttentionMoE()), ComputeConfig(4, 4, pas_config={"ep_size": ep_size}), "cp")

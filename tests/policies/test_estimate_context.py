@@ -182,20 +182,20 @@ def test_cp_that_leaves_no_plan_and_cp_with_ep(h100):
     with pytest.raises(NoPlanFitsCluster, match="the context-parallel degree the GPUs tp leaves"):
         search(SPEC, h100, Workload(gpus=8, seq=65536, global_batch_tokens=65536), fixed={"cp": 16})
     moe = dataclasses.replace(SPEC, experts=8, top_k=2, expert_ffn=512)
-    with pytest.raises(ConfigError, match=r"--cp 2 with --ep 4: .*experts are split over the cp ranks .*ep must divide "
-                                          r"cp; use --ep 1, 2"):
-        search(moe, h100, Workload(gpus=8, seq=65536, global_batch_tokens=4 * 65536), fixed={"cp": 2, "ep": 4})
+    with pytest.raises(ConfigError, match=r"--cp 4 with --ep 2: .*experts are split over the cp ranks .*so ep is cp "
+                                          r"or 1; use --ep 1 or 4"):
+        search(moe, h100, Workload(gpus=8, seq=65536, global_batch_tokens=4 * 65536), fixed={"cp": 4, "ep": 2})
     with pytest.raises(ConfigError, match=r"Plan.ep \(4\) must be a whole number >= 1 dividing cp \(2\): with context"):
         Plan(1, 1, 4, 0, 1, False, cp=2, ep=4)
 
 
 def test_cp_with_ep_is_planned(h100):
     """ep with cp > 1 is carved out of the cp ranks (the cp policy splits the experts over its unit): the
-    search offers every ep dividing cp and the experts, the all-to-all runs over ep consecutive ranks of
+    search offers ep 1 and cp, the all-to-all runs over ep consecutive ranks of
     the cp group, the experts' memory is / ep and their gradients reduce over dp·cp / ep ranks."""
     moe = dataclasses.replace(SPEC, experts=8, top_k=2, expert_ffn=512, moe_layer_ids=None)
     work = Workload(gpus=8, seq=65536, global_batch_tokens=4 * 65536)
-    assert {(p.cp, p.ep) for p in candidates(moe, h100, work) if p.tp == 1 and p.cp == 4} == {(4, 1), (4, 2), (4, 4)}
+    assert {(p.cp, p.ep) for p in candidates(moe, h100, work) if p.tp == 1 and p.cp == 4} == {(4, 1), (4, 4)}
     forced = search(moe, h100, work, fixed={"cp": 4, "ep": 4, "tp": 1})
     assert (forced.best.plan.cp, forced.best.plan.ep) == (4, 4) and forced.best.ep_comm_s > 0
     plan = Plan(1, 1, 2, 1, 1, False, cp=4, ep=4)

@@ -18,7 +18,13 @@ chunks when causal (``N`` otherwise); attention dropout is refused. A model whos
 computed op by op (transformers' ``attn_implementation="eager"``) has no attention op to ring:
 refused, naming its softmax and the fix.
 
-Keys: ``sequence_dim``; pipelines (``pp_size`` ...) and ``tp_modules`` as `ep` (`_unit_plan.py`).
+A mixture-of-experts model: each routed-experts op is split over the devices as `ep` splits it (its
+experts and tokens; ``pas_config['ep_size']`` 1 keeps every expert on every device), and the ops of
+its block (router, shared experts) split along the sequence where they can follow it, else along
+the batch as under `ep` (the flattened (B*S, H) tokens of a batch above 1), else whole.
+
+Keys: ``sequence_dim``, ``ep_size``; pipelines (``pp_size`` ...) and ``tp_modules`` as `ep`
+(`_unit_plan.py`).
 Data parallelism across units (``runtime_ngpus > plan_ngpus``), ZeRO and recomputation compose as
 for every policy.
 """
@@ -32,13 +38,13 @@ from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
 from ._spread import replicate_over_unit, split_activation_batch_or_replicate, split_over_unit
 from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
-from .ep import moe_blocks, split_experts
+from .ep import ep_size_of, moe_blocks, split_routed_experts
 from .megatron import follow_split
 
 __all__ = ["cp", "split_ring", "split_loss"]
 
 
-@register_policy("cp", keys=UNIT_KEYS | {"sequence_dim"}, pipelines=True)
+@register_policy("cp", keys=UNIT_KEYS | {"sequence_dim", "ep_size"}, pipelines=True)
 def cp(graph, cfg):
     pas = dict(cfg.pas_config or {})
     axis = pas.get("sequence_dim", 1)
@@ -46,7 +52,8 @@ def cp(graph, cfg):
         raise ConfigError(f"pas_config['sequence_dim'] must be the inputs' sequence axis (an int >= 0), got {axis!r}")
     if not any(n.target == SDPA for n in graph.nodes):
         raise PlanError(_no_attention(graph))
-    stage_if_asked(graph, cfg, "cp")
+    pp_size = stage_if_asked(graph, cfg, "cp")
+    ep_size = ep_size_of(pas, cfg.plan_ngpus // pp_size, "cp")
     blocks = moe_blocks(graph)  # mixture-of-experts modules: their tokens may split along the batch instead
     tp = TensorParallelModules(pas)
     along: Dict[int, int] = {}  # value id -> the axis it is split along
@@ -66,7 +73,7 @@ def cp(graph, cfg):
         elif node.target == CROSS_ENTROPY and split_loss(graph, node, along, devices):
             pass  # a mean loss over this rank's tokens, the sums all-reduced (no logits gathered)
         elif node.target == ROUTED_EXPERTS:
-            split_experts(graph, node, devices)  # experts over the devices, as `ep`
+            split_routed_experts(graph, node, devices, ep_size)  # experts over the devices, as `ep`
         elif tp_dim is not None:
             tp.split(graph, node, tp_dim, devices)
         else:

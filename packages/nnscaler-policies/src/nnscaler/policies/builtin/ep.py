@@ -13,6 +13,10 @@ Pipeline keys (as ``hybrid``, needs ``use_end2end=True``): ``pp_size`` > 1 cuts 
 ``pipeline_nstages`` (default ``pp_size``) stages, each on ``plan_ngpus // pp_size`` devices over which
 its experts are split; ``pipeline_nmicros``, ``pipeline_scheduler``, ``pipeline_pivots`` as there.
 
+``ep_size`` (this policy and ``cp``): the devices of a unit (or stage) each expert layer is split
+over: all of them (the default), or 1 (every expert on every device, the op split along its tokens,
+as ``tp`` splits it).
+
 Tensor parallelism where asked: ``tp_modules`` (module path globs, e.g. ``["*.self_attn"]``) makes
 the ops inside those modules follow Megatron's rule over the same devices (column / row-parallel
 projections by the ``column`` / ``row`` / ``heads`` globs of ``megatron``, defaults included);
@@ -20,37 +24,62 @@ the layouts between them and the token-split ops are converted by the usual adap
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
-from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, Shard
+from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, ConfigError, Shard
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
-from ._spread import split_activation_batch_or_replicate
+from ._spread import split_activation_batch_or_replicate, split_batch_or_replicate
 from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
 
-__all__ = ["ep", "split_experts", "moe_blocks"]
+__all__ = ["ep", "split_experts", "moe_blocks", "ep_size_of", "split_routed_experts"]
 
 _EXPERT_HINTS = ("expert", "moe")
 
 
-@register_policy("ep", keys=UNIT_KEYS, pipelines=True)
+@register_policy("ep", keys=UNIT_KEYS | {"ep_size"}, pipelines=True)
 def ep(graph, cfg):
     experts = [n for n in graph.nodes if n.target == ROUTED_EXPERTS]
     if not experts:
         raise PlanError(_no_experts(graph))
-    stage_if_asked(graph, cfg, "ep")
+    pp_size = stage_if_asked(graph, cfg, "ep")
+    ep_size = ep_size_of(dict(cfg.pas_config or {}), cfg.plan_ngpus // pp_size, "ep")
     tp = TensorParallelModules(dict(cfg.pas_config or {}))
     for node in graph.nodes:
         devices = devices_of(graph, node, cfg.plan_ngpus)
         tp_dim = tp.dim(graph, node, devices)
         if node.target == ROUTED_EXPERTS and len(devices) > 1:
-            split_experts(graph, node, devices)
+            split_routed_experts(graph, node, devices, ep_size)
         elif tp_dim is not None:
             tp.split(graph, node, tp_dim, devices)
         else:
             split_activation_batch_or_replicate(graph, node, devices)
     return graph
+
+
+def ep_size_of(pas: dict, devices: int, policy: str) -> Optional[int]:
+    """``pas_config['ep_size']`` checked against the `devices` of a unit (or stage); None: all of them."""
+    if "ep_size" not in pas:
+        return None
+    k = pas["ep_size"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or devices % k:
+        raise ConfigError(f"pas_config['ep_size'] must be a whole number dividing the {devices} devices each expert "
+                          f"layer runs on under pas_policy {policy!r} (plan_ngpus / pp_size), got {k!r}")
+    if 1 < k < devices:
+        raise ConfigError(f"pas_config['ep_size'] = {k}: pas_policy {policy!r} splits the experts over all "
+                          f"{devices} devices of a unit (or stage) or over none (ep_size 1), not over {k} of them "
+                          f"yet; use ep_size {devices} (or leave it out) or 1, or plan_ngpus / pp_size = {k}")
+    return k
+
+
+def split_routed_experts(graph, node, devices: Sequence[int], ep_size: Optional[int]) -> None:
+    """A routed-experts op over `devices`: its experts split over them (`split_experts`), or with
+    ``ep_size`` 1 every expert on every device and the op split along its tokens."""
+    if ep_size == 1:
+        split_batch_or_replicate(graph, node, devices)
+    else:
+        split_experts(graph, node, devices)
 
 
 def split_experts(graph, node, devices: Sequence[int]) -> None:

@@ -12,8 +12,8 @@ parallelism): `ep` consecutive data-parallel ranks split each MoE layer's routed
 each, the expert matrices also split over tp: expert tensor parallelism = tp), so an ep group spans
 `tp * ep` ranks; the experts' gradients are reduced over the other dp / ep ranks (with ZeRO, their
 shards spread over those). With context parallelism the ep ranks are carved out of the cp ranks
-instead (ep divides cp, as the runtime's ``cp`` policy splits the experts over its unit,
-``pas_config['ep_size']``): an ep group still spans `tp * ep` consecutive ranks and the experts'
+instead (ep is cp or 1, as the runtime's ``cp`` policy splits the experts over its unit or not,
+``pas_config['ep_size']``; the cost model prices any ep dividing cp): an ep group still spans `tp * ep` consecutive ranks and the experts'
 gradients are reduced over the dp·cp / ep ranks holding the same experts. Tokens reach their experts
 by an all-to-all (dispatch) and return by another (combine), forward and backward; the busiest rank's
 expert compute is `Workload.moe_imbalance` times the mean.

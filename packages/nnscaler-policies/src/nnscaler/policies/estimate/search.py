@@ -1,7 +1,7 @@
 """The search: every tensor (inside a node, dividing the heads), context (`context.cp_options`),
 pipeline and data parallel degree of the whole cluster, with ZeRO (none, 1 or 3), micro-batch size
 and recomputation, and for a mixture-of-experts model every expert-parallel degree dividing the
-experts and dp (cp with context parallelism: the experts split over the cp ranks); the fastest plan
+experts and dp (with context parallelism 1 or cp: the experts split over the cp ranks); the fastest plan
 that fits wins, and the best plan of each other (tp, cp, pp, ep) family is kept with the reason it
 lost."""
 from __future__ import annotations
@@ -63,15 +63,19 @@ def _plans(spec: ModelSpec, work: Workload, seqs: int, tp: int, cp: int):
                 # interleaving: more than one stage per GPU, nmicros a multiple of pp (Megatron-LM's rule)
                 if v > 1 and (pp == 1 or pp * v > spec.layers or nmicros % pp):
                     continue
-                for ep in ep_options(spec, cp if cp > 1 else dp):  # ep out of cp (the cp policy's unit) or dp
+                for ep in ep_options(spec, dp, cp):
                     for zero in zero_options(tp, pp, dp * cp):  # ZeRO shards over the dp·cp replicas
                         for recompute in (False, True):
                             yield Plan(tp, pp, dp, zero, b, recompute, v, ep=ep, cp=cp)
 
 
-def ep_options(spec: ModelSpec, dp: int) -> List[int]:
-    """Expert-parallel degrees: each divisor of dp that divides the routed experts (1 for a dense model)."""
-    return [e for e in _divisors(dp) if spec.experts % e == 0] if spec.is_moe else [1]
+def ep_options(spec: ModelSpec, dp: int, cp: int = 1) -> List[int]:
+    """Expert-parallel degrees: each divisor of dp that divides the routed experts (1 for a dense model);
+    with cp > 1, 1 or cp (the cp policy splits the experts over all of its unit's ranks or none,
+    ``ep_size``)."""
+    if not spec.is_moe:
+        return [1]
+    return [e for e in ((1, cp) if cp > 1 else _divisors(dp)) if spec.experts % e == 0]
 
 
 def zero_options(tp: int, pp: int, dp: int) -> List[int]:
@@ -107,10 +111,10 @@ def search(spec: ModelSpec, cluster: Cluster, work: Workload, top: int = 8,
     _check_fixed_ep(spec, fixed.get("ep"))
     if "cp" in fixed:
         check_cp(work.seq, fixed["cp"])
-        if fixed["cp"] > 1 and fixed.get("ep", 1) > 1 and fixed["cp"] % fixed["ep"]:
+        if fixed["cp"] > 1 and fixed.get("ep", 1) not in (1, fixed["cp"]):
             raise ConfigError(f"--cp {fixed['cp']} with --ep {fixed['ep']}: with context parallelism the experts are "
-                              f"split over the cp ranks (the cp policy's ep_size), so ep must divide cp; use --ep "
-                              f"{', '.join(str(e) for e in _divisors(fixed['cp']) if spec.experts % e == 0)}")
+                              f"split over the cp ranks (the cp policy's ep_size: all of them or none), so ep is cp or "
+                              f"1; use --ep " + " or ".join(str(e) for e in ep_options(spec, 1, fixed["cp"])))
     best_fit: Optional[Estimate] = None
     smallest: Optional[Estimate] = None
     family_best = {}
