@@ -1,6 +1,6 @@
 """codegen/collective_ops.py: a routed-experts op split along its experts dim and attention split
-along the ring dim become calls of the runtime's versions with the unit's ranks; nothing else is
-rewritten."""
+along the ring dim become calls of the runtime's versions with the unit's ranks (expert parallelism also with its
+layer's name); nothing else is rewritten."""
 from __future__ import annotations
 
 import pytest
@@ -25,7 +25,10 @@ def test_split_experts_call_the_runtime_over_the_unit():
     unit = UnitPlan(2, partitioned={7: True})
     assert runtime_call(_node(EXPERT_DIM), unit) == "nr.moe.expert_parallel"
     assert collective_call(_node(EXPERT_DIM), [LINE], unit, (2, 3)) == [
-        "y = nr.moe.expert_parallel(x, idx, w, self.up, self.down, activation='silu', ranks=(2, 3))"]
+        "y = nr.moe.expert_parallel(x, idx, w, self.up, self.down, activation='silu', ranks=(2, 3), layer='op 7')"]
+    node = _node(EXPERT_DIM)
+    node.module_path = "model.layers.1.mlp.experts"  # the layer's key in the expert-load record
+    assert collective_call(node, [LINE], unit, (0, 1))[0].endswith(", ranks=(0, 1), layer='model.layers.1.mlp.experts')")
 
 
 def test_token_split_and_replicated_ops_stay():

@@ -102,3 +102,46 @@ def test_expert_parallel_equals_one_process():
             assert max(diffs) <= 1e-12, (label, rank, diffs)
             assert calls == 4, (label, calls)  # dispatch and combine, forward and backward
             assert nbytes > 0 and load == want_load, (label, load, want_load)
+
+
+# -- the expert-load record (no process: a one-rank group) --------------------------------------
+from launch import world1  # noqa: E402,F401  (fixture)
+
+
+def test_expert_load_is_per_step_and_bounded():
+    from nnscaler.runtime.moe import ExpertLoad
+    load = ExpertLoad()
+    for step in range(100):
+        for micro in range(3):
+            for layer in ("layers.0.experts", "layers.1.experts"):
+                load.add(torch.tensor([2.0, 0.0, 1.0, 1.0]) * (step + 1), layer)
+        assert list(load.per_layer) == ["layers.0.experts", "layers.1.experts"]  # one entry per layer
+        assert load.per_layer["layers.1.experts"].tolist() == [6.0 * (step + 1), 0.0, 3.0 * (step + 1), 3.0 * (step + 1)]
+        load.end_step()
+        assert len(load.per_call) == 2  # the ended step is kept until the next step's first forward
+    assert load.imbalance() == 2.0  # max 6 over mean 3
+    load.add(torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    load.add(torch.tensor([1.0, 1.0, 1.0, 1.0]))  # calls without a layer: one entry each, in order
+    assert list(load.per_layer) == ["call 0", "call 1"] and load.imbalance() == 1.0
+    load.reset()
+    assert load.per_call == [] and load.imbalance() == 1.0
+
+
+def test_expert_load_counts_training_forwards_once(world1):
+    """Recomputation in backward runs the forward again (collectives included) but is not counted
+    twice; a forward without autograd (evaluation) is not counted."""
+    from torch.utils.checkpoint import checkpoint
+    from nnscaler.runtime import moe
+    hidden, index, weights, up, down, *_ = _problem(7)
+    up.requires_grad_(True)
+    want = torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist()
+
+    def run(h):
+        return moe.expert_parallel(h, index, weights, up, down, ranks=(0,), layer="moe")
+    moe.expert_load().reset()
+    with torch.no_grad():
+        run(hidden)
+    assert moe.expert_load().per_call == []
+    checkpoint(run, hidden.requires_grad_(True), use_reentrant=False).sum().backward()
+    assert moe.expert_load().per_layer["moe"].tolist() == want and up.grad is not None
+    moe.expert_load().reset()

@@ -10,7 +10,8 @@ them in a way no annotation can express.
   whole on every piece) calls ``nr.sequence_loss.cross_entropy``.
 
 `collective_call` rewrites the op's statement ``y = <target>(args...)`` to ``y = <runtime
-call>(args..., ranks=(...))`` with the ranks of the unit (or of the pipeline stage).
+call>(args..., ranks=(...))`` with the ranks of the unit (or of the pipeline stage); expert
+parallelism also gets ``layer=<the experts module's path>`` (its key in the expert-load record).
 """
 from __future__ import annotations
 
@@ -43,4 +44,5 @@ def collective_call(node: Node, lines: List[str], unit: UnitPlan, ranks: tuple) 
     target = node.target + "("
     if len(lines) != 1 or lines[0].count(target) != 1 or not lines[0].endswith(")"):
         raise GenerationError(f"cannot rewrite the op {node.describe()} to {call} (generated as {lines!r})")
-    return [lines[0].replace(target, call + "(")[:-1] + f", ranks={tuple(ranks)!r})"]
+    extra = f", layer={(node.module_path or f'op {node.id}')!r}" if call == RUNTIME_CALLS[(ROUTED_EXPERTS, EXPERT_DIM)] else ""
+    return [lines[0].replace(target, call + "(")[:-1] + f", ranks={tuple(ranks)!r}{extra})"]

@@ -10,13 +10,13 @@ experts' MLPs on what it received, sends the outputs back the same way, and comb
 routing weights. Forward and backward are exactly `routed_experts` on the whole batch: the
 backward of each exchange is the exchange the other way.
 
-`expert_load()` holds what the last forward routed (tokens per expert, per layer call) on this
-rank's pieces; `stats` counts the exchanged rows.
+`expert_load()` holds what the step's training forwards routed (tokens per expert, per layer, summed
+over the unit; bounded: one tensor per layer); `comm.stats` counts the exchanged rows.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -31,20 +31,41 @@ __all__ = ["expert_parallel", "ExpertLoad", "expert_load"]
 
 @dataclass
 class ExpertLoad:
-    """Tokens (token-slot pairs) each expert received in the forwards since the last `reset`, summed
-    over the ranks of each call's unit: one row per routed-experts call, in call order."""
+    """The tokens (token-slot pairs) each expert received in this step's training forwards, per MoE
+    layer (``layer``: the experts module's path, which generated code passes), summed over the
+    ranks of the layer's unit and over the step's micro-batches: one tensor per layer, so the record
+    stays bounded however long training runs. A step ends at the optimizer's step (`build_optimizer`'s
+    calls `end_step`; a loop with another optimizer calls it itself): the record keeps the ended
+    step's load until the next training forward starts a new one. Forwards without autograd
+    (evaluation) and recomputation during backward are not recorded."""
 
-    per_call: List[torch.Tensor] = field(default_factory=list)
+    per_layer: Dict[str, torch.Tensor] = field(default_factory=dict)
+    ended: bool = False
 
     def reset(self) -> None:
-        self.per_call.clear()
+        self.per_layer.clear()
+        self.ended = False
 
-    def add(self, counts: torch.Tensor) -> None:
-        self.per_call.append(counts.detach().to("cpu", torch.float64))
+    def end_step(self) -> None:
+        """The step is over: the next `add` starts the next step's record."""
+        self.ended = True
+
+    def add(self, counts: torch.Tensor, layer: Optional[str] = None) -> None:
+        """Add one forward's tokens per expert of `layer` (None: a call of its own, named by its order)."""
+        if self.ended:
+            self.reset()
+        key = layer if layer is not None else f"call {len(self.per_layer)}"
+        counts = counts.detach().to("cpu", torch.float64)
+        self.per_layer[key] = self.per_layer[key] + counts if key in self.per_layer else counts
+
+    @property
+    def per_call(self) -> List[torch.Tensor]:
+        """The layers' loads, in the order each layer was first called in the step."""
+        return list(self.per_layer.values())
 
     def imbalance(self) -> float:
-        """The busiest expert's load over the mean load, averaged over the calls (1.0: balanced)."""
-        ratios = [float(c.max() / c.mean()) for c in self.per_call if float(c.sum()) > 0]
+        """The busiest expert's load over the mean load, averaged over the layers (1.0: balanced)."""
+        ratios = [float(c.max() / c.mean()) for c in self.per_layer.values() if float(c.sum()) > 0]
         return sum(ratios) / len(ratios) if ratios else 1.0
 
 
@@ -52,15 +73,23 @@ _LOAD = ExpertLoad()
 
 
 def expert_load() -> ExpertLoad:
-    """This process's record of the expert-parallel forwards (see `ExpertLoad`)."""
+    """This process's record of the expert-parallel forwards of the current (or just ended) step
+    (see `ExpertLoad`)."""
     return _LOAD
+
+
+def _training_forward() -> bool:
+    """A forward that builds an autograd graph and is not a recomputation inside backward."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
 def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, down_bias=None, *,
                     activation: str = "silu", gate: str = "glu", transposed: bool = False, alpha: float = 1.0,
-                    limit: float = 0.0, ranks) -> torch.Tensor:
+                    limit: float = 0.0, ranks, layer: Optional[str] = None) -> torch.Tensor:
     """`routed_experts` on this rank's tokens, with this rank's share of the experts (see the module
-    docstring). COLLECTIVE over `ranks` (every rank of the unit calls it for the same layer)."""
+    docstring). COLLECTIVE over `ranks` (every rank of the unit calls it for the same layer), with the
+    same collectives in the same order whatever the routing, forward and backward. `layer` names the
+    layer in `expert_load()`."""
     ranks = as_ranks(ranks)
     mlp = ExpertMLP(activation, gate, transposed, float(alpha), float(limit))
     n, local = len(ranks), gate_up.shape[0]
@@ -77,7 +106,8 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     rows = gathered.tolist()  # group order; piece k is group rank to_piece[k]
     matrix = rows if rs.to_piece is None else [rows[int(g)] for g in rs.to_piece]
     me = rs.index
-    _LOAD.add(gathered.sum(0))
+    if _training_forward():
+        _LOAD.add(gathered.sum(0), layer)
     send = [sum(matrix[me][j * local:(j + 1) * local]) for j in range(n)]  # rows to piece j
     recv = [sum(matrix[j][me * local:(me + 1) * local]) for j in range(n)]  # rows from piece j
     x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))

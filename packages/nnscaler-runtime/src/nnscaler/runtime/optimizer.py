@@ -39,6 +39,7 @@ from nnscaler.ir.contracts import FullMapEntry, OptimizerAttrs
 
 from .class_mixin import mix_into
 from .module import ParallelModule
+from .moe import expert_load
 from .reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
 from .zero3_optimizer import FullyShardedOptimizerState
@@ -61,17 +62,20 @@ class NnScalerOptimizerMixin(OptimizerAttrs):
 
     def step(self, closure=None):
         """The optimizer's step; under ZeRO it first sets the shard gradients (if not done yet in
-        this step) and afterwards all-gathers the updated parameters (collective)."""
+        this step) and afterwards all-gathers the updated parameters (collective). Ends the step of
+        the experts' load record (`nnscaler.runtime.moe.expert_load`)."""
         zero = _zero(self)
         if zero is None:
-            return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        zero.sync_grads()
-        super().step()
-        zero.gather_params(self)
+            loss = super().step(closure)
+        else:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            zero.sync_grads()
+            super().step()
+            zero.gather_params(self)
+        expert_load().end_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -3,9 +3,9 @@
 - `MoEModel`: a model class says which output of its forward is the router's auxiliary loss
   (``aux_loss_output``; `nnscaler.trainer.hf.CausalLM` sets it for MoE configs);
 - `MoEMeter`: per step, the mean of that output over the micro-batches of all replicas, and the
-  expert load of the expert-parallel forwards (``nnscaler.runtime.moe.expert_load()``: the busiest
-  expert's tokens over the mean, averaged over layers and micro-batches, then over ranks), reset
-  every step; one all-reduce of four numbers. The Trainer puts them in
+  expert load of the expert-parallel forwards (``nnscaler.runtime.moe.expert_load()``: per layer the
+  step's tokens per expert, summed over its micro-batches; the busiest expert's over the mean,
+  averaged over layers, then over ranks), reset every step; one all-reduce of four numbers. The Trainer puts them in
   ``TrainStepMetrics.moe`` (`MoEMetrics`), hence in the console line and the loggers.
 """
 from __future__ import annotations
