@@ -6,7 +6,8 @@ steps within 1e-10 of single-process training on the global batch.
   balanced); a padded batch (attention mask with padding keys) under cp 2.
 - ``cp`` 2 x dp 2 on 4 processes: each unit takes half of the batch, the loss is the mean over all
   tokens (the reference: gradient accumulation over the two halves, each loss / 2).
-- mixture of experts (Mixtral, Qwen3-MoE) under ``cp`` 2 and ``cp`` 2 x dp 2: the routed experts are
+- mixture of experts (Mixtral, Qwen3-MoE) under ``cp`` 2, ``cp`` 2 x dp 2 (Qwen3-MoE also with
+  use_zero=3) and a pipeline of 2 stages each cp 2 (Mixtral, 4 processes): the routed experts are
   split over the unit as ``ep`` splits them (rank 0 holds half of every expert weight; the generated
   code calls ring attention and the experts' exchange), the next-token and load-balancing losses
   exact (per replica under dp, as ``ep``); with ``pas_config={"ep_size": 1}`` every expert whole on
@@ -28,8 +29,11 @@ CP2 = [dict(mp.plan("cp2", "cp", 2), model="llama64"), dict(mp.plan("q-cp2", "cp
        dict(mp.plan("m-cp2-ep1", "cp", 2, pas_config={"ep_size": 1}), model="mixtral")]
 WORLD4 = [dict(mp.plan("cp4", "cp", 4), model="llama64"), dict(mp.plan("cp2-dp2", "cp", 2), model="qwen2"),
           dict(mp.plan("cp2-dp2-zero3", "cp", 2, use_zero=3), model="llama64"),
-          dict(mp.plan("m-cp2-dp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2-dp2", "cp", 2), model="qwen3_moe")]
-MOE = ("m-cp2", "q3-cp2", "m-cp2-dp2", "q3-cp2-dp2")
+          dict(mp.plan("m-cp2-dp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2-dp2", "cp", 2), model="qwen3_moe"),
+          dict(mp.plan("q3-cp2-dp2-zero3", "cp", 2, use_zero=3), model="qwen3_moe"),
+          dict(mp.plan("m-pp2-cp2", "cp", 4, use_end2end=True, pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}),
+               model="mixtral")]
+MOE = ("m-cp2", "q3-cp2", "m-cp2-dp2", "q3-cp2-dp2", "m-pp2-cp2")
 
 
 def _activations_split(results, label):
@@ -69,5 +73,6 @@ def test_cp2(tmp_path):
 @pytest.mark.slow
 def test_cp4_and_cp2_dp2(tmp_path):
     results = run_workers(mp.run_plans, 4, WORLD4, str(tmp_path / "gen"), timeout=400)
-    _check(results, WORLD4, halves_for=("cp2-dp2", "cp2-dp2-zero3") + MOE[2:])
-    assert all(_experts_split(results, label) for label in MOE[2:])
+    # per replica (dp) or per micro-batch (the pipeline): the load-balancing loss of each half batch
+    _check(results, WORLD4, halves_for=("cp2-dp2", "cp2-dp2-zero3", "q3-cp2-dp2-zero3") + MOE[2:])
+    assert all(_experts_split(results, label) for label in MOE[2:])  # a pipeline stage's experts over its cp 2
