@@ -6,7 +6,8 @@
   `stop_async_saves()` waits for it and ends that process; `prepare_async_save(module, optimizer)`
   makes that process and its buffer ahead (at set-up), so the first `async_save` blocks no longer
   than the later ones;
-- `load(path, module, optimizer=None) -> extra`: collective, into any plan and world size;
+- `load(path, module, optimizer=None) -> extra`: collective, into any plan and world size, from
+  a checkpoint or a Hugging Face model directory (``model.safetensors`` / its index: `hf_load`);
 - `merge(src, dst, *, max_shard_size="5GB", model_only=False, hf=False)`: offline, streaming, the
   Hugging Face layout; with ``hf=True`` a ``from_pretrained`` directory, from the `HFRecord` the
   run stored in its ``extra`` under `HF_EXTRA_KEY`;
@@ -24,7 +25,7 @@ from .errors import CheckpointError
 from .names import FORMAT_VERSION, KINDS
 from .save import save
 from .async_save import AsyncSave, AsyncSaveWarning, async_save, prepare_async_save, stop_async_saves
-from .load import load
+from .load_any import load
 from .verify import verify
 from .summary import inspect
 from .merge import merge

@@ -1,0 +1,103 @@
+"""nnscaler.ckpt.load from a Hugging Face model directory (ckpt/hf_load.py), single process: a
+module built on the meta device and parallelized takes the values `save_pretrained` wrote (one
+file and sharded with an index), under the files' names as they are or under one common prefix;
+missing, unexpected and mis-shaped tensors, an ambiguous prefix and an optimizer are refused by
+name. Multi-process plans (dp, tp, ZeRO-3) and training: tests/models/test_hf_meta_load.py."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+import nnscaler.ckpt as ckpt
+from nnscaler import ComputeConfig, parallelize
+from nnscaler.ckpt import CheckpointError
+from nnscaler.ckpt.hf_load import is_hf_directory, match_prefix
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
+import hf_models  # noqa: E402
+
+IDS = torch.randint(0, hf_models.VOCAB, (2, hf_models.SEQ), generator=torch.Generator().manual_seed(0))
+ARGS = {"input_ids": IDS, "labels": IDS}
+
+
+def _meta_llama(tmp_path):
+    with torch.device("meta"):
+        model = hf_models.llama()
+    return parallelize(model, ARGS, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path / "gen",
+                       init_module_params=False)
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_meta_llama_loads_save_pretrained_directory(tmp_path, shard):
+    torch.manual_seed(5)
+    reference = hf_models.llama()
+    kw = {} if shard is None else {"max_shard_size": shard}
+    reference.model.save_pretrained(tmp_path / "hf", **kw)  # names without the wrapper's "model."
+    assert is_hf_directory(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists() == (shard is not None)
+    pm = _meta_llama(tmp_path)
+    assert ckpt.load(tmp_path / "hf", pm) is None
+    state = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    for local, e in pm.fullmap.items():
+        assert torch.equal(getattr(pm, local), state[e.full_name]), e.full_name
+    assert torch.equal(pm(**ARGS), reference(**ARGS))
+
+
+def _write(path, tensors):
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def _llama_state(prefix=""):
+    model = hf_models.llama()
+    return {k[len(prefix):]: v.contiguous() for k, v in model.state_dict().items() if k.startswith(prefix)}
+
+
+def test_missing_unexpected_and_shapes_are_named(tmp_path):
+    pm = _meta_llama(tmp_path)
+    state = _llama_state("model.")
+    missing = dict(state)
+    del missing["model.norm.weight"]
+    _write(tmp_path / "missing", missing)
+    with pytest.raises(CheckpointError, match=r"does not hold this model \(the module's names under the prefix "
+                                              r"'model.'\): missing model.model.norm.weight\[32\]"):
+        ckpt.load(tmp_path / "missing", pm)
+    _write(tmp_path / "unexpected", {**state, "model.extra.weight": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match=r"unexpected model.extra.weight: load the Hugging Face directory"):
+        ckpt.load(tmp_path / "unexpected", pm)
+    _write(tmp_path / "shape", {**state, "model.norm.weight": torch.zeros(31)})
+    with pytest.raises(CheckpointError, match=r"model.norm.weight has shape \[31\] in the directory, the module's "
+                                              r"model.model.norm.weight \[32\]"):
+        ckpt.load(tmp_path / "shape", pm)
+    _write(tmp_path / "good", state)
+    local = next(n for n, e in pm.fullmap.items() if e.full_name == "model.model.norm.weight")
+    before = getattr(pm, local).clone()
+    with pytest.raises(CheckpointError, match="holds no optimizer state; call nnscaler.ckpt.load"):
+        ckpt.load(tmp_path / "good", pm, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    assert torch.equal(getattr(pm, local), before)  # nothing changed
+    ckpt.load(tmp_path / "good", pm)
+    assert torch.equal(getattr(pm, local), state["model.norm.weight"])
+
+
+def test_names_as_they_are_and_under_one_prefix():
+    files = {"a.weight", "b.weight"}
+    assert match_prefix(["a.weight", "b.weight"], files, "d") == ""
+    assert match_prefix(["m.a.weight", "m.b.weight"], files, "d") == "m."
+    assert match_prefix(["m.inner.a.weight", "m.inner.b.weight", "x"], files, "d") == "m.inner."
+    with pytest.raises(CheckpointError, match=r"equally well under the prefixes 'p.', 'q.'"):
+        match_prefix(["p.a.weight", "q.b.weight"], files, "d")
+    with pytest.raises(CheckpointError, match="none of the module's tensors"):
+        match_prefix(["c.weight"], files, "d")
+
+
+def test_a_checkpoint_directory_is_not_taken_for_hugging_face(tmp_path):
+    _write(tmp_path / "hf", {"w": torch.zeros(1)})
+    assert is_hf_directory(tmp_path / "hf")
+    (tmp_path / "hf" / "manifest.json").write_text("{}")  # a merged nnscaler checkpoint has one
+    assert not is_hf_directory(tmp_path / "hf")
+    assert not is_hf_directory(tmp_path / "nothing")
