@@ -2,7 +2,8 @@
 module built on the meta device and parallelized takes the values `save_pretrained` wrote (one
 file and sharded with an index), under the files' names as they are or under one common prefix;
 missing, unexpected and mis-shaped tensors, an ambiguous prefix and an optimizer are refused by
-name. Multi-process plans (dp, tp, ZeRO-3) and training: tests/models/test_hf_meta_load.py."""
+name. One launch of 2 gloo processes: a meta-built Llama (float64) loads the directory and an
+nnscaler checkpoint into dp, tp and ZeRO-3 plans and trains as one process does (1e-10)."""
 from __future__ import annotations
 
 import os
@@ -20,6 +21,9 @@ from nnscaler.ckpt.hf_load import is_hf_directory, match_prefix
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
 import hf_models  # noqa: E402
+import model_plans as mp  # noqa: E402
+from launch import run_workers  # noqa: E402
+from parity import assemble_full  # noqa: E402
 
 IDS = torch.randint(0, hf_models.VOCAB, (2, hf_models.SEQ), generator=torch.Generator().manual_seed(0))
 ARGS = {"input_ids": IDS, "labels": IDS}
@@ -101,3 +105,57 @@ def test_a_checkpoint_directory_is_not_taken_for_hugging_face(tmp_path):
     (tmp_path / "hf" / "manifest.json").write_text("{}")  # a merged nnscaler checkpoint has one
     assert not is_hf_directory(tmp_path / "hf")
     assert not is_hf_directory(tmp_path / "nothing")
+
+
+PLANS = [("dp", "dp", 1, {}), ("tp", "tp", 2, {}), ("zero3", "dp", 1, {"use_zero": 3})]
+
+
+def _meta_plans(rank, world, hf_dir, root):
+    """Every plan from each source: (losses, this rank's parameter pieces) by "<plan>-<source>"."""
+    import torch.distributed as dist
+    from nnscaler import build_optimizer
+    out, ckpt_dir = {}, os.path.join(root, "ckpt")
+    for label, policy, plan_ngpus, extra in PLANS:
+        for source in ("hf", "ckpt"):
+            with torch.device("meta"):
+                model = hf_models.make("llama64")
+            per, dp_rank = mp.GLOBAL_BATCH // (world // plan_ngpus), rank // plan_ngpus
+            pm = parallelize(model, hf_models.batch("llama64", 0, per), policy, ComputeConfig(plan_ngpus, world, **extra),
+                             gen_savedir=os.path.join(root, label), init_module_params=False)
+            assert all(p.is_meta for p in model.parameters())
+            assert ckpt.load(hf_dir if source == "hf" else ckpt_dir, pm) is None
+            if label == "dp" and source == "hf":  # the nnscaler checkpoint the other plans load
+                ckpt.save(ckpt_dir, pm)
+            opt = build_optimizer(pm, torch.optim.Adam, lr=mp.LR)
+            losses = []
+            for step in range(mp.STEPS):
+                full = hf_models.batch("llama64", step, mp.GLOBAL_BATCH)
+                opt.zero_grad()
+                loss = pm(**{k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()})
+                loss.backward()
+                opt.step()
+                t = loss.detach().reshape(1).clone()
+                dist.all_reduce(t)
+                losses.append(t.item() / world)
+            with pm.unsharded():
+                pieces = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
+                          for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
+            out[f"{label}-{source}"] = (losses, pieces)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_meta_llama_from_hf_directory_and_checkpoint_trains_as_one_process(tmp_path):
+    hf_models.make("llama64").model.save_pretrained(tmp_path / "hf")
+    results = run_workers(_meta_plans, 2, str(tmp_path / "hf"), str(tmp_path), timeout=300)
+    ref_losses, ref_params = mp.reference("llama64")
+    for label in results[0]:
+        losses = results[0][label][0]
+        assert all(r[label][0] == losses for r in results), label
+        for got, want in zip(losses, ref_losses):
+            assert abs(got - want) <= 1e-10 * max(1.0, abs(want)), (label, losses, ref_losses)
+        params = assemble_full(((r, per_rank[label][1]) for r, per_rank in enumerate(results)), label)
+        assert set(params) == set(ref_params), label
+        for name, value in params.items():
+            assert (value - ref_params[name]).abs().max().item() <= 1e-10, (label, name)
+    assert len(results[0]) == 2 * len(PLANS)
