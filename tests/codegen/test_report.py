@@ -191,3 +191,79 @@ def test_collectives_per_step_equal_what_a_real_run_measures(tmp_path):
     measured = bwd["all_reduce"]
     assert duals["all_reduce"][0] < measured["calls"] <= duals["all_reduce"][0] + rerun["all_reduce"][0]
     assert duals["all_reduce"][1] < measured["bytes"] <= duals["all_reduce"][1] + rerun["all_reduce"][1]
+
+
+# -- context and expert parallelism: the runtime's own exchanges ---------------------------------------
+
+class AttentionMoE(nn.Module):
+    """Causal attention, then a mixture-of-experts layer on the flattened tokens (4 experts, top-2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(16, 8), nn.Linear(8, 24), nn.Linear(8, 16)
+        self.router = nn.Linear(8, 4, bias=False)
+        self.up = nn.Parameter(torch.randn(4, 16, 8) * 0.1)
+        self.down = nn.Parameter(torch.randn(4, 8, 8) * 0.1)
+
+    def forward(self, ids, labels):
+        from nnscaler.ir.ops.moe import routed_experts
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 8)
+        x = y.reshape(-1, 8)
+        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+        y = y + routed_experts(x, index, weights, self.up, self.down).view(b, s, 8)
+        return F.cross_entropy(self.out(y).transpose(1, 2), labels)
+
+
+def _cp_moe_batch():
+    ids = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))
+    return {"ids": ids, "labels": ids.roll(1, 1)}
+
+
+def test_cp_report_names_ring_attention_and_the_experts_exchanges():
+    torch.manual_seed(0)
+    graph = apply_policy(trace(AttentionMoE(), _cp_moe_batch()), ComputeConfig(2, 2), "cp")
+    report = build_report(graph, ComputeConfig(2, 2), "cp")
+    assert report.runtime_ops == {"expert_parallel": 1, "ring_attention": 1, "sequence_loss": 1}
+    fwd, bwd = report.collectives("forward"), report.collectives("backward")
+    # the ring: 1 step of a K and a V block (batch 2 x 2 heads x 4 rows x 4 x 4 bytes) forward; backward with dK, dV
+    # and the gradients sent home
+    assert fwd["ring_send"] == (2, 2 * 256) and bwd["ring_send"] == (6, 6 * 256)
+    assert fwd["all_to_all"][0] >= 6 and bwd["all_to_all"][0] >= 7  # 4 zigzag + 2 expert exchanges; 5 + 2
+    text = report.render_text()
+    assert "context parallel: ring attention over 2 ranks (x1 a step)" in text
+    assert "expert parallel: experts split over 2 ranks, tokens exchanged (x1 a step)" in text
+    assert "ring_send x2" in text
+
+
+def _measure_cp(rank, world, gen_dir):
+    from nnscaler import parallelize
+    from nnscaler.runtime.comm import count_collectives
+    from nnscaler.runtime.driver.plan_report import load_plan_report
+    torch.manual_seed(0)
+    pm = parallelize(AttentionMoE(), _cp_moe_batch(), "cp", ComputeConfig(2, 2, trace_strategy="cpu"),
+                     gen_savedir=gen_dir, instance_name="cp_moe")
+    with count_collectives() as fwd:
+        loss = pm(**_cp_moe_batch())
+    with count_collectives() as bwd:
+        loss.backward()
+    report = load_plan_report(Path(gen_dir) / f"{AttentionMoE.__module__}.AttentionMoE" / "cp_moe")
+    return fwd.snapshot(), bwd.snapshot(), report.to_json()
+
+
+@pytest.mark.multiprocess
+def test_cp_collectives_equal_what_a_real_run_measures(tmp_path):
+    """cp on attention + experts: the report's collectives (the adapters', ring attention's all-to-alls, the
+    experts' dispatch and combine) are those the run counts; ring_send (isend, not counted) apart."""
+    results = run_workers(_measure_cp, 2, str(tmp_path), timeout=300)
+    report = PlanReport.from_json(results[0][2])
+    assert report.runtime_ops == {"expert_parallel": 1, "ring_attention": 1, "sequence_loss": 1}
+    for i, which in enumerate(("forward", "backward")):
+        expected = {k: v for k, v in report.collectives(which).items() if k != "ring_send"}
+        got = [{k.replace("(fallback)", ""): (v["calls"], v["bytes"]) for k, v in r[i].items()} for r in results]
+        assert all(g.keys() == expected.keys() for g in got), (which, expected, got)
+        for kind, (calls, nbytes) in expected.items():
+            assert all(g[kind][0] == calls for g in got), (which, kind, expected, got)
+            # the experts' combine sends what routing gave each rank: exact summed over the unit
+            assert sum(g[kind][1] for g in got) == 2 * nbytes, (which, kind, expected, got)

@@ -6,6 +6,16 @@ Built from the same unit plan the emitter uses (`plan_unit`), with the same conv
 again inside a recomputed segment, whose collectives may rerun in backward), so the collectives
 it counts are the ones the generated forward and backward run. Bytes follow
 ``steps_cost(..., model='payload')``: what ``nnscaler.runtime.comm.count_collectives`` measures.
+
+Ops the runtime runs split (`collective_ops.runtime_call`) add their own exchanges, for the traced
+sizes: expert parallelism two all-to-alls forward (dispatch, combine: a rank's tokens x top-k rows of
+the hidden size each; the combine's rows are those the rank's experts received, which routing decides:
+the figure is the balanced one, exact summed over the unit) and two backward, the per-expert count
+exchange (E integers) not counted as the runtime does not count it; the sequence-split loss one
+all-reduce of its sum and denominator; ring attention with causal balance four all-to-alls forward (q, k, v
+to the balanced order, the output back) and five backward (their duals, and the output reordered
+again for the backward), and ``ring_send``: n - 1 steps sending a K and a V block forward, K, V
+and their float32-accumulated gradients backward, plus the last gradients sent home.
 """
 from __future__ import annotations
 
@@ -15,12 +25,14 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from nnscaler.ir import as_compute_config, IRGraph, Node, Replicate, Shard, atomic_write, is_guard, iter_refs
+from nnscaler.ir import (CROSS_ENTROPY, ROUTED_EXPERTS, SDPA, as_compute_config, IRGraph, Node, Replicate, Shard, atomic_write,
+                         is_guard, iter_refs)
 from nnscaler.ir.contracts import (Collective, ModuleReport, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
                                    UnannotatedOp)
 
 
 from .adapters import STEP_COLLECTIVES, steps_cost, transition_steps
+from .collective_ops import runtime_call
 from .layouts import UnitPlan, is_shape_query, local_slices, plan_unit
 from .stages import holding_groups, stage_io
 
@@ -57,6 +69,7 @@ def build_report(graph: IRGraph, compute_config, policy: str = "?", unit: Option
     counter = _collectives(graph, unit)
     report.forward, report.backward, report.recompute = (
         [Collective(k, c, b) for k, (c, b) in sorted(table.items())] for table in (counter.fwd, counter.bwd, counter.rec))
+    report.runtime_ops = dict(sorted(counter.runtime_ops.items()))
     report.unannotated = _unannotated(graph)
     if graph.pipeline is not None:
         pipe = graph.pipeline
@@ -156,6 +169,7 @@ class _Counter:
         self.fwd: Dict[str, Tuple[int, int]] = {}
         self.bwd: Dict[str, Tuple[int, int]] = {}
         self.rec: Dict[str, Tuple[int, int]] = {}
+        self.runtime_ops: Dict[str, int] = {}
 
     def run(self, nodes: List[Node], received: Set[int]) -> None:
         self.received = received
@@ -177,6 +191,46 @@ class _Counter:
             return
         for need in self.unit.needs[node.id]:
             self.convert(need.ref_id, need.placement, need.grad_partial, recomputed)
+        if runtime_call(node, self.unit) is not None:
+            self._runtime_op(node, recomputed)
+
+    def _runtime_op(self, node: Node, recomputed: bool) -> None:
+        """The exchanges inside an op the runtime runs split (the module docstring's model)."""
+        ins = [r for r in node.input_refs() if self.graph.value(r).is_tensor]
+        n = self.unit.plan_ngpus
+        local = lambda ref: _nbytes(self.graph.value(ref).shape, self.graph.value(ref).dtype) // n  # noqa: E731
+        fwd: List[Tuple[str, float]] = []
+        bwd: List[Tuple[str, float]] = []
+        if node.target == ROUTED_EXPERTS:
+            kind = "expert_parallel"
+            hidden, index = self.graph.value(ins[0]), self.graph.value(ins[1])
+            k = index.shape[1] if index.shape and len(index.shape) > 1 else 1
+            rows = local(ins[0]) * k  # a rank's tokens, top-k copies of each
+            fwd, bwd = [("all_to_all", rows)] * 2, [("all_to_all", rows)] * 2 if hidden.requires_grad else []
+        elif node.target == SDPA:
+            kind = "ring_attention"
+            q, kv = local(ins[0]), local(ins[1]) + local(ins[2])
+            args = dict(node.kwargs)
+            causal = args.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+            if causal:  # q, k, v to the balanced order and the output back; backward their duals + the output again
+                fwd = [("all_to_all", q), ("all_to_all", local(ins[1])), ("all_to_all", local(ins[2])), ("all_to_all", q)]
+                bwd = fwd + [("all_to_all", q)]
+            steps = n - 1
+            fwd = fwd + [("ring_send", kv / 2)] * (2 * steps)
+            grad = 2 if self.graph.value(ins[1]).dtype in ("float16", "bfloat16") else 1  # dK, dV summed in float32
+            bwd = bwd + [("ring_send", kv / 2)] * (2 * steps) + [("ring_send", kv / 2 * grad)] * (2 * steps + 2)
+        elif node.target == CROSS_ENTROPY:
+            kind = "sequence_loss"
+            fwd = [("all_reduce", _nbytes((2,), self.graph.value(ins[0]).dtype))]  # the sums and the denominators
+        else:
+            return
+        self.runtime_ops[kind] = self.runtime_ops.get(kind, 0) + 1
+        for name, nbytes in fwd:
+            _add(self.fwd, name, nbytes)
+            if recomputed:
+                _add(self.rec, name, nbytes)
+        for name, nbytes in bwd:
+            _add(self.bwd, name, nbytes)
 
     def convert(self, vid: int, dst, grad_partial: bool, recomputed: bool) -> None:
         src = R if vid in self.received else self.unit.produced[vid]

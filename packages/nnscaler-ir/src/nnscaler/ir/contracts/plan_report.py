@@ -66,7 +66,7 @@ class ModuleReport:
 class Collective:
     """Calls of one collective kind in one pass, and the payload bytes one rank hands to them."""
 
-    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all; ring_send: ring attention's blocks (isend)
     calls: int = 0
     bytes: int = 0
 
@@ -100,6 +100,11 @@ class PlanReport:
     # Reducer's one flag element per tensor), counted apart as 'dp_all_reduce'; 0 when dp_size is 1
     dp_grad_bytes: int = 0
     pipeline: Optional[dict] = None  # nstages, nmicros, scheduler, pp_size, tp_size, stages: {s: [module paths]}
+    # ops the runtime runs split in a way no annotation expresses, by kind: {"ring_attention": calls,
+    # "expert_parallel": calls, "sequence_loss": calls} (context parallelism: attention as a ring, the
+    # loss over each rank's tokens; expert parallelism: experts split over the unit, tokens exchanged);
+    # their exchanges are in forward / backward
+    runtime_ops: Dict[str, int] = field(default_factory=dict)
     version: int = REPORT_VERSION
 
     # -- totals -------------------------------------------------------------------------------
@@ -212,6 +217,13 @@ class PlanReport:
         out = [f"Plan report: {self.module_class}",
                f"  policy {self.policy}; plan_ngpus {self.plan_ngpus} x data-parallel {self.dp_size} "
                f"(runtime_ngpus {self.runtime_ngpus})"]
+        if self.runtime_ops:
+            n = self.pipeline["tp_size"] if self.pipeline is not None else self.plan_ngpus
+            names = {"ring_attention": f"context parallel: ring attention over {n} ranks",
+                     "expert_parallel": f"expert parallel: experts split over {n} ranks, tokens exchanged",
+                     "sequence_loss": f"loss over the tokens split over {n} ranks"}
+            out.append("  " + "; ".join(f"{names.get(k, k)} (x{c} a step)" for k, c in sorted(self.runtime_ops.items())
+                                        ))
         if self.pipeline is not None:
             p = self.pipeline
             out.append(f"  pipeline: {p['nstages']} stages on {p['pp_size']} pipeline devices x tp {p['tp_size']}, "
