@@ -11,20 +11,27 @@ from nnscaler.ir import CROSS_ENTROPY, RING_DIM, SDPA, SEQUENCE_LOSS_DIM, Comput
 from nnscaler.ir.config import ConfigError
 from nnscaler.ir.graph import IRGraph
 from nnscaler.policies import PlanError, apply_policy
+from nnscaler.policies.plan import tensor_outputs
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, eager=False, dropout=0.0, causal=True, reduction="mean"):
+    def __init__(self, eager=False, dropout=0.0, causal=True, reduction="mean", packed=False):
         super().__init__()
         self.emb = torch.nn.Embedding(16, 8)
         self.qkv = torch.nn.Linear(8, 24)
         self.out = torch.nn.Linear(8, 16)
-        self.eager, self.dropout, self.causal, self.reduction = eager, dropout, causal, reduction
+        self.eager, self.dropout, self.causal, self.reduction, self.packed = eager, dropout, causal, reduction, packed
 
     def forward(self, ids, labels):
         b, s = ids.shape
         q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        if self.eager:
+        if self.packed:  # documents from positions restarting at 0, a causal mask per document (as transformers)
+            pos = labels % 4
+            doc = (torch.diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
+            at = torch.arange(s)
+            mask = (doc[:, None, :, None] == doc[:, None, None, :]) & (at[None, None, None, :] <= at[None, None, :, None])
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.eager:
             y = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=self.causal)
@@ -60,6 +67,19 @@ def test_mean_loss_splits_its_tokens_and_is_whole_on_every_rank():
     graph = apply_policy(_graph(Attention(reduction="sum")), ComputeConfig(2, 2), "cp")
     loss = next(n for n in graph.nodes if n.target == CROSS_ENTROPY)
     assert loss.pieces[0].dim != SEQUENCE_LOSS_DIM and isinstance(loss.pieces[0].inputs[0], Shard)
+
+
+def test_a_mask_built_from_positions_is_built_on_each_rank_rows_only():
+    """The ops building an attention mask from whole positions are split along the mask's rows (each
+    rank builds (L / N, L), never (L, L)); the ops that cannot split (the document index) stay whole."""
+    seq = 8
+    graph = apply_policy(_graph(Attention(packed=True), seq=seq), ComputeConfig(2, 2), "cp")
+    square = [n for n in graph.nodes if n.target != SDPA and any(
+        tuple(graph.value(r).shape)[-2:] == (seq, seq) and len(graph.value(r).shape) == 4 for r in tensor_outputs(graph, n))]
+    assert len(square) >= 3  # ==, <=, &
+    for node in square:
+        assert len(node.pieces) == 2 and all(isinstance(o, Shard) and o.dim == 2 for o in node.pieces[0].outputs), \
+            node.describe()
 
 
 def test_pipeline_stages():

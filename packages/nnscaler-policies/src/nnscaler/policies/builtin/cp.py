@@ -37,6 +37,7 @@ from nnscaler.ir import CROSS_ENTROPY, RING_DIM, ROUTED_EXPERTS, SDPA, SEQUENCE_
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
 from ._spread import replicate_over_unit, split_activation_batch_or_replicate, split_over_unit
+from ._cp_rows import mask_row_splits
 from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
 from .ep import ep_size_of, moe_blocks, split_routed_experts
 from .megatron import follow_split
@@ -57,6 +58,7 @@ def cp(graph, cfg):
     blocks = moe_blocks(graph)  # mixture-of-experts modules: their tokens may split along the batch instead
     tp = TensorParallelModules(pas)
     along: Dict[int, int] = {}  # value id -> the axis it is split along
+    mask_rows: Dict[int, Dict[int, str]] = {}  # devices -> {node id: dim}: ops building a mask's rows
     for spec in graph.inputs:
         for _, ref in spec.leaves:
             value = graph.value(ref)
@@ -78,6 +80,10 @@ def cp(graph, cfg):
             tp.split(graph, node, tp_dim, devices)
         else:
             dim = follow_split(graph, node, along, len(devices))  # an input's split axis, where the op splits it
+            if dim is None:  # an op building an attention mask: its rows only (_cp_rows.py)
+                if len(devices) not in mask_rows:
+                    mask_rows[len(devices)] = mask_row_splits(graph, len(devices))
+                dim = mask_rows[len(devices)].get(node.id)
             if dim is not None:
                 split_over_unit(graph, node, dim, len(devices), devices)
             elif _in_blocks(node, blocks):  # a MoE block's (B, S, H) -> (B*S, H): split by the batch, as `ep`
