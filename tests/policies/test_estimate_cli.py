@@ -111,3 +111,17 @@ def test_zero_gpus_is_refused_by_the_option(config):
 def test_missing_model_config(tmp_path):
     result = run(*args(tmp_path / "none.json"))
     assert result.exit_code == 1 and "cannot read the model config" in result.output
+
+
+def test_piped_output_keeps_each_line_whole(config):
+    """Not a terminal (a pipe, CliRunner): no line broken mid-phrase even with a narrow COLUMNS (issue 45 §4:
+    ``memory 71.7 \\nGB per GPU``)."""
+    result = CliRunner().invoke(app, ["plan", "estimate", *map(str, args(config))],
+                                env={"COLUMNS": "40", "NO_COLOR": "1", "TERM": "dumb"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    step = next(line for line in lines if line.strip().startswith("step "))
+    assert "MFU" in step and step.rstrip().endswith("GB per GPU"), step
+    run_it = next(line for line in lines if "run it:" in line)
+    assert "grad_accumulation_steps" in run_it  # the whole fragment on one line
+    assert any("lost on" in line and "memory GB" in line for line in lines)  # the table's header unbroken

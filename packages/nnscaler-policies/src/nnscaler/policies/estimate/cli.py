@@ -36,6 +36,7 @@ FIX_FIELDS = ("tp", "cp", "pp", "dp", "ep", "zero", "micro_batch", "recompute", 
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 _err = Console(stderr=True)
+PIPED_WIDTH = 400  # columns the output gets when it is not a terminal
 
 
 def estimate(model_config: Path = typer.Option(..., "--model-config", help="A Hugging Face config.json (any "
@@ -135,8 +136,15 @@ def _plan_name(r: dict) -> str:
             + (" rc" if r["recompute"] else ""))
 
 
+def _console() -> Console:
+    """Lines are not broken by the console (the terminal wraps them); piped, a width no table needs to wrap
+    in, so a phrase such as ``memory 71.7 GB per GPU`` stays on one line for the reader or grep."""
+    console = Console(soft_wrap=True)
+    return console if console.is_terminal else Console(soft_wrap=True, width=PIPED_WIDTH)
+
+
 def _print(d: dict, save) -> None:
-    console = Console()
+    console = _console()
     m, c, moe = d["model"], d["cluster"], d.get("moe")
     active = f", {_params(moe['active_params'])} active" if moe else ""
     console.print(f"[bold]{m['name']}[/bold] ({_params(m['params'])} parameters{active}) on {d['gpus']} x "
