@@ -2,6 +2,7 @@
 plan A, save sharded and deduped (rank 0 also merges), then load each into plan B and train on."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch.distributed as dist
@@ -33,11 +34,14 @@ def _continue(target, plan_ngpus, world, gen, paths, kinds=("sharded", "deduped"
             _opened.add(file)
             return handle(self, file)
         Sources.handle = recording
+        before = _gathers(pm)
         try:
             extra = load(paths[kind], pm, opt)
         finally:
             Sources.handle = handle
-        out[kind] = dict(extra=extra, losses=train(pm, opt, SAVE_AT, STEPS), shards=shards(pm), opened=sorted(opened))
+        gathers = None if before is None else _gathers(pm) - before
+        out[kind] = dict(extra=extra, losses=train(pm, opt, SAVE_AT, STEPS), shards=shards(pm), opened=sorted(opened),
+                         load_gathers=gathers)
     return out
 
 
@@ -68,6 +72,41 @@ def _async_after_prepare(pm, opt, out, label, losses, prepared, sharded):
     return _writer() == prepared, _file_parts(os.path.join(path, name)) == _file_parts(os.path.join(sharded, name))
 
 
+def _gathers(pm):
+    """The all-gathers of the fully sharded parameters so far (None: not use_zero=3)."""
+    return None if pm.fully_sharded is None else pm.fully_sharded.stats.gathers
+
+
+def _held_facts(pm, opt, out, label, losses, paths):
+    """use_zero=3: (the elements of the model tensors in this rank's file of the sharded save: all,
+    the largest; the elements its shards hold, the largest unit shard, the whole local model; whether
+    the merge of a save of the whole local tensors, the former path inside ``unsharded()``, has the
+    same bytes as the merge of the sharded save)."""
+    from nnscaler.ckpt import merge, save
+    from nnscaler.ckpt.names import rank_file
+    header, _ = _file_parts(os.path.join(paths["sharded"], rank_file(dist.get_rank(), dist.get_world_size())))
+    stored = [math.prod(v["shape"]) for k, v in header.items() if k.startswith("model/")]
+    units = pm.fully_sharded.units
+    held = sum(r.stop - r.start for h in pm.held_tensors().values() for r in h.ranges)
+    whole = os.path.join(out, f"{label}-whole")
+    with pm.unsharded():
+        save(whole, pm, opt, extra={"step": SAVE_AT, "losses": losses})
+    same = None
+    if dist.get_rank() == 0:
+        merge(whole, whole + "-merged")
+        names = sorted(f for f in os.listdir(paths["merged"]) if f.endswith(".safetensors"))
+        same = names == sorted(f for f in os.listdir(whole + "-merged") if f.endswith(".safetensors")) and all(
+            _bytes(os.path.join(paths["merged"], f)) == _bytes(os.path.join(whole + "-merged", f)) for f in names)
+    dist.barrier()
+    return dict(stored=sum(stored), largest=max(stored), held=held, largest_shard=max(u.shard_numel for u in units),
+                local=sum(u.numel for u in units), merged_same=same)
+
+
+def _bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def run_parity(rank, world, tmp, sources, targets):
     """sources: [(plan, plan_ngpus)]; targets: [(source label, plan, plan_ngpus)]. Each source
     also prepares async_save before its first step and async-saves beside its `save` (every plan,
@@ -80,13 +119,20 @@ def run_parity(rank, world, tmp, sources, targets):
     try:
         for plan, n in sources:
             pm, opt = build(plan, n, world, gen)
+            gathers = _gathers(pm)
             prepare_async_save(pm, opt)  # Adam holds no state yet
             prepared = _writer()
+            gathers = None if gathers is None else _gathers(pm) - gathers
             losses = train(pm, opt, 0, SAVE_AT)
             label = f"{plan}{n}"
+            before = _gathers(pm)
             saved[label] = _save_all(pm, opt, out, label, losses)
-            results[label] = dict(losses=losses, shards=shards(pm), prepared_async=_async_after_prepare(
-                pm, opt, out, label, losses, prepared, saved[label]["sharded"]))
+            async_ok = _async_after_prepare(pm, opt, out, label, losses, prepared, saved[label]["sharded"])
+            if before is not None:  # use_zero=3: the shards are written as held
+                gathers += _gathers(pm) - before
+            results[label] = dict(losses=losses, shards=shards(pm), prepared_async=async_ok, save_gathers=gathers)
+            if pm.fully_sharded is not None:
+                results[label]["held"] = _held_facts(pm, opt, out, label, losses, saved[label])
         for label, plan, n in targets:
             results[(label, plan, n)] = _continue(plan, n, world, gen, saved[label])
     finally:

@@ -106,7 +106,9 @@ def test_reshard_world4(tmp_path, ref):
 @pytest.mark.multiprocess
 def test_reshard_world2_fully_sharded(tmp_path, ref):
     """use_zero=3 checkpoints load into ZeRO-1, tp and use_zero=3 plans, ZeRO-1's into use_zero=3
-    (sharded, deduped and merged), and merge to the single-device names and values."""
+    (sharded, deduped and merged), and merge to the single-device names and values; use_zero=3
+    saves and loads its shards as held (no gather, rank files of the shards' size) and merges to the
+    same bytes as a save of the whole local tensors."""
     sources = [("dp-zero3", 1), ("dp-zero", 1)]
     targets = [("dp-zero31", "dp-zero", 1), ("dp-zero31", "tp", 2), ("dp-zero31", "dp-zero3", 1),
                ("dp-zero1", "dp-zero3", 1), ("dp-zero1", "tp-zero3", 2)]
@@ -118,6 +120,20 @@ def test_reshard_world2_fully_sharded(tmp_path, ref):
         _check(ref, f"{case[0]} -> {case[1]}{case[2]}", results, case)
     saved = assemble_full(((r, res["dp-zero31"]["shards"]) for r, res in enumerate(results)), "saved")
     _check_merged(tmp_path / "ckpt" / "dp-zero31-merged", ref, saved)
+    # the shards are written and read where they are held: no all-gather in prepare_async_save, save
+    # (sharded, deduped), async_save nor load (from any plan's checkpoint); a rank's file holds its
+    # shards only (no tensor larger than a unit's shard); the merge equals that of the whole local
+    # tensors saved inside unsharded() (the former path) byte for byte
+    for rank, per_rank in enumerate(results):
+        assert per_rank["dp-zero31"]["save_gathers"] == 0, f"rank {rank}: the use_zero=3 save gathered parameters"
+        for case in targets:
+            if case[1] == "dp-zero3" or case[1] == "tp-zero3":
+                for kind in KINDS:
+                    assert per_rank[case][kind]["load_gathers"] == 0, f"rank {rank}: {case} {kind} load gathered"
+        held = per_rank["dp-zero31"]["held"]
+        assert held["stored"] == held["held"] < held["local"], f"rank {rank}: {held}"
+        assert held["largest"] <= held["largest_shard"], f"rank {rank}: {held}"
+    assert results[0]["dp-zero31"]["held"]["merged_same"], "merging the use_zero=3 save differs from the former path"
 
 
 @pytest.mark.multiprocess

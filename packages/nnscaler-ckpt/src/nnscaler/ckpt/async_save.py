@@ -25,7 +25,6 @@ from .collectives import all_gather_json, rank_and_world
 from .errors import CheckpointError, describe
 from .handle import AsyncSave, AsyncSaveWarning
 from .inflight import OWNER
-from .module_tensors import whole_tensors, with_whole_tensors
 from .plan import plan_save
 from .rank_state import collect
 
@@ -59,8 +58,8 @@ def prepare_async_save(module: torch.nn.Module, optimizer: Optional[torch.optim.
     """Make this rank's shared buffer and start its background save process now, so that the first
     `async_save` afterwards blocks no longer than the later ones (instead of also making the buffer,
     paying a page fault per page of it at the copy, and starting the process). Call it once the
-    optimizer exists, e.g. at set-up, on every rank (it is collective only where parameters are
-    fully sharded: it gathers them once, as `async_save` does).
+    optimizer exists, e.g. at set-up, on every rank (not a collective: fully sharded parameters
+    count as the shards this rank holds, as `async_save` copies them).
 
     The buffer is sized as ``async_save(path, module, optimizer, extra=extra)`` would need it
     (kind ``"sharded"``, the larger kind), from the same description of the rank's tensors, with
@@ -74,8 +73,7 @@ def prepare_async_save(module: torch.nn.Module, optimizer: Optional[torch.optim.
     background = OWNER.background
     if not background.prepared_for(module, optimizer):
         rank, _ = rank_and_world()
-        with whole_tensors(module):
-            need, pin = buffer_need(collect(module, optimizer, extra, rank, first_step=True).tensors)
+        need, pin = buffer_need(collect(module, optimizer, extra, rank, first_step=True).tensors)
         background.ensure_buffer(need + HEADROOM, pin, touch=True)
         background.mark_prepared(module, optimizer)
     background.start(_WORKER)
@@ -89,7 +87,6 @@ def stop_async_saves(*, release: bool = False) -> None:
     OWNER.stop(release=release)
 
 
-@with_whole_tensors(writeback=False)
 def async_save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                kind: str = "sharded", extra: Optional[Dict[str, Any]] = None, overwrite: bool = False,
                files: Optional[Mapping[str, Union[bytes, str]]] = None,

@@ -25,7 +25,7 @@ __all__ = ["DedupSources"]
 
 def _needed(manifest: Manifest, tensors: List[LocalTensor], rank: int) -> List[Tuple[str, int]]:
     """("model" | "optimizer_state", record index) of the pieces this rank needs from other ranks."""
-    keys = {lt.key for lt in tensors if lt.persistent}
+    keys = {k for lt in tensors if lt.persistent for k in lt.piece_keys()}
     places = {(lt.full_name, tuple(map(tuple, lt.slices))) for lt in tensors}
     need = [("model", i) for i, r in enumerate(manifest.model) if r.piece in keys and r.rank != rank]
     need += [("optimizer_state", i) for i, r in enumerate(manifest.optimizer_state)

@@ -21,8 +21,7 @@ from .extra import join_extra
 from .manifest import read_manifest
 from .records import Manifest
 from .dedup_load import DedupSources
-from .module_tensors import (LocalTensor, local_tensors, module_plans, parallel_modules, random_streams,
-                             with_whole_tensors)
+from .module_tensors import LocalTensor, local_tensors, module_plans, parallel_modules, random_streams
 from .optimizer_tensors import MASTER, OptimizerSlot, apply_hyper_parameters, optimizer_class, optimizer_slots
 from .reshard import model_region, optimizer_region
 from .rng import restore_rng, rng_keys
@@ -57,11 +56,12 @@ def _model_values(src: Sources, tensors: List[LocalTensor]) -> List[tuple]:
         names = [lt.full_name, *lt.aliases]
         if not lt.persistent and not any(n in src.model for n in names):
             continue
-        if lt.value_split[0] != 0:  # the value lives in part 0, the other parts hold zeros
-            out.append((lt.tensor, torch.zeros_like(lt.tensor, device="cpu")))
-            continue
-        value = model_region(src, names, lt.full_shape, lt.slices, lt.tensor.dtype)
-        out.append((lt.tensor, value.reshape(lt.tensor.shape)))
+        for region, tensor in lt.pieces():  # a fully sharded parameter: the blocks of its shard, in place
+            if lt.value_split[0] != 0:  # the value lives in part 0, the other parts hold zeros
+                out.append((tensor, torch.zeros_like(tensor, device="cpu")))
+                continue
+            value = model_region(src, names, lt.full_shape, region, lt.tensor.dtype)
+            out.append((tensor, value.reshape(tensor.shape)))
     return out
 
 
@@ -115,7 +115,6 @@ def _raise_if_any(error: Optional[str]) -> None:
     raise CheckpointError(next(e for e in errors if e))
 
 
-@with_whole_tensors(writeback=True)
 def load(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
          verify: Union[str, bool] = "fast") -> Any:
     """Load checkpoint directory `path` into `module` (and `optimizer`); returns the ``extra``

@@ -48,8 +48,11 @@ def _itemsize(dtype: str) -> int:
 
 
 def _model_plan(manifest: Manifest) -> List[Tuple[str, List[str], Tuple[int, ...], str, int]]:
-    """(stored name, all names, shape, dtype, bytes) of every full tensor, in the order first saved."""
-    order: Dict[str, None] = {}
+    """(stored name, all names, shape, dtype, bytes) of every full tensor, in the manifest's order
+    of the tensors (the order first saved: the saving ranks' local order, whichever rank stores
+    which shard of a fully sharded tensor)."""
+    stored = {rec.full_name for rec in manifest.model}
+    order: Dict[str, None] = {n: None for n in manifest.tensors if n in stored}
     for rec in manifest.model:
         order.setdefault(rec.full_name, None)
     out = []

@@ -1,36 +1,40 @@
 """What a rank holds of the model: its local tensors and where each sits in its full tensor.
 
 A parallelized module is recognised by the IR contract `GeneratedAttrs` (the generated class's
-attributes: ``COMPUTE_CONFIG``, ``GRAPH_FINGERPRINT``, ``PIPELINE``, ``unsharded``); its tensors are
+attributes: ``COMPUTE_CONFIG``, ``GRAPH_FINGERPRINT``, ``PIPELINE``, ``held_tensors``); its tensors are
 described by its ``fullmap`` (local name -> ``FullMapEntry``) and ``full_aliases``, which the
-runtime's ``ParallelModule`` provides. The checkpoint package never imports the runtime. A
+runtime's ``ParallelModule`` provides. A fully sharded parameter (``use_zero=3``) is never read
+whole: ``held_tensors()`` gives the flat ranges of it this rank's shards hold, saved and loaded as
+the rectangular blocks they tile (`held_blocks`), pieces of the same format as a whole local
+tensor's, so no rank gathers its local model for a checkpoint. The checkpoint package never imports the runtime. A
 container holding parallelized modules contributes its own plain parameters and buffers too,
 whole (replicated on every rank). Full names are prefixed with the parallelized module's path in
 the container.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from nnscaler.ir.contracts import GeneratedAttrs
+from nnscaler.ir.contracts import GeneratedAttrs, HeldRange, flat_blocks
 
 from .errors import CheckpointError
 from .records import ModulePlan
 
 __all__ = ["LocalTensor", "parallel_modules", "random_streams", "local_tensors", "plan_identity", "module_plans",
-           "piece_key", "whole_tensors", "with_whole_tensors"]
+           "piece_key", "held_blocks"]
 
 
 @dataclass
 class LocalTensor:
     """One local tensor. slices / value_split / replicas as in ``FullMapEntry``; `aliases`: other
-    full names of the same (tied) tensor."""
+    full names of the same (tied) tensor. `held`: the flat ranges this rank holds of a tensor it
+    does not hold whole (``use_zero=3``'s shards, `GeneratedAttrs.held_tensors`); `tensor` is then a
+    ``meta`` tensor of the local shape and dtype, and the rank's pieces are `held_blocks`."""
 
     full_name: str
     full_shape: Tuple[int, ...]
@@ -41,10 +45,32 @@ class LocalTensor:
     persistent: bool
     trainable: bool
     aliases: Tuple[str, ...] = ()
+    held: Optional[Tuple[HeldRange, ...]] = None
 
     @property
     def key(self) -> str:
         return piece_key(self.full_name, self.slices, self.value_split)
+
+    def pieces(self) -> List[Tuple[Tuple[Tuple[int, int], ...], torch.Tensor]]:
+        """(region of the full tensor, the tensor holding its values) of every piece this rank
+        holds: the whole local tensor, or the rectangular blocks of its held ranges (`held_blocks`)."""
+        return [(self.slices, self.tensor)] if self.held is None else list(held_blocks(self))
+
+    def piece_keys(self) -> List[str]:
+        return [piece_key(self.full_name, region, self.value_split) for region, _ in self.pieces()]
+
+
+def held_blocks(lt: "LocalTensor") -> Iterator[Tuple[Tuple[Tuple[int, int], ...], torch.Tensor]]:
+    """The held ranges of `lt` as rectangular blocks (`flat_blocks`): (the block's region of the full
+    tensor, a view of the held storage in the block's shape). Saved as pieces, they keep the
+    format of a whole local tensor's piece; loaded, they are filled in place."""
+    shape = tuple(lt.tensor.shape)
+    for r in lt.held or ():
+        for first, region in flat_blocks(shape, r.start, r.stop):
+            dims = tuple(hi - lo for lo, hi in region)
+            at = first - r.start
+            view = r.values[at:at + math.prod(dims)].view(dims)
+            yield tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(region, lt.slices)), view
 
 
 def piece_key(full_name: str, slices, value_split) -> str:
@@ -70,31 +96,6 @@ def random_streams(module: Optional[torch.nn.Module]) -> Dict[str, torch.nn.Modu
     return {path: m for path, m in module.named_modules() if isinstance(m, GeneratedAttrs) and hasattr(m, "rng_state")}
 
 
-@contextlib.contextmanager
-def whole_tensors(module: torch.nn.Module, writeback: bool = False) -> Iterator[None]:
-    """Every parallelized module of `module` holds its whole local tensors inside (the IR contract
-    ``GeneratedAttrs.unsharded``: fully sharded parameters are gathered, and with `writeback`
-    stored back on exit; nothing happens for other modules). COLLECTIVE where parameters are
-    fully sharded."""
-    with contextlib.ExitStack() as stack:
-        if isinstance(module, torch.nn.Module):
-            for _, pm in module.named_modules():
-                if isinstance(pm, GeneratedAttrs):
-                    stack.enter_context(pm.unsharded(writeback))
-        yield
-
-
-def with_whole_tensors(writeback: bool) -> Callable:
-    """Decorator of a function ``fn(path, module, ...)``: runs it inside `whole_tensors`."""
-    def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def run(path, module, *args, **kwargs):
-            with whole_tensors(module, writeback):
-                return fn(path, module, *args, **kwargs)
-        return run
-    return wrap
-
-
 def _prefix(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
@@ -116,18 +117,22 @@ def local_tensors(module: torch.nn.Module) -> List[LocalTensor]:
     seen = set()
     pms = parallel_modules(module)
     for path, pm in pms:
-        persistent = set(pm.state_dict(keep_vars=True))
+        persistent = pm.state_dict(keep_vars=True)
         aliases: Dict[str, List[str]] = {}
         fullmap, full_aliases = _full_map(path, pm)
+        held = pm.held_tensors() or {}  # fully sharded parameters: never read whole (no gather)
         for full, local in full_aliases.items():
             aliases.setdefault(local, []).append(_prefix(path, full))
         for local, e in fullmap.items():
-            t = getattr(pm, local)
+            h = held.get(local)
+            t = getattr(pm, local) if h is None else persistent.get(local, pm._parameters.get(local))
             seen.add(id(t))
+            trainable = isinstance(t, torch.nn.Parameter) and t.requires_grad
+            if h is not None:
+                t = torch.empty(h.shape, dtype=h.dtype, device="meta")
             out.append(LocalTensor(_prefix(path, e.full_name), tuple(e.full_shape), tuple(map(tuple, e.slices)),
-                                   tuple(e.value_split), int(e.replicas), t, local in persistent,
-                                   isinstance(t, torch.nn.Parameter) and t.requires_grad,
-                                   tuple(sorted(aliases.get(local, ())))))
+                                   tuple(e.value_split), int(e.replicas), t, local in persistent, trainable,
+                                   tuple(sorted(aliases.get(local, ()))), None if h is None else tuple(h.ranges)))
     inside = [p for p, _ in pms]
     plain: Dict[int, LocalTensor] = {}
     for name, t in module.state_dict(keep_vars=True).items():

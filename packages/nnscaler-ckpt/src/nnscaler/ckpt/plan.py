@@ -118,7 +118,9 @@ def _checked_files(files: Optional[Mapping[str, Union[bytes, str]]]) -> Dict[str
 
 def _complete(m: Manifest, shares: List[RankShare]) -> Manifest:
     """`m` with every rank's tensors, pieces and rank record (the files' records come last)."""
-    for share in shares:
+    for share in shares:  # in each rank's local order (a fully sharded rank stores parts of some only)
+        for name, info in share.tensors:
+            m.tensors.setdefault(name, info)
         for rec in share.model:
             if rec.full_name not in m.tensors:
                 m.tensors[rec.full_name] = TensorInfo(rec.full_shape, rec.dtype, list(rec.aliases))

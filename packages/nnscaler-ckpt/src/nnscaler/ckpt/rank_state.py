@@ -8,9 +8,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .extra import split_extra
-from .module_tensors import LocalTensor, local_tensors, random_streams
+from .module_tensors import LocalTensor, local_tensors, piece_key, random_streams
 from .optimizer_tensors import MASTER, element_wise, optimizer_slots, state_of, with_first_step_state
-from .records import ModelPiece, OptimizerPiece
+from .records import ModelPiece, OptimizerPiece, TensorInfo
 from .rng import capture_rng
 
 __all__ = ["RankState", "RankShare", "collect", "keep_only", "share_of"]
@@ -28,6 +28,10 @@ class RankState:
     rng: Dict[str, Any] = field(default_factory=dict)
     extra: Any = None
     locals: List[LocalTensor] = field(default_factory=list)
+    # every persistent full tensor the rank holds a part of, in its local order: the manifest's
+    # `tensors` (and a merge's file) keep the order of the local tensors whichever rank stores
+    # which shard of them
+    infos: List[Tuple[str, TensorInfo]] = field(default_factory=list)
 
 
 def _unique(key: str, used: set) -> str:
@@ -39,7 +43,8 @@ def _unique(key: str, used: set) -> str:
 
 
 def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int, *, first_step: bool = False) -> RankState:
-    """Describe (and reference, without copying) everything this rank saves. `first_step`: an
+    """Describe (and reference, without copying) everything this rank saves: the model's pieces as
+    held (a fully sharded parameter: the blocks of this rank's shard ranges, never gathered). `first_step`: an
     optimizer parameter without state yet is described with the state its first step will give
     it (``meta`` tensors, `with_first_step_state`): what a save after that step holds, for sizing
     only (`async_save.prepare_async_save`)."""
@@ -49,12 +54,14 @@ def collect(module: torch.nn.Module, optimizer, extra: Any, rank: int, *, first_
     for lt in st.locals:
         if not lt.persistent:
             continue
-        key = _unique(f"model/{lt.full_name}", used)
-        st.tensors.append((key, lt.tensor))
-        st.model.append(ModelPiece(key=key, rank=rank, full_name=lt.full_name, full_shape=tuple(lt.full_shape),
-                                   slices=tuple(lt.slices), value_split=tuple(lt.value_split), replicas=lt.replicas,
-                                   aliases=list(lt.aliases), dtype=_dtype(lt.tensor), shape=tuple(lt.tensor.shape),
-                                   piece=lt.key))
+        st.infos.append((lt.full_name, TensorInfo(tuple(lt.full_shape), _dtype(lt.tensor), list(lt.aliases))))
+        for slices, tensor in lt.pieces():  # the whole local tensor, or the blocks of its held shard ranges
+            key = _unique(f"model/{lt.full_name}", used)
+            st.tensors.append((key, tensor))
+            st.model.append(ModelPiece(key=key, rank=rank, full_name=lt.full_name, full_shape=tuple(lt.full_shape),
+                                       slices=tuple(slices), value_split=tuple(lt.value_split), replicas=lt.replicas,
+                                       aliases=list(lt.aliases), dtype=_dtype(tensor), shape=tuple(tensor.shape),
+                                       piece=piece_key(lt.full_name, slices, lt.value_split)))
     if optimizer is not None:
         states, masters = state_of(optimizer)
         if first_step:
@@ -102,17 +109,19 @@ class RankShare:
     optimizer_state: List[OptimizerPiece]
     rng: Dict[str, Any]
     extra: Any
+    tensors: List[Tuple[str, TensorInfo]] = field(default_factory=list)
 
     def to_json(self) -> Dict[str, Any]:
         return {"file": self.file, "model": [r.to_json() for r in self.model],
-                "optimizer_state": [r.to_json() for r in self.optimizer_state], "rng": self.rng, "extra": self.extra}
+                "optimizer_state": [r.to_json() for r in self.optimizer_state], "rng": self.rng, "extra": self.extra,
+                "tensors": [[n, t.to_json()] for n, t in self.tensors]}
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "RankShare":
         return cls(data["file"], [ModelPiece.from_json(r, "model") for r in data["model"]],
                    [OptimizerPiece.from_json(r, "optimizer_state") for r in data["optimizer_state"]], data["rng"],
-                   data["extra"])
+                   data["extra"], [(n, TensorInfo.from_json(t, n)) for n, t in data.get("tensors", [])])
 
 
 def share_of(st: RankState, file: str) -> RankShare:
-    return RankShare(file, st.model, st.optimizer_state, st.rng, st.extra)
+    return RankShare(file, st.model, st.optimizer_state, st.rng, st.extra, st.infos)

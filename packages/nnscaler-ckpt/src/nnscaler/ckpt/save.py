@@ -19,7 +19,6 @@ import torch
 from .errors import CheckpointError
 from .executor import execute
 from .inflight import OWNER
-from .module_tensors import with_whole_tensors
 from .plan import plan_save
 from .rendezvous import Collective
 
@@ -28,7 +27,6 @@ __all__ = ["save"]
 _INLINE = 64 * 2**20  # larger: a rank file's SHA-256, a replaced checkpoint's deletion wait for after the commit
 
 
-@with_whole_tensors(writeback=False)
 def save(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
          kind: str = "sharded", extra: Optional[Dict[str, Any]] = None, overwrite: bool = False,
          files: Optional[Mapping[str, Union[bytes, str]]] = None) -> Path:

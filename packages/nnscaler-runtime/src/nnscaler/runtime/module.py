@@ -55,6 +55,7 @@ from .reducer import Reducer
 from .source_notes import note_source
 from .weight_loading import WeightLoadingMixin
 from .zero3 import FullyShardedParams
+from .zero3_held import held_tensors
 from .zero_groups import make_zero_groups
 
 __all__ = ["ParallelModule", "FullMapEntry", "INIT_WEIGHTS_FILE", "make_compute_config"]
@@ -155,6 +156,11 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         if self.fully_sharded is None:
             return contextlib.nullcontext()
         return self.fully_sharded.unsharded(writeback)
+
+    def held_tensors(self):
+        """The sharded parameters' parts this rank holds (see `GeneratedAttrs.held_tensors`); None
+        when every parameter is whole (not use_zero=3, not yet sharded, inside `unsharded`)."""
+        return None if self.fully_sharded is None else held_tensors(self.fully_sharded)
 
     def load_full_state(self, tensors, strict: bool = True) -> None:
         with self.unsharded(writeback=True):

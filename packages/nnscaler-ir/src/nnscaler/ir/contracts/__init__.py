@@ -8,6 +8,7 @@ no runtime import needed).
 - `Piece`: one piece of an op as a policy plans it (``Node.pieces``), read by codegen;
 - `FullMapEntry`: where a rank's local tensor sits in its full tensor;
 - `ZeroShardLayout` (`ZeroBucket`, `ZeroPiece`): how ZeRO shards the optimizer state;
+- `HeldTensor` (`HeldRange`, `flat_blocks`): the parts of a local tensor a rank holds (``use_zero=3``);
 - `OptimizerAttrs`: what an optimizer ``build_optimizer`` returned declares (``zero_layout``);
 - `unit_names`: how ``use_zero=3`` groups parameters into gathered units;
 - `PlanReport` (`ModuleReport`, `OpSplit`, `Collective`, `UnannotatedOp`): what a plan split and the
@@ -16,6 +17,7 @@ no runtime import needed).
 from . import files
 from .files import CONSTANTS_FILE, GRAPH_FILE, MANIFEST, WEIGHTS_FILE, gencode_file, is_gencode_file
 from .full_map import FullMapEntry
+from .held_tensors import HeldRange, HeldTensor, flat_blocks
 from .generated_module import GENERATED_ATTR_NAMES, GENERATED_ATTRS, GeneratedAttr, GeneratedAttrs
 from .piece import Piece
 from .shard_units import ROOT_UNIT, resolve_unit_modules, unit_names
@@ -29,4 +31,4 @@ __all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", 
            "FullMapEntry", "GENERATED_ATTR_NAMES", "GENERATED_ATTRS", "GeneratedAttr", "GeneratedAttrs", "Piece",
            "PipelineMeta", "REPLICATED_WARN_FRACTION", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit",
            "PlanReport", "UnannotatedOp", "ROOT_UNIT", "unit_names", "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout",
-           "OptimizerAttrs"]
+           "OptimizerAttrs", "HeldRange", "HeldTensor", "flat_blocks"]

@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..config import ComputeConfig, as_compute_config
+from .held_tensors import HeldTensor
 from .pipeline_meta import PipelineMeta
 
 __all__ = ["GeneratedAttr", "GENERATED_ATTRS", "GENERATED_ATTR_NAMES", "GeneratedAttrs", "decode_pipeline"]
@@ -81,6 +82,14 @@ class GeneratedAttrs:
         the parameters for it and, with `writeback`, stores what was written into them back into
         the shards on exit (COLLECTIVE then); otherwise it does nothing."""
         return contextlib.nullcontext()
+
+    def held_tensors(self) -> Optional[Dict[str, HeldTensor]]:
+        """The local tensors this rank holds only in parts, by local name (`HeldTensor`: their
+        shape, dtype and the flat element ranges held, as views of the held storage), or None when
+        every local tensor is held whole (read as ``getattr(self, name)``). Under fully sharded data
+        parallelism (``use_zero=3``), once sharded, the runtime names every sharded parameter: a
+        checkpoint reads and writes those ranges where they are, with no gather (no collective)."""
+        return None
 
 
 for _attr in GENERATED_ATTRS:
