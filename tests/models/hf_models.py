@@ -170,15 +170,65 @@ def qwen3_moe(experts_implementation="eager"):
     return _same_dtype_rms_norm(MoeCausalLM(Qwen3MoeForCausalLM(cfg)))
 
 
-def qwen3_moe(experts_implementation="eager"):
-    """A tiny Qwen3-MoE: 4 routed experts, top-2, q/k norms, no shared expert."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=SEQ,
-                         attention_dropout=0.0, router_aux_loss_coef=0.02, attn_implementation="sdpa",
-                         experts_implementation=experts_implementation, use_cache=False)
-    return _same_dtype_rms_norm(MoeCausalLM(Qwen3MoeForCausalLM(cfg)))
+def deepseek_v3(experts_implementation="eager"):
+    """A tiny DeepSeek-V3: multi-head latent attention, one dense layer then one MoE layer of 8 routed
+    experts (sigmoid scores, group-limited top-2: 2 groups, 1 kept per token, a nonzero
+    ``e_score_correction_bias``) and a shared expert; no auxiliary loss. RMSNorm and the router in the
+    input's dtype (transformers computes both in float32), so that float64 parity is element-wise."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                           n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                           first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                           qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4, max_position_embeddings=SEQ, attention_dropout=0.0,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="sdpa",
+                           experts_implementation=experts_implementation, use_cache=False)
+    model = DeepseekV3ForCausalLM(cfg)
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV3TopkRouter":
+            module.__class__ = _same_dtype_deepseek_v3_router()
+            module.e_score_correction_bias.copy_(torch.randn(module.num_experts) * 0.05)
+    return _same_dtype_rms_norm(CausalLM(model))
+
+
+def _deepseek_v3_router_forward(self, hidden_states):
+    """transformers' DeepseekV3TopkRouter.forward with the logits in the input's dtype."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight.to(hidden_states.dtype))
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + self.e_score_correction_bias
+    group_scores = scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group)
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.reshape(-1, self.num_experts).bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+def _same_dtype_deepseek_v3_router():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    if DeepseekV3TopkRouter not in _SAME_DTYPE:
+        _SAME_DTYPE[DeepseekV3TopkRouter] = type("SameDtypeDeepseekV3TopkRouter", (DeepseekV3TopkRouter,),
+                                                 {"forward": _deepseek_v3_router_forward, "__module__": __name__})
+    return _SAME_DTYPE[DeepseekV3TopkRouter]
+
+
+def gpt_oss(experts_implementation="eager"):
+    """A tiny gpt-oss: attention sinks, alternating sliding-window layers, 4 experts with biases and
+    transposed weights, gpt-oss's clamped SwiGLU, top-2 after a softmax over the chosen logits; the
+    load-balancing loss (as `MoeCausalLM`). RMSNorm in the input's dtype."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_local_experts=4,
+                       num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, sliding_window=4, max_position_embeddings=SEQ, attention_dropout=0.0,
+                       router_aux_loss_coef=0.02, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                       attn_implementation="eager", experts_implementation=experts_implementation, use_cache=False)
+    return _same_dtype_rms_norm(MoeCausalLM(GptOssForCausalLM(cfg)))
 
 
 def bert():
@@ -205,8 +255,10 @@ def vit():
 
 
 BUILDERS = {"gpt2": gpt2, "llama": llama, "llama64": llama64, "bert": bert, "resnet": resnet, "vit": vit,
-            "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "qwen2": qwen2, "mistral": mistral}
-TEXT = ("gpt2", "llama", "llama64", "bert", "mixtral", "qwen2_moe", "qwen3_moe", "qwen2", "mistral")
+            "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "qwen2": qwen2, "mistral": mistral,
+            "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
+TEXT = ("gpt2", "llama", "llama64", "bert", "mixtral", "qwen2_moe", "qwen3_moe", "qwen2", "mistral", "deepseek_v3",
+        "gpt_oss")
 
 
 def make(name, dtype=torch.float64, train=True):

@@ -11,6 +11,10 @@ within 1e-10 of single-process training on the global batch.
   of the batch (gradient accumulation in one process: ``reference(halves=True)``).
 - ``ep`` 2 + use_zero=3, ``ep`` with a pipeline (pp 2 x ep 2), and ``ep`` 2 with attention split
   Megatron-style over the same ranks (``tp_modules``).
+- DeepSeek-V3 (sigmoid scores, group-limited top-2 with ``e_score_correction_bias``, a shared
+  expert, latent attention) and gpt-oss (attention sinks, biased transposed experts, clamped
+  SwiGLU) under ``ep`` 2 and ``ep`` 4: DeepSeek-V3's groups keep each token on one half of the
+  experts, so under ``ep`` 2 a rank's experts often receive no row (it hung before the fix).
 - ``dp`` and ``tp`` on the same models: the experts op splits along the tokens under tp (held to
   the float32 bar, 1e-5 relative: tp also splits HF's float32 router softmax and load-balancing
   sums, whose rounding then depends on the layout).
@@ -27,8 +31,10 @@ FP32_TOL = 1e-5  # tp splits the router's float32 softmax (HF computes it in flo
 
 EP2 = [dict(mp.plan("ep2", "ep", 2), model="mixtral"), dict(mp.plan("ep2", "ep", 2), model="qwen2_moe", label="q-ep2"),
        dict(mp.tp(), model="mixtral", label="m-tp", tol=FP32_TOL), dict(mp.dp(), model="qwen2_moe", label="q-dp"),
-       dict(mp.plan("ep2-attn-tp", "ep", 2, pas_config={"tp_modules": ["*.self_attn"]}), model="mixtral")]
+       dict(mp.plan("ep2-attn-tp", "ep", 2, pas_config={"tp_modules": ["*.self_attn"]}), model="mixtral"),
+       dict(mp.plan("d-ep2", "ep", 2), model="deepseek_v3"), dict(mp.plan("g-ep2", "ep", 2), model="gpt_oss")]
 EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
+           dict(mp.plan("d-ep4", "ep", 4), model="deepseek_v3"), dict(mp.plan("g-ep4", "ep", 4), model="gpt_oss"),
            dict(mp.plan("ep2-dp2-zero3", "ep", 2, use_zero=3), model="qwen2_moe"),
            dict(mp.plan("pp2-ep2", "ep", 4, use_end2end=True,
                         pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}), model="mixtral")]
@@ -45,7 +51,7 @@ def _expert_shapes(results, label):
 def test_moe_ep2(tmp_path):
     results = run_workers(mp.run_plans, 2, EP2, str(tmp_path / "gen"), timeout=300)
     _check(results, EP2, halves_for=("q-dp",))  # dp: the load-balancing loss per replica
-    for label in ("ep2", "q-ep2"):
+    for label in ("ep2", "q-ep2", "d-ep2", "g-ep2"):
         shapes = _expert_shapes(results, label)
         assert shapes and all(local[0] * 2 == full[0] and local[1:] == full[1:] for full, local in shapes.values()), shapes
     assert all(full == local for full, local in _expert_shapes(results, "m-tp").values())
@@ -60,6 +66,6 @@ def test_moe_ep2_dp2(tmp_path):
     results = run_workers(mp.run_plans, 4, EP2_DP2, str(tmp_path / "gen"), timeout=400)
     # per replica (dp) or per micro-batch (the pipeline): the load-balancing loss of each half batch
     _check(results, EP2_DP2, halves_for=("ep2-dp2", "ep2-dp2-zero3", "pp2-ep2"))
-    for label in ("ep2-dp2", "pp2-ep2"):  # rank 0 holds half of every expert weight it holds
+    for label, n in (("ep2-dp2", 2), ("pp2-ep2", 2), ("d-ep4", 4), ("g-ep4", 4)):  # rank 0's share of every expert weight
         shapes = _expert_shapes(results, label)
-        assert shapes and all(local[0] * 2 == full[0] for full, local in shapes.values()), (label, shapes)
+        assert shapes and all(local[0] * n == full[0] for full, local in shapes.values()), (label, shapes)

@@ -44,7 +44,8 @@ PRELOAD = ["torch", "torch.distributed", "nnscaler.ir", "nnscaler.runtime", "nns
            "nnscaler.ckpt",
            # the Hugging Face models of tests/models (2.7 s a worker to import)
            "transformers", *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "mixtral", "qwen2_moe",
-                                                                              "gpt2", "bert", "resnet", "vit"))]
+                                                                              "gpt2", "bert", "resnet", "vit",
+                                                                              "deepseek_v3", "gpt_oss"))]
 
 
 class WorkerError(RuntimeError):

@@ -539,10 +539,12 @@ _ELEMENTWISE = {
 }
 
 
-# In-place elementwise methods (a residual ``x += y`` in ResNet, ``x.mul_(s)``): the result is
-# the first tensor, which broadcasting may not grow.
+# In-place elementwise methods (a residual ``x += y`` in ResNet, ``x.mul_(s)``; ``copy_``: DeepSeek-V3's
+# attention fills slices of a ``new_empty`` key): the result is the first tensor, which broadcasting may
+# not grow. Split with its target, the write lands in the target's own piece (replicated, it would
+# land in a gathered copy of it and be lost).
 _INPLACE_ELEMENTWISE = ["__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_",
-                        "div_"]
+                        "div_", "copy_"]
 
 
 def _inplace_elementwise(*args, **kwargs) -> Optional[str]:
