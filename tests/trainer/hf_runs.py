@@ -38,9 +38,18 @@ def overrides(run_dir, config_dir, plan, text):
             "--checkpoint.every_n_train_steps", "2", "--enable_progress_bar", "false", *PLANS[plan]]
 
 
+def write_pretrained(config_dir, out, seed=123):
+    """A Llama of `config_dir` with its own weights (not the Trainer's seed's), written by
+    save_pretrained to `out` (what ``model.args.pretrained`` loads)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir)).save_pretrained(out)
+    return out
+
+
 def worker(rank, world, runs):
     """Each run in turn; per run: (the parallel model's loss on the first 4 blocks, those blocks,
-    this rank's weight pieces)."""
+    this rank's weight pieces, whether the Trainer built the model on the meta device)."""
     from nnscaler.trainer import Trainer, TrainerArgs
     from trainer_models import full_weights
     out = {}
@@ -50,7 +59,8 @@ def worker(rank, world, runs):
         batch = trainer.train_dataset.blocks[:4]
         trainer.model.eval()
         [loss] = trainer.model.infer_step([({"input_ids": batch},)])
-        out[label] = (float(loss), batch, full_weights(trainer.model))
+        on_meta = all(p.is_meta for p in trainer.original_model.parameters())
+        out[label] = (float(loss), batch, full_weights(trainer.model), on_meta)
     return out
 
 

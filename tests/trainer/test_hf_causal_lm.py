@@ -131,3 +131,18 @@ def test_bad_arguments_name_the_key(tmp_path, args, key, match):
     with pytest.raises(TrainerConfigError, match=match) as e:
         CausalLM(**kwargs)
     assert e.value.key == key
+
+
+def test_pretrained_on_meta_is_left_for_the_trainer_to_load(tmp_path):
+    folder = tiny_llama(tmp_path / "pre")
+    with torch.device("meta"):  # what the Trainer does when the plan shards parameters (builds_on_meta)
+        model = CausalLM(config=folder, pretrained=folder)
+    assert model.weights_to_load == folder and all(p.is_meta for p in model.parameters())
+    assert CausalLM(config=folder, pretrained=folder).weights_to_load is None  # loaded by from_pretrained
+    with pytest.raises(TrainerConfigError, match="same setting") as e:
+        CausalLM(config=folder, pretrained=folder, from_pretrained=folder)
+    assert e.value.key == "model.args.pretrained"
+    os.remove(os.path.join(folder, "model.safetensors"))
+    with pytest.raises(TrainerConfigError, match="holds no model.safetensors") as e, torch.device("meta"):
+        CausalLM(config=folder, pretrained=folder)
+    assert e.value.key == "model.args.pretrained"

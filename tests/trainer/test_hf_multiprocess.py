@@ -1,6 +1,9 @@
 """Hugging Face in and out, on real gloo processes: a tiny Llama and GPT-2 trained 2 steps from
 examples/trainer/hf_llama.yaml under dp 2 and tp 2, and the Llama under fully sharded dp 2
-(`--compute_config.use_zero 3`) (one spawn runs the five), each checkpoint
+(`--compute_config.use_zero 3`), and the Llama from pretrained weights (`--model.args.pretrained`,
+a save_pretrained directory) under dp 2 (transformers' from_pretrained on every rank), tp 2 and
+fully sharded dp 2 (built on the meta device, each rank loading its shards: the same weights and
+loss as dp 2) (one spawn runs the eight), each checkpoint
 merged with `--hf`, loaded by `AutoModelForCausalLM.from_pretrained`: its weights are the parallel
 model's (assembled from the ranks' shards, logits equal) and its loss on the same batch equals the
 parallel model's."""
@@ -11,7 +14,7 @@ import os
 import pytest
 import torch
 
-from hf_runs import ROOT, overrides, worker, write_configs
+from hf_runs import ROOT, overrides, worker, write_configs, write_pretrained
 from launch import run_workers
 from nnscaler.ckpt import merge
 from parity import assemble_full
@@ -27,9 +30,14 @@ def test_llama_and_gpt2_dp2_tp2_merge_hf_from_pretrained(tmp_path):
     cases = [(model, plan) for model in ("llama", "gpt2") for plan in ("dp2", "tp2")] + [("llama", "dp2-zero3")]
     runs = {f"{model}-{plan}": overrides(str(tmp_path / f"{model}-{plan}"), configs[model], plan, str(text))
             for model, plan in cases}
+    pretrained = write_pretrained(configs["llama"], str(tmp_path / "pretrained"))
+    for plan in ("dp2", "tp2", "dp2-zero3"):
+        runs[f"llama-{plan}-pretrained"] = overrides(str(tmp_path / f"llama-{plan}-pretrained"), configs["llama"], plan,
+                                                     str(text)) + ["--model.args.pretrained", pretrained]
     results = run_workers(worker, 2, runs, timeout=600)
     for label in runs:
-        loss, batch, _ = results[0][label]
+        loss, batch, _, on_meta = results[0][label]
+        assert on_meta == (label in ("llama-tp2-pretrained", "llama-dp2-zero3-pretrained")), label
         assert results[1][label][0] == pytest.approx(loss, abs=1e-6), label
         full = assemble_full(((r, res[label][2]) for r, res in enumerate(results)), label)
         out = merge(tmp_path / label / "checkpoints" / "last", tmp_path / label / "hf", hf=True)
@@ -43,3 +51,12 @@ def test_llama_and_gpt2_dp2_tp2_merge_hf_from_pretrained(tmp_path):
             assert torch.equal(model(batch).logits, fresh(batch).logits), label
             hf_loss = model(input_ids=batch, labels=batch).loss.item()
         assert hf_loss == pytest.approx(loss, rel=1e-5), label
+    # built on meta and loaded shard by shard: what transformers' from_pretrained gives under dp
+    want = assemble_full(((r, res["llama-dp2-pretrained"][2]) for r, res in enumerate(results)), "dp2")
+    for label in ("llama-tp2-pretrained", "llama-dp2-zero3-pretrained"):
+        assert results[0][label][0] == pytest.approx(results[0]["llama-dp2-pretrained"][0], rel=1e-5), label
+        got = assemble_full(((r, res[label][2]) for r, res in enumerate(results)), label)
+        for name, value in want.items():
+            assert ((got[name] - value).norm() / value.norm()).item() <= 1e-5, (label, name)
+    seeded = assemble_full(((r, res["llama-dp2"][2]) for r, res in enumerate(results)), "llama-dp2")
+    assert not torch.allclose(seeded["model.model.embed_tokens.weight"], want["model.model.embed_tokens.weight"])

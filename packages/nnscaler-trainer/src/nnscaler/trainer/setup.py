@@ -206,13 +206,16 @@ def _refuse_unsharded_trainables(model: torch.nn.Module) -> None:
                            f"model (remove model.parallel_modules), freeze them, or use use_zero: true")
 
 
-def parallelize_model(args, model: torch.nn.Module, dummy: Any, load_module: bool) -> Optional[torch.nn.Module]:
-    """The whole model parallelized with the trainer's settings (end2end)."""
+def parallelize_model(args, model: torch.nn.Module, dummy: Any, load_module: bool,
+                      init_module_params: bool = True) -> Optional[torch.nn.Module]:
+    """The whole model parallelized with the trainer's settings (end2end); `init_module_params`
+    False for a model built on the meta device whose values are loaded afterwards."""
     from nnscaler.runtime import parallelize
     name = first_argument(type(model))
     return parallelize(model, {name: dummy}, _policy(args.pas_policy), args.compute_config,
                        gen_savedir=args.gen_savedir, reuse=args.resolved_gen_reuse, instance_name=args.instance_name,
-                       broadcast_strategy=args.broadcast_strategy, load_module=load_module)
+                       broadcast_strategy=args.broadcast_strategy, load_module=load_module,
+                       init_module_params=init_module_params)
 
 
 def _policy(policy: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import nnscaler.ckpt as ckpt
 from nnscaler.ckpt import restore_rng_snapshot
 from nnscaler.runtime import PrecisionPlugin, RankGrid
 
@@ -29,6 +30,7 @@ from .data_position import samples_in_epoch, skip_per_rank
 from .errors import TrainerError
 from .hooks import HookChain, TrainHook
 from .loggers.console import ConsoleReporter
+from .meta_build import MetaBuilt, builds_on_meta, meta_scope
 from .metrics import TrainStepMetrics, ValMetrics
 from .moe import MoEMeter
 from .preemption import PreemptionWatch
@@ -103,7 +105,8 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         args = self.train_args
         kind = resolve_object(args.model.type, "model.type")
-        model = instantiate(kind, build_args(args.model.args, "model.args"), "model.args")
+        with meta_scope(builds_on_meta(kind, args)):  # filled after parallelize (trainer/meta_build.py)
+            model = instantiate(kind, build_args(args.model.args, "model.args"), "model.args")
         if args.tracing_from_weights and not args.uses_parallel_modules:
             build.load_tracing_weights(model, args.tracing_from_weights)
         return model
@@ -135,7 +138,11 @@ class Trainer:
             build.parallelize_submodules(args, original, load_module=True)
             self.model = original
         else:
-            self.model = build.parallelize_model(args, original, build.dummy_batch(args, self.train_dataset), True)
+            weights = original.weights_to_load if isinstance(original, MetaBuilt) else None
+            self.model = build.parallelize_model(args, original, build.dummy_batch(args, self.train_dataset), True,
+                                                 init_module_params=weights is None)
+            if weights is not None:  # built on meta: each rank reads only the regions it holds
+                ckpt.load(weights, self.model)
             self.model = self.precision.setup_module(self.model)
         self.model.train()
         self._moe = MoEMeter.for_run(args, original)

@@ -37,6 +37,7 @@ from nnscaler.ckpt import HF_EXTRA_KEY, HFRecord
 
 from ..errors import TrainerConfigError
 from ..hooks import TrainHook
+from ..meta_build import MetaBuilt
 from ..moe import MoEModel
 
 __all__ = ["CausalLM", "Experts", "attention_dropouts", "cp_size", "experts_of", "import_transformers",
@@ -234,6 +235,15 @@ def _check_cp(args, config, hf_config) -> None:
                                  f"has no attention dropout: set {name} to 0 ({fix}), or use another policy")
 
 
+def _weights_argument(pretrained: Optional[str], from_pretrained: Optional[str]) -> Tuple[str, Optional[str]]:
+    """(the config key, the path) of the pretrained weights; both names at once are refused."""
+    if pretrained is not None and from_pretrained is not None:
+        raise TrainerConfigError("model.args.pretrained", "and model.args.from_pretrained are the same setting "
+                                                          "(from_pretrained is its older name): give one")
+    return ("model.args.pretrained", pretrained) if pretrained is not None else \
+        ("model.args.from_pretrained", from_pretrained)
+
+
 def _model_args(args) -> Dict[str, Any]:
     from ..config.values import build_args
     return build_args(args.model.args, "model.args")
@@ -255,12 +265,16 @@ def _read_generation_config(config: Union[str, Mapping[str, Any]],
     return None
 
 
-class CausalLM(torch.nn.Module, TrainHook, MoEModel):
+class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
     """``model.type: nnscaler.trainer.hf.CausalLM``.
 
     `config`: a config.json file, a local model directory holding one, or config.json's fields as a
-    mapping (``{model_type: mixtral, hidden_size: 64, ...}``); `from_pretrained`: a
-    local directory whose weights are loaded (else the weights are initialized from the seed);
+    mapping (``{model_type: mixtral, hidden_size: 64, ...}``); `pretrained` (or its older name
+    `from_pretrained`): a local directory whose weights are loaded (else the weights are
+    initialized from the seed). Under a plan that shards parameters (``plan_ngpus > 1`` or
+    ``use_zero: 3``) the Trainer builds the model on the meta device and each rank loads only its
+    shards from the directory's safetensors (`builds_on_meta`, `nnscaler.ckpt.load`); otherwise
+    transformers' ``from_pretrained`` loads it whole on every rank;
     `dtype`: the parameters' dtype (``float32`` default, ``bfloat16``, ``float16``, ``float64``);
     `attn_implementation`: transformers' (``sdpa``, ``eager``; None: its default); `tokenizer`: a
     local tokenizer directory copied along by ``merge --hf`` (default: the training dataset's
@@ -271,14 +285,17 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel):
     docstring); `experts` is its `Experts` (None for a dense model)."""
 
     def __init__(self, config: Union[str, Mapping[str, Any]], from_pretrained: Optional[str] = None,
-                 dtype: str = "float32", attn_implementation: Optional[str] = None, tokenizer: Optional[str] = None):
+                 dtype: str = "float32", attn_implementation: Optional[str] = None, tokenizer: Optional[str] = None,
+                 pretrained: Optional[str] = None):
         super().__init__()
         transformers = import_transformers("model.type")
         if dtype not in _DTYPES:
             raise TrainerConfigError("model.args.dtype", f"{dtype!r} is not one of {', '.join(_DTYPES)}")
         torch_dtype = getattr(torch, dtype)
         hf_config = load_hf_config(config)
-        from_pretrained = _local_dir(from_pretrained, "model.args.from_pretrained", "model")
+        key, from_pretrained = _weights_argument(pretrained, from_pretrained)
+        from_pretrained = _local_dir(from_pretrained, key, "model")
+        on_meta = torch.get_default_device().type == "meta"  # the Trainer's choice (builds_on_meta)
         self.tokenizer = _local_dir(tokenizer, "model.args.tokenizer", "tokenizer")
         self.experts = check_experts(hf_config)
         kwargs: Dict[str, Any] = {}
@@ -287,13 +304,21 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel):
         recorded = json.loads(hf_config.to_json_string())
         generation = transformers.GenerationConfig.from_model_config(hf_config).to_json_string()
         hf_config.use_cache = False  # training: no key/value cache in the traced graph
-        if from_pretrained is not None:
+        if from_pretrained is not None and on_meta:  # filled after parallelize, shard by shard
+            from nnscaler.ckpt.hf_load import is_hf_directory
+            if not is_hf_directory(from_pretrained):
+                raise TrainerConfigError(key, f"{from_pretrained!r} holds no model.safetensors (nor its index "
+                                              f"model.safetensors.index.json), which a plan that shards parameters "
+                                              f"reads shard by shard: save it with save_pretrained(safe_serialization"
+                                              f"=True), or convert it (nnscaler ckpt convert)")
+            self.model = transformers.AutoModelForCausalLM.from_config(hf_config, **kwargs).to(torch_dtype)
+            self.weights_to_load = from_pretrained
+        elif from_pretrained is not None:
             try:
                 self.model = transformers.AutoModelForCausalLM.from_pretrained(
                     from_pretrained, config=hf_config, dtype=torch_dtype, **kwargs)
             except (OSError, ValueError) as e:
-                raise TrainerConfigError("model.args.from_pretrained", f"transformers cannot load {from_pretrained!r}: "
-                                         f"{e}") from None
+                raise TrainerConfigError(key, f"transformers cannot load {from_pretrained!r}: {e}") from None
         else:
             self.model = transformers.AutoModelForCausalLM.from_config(hf_config, **kwargs).to(torch_dtype)
         recorded["architectures"] = [type(self.model).__name__]
@@ -305,6 +330,15 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel):
         self._tied = tuple(sorted(tied or ()))
         self._tokenizer_files: Optional[Dict[str, bytes]] = None
         self.aux_loss_output = 1 if self.experts is not None and _routes_aux_loss(type(self.model), hf_config) else None
+
+    @classmethod
+    def builds_on_meta(cls, args) -> bool:
+        """With pretrained weights, under a plan that shards parameters (tensor or pipeline
+        parallel, ``use_zero: 3``) of the whole model: build on meta, load each rank's shards."""
+        margs = _model_args(args)
+        cc = args.compute_config
+        return (margs.get("pretrained") or margs.get("from_pretrained")) is not None and \
+            not args.uses_parallel_modules and (cc.plan_ngpus > 1 or cc.zero_stage == 3)
 
     @classmethod
     def validate_trainer_args(cls, args) -> None:
