@@ -14,11 +14,12 @@ NMICROS = 2
 LR = 1e-3
 
 
-def plan(label, policy, plan_ngpus, *, train=True, pad=False, **cfg):
+def plan(label, policy, plan_ngpus, *, train=True, pad=False, reads=False, **cfg):
     """One plan of a model: `cfg` goes to ComputeConfig (pas_config included). With `train`
-    False the model trains in eval mode (BatchNorm uses its running statistics)."""
+    False the model trains in eval mode (BatchNorm uses its running statistics); with `reads`
+    parameters are read outside forward every step (`READS`)."""
     label = label if train else f"{label}-eval"
-    return dict(label=label, policy=policy, plan=plan_ngpus, train=train, pad=pad, cfg=cfg)
+    return dict(label=label, policy=policy, plan=plan_ngpus, train=train, pad=pad, reads=reads, cfg=cfg)
 
 
 def dp(**kw):
@@ -31,6 +32,18 @@ def zero(**kw):
 
 def zero3(**kw):
     return plan("dp-zero3", "dp", 1, use_zero=3, **kw)
+
+
+# Under use_zero=3 (plans with reads=True) every step reads parameters outside forward, as a user
+# logging a weight norm would: a block's and the root's between backward and step, then again
+# after the step (whole on every rank under tp too); the values read after the last step are checked.
+READS = {"llama": (("model.model.layers.0.self_attn.q_proj.weight", "model.model.norm.weight"),
+                   ("model.model.layers.0.input_layernorm.weight", "model.model.norm.weight"))}
+
+
+def _read(pm, full_name):
+    local = next(name for name, e in pm.fullmap.items() if e.full_name == full_name)
+    return getattr(pm, local)
 
 
 def tp(**kw):
@@ -106,7 +119,7 @@ def train_plan(rank, world, name, case, gen_root):
                      instance_name=f"{name}_{case['label']}".replace("-", "_"))
     pm.train(case["train"])
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
-    losses = []
+    losses, reads = [], case.get("reads") and READS[name]
     for step in range(STEPS):
         full = hf_models.batch(name, step, GLOBAL_BATCH, pad=_pad_at(case["pad"], step))
         mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()}
@@ -119,19 +132,24 @@ def train_plan(rank, world, name, case, gen_root):
             else:
                 loss = pm(**mine)
                 loss.backward()
+                if reads:  # outside forward, between backward and step
+                    [_read(pm, n).norm() for n in reads[0]]
         except GuardError as exc:
             if not case.get("guard_ok"):
                 raise
             losses.append(("GuardError", str(exc)))  # the parent checks every rank said so
             break
         opt.step()
+        if reads:  # outside forward, after the step
+            [_read(pm, n).norm() for n in reads[1]]
         t = loss.detach().reshape(1).clone()
         dist.all_reduce(t)
         losses.append(t.item() / world)
     if cfg.zero_stage == 3:  # the shards hold the values: every registered parameter is empty between steps
         assert pm.fully_sharded is not None and all(p.numel() == 0 for p in pm.parameters()), case["label"]
         assert pm.fully_sharded.stats.reduce_scatters > 0 and pm.fully_sharded.groups.size == dp_size // cfg.zero_ngroups
-        return losses, _merged_weights(pm, opt, os.path.join(gen_root, case["label"], "ckpt"))
+        read = {n: _read(pm, n).detach().clone() for n in reads[1]} if reads else {}
+        return losses, _merged_weights(pm, opt, os.path.join(gen_root, case["label"], "ckpt")), read
     with pm.unsharded():  # whole local tensors (use_zero=3 gathers them)
         shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
                   for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]

@@ -8,7 +8,9 @@ merged checkpoint) and every loss within 1e-10.
 
 One spawn of 2 worker processes per model runs all its plans (each its own gen_savedir); one
 spawn of 4 runs megatron tp 2 x dp 2 on Llama, without and with use_zero=3, use_zero=3 over dp 4
-with zero_ngroups=2, and pp 2 x dp 2 with use_zero=3. The reference runs with one thread like the
+with zero_ngroups=2, and pp 2 x dp 2 with use_zero=3. Llama's use_zero=3 plans but pp also read
+parameters outside forward every step (between backward and step, and after it: `model_plans.READS`),
+which must change nothing and give the current values. The reference runs with one thread like the
 workers (HF's float32 softmax / RMSNorm round differently per thread split).
 
 Exceptions, by design, each tested as such:
@@ -44,7 +46,7 @@ CASES = {
              # the alternative docs/megatron.md describes: the fused q/k/v projection row-parallel
              dict(mp.megatron(pas_config={"row": ["*.attn.c_attn", "*.attn.c_proj", "*.mlp.c_proj"]}),
                   label="megatron-row-c_attn")],
-    "llama": [mp.dp(), mp.megatron(), mp.zero(), mp.zero3(), mp.pp(), dict(mp.tp(), tol=FP32_TOL),
+    "llama": [mp.dp(), mp.megatron(), mp.zero(), mp.zero3(reads=True), mp.pp(), dict(mp.tp(), tol=FP32_TOL),
               dict(mp.tp(), model="llama64", label="tp-llama64")],
     "bert": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp()],
     "resnet": [mp.dp(train=False), mp.zero(train=False), mp.tp(), mp.tp(train=False), mp.pp(train=False),
@@ -52,8 +54,8 @@ CASES = {
     "vit": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp()],
 }
 WORLD4 = [dict(mp.megatron(), model="llama", label="megatron-tp2-dp2"),
-          dict(mp.megatron(use_zero=3), model="llama", label="megatron-tp2-dp2-zero3"),
-          dict(mp.zero3(zero_ngroups=2), model="llama", label="dp4-zero3-g2"),
+          dict(mp.megatron(use_zero=3, reads=True), model="llama", label="megatron-tp2-dp2-zero3"),
+          dict(mp.zero3(zero_ngroups=2, reads=True), model="llama", label="dp4-zero3-g2"),
           dict(mp.pp(use_zero=3), model="llama", label="pp2-dp2-zero3")]
 
 # The projections megatron must shard, by the parameter's suffix (per layer).
@@ -95,6 +97,10 @@ def _check(results, cases, halves_for=()):
             else:  # the float32 bar: per-tensor relative
                 diff = ((value - want).norm() / want.norm().clamp_min(1e-30)).item()
             assert diff <= tol, f"{key} {label}: {name} differs by {diff}"
+        for r, per_rank in enumerate(results):  # use_zero=3: parameters read outside forward are current
+            for name, value in (per_rank[label][2] if len(per_rank[label]) > 2 else {}).items():
+                diff = (value - ref_params[name]).abs().max().item()
+                assert diff <= tol, f"{label}: rank {r} read {name} outside forward, off by {diff}"
 
 
 def _sharded(results, label):

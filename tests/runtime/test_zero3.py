@@ -6,7 +6,10 @@ steps from the same weights as single-process training: dp, a GPT with tied weig
 gradient accumulation inside `no_sync` and without it, `zero_ngroups=2`, tp 2 x dp 2 (all in
 float64), bf16 parameters with fp32 master shards. Losses, every parameter (read through `unsharded()`), gradient
 norms and Adam's exp_avg (assembled through the public `ZeroShardLayout`) must match; each rank
-must hold about 1/z of the parameters outside forward and backward.
+must hold about 1/z of the parameters outside forward and backward. The 2-rank job also trains a
+4-block GPT with and without recomputation, reading parameters outside forward every step: float64
+parity with one process, at most two blocks and the root gathered at once (`Zero3Stats`), every
+prefetch used, nothing gathered or in flight after backward.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 from launch import run_workers
 from parity import assemble_full
 from test_module import LR as UNIT_LR, MLP as UnitMLP, batch as unit_batch, gen_class, initial_state, local_name
-from test_zero import GLOBAL_BATCH, LR, STEPS, TOL, CLIP, _assemble_state, _batch, _make, _tensors, reference
+from test_zero import GLOBAL_BATCH, GPT_CFG, LR, STEPS, TOL, CLIP, _assemble_state, _batch, _make, _tensors, reference
 from nnscaler.ir import ComputeConfig
 from nnscaler.runtime.errors import ConfigError
 from nnscaler.runtime.optimizer import build_optimizer
@@ -95,6 +98,28 @@ def test_single_process_parity_sharded_storage_and_unsharded():
     layout = opt.zero_layout
     assert [b.numel for b in layout.buckets] == [72, 72, 72] and layout.reduce_scatter
     assert [p.full_name for p in layout.pieces] == [n for n, _ in ref.named_parameters()]
+
+
+def test_reads_outside_forward_are_current_and_kept_by_nothing():
+    """A parameter read outside forward (between backward and step, after the step) is the current
+    value, leaves nothing gathered for a later forward, and a gradient taken through it reaches the
+    shard (a penalty term added outside forward)."""
+    pm, ref = _pair()
+    opt, ref_opt = build_optimizer(pm, torch.optim.Adam, lr=UNIT_LR), torch.optim.Adam(ref.parameters(), lr=UNIT_LR)
+    engine, ref_params = pm.fully_sharded, dict(ref.named_parameters())
+    held = lambda: [u.name for u in engine.units if u.full is not None or u.views is not None]  # noqa: E731
+    for s in range(3):
+        for model, weight, o in ((pm, pm.layers_1_weight, opt), (ref, ref_params["layers.1.weight"], ref_opt)):
+            o.zero_grad()
+            (model(**unit_batch(s)) + 0.5 * weight.pow(2).sum()).backward()
+        assert held() == []
+        assert torch.equal(pm.layers_0_weight, ref_params["layers.0.weight"])  # between backward and step
+        opt.step()
+        ref_opt.step()
+        for name in ("layers.0.weight", "layers.2.bias"):
+            assert torch.allclose(getattr(pm, local_name(name)), ref_params[name], atol=1e-6), (s, name)
+        assert held() == [], s
+    assert engine.stats.reads == 4 * 3 and engine.stats.gathers == 5 * 3
 
 
 def test_unsharded_writeback_and_load_full_state():
@@ -310,9 +335,100 @@ def pp_tied_refused(rank, world, gen_dir):
     return "no error"
 
 
+DEEP_CFG = dict(GPT_CFG, n_layer=4)
+LIMIT_STEPS = 3
+READS = ("h.1.attn.q_proj.weight", "h.2.attn.c_proj.weight", "wpe.weight")  # the first before the step
+
+
+def deep_reference(world):
+    """One process, float64: the losses and the READS norms at the same points, the final weights."""
+    from gpt import GPT, GPTConfig, random_batch
+    gpt_cfg = GPTConfig(**DEEP_CFG)
+    with float64():
+        torch.manual_seed(0)
+        model = GPT(gpt_cfg)
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        params = dict(model.named_parameters())
+        losses, reads = [], []
+        for step in range(LIMIT_STEPS):
+            opt.zero_grad()
+            loss = model(**random_batch(step, GLOBAL_BATCH, gpt_cfg))
+            loss.backward()
+            reads.append(params[READS[0]].norm().item())
+            opt.step()
+            reads += [params[n].norm().item() for n in READS[1:]]
+            losses.append(loss.item())
+        return losses, reads, {n: p.detach().clone() for n, p in params.items()}
+
+
+def gather_limits(rank, world, gen_dir):
+    """A 4-block GPT over dp 2 (float64), without and with every Block recomputed, a parameter read
+    between backward and step and after every step: the gather statistics, whether anything stayed
+    gathered or in flight after backward, the losses and the final weights."""
+    from gpt import GPT, GPTConfig, random_batch
+    from nnscaler import parallelize
+    gpt_cfg, per = GPTConfig(**DEEP_CFG), GLOBAL_BATCH // world
+    out = {}
+    with float64():
+        for label, pas in (("plain", {}), ("recompute", {"recompute_modules": "Block"})):
+            torch.manual_seed(0)
+            cfg = ComputeConfig(1, world, trace_strategy="cpu", use_zero=3, pas_config=pas)
+            pm = parallelize(GPT(gpt_cfg), random_batch(0, per, gpt_cfg), "dp", cfg, gen_savedir=gen_dir,
+                             instance_name=f"limits_{label}")
+            opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
+            engine, losses, left, reads = pm.fully_sharded, [], [], []
+            local = {e.full_name: name for name, e in pm.fullmap.items()}
+            for step in range(LIMIT_STEPS):
+                batch = {k: v[rank * per:(rank + 1) * per] for k, v in random_batch(step, GLOBAL_BATCH, gpt_cfg).items()}
+                opt.zero_grad()
+                loss = pm(**batch)
+                loss.backward()
+                left.append(engine._inflight is not None or any(u.full is not None for u in engine.units))
+                reads.append(getattr(pm, local[READS[0]]).norm().item())  # between backward and step
+                opt.step()
+                reads += [getattr(pm, local[n]).norm().item() for n in READS[1:]]  # after the step
+                left.append(engine._inflight is not None or any(u.full is not None for u in engine.units))
+                losses.append(loss.item())
+            blocks = [u.numel for u in engine.units if not u.is_root]
+            root = sum(u.numel for u in engine.units if u.is_root)
+            with pm.unsharded():
+                params = {n: p.detach().clone() for n, p in pm.named_parameters()}
+            out[label] = dict(stats=dict(vars(engine.stats)), left=left, losses=losses, reads=reads, params=params,
+                              limit=root + 2 * max(blocks), nblocks=len(blocks),
+                              code=open(__import__("sys").modules[type(pm).__module__].__file__).read())
+    return out
+
+
+def _check_gather_limits(results):
+    """At most two blocks and the root gathered (or in flight) at once, in forward, backward and
+    recomputation; every prefetch goes to the block that runs next (none dropped), nothing stays
+    gathered or in flight after backward or across the step, and reads change nothing."""
+    losses, reads, params = deep_reference(2)
+    for label in ("plain", "recompute"):  # float64 parity with one process (the loss: the mean over ranks)
+        got = [sum(r[label]["losses"][s] for r in results) / len(results) for s in range(LIMIT_STEPS)]
+        assert got == pytest.approx(losses, rel=1e-10, abs=0), label
+        for r in results:
+            assert r[label]["reads"] == pytest.approx(reads, rel=1e-10, abs=0), label
+            for name, value in params.items():
+                assert torch.allclose(r[label]["params"][local_name(name)], value, rtol=0, atol=1e-10), (label, name)
+    assert results[0]["recompute"]["code"].count("torch.utils.checkpoint.checkpoint(") == DEEP_CFG["n_layer"]
+    for r in results:
+        for label in ("plain", "recompute"):
+            out, stats = r[label], r[label]["stats"]
+            assert out["nblocks"] == DEEP_CFG["n_layer"], label
+            assert stats["max_gathered_blocks"] == 2, (label, stats)
+            assert stats["max_gathered_numel"] <= out["limit"], (label, stats, out["limit"])
+            assert not any(out["left"]), (label, out["left"])
+            # forward prefetches blocks 1-3 from the second forward on, backward blocks 2-0 in every one
+            n = DEEP_CFG["n_layer"] - 1
+            assert stats["prefetched"] == n * (LIMIT_STEPS - 1) + n * LIMIT_STEPS and stats["dropped"] == 0, (label, stats)
+            assert stats["reads"] == 3 * LIMIT_STEPS, (label, stats)
+
+
 def run_cases(rank, world, gen_dir):
     out = {name: train(rank, world, name, gen_dir) for name in CASES[world]}
     if world == 2:
+        out["limits"] = gather_limits(rank, world, gen_dir)
         out["masters"] = train_masters(rank, world)
         out["async"] = async_round_trip(rank, world, gen_dir)
         out["pp_tied"] = pp_tied_refused(rank, world, gen_dir)
@@ -359,6 +475,7 @@ def test_zero3_parity(world, tmp_path):
     with float64():
         _check(world, results)
     if world == 2:
+        _check_gather_limits([r["limits"] for r in results])
         assert [r["async"] for r in results] == [True, True]  # async_save of use_zero=3, loaded into ZeRO-1
         for r in results:
             assert "does not shard tensors that several pipeline stages hold (wte.weight" in r["pp_tied"], r["pp_tied"]

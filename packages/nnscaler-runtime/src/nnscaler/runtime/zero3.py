@@ -64,7 +64,10 @@ class Zero3Stats:
     prefetched: int = 0  # of which started early, while the previous block computed
     backward_gathers: int = 0  # of which in backward (a unit freed after forward, gathered again)
     reduce_scatters: int = 0  # unit gradient reductions
-    max_gathered_numel: int = 0  # the most elements gathered at once (all units)
+    max_gathered_numel: int = 0  # the most elements gathered at once (all units; not unsharded())
+    max_gathered_blocks: int = 0  # the most repeated blocks gathered or in flight at once (not the root)
+    dropped: int = 0  # prefetches waited for but not used (a block other than the predicted one came next)
+    reads: int = 0  # all-gathers for a parameter read outside forward and backward (kept by nothing)
 
 
 class ShardUnit:
@@ -117,15 +120,15 @@ class _GatherUnit(torch.autograd.Function):
     """shard -> the unit's gathered tensors; backward reduce-scatters their gradients."""
 
     @staticmethod
-    def forward(ctx, shard, engine, unit):
+    def forward(ctx, shard, engine, unit, keep=True):
         ctx.set_materialize_grads(False)
         ctx.engine, ctx.unit = engine, unit
-        full = engine._gather(unit)
+        full = engine._gather(unit) if keep else engine._gather_once(unit)
         return tuple(unit.flat_views(full))
 
     @staticmethod
     def backward(ctx, *grads):
-        return ctx.engine._reduce(ctx.unit, grads), None, None
+        return ctx.engine._reduce(ctx.unit, grads), None, None, None
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -156,7 +159,7 @@ class FullyShardedParams(Pausable):
         self.stats = Zero3Stats()
         self.sharded = False
         self._unsharded = 0
-        self._current: Optional[ShardUnit] = None  # the repeated block forward is in
+        self._forward_depth = 0  # inside forward_scope
         self._live: Dict[int, ShardUnit] = {}  # storage address of a gathered buffer -> its unit
         self._cleanup_queued = False
         self._order: List[ShardUnit] = []  # repeated blocks in the order the first forward used them
@@ -200,19 +203,38 @@ class FullyShardedParams(Pausable):
 
     # -- forward --------------------------------------------------------------------------------
     def get(self, name: str) -> torch.Tensor:
-        """The gathered parameter `name` (gathers its unit on first use)."""
+        """What ``self.<name>`` is while sharded: in forward the gathered parameter (its unit gathered on
+        first use, kept until forward leaves the block); in backward the same for a recomputed block; outside
+        both a fresh all-gather that nothing keeps (the current value even between backward and step)."""
         u = self.unit_of[name]
+        if self._forward_depth:
+            return self._use(u, name, backward=False)
+        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward
+            self._queue_cleanup()
+            return self._use(u, name, backward=True)
+        self._land(None)
+        self.stats.reads += 1
+        return dict(zip(u.local_names, _GatherUnit.apply(u.shard, self, u, False)))[name]
+
+    def _use(self, u: ShardUnit, name: str, backward: bool) -> torch.Tensor:
+        """`u`'s gathered tensor `name`; entering a block frees every other one and prefetches the block
+        that runs next: in forward the one after it, in backward (recomputation) the one before it."""
         if u.views is None:
             if not u.is_root:
-                if self._current is not None and self._current is not u:
-                    self._free(self._current)
-                self._current = u
-                if not self._next and u not in self._order:
+                self._enter(u)
+                if not backward and not self._next and u not in self._order:
                     self._order.append(u)
             u.views = dict(zip(u.local_names, _GatherUnit.apply(u.shard, self, u)))
-            if not u.is_root and id(u) in self._next:
-                self._prefetch(self._next[id(u)])
+            self.stats.backward_gathers += backward
+            if not u.is_root:
+                self._prefetch((self._prev if backward else self._next).get(id(u)))
         return u.views[name]
+
+    def _enter(self, u: ShardUnit) -> None:
+        """Free every gathered block but `u` (whatever uses them again gathers them again)."""
+        for x in self.units:
+            if x is not u and not x.is_root and x.full is not None:
+                self._free(x)
 
     def _prefetch(self, u: Optional[ShardUnit]) -> None:
         """Start the all-gather of `u` now, so that it runs while the current block computes
@@ -223,14 +245,19 @@ class FullyShardedParams(Pausable):
         started = start_all_gather_flat(u.shard.detach(), g.group, g.size, label="zero3_all_gather")
         if started is not None:
             self._inflight = (u, *started)
+            self._count()
 
     def _land(self, u: Optional[ShardUnit]) -> Optional[torch.Tensor]:
-        """Wait for the prefetch in flight (its unit is then gathered); its buffer if it was `u`'s."""
+        """Wait for the prefetch in flight; it is held if it was for `u` or `u` is the root (the block
+        comes next), dropped otherwise (None: drop it). Its buffer if it was `u`'s."""
         if self._inflight is None:
             return None
         unit, work, full = self._inflight
         self._inflight = None
         failures.wait(work, "the fully sharded parameter all-gather (prefetch)", self.groups.group, full)
+        if u is None or (unit is not u and not u.is_root):
+            self.stats.dropped += 1
+            return None
         self._hold(unit, full)
         self.stats.prefetched += 1
         return full if unit is u else None
@@ -240,20 +267,22 @@ class FullyShardedParams(Pausable):
         """Around the generated forward: gathered tensors saved for backward are stored as
         references; every unit is freed at the end."""
         self.shard()
+        self._forward_depth += 1
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
+            self._forward_depth -= 1
             self.free_all()
             if not self._next and len(self._order) > 1:
                 self._next = {id(a): b for a, b in zip(self._order, self._order[1:])}
                 self._prev = {id(b): a for a, b in zip(self._order, self._order[1:])}
 
     def free_all(self) -> None:
-        self._land(None)  # a prefetched block forward did not use
+        """Drop every gathered unit and a prefetch still in flight (waited for: nothing crosses)."""
+        self._land(None)
         for u in self.units:
             self._free(u)
-        self._current = None
 
     def _free(self, u: ShardUnit) -> None:
         if u.full is not None:
@@ -273,12 +302,30 @@ class FullyShardedParams(Pausable):
         self._hold(u, full)
         return full
 
+    def _gather_once(self, u: ShardUnit) -> torch.Tensor:
+        """A fresh all-gather of `u` that the engine does not keep (a read outside forward)."""
+        g = self.groups
+        if g.size == 1:
+            return u.shard.detach().clone()
+        return all_gather_flat(u.shard.detach(), g.group, g.size, label="zero3_all_gather",
+                               what="the fully sharded parameter all-gather (a read outside forward)")
+
     def _hold(self, u: ShardUnit, full: torch.Tensor) -> None:
         u.full = full
         self._live[full.untyped_storage().data_ptr()] = u
-        self.stats.gathers += 1
-        gathered = sum(x.numel for x in self.units if x.full is not None)
-        self.stats.max_gathered_numel = max(self.stats.max_gathered_numel, gathered)
+        if not self._unsharded:
+            self.stats.gathers += 1
+            self._count()
+
+    def _count(self) -> None:
+        st = self.stats
+        if self._unsharded:
+            return
+        st.max_gathered_numel = max(st.max_gathered_numel, sum(x.numel for x in self.units if x.full is not None))
+        blocks = {id(x) for x in self.units if x.full is not None and not x.is_root}
+        if self._inflight is not None:
+            blocks.add(id(self._inflight[0]))
+        st.max_gathered_blocks = max(st.max_gathered_blocks, len(blocks))
 
     def _pack(self, t: torch.Tensor):
         if not self._live or not isinstance(t, torch.Tensor) or t.is_meta:
@@ -293,14 +340,20 @@ class FullyShardedParams(Pausable):
             return saved
         u = saved.unit
         if u.full is None:
+            self._queue_cleanup()
+            if not u.is_root:
+                self._enter(u)
             self._gather(u)
             self.stats.backward_gathers += 1
             if not u.is_root:  # backward runs the blocks in reverse: start the one before
                 self._prefetch(self._prev.get(id(u)))
-            if not self._cleanup_queued:  # whatever backward gathered is freed when it ends
-                self._cleanup_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return u.full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _queue_cleanup(self) -> None:
+        """Whatever backward gathers or prefetches is dropped when the backward pass ends."""
+        if not self._cleanup_queued and torch._C._current_graph_task_id() != -1:
+            self._cleanup_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._cleanup_queued = False
@@ -310,8 +363,7 @@ class FullyShardedParams(Pausable):
     def _reduce(self, u: ShardUnit, grads) -> Optional[torch.Tensor]:
         """The shard gradient of `u` from its gathered tensors' gradients (None under no_sync)."""
         self._free(u)  # a later use in this backward gathers it again
-        if self._current is u:
-            self._current = None
+        self._queue_cleanup()
         if not u.trainable:
             return None
         send = self._accumulate(u, grads)
@@ -380,12 +432,13 @@ class FullyShardedParams(Pausable):
             yield
             return
         self.free_all()
-        fulls = [self._gather(u) for u in self.units]
-        for u, full in zip(self.units, fulls):
-            for p, view in zip(u.params, u.flat_views(full)):
-                p.data = view
-        self._unsharded += 1
+        self._unsharded += 1  # gathers not counted in the stats; `get` is not asked meanwhile
+        fulls: List[torch.Tensor] = []
         try:
+            for u in self.units:
+                fulls.append(self._gather(u))
+                for p, view in zip(u.params, u.flat_views(fulls[-1])):
+                    p.data = view
             yield
         finally:
             self._unsharded -= 1

@@ -102,7 +102,10 @@ class FullyShardedOptimizerState:
 
     def sync_grads(self) -> None:
         """Point every piece's gradient at its range of the shard gradient (None where no rank
-        gave the tensor a gradient), after reducing what `no_sync` left. Once per step."""
+        gave the tensor a gradient), after reducing what `no_sync` left. Once per step. Before the
+        step, nothing stays gathered or in flight (`free_all`): the next forward gathers the new values."""
+        for engine in self.engines:
+            engine.free_all()
         if self._synced:
             return
         for engine in self.engines:
