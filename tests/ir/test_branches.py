@@ -125,3 +125,22 @@ def test_keep_traced_branch_undoes_the_merge():
     assert [n.target for n in g.nodes] == [n.target for n in plain.nodes]
     assert [(n.args, n.branch, n.branch_args) for n in g.nodes] == [(n.args, None, []) for n in plain.nodes]
     assert "branches" not in guards_of(g)[0].kwargs
+
+
+class PackedPositions(nn.Module):
+    """transformers 5's packed-sequence check (masking_utils.find_packed_sequence_indices) with the
+    shape reads on one line, as every library op maps to the model's one calling line: the first
+    read feeds only the packed branch, so the traced (unpacked) graph drops it as dead code."""
+
+    def forward(self, x):
+        b, pos = x.shape[0], torch.arange(x.shape[1])[None].expand(x.shape[0], -1)  # noqa: E501
+        packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        y = x if (packed[:, -1] == 0).all() else x * packed[..., None] * b
+        return y.sum()
+
+
+def test_a_shape_read_dropped_as_dead_code_in_one_trace_still_lines_up():
+    g = _trace(PackedPositions(), {"x": torch.randn(2, 4, 3)})
+    (guard,) = guards_of(g)
+    assert guard.kwargs.get("branches") is True, "the packed-sequence decision stays a guard"
+    assert any(n.branch == [guard.id, False] for n in g.nodes)

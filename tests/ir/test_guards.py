@@ -150,3 +150,24 @@ def test_library_line_and_the_models_line_for_hugging_face():
     msg = next(str(w.message) for w in caught if issubclass(w.category, TracingWarning)
                and "masking_utils.py" in w.filename)
     assert "called from the model's line" in msg and "modeling_llama.py" in msg
+
+
+def test_hugging_face_packed_sequence_check_generates_both_branches_and_says_so_once():
+    """Without an attention mask, transformers 5 decides in Python whether the position ids pack
+    several sequences (masking_utils.find_packed_sequence_indices): a value made from shapes alone.
+    Both branches are generated (no GuardError when packed position ids come), and the warning says
+    once what that means."""
+    transformers = pytest.importorskip("transformers")  # a test dependency; always installed here
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = trace(transformers.LlamaModel(cfg), {"input_ids": torch.randint(0, 64, (2, 6)), "use_cache": False})
+    (guard,) = guards_of(g)
+    assert guard.source.function == "find_packed_sequence_indices" and guard.kwargs.get("branches") is True
+    ours = [w for w in caught if issubclass(w.category, TracingWarning)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    shown = warnings.formatwarning(ours[0].message, ours[0].category, ours[0].filename, ours[0].lineno)
+    assert "both branches are generated" in shown and "only from shapes and constants" in shown
+    assert shown.count("packed_sequence_mask[:, -1] == 0") == 1, shown

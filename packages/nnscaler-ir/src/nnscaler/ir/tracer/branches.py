@@ -167,6 +167,20 @@ class _Merge(_Alignment):
         super().__init__(graph, other)
         self.guard = guard
         self.next_value = next_value
+        self._shapes = None  # (graph's, other's) repeated shape reads: _repeated_shape_reads
+
+    def _same(self, x, y) -> bool:
+        """As the modes aligner, and a shape read is the same value as an earlier read of the same
+        tensor's shape: one trace may keep a read the other dropped as dead code, so the longest
+        common subsequence pairs a reader's shape with the other trace's earlier read (HF's
+        ``position_ids.expand(inputs_embeds.shape[0], -1)`` before the packed-sequence decision)."""
+        if not (isinstance(x, Ref) and isinstance(y, Ref)) or self.ids.get(y.id) == x.id:
+            return super()._same(x, y)
+        if self._shapes is None:
+            self._shapes = (_repeated_shape_reads(self.graph), _repeated_shape_reads(self.other))
+        mine, theirs = self._shapes
+        mapped = self.ids.get(theirs.get(y.id, y.id))
+        return mapped is not None and mine.get(mapped, mapped) == mine.get(x.id, x.id)
 
     def _may_differ(self, x, y) -> bool:
         # a constant or one value on each side (either may exist in one branch only); y is the other's
@@ -279,6 +293,22 @@ class _Merge(_Alignment):
             return a, diffs, None
         base = (map_refs(b.args, to_mine), map_refs(b.kwargs, to_mine), b.annotation)
         return a, diffs, base
+
+
+def _repeated_shape_reads(graph: IRGraph) -> Dict[int, int]:
+    """Value id of each int of a repeated ``t.shape`` -> the same int of the first read of `t`'s shape
+    (tensors that an in-place op touches are left out: their shape may change)."""
+    touched = {r.id for n in graph.nodes if n.inplace for r in n.input_refs()}
+    first: Dict[int, Node] = {}
+    out: Dict[int, int] = {}
+    for n in graph.nodes:
+        if n.target != "getattr" or len(n.args) != 2 or n.args[1] != "shape" or not isinstance(n.args[0], Ref) \
+                or n.args[0].id in touched:
+            continue
+        earlier = first.setdefault(n.args[0].id, n)
+        if earlier is not n:
+            out.update((a.id, b.id) for a, b in zip(iter_refs(n.outputs), iter_refs(earlier.outputs)))
+    return out
 
 
 def _lcs(a: List[Node], b: List[Node]) -> Optional[List[tuple]]:

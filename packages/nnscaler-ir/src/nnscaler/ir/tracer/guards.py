@@ -161,9 +161,12 @@ def record_value_read(tracer: TracerSurface, name: str, tensor: torch.Tensor, re
 def trace_warning(node: Node, handled: str) -> str:
     """The trace-time message for a guard: where, what it derives from, and what happens now."""
     kw = node.kwargs
-    where = f" at {node.source}" if node.source else ""
+    src = node.source
+    # the line's code is not repeated: Python prints it under the message (warn_explicit)
+    where = f" at {src.file}:{src.line}" + (f" in {src.function}" if src.function else "") if src else ""
     via = f" (called from the model's line {kw['via']})" if kw.get("via") else ""
-    cause = f"; the value derives from {kw['cause']}" if kw.get("cause") else ""
+    cause = (f"; the value derives from {kw['cause']}" if kw.get("cause") else
+             "; the value derives from no forward argument or parameter, only from shapes and constants")
     shown = kw["traced"] if not isinstance(kw["traced"], (list, dict)) else "the traced tensor"
     return (f"forward reads a tensor's value in Python ({READ_TEXT[kw['read']]}){where}{via}{cause}. "
             f"While tracing it was {shown!r}; {handled}")
