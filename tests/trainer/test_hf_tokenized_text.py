@@ -1,6 +1,8 @@
 """`nnscaler.trainer.hf.TokenizedText`: .txt / .jsonl / .parquet through `datasets`, tokenized by a
-local tokenizer, packed into blocks; the same blocks from every format and on every build; bad
-input is a TrainerConfigError naming the key and the fix."""
+local tokenizer, packed into blocks; the same blocks from every format and on every build; with
+``pack: true`` each sample's position_ids restart at every document (and block) start and its
+labels ignore each document's first token; bad input is a TrainerConfigError naming the key and
+the fix."""
 from __future__ import annotations
 
 import json
@@ -127,3 +129,26 @@ def test_long_blocks_are_views_of_one_token_array(tmp_path):
                       cache_dir=str(tmp_path / "c"))
     assert e.value.key == "dataset.val_args.val_fraction"
     assert f"keeps 0 of the {n} blocks of {block} tokens" in str(e.value) and "at least" in str(e.value)
+
+
+def test_pack_keeps_document_boundaries(tmp_path, expected):
+    files = write(tmp_path / "txt", "txt")
+    plain = TokenizedText(files, TOKENIZER, block_size=8, split="all", cache_dir=str(tmp_path / "c"))
+    packed = TokenizedText(files, TOKENIZER, block_size=8, split="all", cache_dir=str(tmp_path / "c"), pack=True)
+    val = TokenizedText(files, TOKENIZER, block_size=8, split="val", val_fraction=0.5, cache_dir=str(tmp_path / "c"),
+                        pack=True)
+    tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+    lengths = [len(tok(d, add_special_tokens=False)["input_ids"]) + 1 for d in DOCS]  # with EOS
+    n = len(packed)
+    got = torch.stack([packed[i]["position_ids"] for i in range(n)]).flatten().tolist()
+    starts = set(torch.cumsum(torch.tensor([0] + lengths[:-1]), 0).tolist())
+    for t, p in enumerate(got):  # restarts exactly at document and block starts, else counts on
+        assert (p == 0) == (t in starts or t % 8 == 0), (t, p)
+        assert p == 0 or p == got[t - 1] + 1, (t, p)
+    for i in range(n):
+        s = packed[i]
+        assert torch.equal(s["input_ids"], plain[i]["input_ids"])
+        assert torch.equal(s["labels"], s["input_ids"].masked_fill(s["position_ids"] == 0, -100))
+    assert torch.equal(val[0]["position_ids"], packed[len(packed) - len(val)]["position_ids"])
+    with pytest.raises(TrainerConfigError, match=r"pack.*'yes': use true"):
+        TokenizedText(files, TOKENIZER, block_size=8, split="all", cache_dir=str(tmp_path / "c"), pack="yes")

@@ -361,10 +361,12 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
         labels = batch.get("labels")
         if labels is None:
             labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, -100)
+        positions = batch.get("position_ids")  # packed documents (TokenizedText pack: true): restarting per document
         if self.aux_loss_output is None:
-            return self.model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            return self.model(input_ids=input_ids, attention_mask=mask, labels=labels, position_ids=positions).loss
         # transformers adds router_aux_loss_coef * aux_loss to the loss when labels are given
-        out = self.model(input_ids=input_ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out = self.model(input_ids=input_ids, attention_mask=mask, labels=labels, position_ids=positions,
+                         output_router_logits=True)
         return out.loss, out.aux_loss.detach()
 
     def hf_record(self, trainer=None, with_tokenizer: bool = True) -> HFRecord:

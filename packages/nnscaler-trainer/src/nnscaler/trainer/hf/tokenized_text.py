@@ -9,6 +9,13 @@ int64 array (8 bytes a token); documents are read and tokenized a batch at a tim
 are views of that array, so a long `block_size` (4096, 16384, ...) costs no more than a short one.
 Under ``pas_policy: cp`` `block_size` must split into 2 x cp equal chunks
 (`TokenizedText.validate_trainer_args`, before any worker starts).
+
+``pack: true`` keeps the documents apart inside a block: each sample also carries ``position_ids``
+restarting at 0 where a document starts (and at the block's start), which transformers reads as
+packed sequences (attention within each document; under ``cp`` ring attention reads the mask as
+key intervals, balanced, never a (block, block) matrix), and ``labels`` with -100 at each
+document's first token, so that no document's last token is trained to predict the next one. The
+documents' starts are kept as one int64 offset per document.
 """
 from __future__ import annotations
 
@@ -54,11 +61,13 @@ class TokenizedText(torch.utils.data.Dataset):
     .parquet: one document per row, its `text_field`); `tokenizer`: a local tokenizer directory;
     `block_size`: tokens per sample; `split` / `val_fraction`: the last `val_fraction` of the
     blocks is ``val``, the rest ``train`` (``all``: every block); `cache_dir`: the datasets cache
-    (None: its default, ``~/.cache/huggingface/datasets`` or ``HF_HOME``)."""
+    (None: its default, ``~/.cache/huggingface/datasets`` or ``HF_HOME``); `pack`: samples also
+    carry ``position_ids`` restarting per document and ``labels`` (-100 at each document's first
+    token): attention and the loss stay within each document (module docstring)."""
 
     def __init__(self, files: Union[str, Sequence[str]], tokenizer: str, block_size: int = 128,
                  split: str = "train", val_fraction: float = 0.0, text_field: str = "text",
-                 cache_dir: Optional[str] = None):
+                 cache_dir: Optional[str] = None, pack: bool = False):
         key = "dataset.val_args" if split == "val" else "dataset.train_args"
         if split not in ("train", "val", "all"):
             raise TrainerConfigError(f"{key}.split", f"{split!r}: use train, val or all")
@@ -69,12 +78,17 @@ class TokenizedText(torch.utils.data.Dataset):
         if not os.path.isdir(tokenizer):
             raise TrainerConfigError(f"{key}.tokenizer", f"{tokenizer!r} is not a directory (resolved from "
                                      f"{os.getcwd()}): give a local tokenizer directory (nothing is downloaded)")
+        if not isinstance(pack, bool):
+            raise TrainerConfigError(f"{key}.pack", f"{pack!r}: use true (documents kept apart) or false")
         self.tokenizer = tokenizer
         self.block_size = block_size
-        ids = _tokenize(_read_texts(paths, text_field, cache_dir, key), tokenizer, f"{key}.tokenizer")
+        self.pack = pack
+        ids, starts = _tokenize(_read_texts(paths, text_field, cache_dir, key), tokenizer, f"{key}.tokenizer")
         blocks = ids[:len(ids) // block_size * block_size].view(-1, block_size)
         cut = len(blocks) - int(len(blocks) * val_fraction)
         self.blocks = {"train": blocks[:cut], "val": blocks[cut:], "all": blocks}[split]
+        self._first = cut if split == "val" else 0  # the stream's block index of self.blocks[0]
+        self._starts = starts if pack else None
         if len(self.blocks) == 0:
             raise _too_small(key, len(ids), len(blocks), block_size, val_fraction, paths)
 
@@ -102,7 +116,14 @@ class TokenizedText(torch.utils.data.Dataset):
         return len(self.blocks)
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        return {"input_ids": self.blocks[i]}
+        if not self.pack:
+            return {"input_ids": self.blocks[i]}
+        ids = self.blocks[i]
+        first = (self._first + (i % len(self.blocks))) * self.block_size
+        t = np.arange(first, first + self.block_size)
+        begin = np.maximum(self._starts[np.searchsorted(self._starts, t, side="right") - 1], first)
+        positions = torch.from_numpy(t - begin)
+        return {"input_ids": ids, "position_ids": positions, "labels": ids.masked_fill(positions == 0, -100)}
 
 
 def _not_ring_chunks(block: int, cp: int, args) -> str:
@@ -151,9 +172,10 @@ def _read_texts(paths: List[str], field: str, cache_dir: Optional[str], key: str
     return ([t for t in batch[field] if t] for batch in data.select_columns([field]).iter(batch_size=_DOCS_PER_BATCH))
 
 
-def _tokenize(batches: Iterator[List[str]], path: str, key: str) -> torch.Tensor:
-    """Every document's tokens followed by EOS, as one int64 tensor; each batch of documents goes
-    from the tokenizer's lists straight into an array (C loops, no per-token Python)."""
+def _tokenize(batches: Iterator[List[str]], path: str, key: str):
+    """Every document's tokens followed by EOS, as one int64 tensor, and the documents' start offsets
+    (int64 array); each batch of documents goes from the tokenizer's lists straight into an array
+    (C loops, no per-token Python)."""
     transformers = import_transformers(key)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -161,6 +183,8 @@ def _tokenize(batches: Iterator[List[str]], path: str, key: str) -> torch.Tensor
         raise TrainerConfigError(key, f"{path!r} is not a tokenizer directory transformers can read ({e})") from None
     eos = tokenizer.eos_token_id
     pieces: List[np.ndarray] = []
+    starts: List[np.ndarray] = []
+    done = 0
     for texts in batches:
         if not texts:
             continue
@@ -169,7 +193,10 @@ def _tokenize(batches: Iterator[List[str]], path: str, key: str) -> torch.Tensor
         flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int64, count=int(lengths.sum()))
         if eos is not None:  # after every document
             flat = np.insert(flat, np.cumsum(lengths), eos)
+            lengths = lengths + 1
+        starts.append(done + np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+        done += len(flat)
         pieces.append(flat)
         del docs
     ids = np.concatenate(pieces) if len(pieces) > 1 else (pieces[0] if pieces else np.zeros(0, dtype=np.int64))
-    return torch.from_numpy(ids)
+    return torch.from_numpy(ids), (np.concatenate(starts).astype(np.int64) if starts else np.zeros(1, dtype=np.int64))
