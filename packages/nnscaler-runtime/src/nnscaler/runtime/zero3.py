@@ -7,7 +7,10 @@ names: the outermost ``<prefix>.<i>.`` whose prefix holds at least two indices (
 ``model.layers.7``, ``h.3``), as FSDP's auto-wrap of each decoder layer; everything else is the
 *root* unit (embeddings, final norm, head). ``unit_modules`` (``ComputeConfig.pas_config
 ["zero3_units"]``, module paths of the single-device model) names the units instead.
-A unit never mixes dtypes (one unit per dtype then).
+A unit never mixes dtypes, nor trainable and frozen tensors (``requires_grad=False``: a
+frozen embedding, the base weights under LoRA adapters): one unit per dtype and per kind then, of
+the same name; a frozen unit's shard needs no gradient, so it is never reduce-scattered and the
+optimizer holds no piece of it.
 
 Layout. A unit's tensors are laid out in one flat buffer in registration order, padded to a
 multiple of the zero group size z; rank i of the zero group keeps elements ``[i*S, (i+1)*S)``
@@ -17,14 +20,19 @@ unit, so `ZeroShardLayout` describes it and checkpoints of both stages read alik
 
 Forward. The generated code reads a parameter as ``self.<name>``; `ParallelModule.__getattr__`
 hands that to `FullyShardedParams.get`, which all-gathers the unit on its first use (through the
-autograd function `_GatherUnit`) and returns the gathered tensor; entering a new repeated block
-frees the previous one and starts the all-gather of the block the first forward used after it
+autograd function `_GatherUnit`) and returns the gathered tensor; entering a repeated block frees
+every other block and starts the all-gather of the block the first forward used after it
 (prefetch: it runs while this block computes), and the end of forward frees all. The gathered
 tensors that autograd saves for backward are stored as references to the unit (saved-tensor
-hooks), not as tensors, so freeing really frees them.
+hooks), not as tensors, so freeing really frees them. Outside forward and backward, a read is a
+fresh all-gather nothing keeps (the current value; no stale unit for a later forward).
 
-Backward. A freed block is gathered again when backward first unpacks one of its tensors, and the
-block forward used before it starts gathering then (backward prefetch). When every gradient of a unit's gathered tensors is known, `_GatherUnit.backward`
+Backward. A freed block is gathered again when backward first unpacks one of its tensors, or when
+recomputation reads it again; entering it frees every other block, and the block forward used
+before it (whose backward comes next) starts gathering then (backward prefetch). So at most two
+blocks and the root are gathered, in forward, backward and recomputation. The end of backward,
+and the optimizer's `sync_grads` before the step, drop everything gathered or in flight. When
+every gradient of a unit's gathered tensors is known, `_GatherUnit.backward`
 reduce-scatters them in the zero group (pre-divided by the data-parallel size, then summed: the
 mean over replicas; plus an all-reduce over the cross group when ``zero_ngroups > 1``), and the
 shard's gradient accumulates the result; the unit is freed. Inside ``no_sync()`` (gradient
@@ -60,14 +68,14 @@ __all__ = ["FullyShardedParams", "ShardUnit", "Zero3Stats", "unit_names", "ROOT_
 class Zero3Stats:
     """Counters for tests and benchmarks."""
 
-    gathers: int = 0  # unit all-gathers (forward and backward)
+    gathers: int = 0  # unit all-gathers (forward, backward, unsharded(), reads)
     prefetched: int = 0  # of which started early, while the previous block computed
     backward_gathers: int = 0  # of which in backward (a unit freed after forward, gathered again)
     reduce_scatters: int = 0  # unit gradient reductions
-    max_gathered_numel: int = 0  # the most elements gathered at once (all units; not unsharded())
+    max_gathered_numel: int = 0  # the most elements gathered at once (all units; not in unsharded())
     max_gathered_blocks: int = 0  # the most repeated blocks gathered or in flight at once (not the root)
     dropped: int = 0  # prefetches waited for but not used (a block other than the predicted one came next)
-    reads: int = 0  # all-gathers for a parameter read outside forward and backward (kept by nothing)
+    reads: int = 0  # of which for a parameter read outside forward and backward (kept by nothing)
 
 
 class ShardUnit:
@@ -149,12 +157,13 @@ class FullyShardedParams(Pausable):
         """`params`: (local name, full name, parameter) in registration order."""
         self.groups = groups
         names = unit_names([full for _, full, _ in params], unit_modules)
-        by_key: Dict[Tuple[str, torch.dtype], Tuple[List[str], List[torch.nn.Parameter]]] = {}
+        # a unit's frozen tensors are a unit of their own: no gradient, no reduce-scatter, no optimizer state
+        by_key: Dict[Tuple[str, torch.dtype, bool], Tuple[List[str], List[torch.nn.Parameter]]] = {}
         for local, full, p in params:
-            locals_, ps = by_key.setdefault((names[full], p.dtype), ([], []))
+            locals_, ps = by_key.setdefault((names[full], p.dtype, p.requires_grad), ([], []))
             locals_.append(local)
             ps.append(p)
-        self.units = [ShardUnit(unit, ls, ps, groups.size) for (unit, _), (ls, ps) in by_key.items()]
+        self.units = [ShardUnit(unit, ls, ps, groups.size) for (unit, _, _), (ls, ps) in by_key.items()]
         self.unit_of: Dict[str, ShardUnit] = {n: u for u in self.units for n in u.local_names}
         self.stats = Zero3Stats()
         self.sharded = False
@@ -213,7 +222,6 @@ class FullyShardedParams(Pausable):
             self._queue_cleanup()
             return self._use(u, name, backward=True)
         self._land(None)
-        self.stats.reads += 1
         return dict(zip(u.local_names, _GatherUnit.apply(u.shard, self, u, False)))[name]
 
     def _use(self, u: ShardUnit, name: str, backward: bool) -> torch.Tensor:
@@ -231,9 +239,10 @@ class FullyShardedParams(Pausable):
         return u.views[name]
 
     def _enter(self, u: ShardUnit) -> None:
-        """Free every gathered block but `u` (whatever uses them again gathers them again)."""
+        """Free every gathered block but `u`'s (whatever uses them again gathers them again; a block's
+        frozen and trainable tensors, or tensors of two dtypes, are units of the same name)."""
         for x in self.units:
-            if x is not u and not x.is_root and x.full is not None:
+            if x.name != u.name and not x.is_root and x.full is not None:
                 self._free(x)
 
     def _prefetch(self, u: Optional[ShardUnit]) -> None:
@@ -305,6 +314,8 @@ class FullyShardedParams(Pausable):
     def _gather_once(self, u: ShardUnit) -> torch.Tensor:
         """A fresh all-gather of `u` that the engine does not keep (a read outside forward)."""
         g = self.groups
+        self.stats.gathers += 1
+        self.stats.reads += 1
         if g.size == 1:
             return u.shard.detach().clone()
         return all_gather_flat(u.shard.detach(), g.group, g.size, label="zero3_all_gather",
@@ -313,9 +324,8 @@ class FullyShardedParams(Pausable):
     def _hold(self, u: ShardUnit, full: torch.Tensor) -> None:
         u.full = full
         self._live[full.untyped_storage().data_ptr()] = u
-        if not self._unsharded:
-            self.stats.gathers += 1
-            self._count()
+        self.stats.gathers += 1
+        self._count()
 
     def _count(self) -> None:
         st = self.stats
@@ -432,7 +442,7 @@ class FullyShardedParams(Pausable):
             yield
             return
         self.free_all()
-        self._unsharded += 1  # gathers not counted in the stats; `get` is not asked meanwhile
+        self._unsharded += 1  # not in the stats' maxima; `get` is not asked meanwhile
         fulls: List[torch.Tensor] = []
         try:
             for u in self.units:
