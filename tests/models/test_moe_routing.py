@@ -6,8 +6,8 @@ halves crossed) one Adam step each, and equals one process in float64 (every los
 within 1e-9). Each launch has a deadline, so a hang fails the test.
 
 - 2 processes: ``ep`` 2, and ``ep`` 2 with every block recomputed in backward;
-- 4 processes: ``ep`` 4, ``ep`` 2 x dp 2 with recomputation, ``pp`` 2 x ``ep`` 2 (2 micro-batches),
-  and ``ep`` 2 x dp 2 with ``use_zero=3``.
+- 4 processes: ``ep`` 4, ``ep`` 2 x dp 2 with recomputation, ``pp`` 2 x ``ep`` 2 (2 micro-batches)
+  with recomputation, and ``ep`` 2 x dp 2 with ``use_zero=3``, without and with recomputation.
 
 Every rank of a unit (of a pipeline stage) runs the same collectives, as many of each kind, in
 every step; the expert-load record holds the step's load per layer (summed over its micro-batches:
@@ -26,8 +26,9 @@ TOL = 1e-9
 RECOMPUTE = {"recompute_modules": "RiggedBlock"}
 PLANS2 = [("ep2", 2, {}), ("ep2-recompute", 2, {"pas_config": RECOMPUTE})]
 PLANS4 = [("ep4", 4, {}), ("ep2-dp2-recompute", 2, {"pas_config": RECOMPUTE}),
-          ("pp2-ep2", 4, {"use_end2end": True, "pas_config": {"pp_size": 2, "pipeline_nmicros": rm.NMICROS}}),
-          ("ep2-dp2-zero3", 2, {"use_zero": 3})]
+          ("pp2-ep2-recompute", 4, {"use_end2end": True,
+                                    "pas_config": {"pp_size": 2, "pipeline_nmicros": rm.NMICROS, **RECOMPUTE}}),
+          ("ep2-dp2-zero3", 2, {"use_zero": 3}), ("ep2-dp2-zero3-recompute", 2, {"use_zero": 3, "pas_config": RECOMPUTE})]
 
 
 def _forbidden(step):
