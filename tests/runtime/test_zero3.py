@@ -100,10 +100,12 @@ def test_single_process_parity_sharded_storage_and_unsharded():
     assert [p.full_name for p in layout.pieces] == [n for n, _ in ref.named_parameters()]
 
 
-def test_reads_outside_forward_are_current_and_kept_by_nothing():
-    """A parameter read outside forward (between backward and step, after the step) is the current
-    value, leaves nothing gathered for a later forward, and a gradient taken through it reaches the
-    shard (a penalty term added outside forward)."""
+def test_reads_outside_forward_are_current_and_kept_by_nothing(tmp_path):
+    """A parameter read outside forward (between backward and step, after the step), `unsharded()`
+    and a checkpoint save between backward and step give the current value, leave nothing gathered
+    for a later forward, and a gradient taken through a read reaches the shard (a penalty term
+    added outside forward)."""
+    from nnscaler.ckpt import save
     pm, ref = _pair()
     opt, ref_opt = build_optimizer(pm, torch.optim.Adam, lr=UNIT_LR), torch.optim.Adam(ref.parameters(), lr=UNIT_LR)
     engine, ref_params = pm.fully_sharded, dict(ref.named_parameters())
@@ -114,12 +116,16 @@ def test_reads_outside_forward_are_current_and_kept_by_nothing():
             (model(**unit_batch(s)) + 0.5 * weight.pow(2).sum()).backward()
         assert held() == []
         assert torch.equal(pm.layers_0_weight, ref_params["layers.0.weight"])  # between backward and step
+        with pm.unsharded():
+            assert torch.equal(pm.layers_2_weight, ref_params["layers.2.weight"])
+        save(tmp_path / f"step{s}", pm, opt)
+        assert held() == []
         opt.step()
         ref_opt.step()
         for name in ("layers.0.weight", "layers.2.bias"):
             assert torch.allclose(getattr(pm, local_name(name)), ref_params[name], atol=1e-6), (s, name)
         assert held() == [], s
-    assert engine.stats.reads == 4 * 3 and engine.stats.gathers == 5 * 3 + 4 * 3
+    assert engine.stats.reads == 4 * 3 and engine.stats.gathers == 5 * 3 + 4 * 3 + 3 * 3  # + unsharded()
 
 
 def test_unsharded_writeback_and_load_full_state():
