@@ -1,5 +1,6 @@
 """The multi-process halves of the FSDP-style argument tests: activation checkpointing (parity
-and recomputation observed), `configure_model` (also on the meta device) and `cpu_offload`."""
+and recomputation observed), `configure_model` (also on the meta device, and a Hugging Face Llama
+built there on meta and loaded with nnscaler.ckpt.load in on_fit_start) and `cpu_offload`."""
 from __future__ import annotations
 
 import glob
@@ -9,7 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lit_models import Base, Classifier, FEATURES, HIDDEN, CLASSES, full_weights, global_losses, trainer
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+from lit_models import Base, Classifier, FEATURES, HIDDEN, CLASSES, SAMPLES, full_weights, global_losses, trainer
+
+VOCAB, SEQ = 64, 8
 
 
 class CountsSaved(Classifier):
@@ -50,6 +56,69 @@ class BuiltInHook(Base):
                                            torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
                                            torch.nn.Linear(HIDDEN, CLASSES))
         self.built_on = str(next(self.net.parameters()).device)
+
+
+class MetaLlama(pl.LightningModule):
+    """A Hugging Face Llama built in configure_model: on the meta device and filled from the
+    save_pretrained directory `hf_dir` by ``nnscaler.ckpt.load(hf_dir, self)`` in on_fit_start
+    (each rank reads its shards), or (`meta` False, the DDP reference) by from_pretrained."""
+
+    def __init__(self, hf_dir: str, meta: bool, batch_size: int):
+        super().__init__()
+        self.hf_dir, self.meta, self.batch_size = hf_dir, meta, batch_size
+        self.llama, self.step_losses = None, []
+
+    def configure_model(self):
+        if self.llama is not None:
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+        if self.meta:
+            with torch.device("meta"):
+                self.llama = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.hf_dir))
+        else:
+            self.llama = AutoModelForCausalLM.from_pretrained(self.hf_dir)
+        self.built_on = str(next(self.llama.parameters()).device)
+
+    def on_fit_start(self):
+        if self.meta:
+            import nnscaler.ckpt
+            nnscaler.ckpt.load(self.hf_dir, self)
+
+    def forward(self, input_ids, labels):
+        logits = self.llama(input_ids=input_ids).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    @property
+    def dummy_forward_args(self):
+        ids = torch.randint(0, VOCAB, (self.batch_size, SEQ))
+        return {"input_ids": ids, "labels": ids}
+
+    def training_step(self, batch, batch_idx):
+        loss = self(*batch)
+        self.step_losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+        return DataLoader(TensorDataset(ids, torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)),
+                          batch_size=self.batch_size, shuffle=False)
+
+
+def _write_llama(root):
+    """A tiny Llama's save_pretrained directory (rank 0 writes it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = os.path.join(root, "llama-hf")
+    if dist.get_rank() == 0:
+        torch.manual_seed(11)
+        LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                     use_cache=False)).save_pretrained(path)
+    dist.barrier()
+    return path
 
 
 def _strategy(root, name, plan_ngpus=1, policy="dp", **kwargs):
@@ -96,4 +165,14 @@ def configure_model(rank, world, root):
         state = t.strategy.optimizers[0].state
         devices = {v.device.type for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)}
         out[label] = (global_losses(model.step_losses), full_weights(model), model.built_on, model.net, devices)
+    hf_dir = _write_llama(root)
+    model = MetaLlama(hf_dir, meta=False, batch_size=8)
+    trainer(DDPStrategy(), os.path.join(root, "llama-ddp")).fit(model)
+    out["llama-ddp"] = (global_losses(model.step_losses),
+                        {f"llama.{k}": v.detach().clone() for k, v in model.llama.named_parameters()})
+    for label, plan, policy, kwargs in (("llama-tp2", 2, "tp", {}), ("llama-zero3", 1, "dp",
+                                                                     {"sharding_strategy": "FULL_SHARD"})):
+        model = MetaLlama(hf_dir, meta=True, batch_size=8 * plan)
+        _fit(model, _strategy(root, label, plan, policy, **kwargs), root, label)
+        out[label] = (global_losses(model.step_losses), full_weights(model), model.built_on, model.llama, None)
     return out if rank == 0 else None

@@ -1,6 +1,8 @@
 """The arguments users of Lightning's FSDP strategy expect: `activation_checkpointing_policy`
 (recomputes those modules: same numbers, fewer saved activations, checkpointed generated code),
-`configure_model()` (also on the meta device) and `cpu_offload` (its own tests:
+`configure_model()` (also on the meta device: a Hugging Face Llama built there on meta and loaded from
+a save_pretrained directory with nnscaler.ckpt.load trains as DDP from from_pretrained, under tp2 and
+FULL_SHARD) and `cpu_offload` (its own tests:
 test_lightning_cpu_offload.py)."""
 from __future__ import annotations
 
@@ -46,12 +48,22 @@ def test_configure_model_and_cpu_offload_match_ddp(tmp_path):
         _close(losses, ref_losses, f"{label} losses")
         for key, ref in ref_weights.items():
             _close(weights[key], ref, f"{label} {key}")
+    # a Hugging Face Llama built on meta in configure_model, loaded from its save_pretrained
+    # directory in on_fit_start (nnscaler.ckpt.load): DDP's training from from_pretrained
+    ref_losses, ref_weights = out["llama-ddp"]
+    for label in ("llama-tp2", "llama-zero3"):
+        losses, weights, built_on, llama, _ = out[label]
+        assert built_on == "meta" and llama is None, label
+        torch.testing.assert_close(losses, ref_losses, atol=1e-6, rtol=TOL, msg=lambda m: f"{label} losses: {m}")
+        assert set(ref_weights) <= set(weights), label  # and the rotary buffers
+        for key, ref in ref_weights.items():
+            assert ((weights[key] - ref).norm() / ref.norm()).item() <= TOL, (label, key)
 
 
 def test_sharded_arguments_are_checked():
     from nnscaler.ir import ComputeConfig
     from nnscaler.lightning import NnScalerLightningError, NnScalerStrategy
-    from nnscaler.lightning.sharded_args import check_cpu_offload, materialize_meta, recompute_config
+    from nnscaler.lightning.sharded_args import built_on_meta, check_cpu_offload, recompute_config
     with pytest.raises(NnScalerLightningError, match=r"activation_checkpointing_policy=.*give a set of torch.nn"):
         NnScalerStrategy(activation_checkpointing_policy=lambda m: True)
     with pytest.raises(NnScalerLightningError, match=r"cpu_offload='yes'\): give True or False"):
@@ -80,8 +92,12 @@ def test_sharded_arguments_are_checked():
             self.w = torch.nn.Parameter(torch.ones(2))
     with torch.device("meta"):
         holder = torch.nn.Sequential(torch.nn.Linear(2, 2), NoReset())
-    with pytest.raises(NnScalerLightningError, match=r"built 1 on the meta device, and it has no reset_parameters"):
-        materialize_meta(holder, torch.device("cpu"))
+    assert built_on_meta(holder) and not built_on_meta(net)
+    # what parallelize (which fills a meta-built model on each rank) refuses, naming the module
+    from nnscaler.ir import ConfigError
+    from nnscaler.runtime.driver.meta_init import check_initializable
+    with pytest.raises(ConfigError, match=r"1 \(NoReset\) holds the tensor\(s\) w on the meta device"):
+        check_initializable(holder, buffers_only=False)
 
 
 def test_sharding_strategy_maps_to_use_zero():

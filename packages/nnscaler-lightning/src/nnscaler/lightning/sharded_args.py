@@ -14,12 +14,15 @@
   sharded), SHARD_GRAD_OP -> True (ZeRO stage 1: optimizer state sharded), NO_SHARD -> False,
   HYBRID_SHARD -> 3 with ``zero_ngroups`` = the number of nodes (sharded within each node,
   replicated across nodes); `sharding_config` applies it at setup.
-- `configure_model()`: a model built in the hook on the meta device is materialized on the root
-  device (``to_empty`` + each submodule's ``reset_parameters()``, in module order, as Lightning
-  does for FSDP) before it is traced.
+- `configure_model()`: a model built in the hook on the meta device is never materialized whole:
+  `parallelize` traces it on meta and each rank allocates and initializes only what it holds
+  (`built_on_meta`; the values equal building it on the CPU); load weights into it with
+  ``nnscaler.ckpt.load(path, self)`` in ``on_fit_start`` (a checkpoint or a Hugging Face directory:
+  each rank reads only its shards).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Iterable, Optional, Set, Type
 
@@ -28,7 +31,7 @@ from nnscaler.ir import ComputeConfig
 
 from .errors import NnScalerLightningError
 
-__all__ = ["checkpointing_types", "recompute_config", "wrap_config", "check_strategy_args", "check_cpu_offload", "offload_device", "materialize_meta",
+__all__ = ["checkpointing_types", "recompute_config", "wrap_config", "check_strategy_args", "check_cpu_offload", "offload_device", "built_on_meta", "example_rng",
            "OFFLOAD_DEVICE", "SHARDING_STRATEGIES", "sharding_strategy_name", "sharding_config"]
 
 OFFLOAD_DEVICE = torch.device("cpu")  # where cpu_offload=True keeps the optimizer's copies and state
@@ -148,29 +151,15 @@ def sharding_config(cfg: ComputeConfig, name: Optional[str], num_nodes: int) -> 
     return dataclasses.replace(cfg, **want)
 
 
-def _has_meta(module: torch.nn.Module) -> bool:
+def built_on_meta(module: torch.nn.Module) -> bool:
+    """A model built in ``configure_model`` under ``torch.device("meta")``: `parallelize` gives
+    each rank only its local tensors and fills them from the model's own initialisation (each
+    ``reset_parameters()``, equal to building it on the CPU; runtime/driver/meta_init.py), so the
+    whole model is never materialized; the example input is then drawn without touching torch's
+    generator (`example_rng`), which the initialisation replays from."""
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
-def materialize_meta(module: torch.nn.Module, device: torch.device) -> bool:
-    """Meta-device parameters and buffers (a model built in ``configure_model`` under
-    ``torch.device("meta")``) allocated on `device` and initialized by each submodule's
-    ``reset_parameters()``. Returns whether anything was on the meta device."""
-    if not _has_meta(module):
-        return False
-    uninitialized = []
-    for name, sub in module.named_modules():
-        direct = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
-        if not any(t.is_meta for t in direct):
-            continue
-        if callable(getattr(sub, "reset_parameters", None)):
-            sub.to_empty(device=device, recurse=False)
-            sub.reset_parameters()
-        else:
-            uninitialized.append(name or type(module).__name__)
-    if uninitialized:
-        raise NnScalerLightningError(
-            f"{type(module).__name__}.configure_model built {', '.join(uninitialized[:5])} on the meta device, and "
-            f"{'it has' if len(uninitialized) == 1 else 'they have'} no reset_parameters() to initialize the weights: "
-            f"add reset_parameters() or build those modules on a real device")
-    return True
+def example_rng(on_meta: bool):
+    """Around making the example input of a meta-built model: torch's generator left as it was."""
+    return torch.random.fork_rng(devices=[]) if on_meta else contextlib.nullcontext()

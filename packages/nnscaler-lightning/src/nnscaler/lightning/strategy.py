@@ -40,7 +40,7 @@ from .model_setup import Conversion, convert, dummy_forward_args, removed_module
 from .optimizers import rebuild, user_optimizer
 from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout
-from .sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta,
+from .sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, built_on_meta, example_rng,
                            offload_device, recompute_config, sharding_config, sharding_strategy_name,
                            wrap_config)
 
@@ -152,10 +152,11 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         optimizer, schedulers = user_optimizer(module) if fitting else (None, [])
         self.precision_plugin.set_device(self.root_device.type)
         if self._pm is None:  # a second fit / validate with this strategy keeps the plan in place
-            materialize_meta(module, self.root_device)  # a model built in configure_model on the meta device
+            on_meta = built_on_meta(module)  # built in configure_model on meta: each rank fills only its shards
             module = self.precision_plugin.convert_module(module)
-            self.model_to_device()
-            self._pm, self._conversion = self._parallelize(module, trainer)
+            if not on_meta:
+                self.model_to_device()
+            self._pm, self._conversion = self._parallelize(module, trainer, on_meta)
         if fitting and optimizer is not None:
             self.optimizers = [rebuild(optimizer, self._pm, offload_device(self.cpu_offload))]
             self.lr_scheduler_configs = schedulers
@@ -163,7 +164,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
             self.optimizers, self.lr_scheduler_configs = [], schedulers
         self.setup_precision_plugin()
 
-    def _parallelize(self, module, trainer) -> Tuple[Any, Conversion]:
+    def _parallelize(self, module, trainer, on_meta: bool = False) -> Tuple[Any, Conversion]:
         """This rank's ParallelModule of `module`, and `module` converted around it (model_setup.py)."""
         cfg = self.compute_config or ComputeConfig(1, self.world_size)
         if cfg.runtime_ngpus != self.world_size:
@@ -173,7 +174,8 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
                 f"(devices x num_nodes): make them equal")
         self.compute_config = cfg = sharding_config(cfg, self._sharding, self.num_nodes)
         cfg = wrap_config(recompute_config(cfg, self._checkpointing_types, module), self._wrap_types, module)
-        dummy = self.precision_plugin.convert_input(dummy_forward_args(module, trainer, self))
+        with example_rng(on_meta):  # the initialisation on the ranks replays the generator from here
+            dummy = self.precision_plugin.convert_input(dummy_forward_args(module, trainer, self))
         was_training = module.training
         module.train()
         try:

@@ -29,7 +29,7 @@ from ..errors import NnScalerLightningError
 from ..internals import BackwardSyncControl, FabricScriptLauncher, FabricSpawnLauncher, sync_ddp_if_available
 from ..optimizers import check_optimizer, rebuild
 from ..precision import adopt_precision_plugin
-from ..sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, materialize_meta,
+from ..sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, built_on_meta, example_rng,
                             offload_device, recompute_config, sharding_config, sharding_strategy_name,
                             wrap_config)
 from ..state_codec import decode, encode
@@ -96,9 +96,10 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                 f"{cfg.runtime_ngpus})) but Fabric runs {self.world_size} process(es): make them equal")
         self.precision.set_device(self.root_device.type)
         self.compute_config = cfg = sharding_config(cfg, self._sharding, self.num_nodes)
-        materialize_meta(module, self.root_device)
+        on_meta = built_on_meta(module)  # each rank fills only its shards (sharded_args.built_on_meta)
         cfg = wrap_config(recompute_config(cfg, self._checkpointing_types, module), self._wrap_types, module)
-        dummy = getattr(module, "dummy_forward_args", None) or self.dummy_forward_args
+        with example_rng(on_meta):
+            dummy = getattr(module, "dummy_forward_args", None) or self.dummy_forward_args
         if not isinstance(dummy, dict):
             raise NnScalerLightningError(
                 f"NnScalerStrategy traces {type(module).__name__}.forward and needs an example input: give the model "
