@@ -51,6 +51,7 @@ def test_activations_per_rank_are_divided_by_cp(h100):
 
 def test_a_rank_computes_one_cp_th_of_the_layer_plus_the_ring_steps(h100):
     seq = 32768
+    h100 = dataclasses.replace(h100, gpu=dataclasses.replace(h100.gpu, sms=None))  # GEMM shapes apart (costs tests)
     for cp in (2, 8):
         fwd1, bwd1, _, ring1 = _layer_times(SPEC, 1, seq, 1, h100)
         fwd, bwd, _, _ = _layer_times(SPEC, 1, seq, 1, h100, cp=cp)

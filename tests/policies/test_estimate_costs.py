@@ -1,6 +1,8 @@
 """The analytic cost model's parts (nnscaler.policies.estimate.costs) against hand-computed values."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nnscaler.policies.estimate import costs, load_cluster
@@ -13,10 +15,32 @@ def h100():
 
 
 def test_matmul_roofline(h100):
-    # compute bound: 2 * 4096^3 FLOPs at 80 % of 989 TFLOP/s
-    assert costs.matmul_time(4096, 4096, 4096, h100) == pytest.approx(2 * 4096 ** 3 / (989e12 * 0.8))
+    # compute bound: 2 * 4096^3 FLOPs at 80 % of 989 TFLOP/s, x the last wave's idle SMs: 32 x 32 tiles of
+    # 128 x 128 in 8 waves of H100's 132 SMs
+    assert costs.matmul_time(4096, 4096, 4096, h100) == pytest.approx(2 * 4096 ** 3 / (989e12 * 0.8 * 1024 / 1056))
     # memory bound: a vector times a matrix moves (4096 + 4096^2 + 4096) bf16 values at 80 % of 3350 GB/s
     assert costs.matmul_time(1, 4096, 4096, h100) == pytest.approx((2 * 4096 + 4096 ** 2) * 2 / (3350e9 * 0.8))
+
+
+def test_gemm_shape_efficiency(h100):
+    """Tile and wave quantization (NVIDIA's Matrix Multiplication Background guide), split-K below a wave:
+    a thin or small GEMM runs below a large one's rate; a grouped GEMM fills its waves with every group's
+    tiles."""
+    eff = costs.gemm_shape_efficiency
+    assert eff(132 * 128, 128, 4096, h100) == 1.0  # whole tiles, one full wave
+    assert eff(8192, 8192, 4096, h100) == pytest.approx(4096 / (32 * 132))  # 4096 tiles: the 32nd wave part-idle
+    assert eff(64, 4096, 4096, h100) == pytest.approx(0.5 * 128 / 132)  # 64 tokens: half a tile; 32 tiles x split 4
+    assert eff(4096, 8, 512, h100) == pytest.approx(8 / 128 * 32 / 132)  # the router's 8 columns; k too short to split
+    # 8 experts of 256 tokens, width 96 (a tp 8 slice of 768), k 2048: 2 tiles each, 16 in one launch, split 4
+    assert eff(256, 96, 2048, h100, groups=8) == pytest.approx(96 / 128 * 64 / 132)
+    local = dataclasses.replace(h100, gpu=dataclasses.replace(h100.gpu, sms=None))
+    assert eff(64, 8, 64, local) == 1.0  # no SM count (--cluster local): shapes not priced
+    # 16 experts of width 768 (gated), 2048 tokens each: a tp 8 slice (192 columns) runs at 0.73 of the
+    # rate of the whole (0.97), and takes well over an eighth of its time (the slice's weights are read too)
+    assert eff(2048, 192, 2048, h100, groups=16) == pytest.approx(0.75 * 512 / 528)
+    assert eff(2048, 1536, 2048, h100, groups=16) == pytest.approx(3072 / (24 * 132))
+    whole, slice8 = (costs.matmul_time(2048, 2048, 2 * 768 / tp, h100, groups=16) for tp in (1, 8))
+    assert slice8 > 1.5 * whole / 8
 
 
 def test_attention_is_half_the_causal_flops(h100):

@@ -11,7 +11,9 @@ The YAML (docs/autodist.md, "Planning a cluster you do not have")::
 come from that table. Optional: ``gpu.dtype`` (``bf16``, default, or ``fp32``: what the peak is
 for and what training runs in) and ``efficiency`` (``matmul``, ``attention``, ``memory``: the
 fractions of peak each op class reaches, defaults in `costs.EFFICIENCY`) and ``op_overhead_us``
-(the fixed cost of one op: kernel launch and dispatch, default 5) and ``fused_attention`` (default
+(the fixed cost of one op: kernel launch and dispatch, default 5), ``gpu.sms`` (streaming
+multiprocessors: the GEMM shape model's wave quantization, `costs.gemm_shape_efficiency`; known GPUs
+have it, without it a GEMM's shape is not priced) and ``fused_attention`` (default
 true; false: the software has no fused attention kernel, so attention runs as two batched matmuls
 and a softmax over the materialised s x s scores, `costs.unfused_attention_time`). Calibrated from
 one measured step: ``nnscaler plan estimate --calibrate-step-seconds`` (`calibrate`). Every bad
@@ -32,13 +34,14 @@ __all__ = ["ClusterError", "Cluster", "GPU", "Link", "KNOWN_GPUS", "SHIPPED", "l
 CLUSTERS_DIR = Path(__file__).resolve().parent / "clusters"
 SHIPPED = tuple(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))  # plus "local" (measured here)
 
-# Data-sheet numbers (dense bf16 tensor-core TFLOP/s, HBM GB and GB/s): NVIDIA A100 datasheet
-# (SXM4 80GB), NVIDIA H100 datasheet (SXM5), NVIDIA H200 datasheet (SXM).
+# Data-sheet numbers (dense bf16 tensor-core TFLOP/s, HBM GB and GB/s, streaming multiprocessors):
+# NVIDIA A100 datasheet (SXM4 80GB) and A100 whitepaper (108 SMs), NVIDIA H100 datasheet (SXM5) and
+# H100 whitepaper (132 SMs on SXM5), NVIDIA H200 datasheet (SXM; the H100's GH100 die, 132 SMs).
 KNOWN_GPUS: Dict[str, dict] = {
-    "A100-SXM-80GB": {"bf16_tflops": 312, "memory_gb": 80, "memory_gbps": 2039},
-    "A100-SXM-40GB": {"bf16_tflops": 312, "memory_gb": 40, "memory_gbps": 1555},
-    "H100-SXM-80GB": {"bf16_tflops": 989, "memory_gb": 80, "memory_gbps": 3350},
-    "H200-SXM-141GB": {"bf16_tflops": 989, "memory_gb": 141, "memory_gbps": 4800},
+    "A100-SXM-80GB": {"bf16_tflops": 312, "memory_gb": 80, "memory_gbps": 2039, "sms": 108},
+    "A100-SXM-40GB": {"bf16_tflops": 312, "memory_gb": 40, "memory_gbps": 1555, "sms": 108},
+    "H100-SXM-80GB": {"bf16_tflops": 989, "memory_gb": 80, "memory_gbps": 3350, "sms": 132},
+    "H200-SXM-141GB": {"bf16_tflops": 989, "memory_gb": 141, "memory_gbps": 4800, "sms": 132},
 }
 _DTYPES = {"bf16": 2, "fp32": 4}
 
@@ -54,6 +57,7 @@ class GPU:
     memory_gb: float
     memory_gbps: float
     dtype: str = "bf16"
+    sms: Optional[int] = None  # streaming multiprocessors (GEMM wave quantization); None: shapes not priced
 
     @property
     def peak_flops(self) -> float:
@@ -120,7 +124,7 @@ def _only(where: str, key: str, value: dict, allowed) -> None:
 
 def _gpu(where: str, raw) -> GPU:
     raw = _mapping(where, "gpu", raw)
-    _only(where, "gpu", raw, ("name", "bf16_tflops", "memory_gb", "memory_gbps", "dtype"))
+    _only(where, "gpu", raw, ("name", "bf16_tflops", "memory_gb", "memory_gbps", "dtype", "sms"))
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise ClusterError(f"{where}: 'gpu.name' is missing or not a string; name the GPU (e.g. H100-SXM-80GB)")
@@ -137,7 +141,9 @@ def _gpu(where: str, raw) -> GPU:
     dtype = raw.get("dtype", "bf16")
     if dtype not in _DTYPES:
         raise ClusterError(f"{where}: 'gpu.dtype' must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return GPU(name, dtype=dtype, **vals)
+    sms = raw.get("sms", KNOWN_GPUS.get(name, {}).get("sms"))
+    sms = None if sms is None else _num(where, "gpu.sms", sms, integer=True)
+    return GPU(name, dtype=dtype, sms=sms, **vals)
 
 
 def _link(where: str, key: str, raw) -> Link:

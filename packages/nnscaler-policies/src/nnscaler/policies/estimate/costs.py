@@ -9,7 +9,8 @@ from typing import Dict, Optional
 
 from .cluster import Cluster, Link
 
-__all__ = ["EFFICIENCY", "USABLE_MEMORY", "GiB", "efficiency", "matmul_time", "memory_bound_time",
+__all__ = ["EFFICIENCY", "USABLE_MEMORY", "GiB", "GEMM_TILE", "K_SPLIT_MIN", "efficiency", "gemm_shape_efficiency", "matmul_time",
+           "memory_bound_time",
            "attention_time", "unfused_attention_time", "ring_all_reduce_time", "ring_all_gather_time",
            "all_to_all_time", "p2p_time",
            "bubble_fraction",
@@ -40,14 +41,44 @@ def efficiency(cluster: Cluster, kind: str) -> float:
     return cluster.efficiency.get(kind, EFFICIENCY[kind])
 
 
-def matmul_time(m: float, k: float, n: float, cluster: Cluster) -> float:
-    """One (m x k) @ (k x n): the slower of its FLOPs at the matmul peak and its bytes at the memory
-    bandwidth (roofline)."""
+# A GEMM's shape (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning Performance
+# docs: "Tile quantization" and "Wave quantization"): the library computes the m x n output in tiles,
+# each on one SM, in waves of `sms` tiles. A dimension that is not a multiple of the tile computes the
+# padded remainder for nothing (tile quantization: m·n over the padded tiles' area), and a last wave
+# with fewer tiles than SMs leaves the others idle (wave quantization: work units over waves x SMs).
+# Fewer tiles than SMs are split along k when k is long (split-K, CUTLASS's "Split-K" and "Stream-K"
+# parallel reductions): up to sms / tiles parts of at least K_SPLIT_MIN each. GEMM_TILE is 128 x 128, a
+# middle of the 64 .. 256 tiles cuBLAS picks. `EFFICIENCY['matmul']` is the rate of a large GEMM's busy
+# tiles; thin and small GEMMs (a tensor-parallel slice of a small expert, an expert with few tokens, the
+# router's E columns) fall below it by these factors. A grouped GEMM (the experts of a layer in one
+# launch) fills its waves with every group's tiles.
+GEMM_TILE = (128, 128)
+K_SPLIT_MIN = 512
+
+
+def gemm_shape_efficiency(m: float, n: float, k: float, cluster: Cluster, groups: int = 1) -> float:
+    """The fraction of a large GEMM's rate that `groups` GEMMs of (m x k) @ (k x n) in one launch reach:
+    tile x wave quantization, split-K below a wave (1 when the cluster's GPU has no SM count, e.g.
+    ``--cluster local``)."""
+    sms = cluster.gpu.sms
+    if not sms or m <= 0 or n <= 0:
+        return 1.0
+    rows, cols = math.ceil(m / GEMM_TILE[0]), math.ceil(n / GEMM_TILE[1])
+    tile = m * n / (rows * GEMM_TILE[0] * cols * GEMM_TILE[1])
+    tiles = groups * rows * cols
+    units = tiles * (max(1, min(sms // tiles, int(k // K_SPLIT_MIN))) if tiles < sms else 1)
+    return tile * units / (math.ceil(units / sms) * sms)
+
+
+def matmul_time(m: float, k: float, n: float, cluster: Cluster, groups: int = 1) -> float:
+    """`groups` (m x k) @ (k x n) in one launch (1: a plain GEMM; the local experts' grouped GEMM): the
+    slower of their FLOPs at the matmul peak x the shape's efficiency (`gemm_shape_efficiency`) and their
+    bytes at the memory bandwidth (roofline)."""
     gpu = cluster.gpu
-    flops = 2.0 * m * k * n
-    moved = (m * k + k * n + m * n) * gpu.dtype_bytes
-    return max(flops / (gpu.peak_flops * efficiency(cluster, "matmul")),
-               moved / (gpu.memory_gbps * 1e9 * efficiency(cluster, "memory")))
+    flops = 2.0 * m * k * n * groups
+    moved = (m * k + k * n + m * n) * gpu.dtype_bytes * groups
+    rate = gpu.peak_flops * efficiency(cluster, "matmul") * gemm_shape_efficiency(m, n, k, cluster, groups)
+    return max(flops / rate, moved / (gpu.memory_gbps * 1e9 * efficiency(cluster, "memory")))
 
 
 def memory_bound_time(nbytes: float, cluster: Cluster) -> float:

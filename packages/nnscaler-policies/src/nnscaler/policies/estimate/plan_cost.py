@@ -178,7 +178,7 @@ def _layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, m
         mlp_mats = [(1, m, h, (2 if spec.gated else 1) * spec.ffn / tp),  # up (and gate)
                     (1, m, spec.ffn / tp, h)]  # down
         mlp_elements = (3 if spec.gated else 2) * spec.ffn
-    mm = sum(n * costs.matmul_time(*shape, cluster) for n, *shape in mats + mlp_mats)
+    mm = sum(costs.matmul_time(*shape, cluster, groups=n) for n, *shape in mats + mlp_mats)  # n: a grouped GEMM
     if cluster.fused_attention:  # the causal attention balanced over cp (zigzag): 1/cp of it a rank
         att = costs.attention_time(b, seq, spec.heads / tp, hd, cluster) / cp
         att_b = costs.ATTENTION_BACKWARD * att
@@ -198,10 +198,13 @@ def _layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, m
 
 
 def _moe_mlp(spec: ModelSpec, m: int, tp: int, ep: int, imbalance: float):
-    """An MoE layer's MLP on one rank of m tokens: ([(count, m, k, n) matmuls], elementwise elements a
-    token). The router; E / ep local experts, each on m·k·ep / E tokens (x imbalance on the busiest
-    rank), their width split over tp; the shared experts on every token; the activation's elements
-    and the dispatch's permute and un-permute (a read and a write of k copies of the token, twice)."""
+    """An MoE layer's MLP on one rank of m tokens: ([(groups, m, k, n) matmuls], elementwise elements a
+    token). The router; E / ep local experts as one grouped GEMM per projection, each expert on m·k·ep / E
+    tokens (x imbalance on the busiest rank), their width split over tp (the shapes price what small
+    and thin GEMMs lose: `costs.gemm_shape_efficiency`); the shared experts on every token; the
+    activation's elements; the router's softmax, top-k and weights over E (read and written, 4 passes);
+    the dispatch's permute and the combine's un-permute (a read and a write of k copies of the token,
+    twice)."""
     h, f, s, w = spec.hidden, spec.expert_ffn, spec.shared_ffn, 2 if spec.gated else 1
     local, per_expert = spec.experts // ep, m * spec.top_k * ep / spec.experts * imbalance
     mats = [(1, m / tp, h, spec.experts),  # router (on the sequence-parallel shard)
@@ -209,7 +212,7 @@ def _moe_mlp(spec: ModelSpec, m: int, tp: int, ep: int, imbalance: float):
     if s:
         mats += [(1, m, h, w * s / tp), (1, m, s / tp, h)]
     act = (w + 1) * (spec.top_k * f * imbalance + s)
-    return mats, act + 4 * spec.top_k * h
+    return mats, act + 4 * spec.top_k * h + 4 * spec.experts
 
 
 def _all_to_all_time(spec: ModelSpec, b: int, seq: int, tp: int, ep: int, cluster: Cluster, cp: int = 1) -> float:
