@@ -139,8 +139,13 @@ def load(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimize
     if manifest.kind == "deduped" and same_world and manifest.plan == module_plans(module):
         source = DedupSources(root, manifest, verify, rank, tensors)  # collective
     else:
-        ranks = manifest.ranks  # on the same world size this rank's own file is read at once
-        own = [ranks[rank].file] if same_world and manifest.kind != "merged" and rank < len(ranks) else []
+        # on the same world size this rank's own file is read at once; not where the module holds shards
+        # (use_zero=3): each piece is read into its own tensor then, so what a load adds is about the
+        # shards' size (the whole file kept besides the optimizer state's copies would be more)
+        ranks = manifest.ranks
+        held = any(lt.held is not None for lt in tensors)
+        own = [ranks[rank].file] if same_world and manifest.kind != "merged" and rank < len(ranks) and not held \
+            else []
         source = Sources(root, manifest, verify, prefer_rank=rank if same_world else None, whole_files=own)
     result, restore, new_state, values = None, None, None, []
     try:
