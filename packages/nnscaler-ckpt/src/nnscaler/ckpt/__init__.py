@@ -26,6 +26,7 @@ from .names import FORMAT_VERSION, KINDS
 from .save import save
 from .async_save import AsyncSave, AsyncSaveWarning, async_save, prepare_async_save, stop_async_saves
 from .load_any import load
+from .hf_load import is_hf_directory
 from .verify import verify
 from .summary import inspect
 from .merge import merge
@@ -34,6 +35,6 @@ from .convert import convert
 from .extra import decode_extra, encode_extra
 from .rng import restore_rng_snapshot, rng_snapshot
 
-__all__ = ["save", "async_save", "prepare_async_save", "AsyncSave", "AsyncSaveWarning", "stop_async_saves", "load", "merge", "verify",
+__all__ = ["save", "async_save", "prepare_async_save", "AsyncSave", "AsyncSaveWarning", "stop_async_saves", "load", "is_hf_directory", "merge", "verify",
            "inspect", "convert", "CheckpointError", "FORMAT_VERSION", "KINDS", "encode_extra", "decode_extra",
            "rng_snapshot", "restore_rng_snapshot", "HFRecord", "HF_EXTRA_KEY"]

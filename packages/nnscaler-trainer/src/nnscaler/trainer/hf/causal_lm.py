@@ -33,7 +33,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from nnscaler.ckpt import HF_EXTRA_KEY, HFRecord
+from nnscaler.ckpt import HF_EXTRA_KEY, HFRecord, is_hf_directory
 
 from ..errors import TrainerConfigError
 from ..hooks import TrainHook
@@ -305,7 +305,6 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
         generation = transformers.GenerationConfig.from_model_config(hf_config).to_json_string()
         hf_config.use_cache = False  # training: no key/value cache in the traced graph
         if from_pretrained is not None and on_meta:  # filled after parallelize, shard by shard
-            from nnscaler.ckpt.hf_load import is_hf_directory
             if not is_hf_directory(from_pretrained):
                 raise TrainerConfigError(key, f"{from_pretrained!r} holds no model.safetensors (nor its index "
                                               f"model.safetensors.index.json), which a plan that shards parameters "
