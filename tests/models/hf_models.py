@@ -268,9 +268,9 @@ def make(name, dtype=torch.float64, train=True):
 
 
 def batch(name, step, n, dtype=torch.float64, pad=False):
-    """The batch of `step` (the same in every process): `n` samples. With `pad`, every odd sample
-    ends with 1..3 padding positions (attention_mask 0), so every data-parallel slice of an even
-    size holds padding."""
+    """The batch of `step` (the same in every process): `n` samples. With `pad` (True or "right"),
+    every odd sample ends with 1..3 padding positions (attention_mask 0), so every data-parallel
+    slice of an even size holds padding; with "left" they start with them instead."""
     g = torch.Generator().manual_seed(1000 + step)
     if name in TEXT:
         ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
@@ -279,6 +279,8 @@ def batch(name, step, n, dtype=torch.float64, pad=False):
         if pad:
             for i in range(1, n, 2):
                 mask[i, SEQ - 1 - (i // 2) % 3:] = 0
+        if pad == "left":
+            mask = mask.flip(-1)
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
     pixels = torch.randn(n, 3, IMAGE, IMAGE, generator=g, dtype=torch.float64).to(dtype)
     return {"pixel_values": pixels, "labels": torch.randint(0, CLASSES, (n,), generator=g)}
