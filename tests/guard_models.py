@@ -54,10 +54,14 @@ def fast_all(t):
     return t.sum() == t.numel()
 
 
-def build_mask(attention_mask, seq):
-    """HF's sdpa_mask pattern: None (SDPA is_causal) when nothing is padded, else a boolean mask."""
+def build_mask(attention_mask, seq, right_padded=False):
+    """HF's sdpa_mask pattern: None (SDPA is_causal) when nothing is padded, else a boolean mask.
+    With `right_padded`, the padded branch alone asks the data again (as HF's "is the padding only
+    in future positions?"): a guard inside one branch."""
     if attention_mask is None or fast_all(attention_mask):  # the decision on the data
         return None
+    if right_padded:
+        assert fast_all(attention_mask[:, :1]), "the first position is never padded"  # guard in a branch
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
@@ -65,18 +69,18 @@ def build_mask(attention_mask, seq):
 class HFMaskAttention(nn.Module):
     """A toy of the HF attention mask pattern: both branches produce the mask or None and feed SDPA."""
 
-    def __init__(self, dim=8, heads=2, vocab=16):
+    def __init__(self, dim=8, heads=2, vocab=16, right_padded=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, vocab)
-        self.heads = heads
+        self.heads, self.right_padded = heads, right_padded
 
     def forward(self, input_ids, attention_mask):
         b, s = input_ids.shape
         h = self.emb(input_ids)
         q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        mask = build_mask(attention_mask, s)
+        mask = build_mask(attention_mask, s, self.right_padded)
         if mask is None:
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)
         else:

@@ -14,7 +14,7 @@ from nnscaler.codegen.emit import emit_rank
 from nnscaler.ir import ComputeConfig, trace
 from nnscaler.policies import apply_policy
 
-from guard_models import MaskBranch
+from guard_models import HFMaskAttention, MaskBranch, mask_batch
 
 
 class MaskOrCausal(nn.Module):
@@ -125,3 +125,18 @@ def test_a_pipelined_plan_keeps_the_traced_branch_guarded(tmp_path):
     assert "= bool(" not in text and "if _branch_" not in text and "* mask" not in text
     (call,) = [line.strip() for line in text.splitlines() if "nr.guards.check(" in line]
     assert "'bool', True" in call and call.endswith("agree=False)")  # the executor's failure notice
+
+
+def test_a_guard_inside_a_branch_is_checked_on_every_rank_outside_its_if():
+    """The padded branch's own guard: a rank whose data took the other branch checks None, so every
+    data-parallel rank joins the guard's agreement whichever branch its data took."""
+    text = _code(HFMaskAttention(right_padded=True), mask_batch(0, 2, True), world=2)
+    lines = text.splitlines()
+    (i,) = [k for k, line in enumerate(lines) if "nr.guards.check(" in line]
+    call = lines[i]
+    assert re.search(r"nr\.guards\.check\(\((\w+) if not _branch_\d+ else None\), 'bool', True, ", call), call
+    assert call.endswith("agree=torch.is_grad_enabled())")
+    indent = len(call) - len(call.lstrip())
+    body = next(k for k, line in enumerate(lines) if "def _forward_impl" in line)
+    assert indent == len(lines[body + 1]) - len(lines[body + 1].lstrip()), "the check sits inside an if block"
+    compile(text, "gencode0.py", "exec")

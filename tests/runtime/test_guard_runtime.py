@@ -39,6 +39,7 @@ def test_check_compares_what_was_read():
     big = torch.arange(2000.0)
     from nnscaler.ir.tracer.guards import digest
     check(big, "array", {"digest": digest(big)})
+    check(None, "bool", False)  # a guard inside a branch this rank's data did not take: nothing to check
     for value, read, traced in [(torch.tensor(False), "bool", True), (torch.tensor(4), "item", 3),
                                 (torch.tensor(1.01), "float", 1.0), (torch.tensor([1, 2]), "tolist", [1, 3]),
                                 (big.flip(0), "array", {"digest": digest(big)})]:

@@ -5,7 +5,9 @@ the run has a timeout, and the ranks stay in step: a later forward runs); a no_g
 one rank alone does not wait for the others; a pipelined plan fails
 the step on every rank through its failure notice; the toy of Hugging Face's mask pattern, traced
 with padding, trains on padded, unpadded and mixed batches (dp rank 0 padded, rank 1 not) like
-one process (float64) under dp 2 and tp 2.
+one process (float64) under dp 2 and tp 2; its padded branch holds a guard of its own, which every
+rank checks (and agrees on) whichever branch its data took, so the mixed batch does not leave one
+rank in the guard's all-reduce and the other in the gradients'.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ BATCHES = {0: lambda s, n: mask_batch(s, n, True), 1: lambda s, n: mask_batch(s,
 
 def _hf_reference(dp):
     torch.manual_seed(0)
-    model = HFMaskAttention().double()
+    model = HFMaskAttention(right_padded=True).double()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -62,7 +64,7 @@ def _train_hf(rank, world, policy, plan, gen_dir):
 
     dp = world // plan
     torch.manual_seed(0)
-    pm = parallelize(HFMaskAttention().double(), mask_batch(0, 4 // dp, True), policy,
+    pm = parallelize(HFMaskAttention(right_padded=True).double(), mask_batch(0, 4 // dp, True), policy,
                      ComputeConfig(plan, world, trace_strategy="cpu"), gen_savedir=gen_dir,
                      instance_name=f"hf_{policy}_{plan}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)

@@ -97,7 +97,8 @@ class BodyEmitter:
         indent = "    " if context else ""
         inside = context is not None and not conversions and out.block_open(context)
         # consecutive ops of one branch share its `if` block (codegen/branches.py)
-        header = own[0] if branch is not None and node.branch is not None and not context else None
+        header = own[0] if branch is not None and node.branch is not None and not branch.hoisted and not context \
+            else None
         if header is not None and not conversions and out.block_open(header):
             own, comment = own[1:], comment and "    " + comment
         if comment:

@@ -4,7 +4,8 @@ The decision's guard becomes ``_branch_<id> = bool(<tensor>)``; an op of one bra
 under ``if _branch_<id>:`` (or ``if not ...``), together with the layout conversions it needs;
 an op whose arguments differ between the branches gets ``(a if _branch_<id> else b)`` there, and
 the conversions of a value used on one side only are emitted under that side's ``if``.
-Conversions made inside a branch are not reused after it. Values computed inside a branch, and
+Conversions made inside a branch are not reused after it; a guard inside a branch is checked on
+every rank, outside the ``if`` (codegen/guards.py). Values computed inside a branch, and
 values read through a branch argument, are never deleted early (``del``): the generated code
 cannot know there which branch ran.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from nnscaler.ir import IRGraph, Node, Ref, branch_refs
+from nnscaler.ir import IRGraph, Node, Ref, branch_refs, is_guard
 
 from .layouts import Need, is_shape_query
 from .render import RawExpr
@@ -114,11 +115,19 @@ class BranchEmit:
         plain = [r.id for r in self.node.input_refs()]
         return {k: v for k, v in out.items() if plain.count(k) <= 1 and len({(g, s) for g, s, _ in v}) == 1}
 
+    @property
+    def hoisted(self) -> bool:
+        """A guard inside a branch: its check runs on every rank, after the branch's conversions
+        (codegen/guards.py)."""
+        return self.node.branch is not None and is_guard(self.node) and not self.node.kwargs.get("branches")
+
     def wrap(self, conversions: List[str], own: List[str]):
         node = self.node
         if node.branch is not None:
             gid, side = node.branch
             self.adapt.converted = self._restore
+            if self.hoisted:
+                return ([branch_if(gid, side)] + ["    " + line for line in conversions] if conversions else []), own
             return [], [branch_if(gid, side)] + ["    " + line for line in conversions + own]
         blocks = []
         for (gid, side), lines in self.side_lines.items():

@@ -7,6 +7,12 @@ graph inputs the value derives from. ``agree`` makes every rank raise together (
 always for a tensor-parallel plan, for a data-parallel-only plan when grad is enabled (a training
 forward; evaluating under ``torch.no_grad()`` on one rank alone keeps working), never for a
 pipelined module, which relies on its executor's failure notices.
+
+A guard inside one branch of a decision (nnscaler.ir.tracer.branches; HF's "is the padding only in
+future positions?", asked only of a padded batch) runs on every rank all the same, outside the
+branch's ``if``, on ``(value if _branch_N else None)``: a rank whose data took the other branch has
+nothing to check but still joins the agreement, so data-parallel ranks whose batches take different
+branches run the same collectives.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from typing import List
 from nnscaler.ir import Node
 
 from .render import Renderer
-from .branches import decision_statement
+from .branches import decision_statement, decision_var
 
 
 def guard_statement(node: Node, renderer: Renderer, pipelined: bool, args=None, kwargs=None,
@@ -27,7 +33,11 @@ def guard_statement(node: Node, renderer: Renderer, pipelined: bool, args=None, 
     if kwargs.get("branches"):  # both branches are in the program: the decision chooses
         return decision_statement(node, renderer.value(args[0]))
     at = f"{node.source}" if node.source is not None else ""
-    parts = [renderer.value(args[0]), renderer.value(kwargs.pop("read")), renderer.value(kwargs.pop("traced"))]
+    value = renderer.value(args[0])
+    if node.branch is not None:  # checked on every rank, on the branch's value or None (module docstring)
+        gid, side = node.branch
+        value = f"({value} if {'' if side else 'not '}{decision_var(gid)} else None)"
+    parts = [value, renderer.value(kwargs.pop("read")), renderer.value(kwargs.pop("traced"))]
     kwargs.pop("skipped", None)
     decision = kwargs.pop("decision", None)
     parts.append(f"at={at!r}")

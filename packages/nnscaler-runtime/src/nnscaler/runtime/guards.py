@@ -67,15 +67,17 @@ def _same_nested(a, b, dtype) -> bool:
     return close(a, b, dtype)
 
 
-def check(value: torch.Tensor, read: str, traced: Any, *, at: str = "", cause: str = "", via: str = "",
+def check(value: Optional[torch.Tensor], read: str, traced: Any, *, at: str = "", cause: str = "", via: str = "",
           agree: bool = False, decision: Optional[int] = None) -> None:
-    """Raise GuardError (on every rank when `agree`) unless `read` of `value` gives `traced`."""
-    ok, now = _matches(value.detach(), read, traced)
+    """Raise GuardError (on every rank when `agree`) unless `read` of `value` gives `traced`. `value`
+    None: a guard inside a branch of a decision this rank's data did not take (nothing to check; the
+    rank still joins the agreement, as its peers that took the branch do)."""
+    ok, now = _matches(value.detach(), read, traced) if value is not None else (True, None)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
         else (0, 1)
     bad_rank = None if ok else rank
     if agree and world > 1:
-        flag = torch.tensor([0 if ok else rank + 1], dtype=torch.int64, device=value.device)
+        flag = torch.tensor([0 if ok else rank + 1], dtype=torch.int64, device=_flag_device(value))
         # through failures.run: a peer that failed before reaching this guard is noticed, not waited for
         failures.run(dist.all_reduce, flag, op=dist.ReduceOp.MAX, what=f"the guard at {at or 'a value read'}")
         bad = int(flag.item())
@@ -86,6 +88,14 @@ def check(value: torch.Tensor, read: str, traced: Any, *, at: str = "", cause: s
     # all ranks agreed and raise here together: their collectives stay in step (runtime/failures/)
     error.raised_on_every_rank = agree and world > 1
     raise error
+
+
+def _flag_device(value: Optional[torch.Tensor]) -> torch.device:
+    if value is not None:
+        return value.device
+    if dist.get_backend() == "nccl":  # NCCL all-reduces device tensors only
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _message(read, traced, now, bad_rank, rank, world, at, cause, via) -> str:
