@@ -270,13 +270,19 @@ def make(name, dtype=torch.float64, train=True):
 def batch(name, step, n, dtype=torch.float64, pad=False):
     """The batch of `step` (the same in every process): `n` samples. With `pad` (True or "right"),
     every odd sample ends with 1..3 padding positions (attention_mask 0), so every data-parallel
-    slice of an even size holds padding; with "left" they start with them instead."""
+    slice of an even size holds padding; with "left" they start with them instead; with "last" only
+    the last sample ends with 2 (under dp 2 one rank's slice is padded, the other's not); "no-mask"
+    gives no attention_mask at all."""
     g = torch.Generator().manual_seed(1000 + step)
     if name in TEXT:
         ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
         labels = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        if pad == "no-mask":
+            return {"input_ids": ids, "labels": labels}
         mask = torch.ones(n, SEQ, dtype=torch.long)
-        if pad:
+        if pad == "last":
+            mask[n - 1, SEQ - 2:] = 0
+        elif pad:
             for i in range(1, n, 2):
                 mask[i, SEQ - 1 - (i // 2) % 3:] = 0
         if pad == "left":
