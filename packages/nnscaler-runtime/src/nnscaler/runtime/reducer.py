@@ -25,7 +25,8 @@ group does no communication and leaves `.grad` untouched.)
 of every reducer (and pipelined module) alive when the block starts. A
 backward pass that starts inside a `False` block only accumulates locally; the next synchronising
 pass all-reduces the accumulated gradients. Whether a pass synchronises is decided when its first
-gradient arrives, so put the `backward()` call inside the block. Several backward passes per step
+gradient arrives, so put the `backward()` call inside the block (`grad_ready.BackwardPass`: the one
+rule the fully sharded parameters of use_zero=3 follow too). Several backward passes per step
 are fine: each synchronising pass averages `.grad`, and because the mean is linear and already
 averaged parts are equal on all ranks, the result is the mean of the sums.
 
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from .device import is_distributed
 from .comm.stats import record
+from .grad_ready import BackwardPass
 from . import failures
 
 _WHAT = "the data-parallel gradient all-reduce"
@@ -81,11 +83,6 @@ def sync_grad_when(cond: bool) -> Iterator[None]:
         for target in list(_PAUSABLE):
             stack.enter_context(target.no_sync())
         yield
-
-
-def _graph_task_id() -> int:
-    get = getattr(torch._C, "_current_graph_task_id", None)
-    return get() if get is not None else 0
 
 
 @dataclass
@@ -206,8 +203,7 @@ class Reducer(Pausable):
         self.async_op = bool(async_op)
         self.stats = ReducerStats()
         self._buckets = self._make_buckets(list(reversed(unique)), int(self.bucket_cap_mb * 1024 * 1024))
-        self._pass_task: Optional[int] = None  # graph task id of the running backward pass
-        self._pass_sync = False
+        self._pass = BackwardPass(lambda: self.sync_enabled, self._finish_pass, self._start_pass)  # grad_ready.py
         self._next_launch = 0
         self._handles = []
         pausable(self)
@@ -247,8 +243,8 @@ class Reducer(Pausable):
     def sync_grads(self) -> None:
         """All-reduce the current gradients now (outside backward), e.g. after accumulating
         inside `sync_grad_when(False)` without a final synchronising backward. Collective."""
-        if self._pass_task is not None:  # a backward pass that raised before its end
-            self._finish_pass(reduce=False)
+        if self._pass.active:  # a backward pass that raised before its end
+            self._pass.close(reduce=False)
         if self.group_size > 1:
             self._reduce_remaining()
 
@@ -262,23 +258,15 @@ class Reducer(Pausable):
     # -- backward pass --------------------------------------------------------------------------
     def _hook(self, bucket: _Bucket):
         def on_grad(param: torch.nn.Parameter) -> None:
-            task = _graph_task_id()
-            if self._pass_task != task:
-                if self._pass_task is not None:  # the previous backward raised before its end
-                    self._finish_pass(reduce=False)
-                self._start_pass(task)
-            if self._pass_sync and self.async_op:
+            if self._pass.enter() and self.async_op:
                 bucket.ready += 1
                 self._launch_ready()
         return on_grad
 
-    def _start_pass(self, task: int) -> None:
-        self._pass_task = task
-        self._pass_sync = self.sync_enabled
+    def _start_pass(self) -> None:
         self._next_launch = 0
         for bucket in self._buckets:
             bucket.ready = 0
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
 
     def _launch_ready(self) -> None:
         # Launch in bucket order only, so every rank issues the same sequence of collectives.
@@ -312,8 +300,7 @@ class Reducer(Pausable):
             bucket.unflatten()
         self.stats.synced_passes += 1
 
-    def _finish_pass(self, reduce: bool = True) -> None:
-        sync, self._pass_task = self._pass_sync, None
+    def _finish_pass(self, sync: bool, reduce: bool) -> None:
         try:
             if sync and reduce:
                 self._reduce_remaining()

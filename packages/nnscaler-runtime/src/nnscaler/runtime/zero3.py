@@ -57,6 +57,7 @@ import torch
 
 from . import failures
 from .comm.flat import all_gather_flat, start_all_gather_flat
+from .grad_ready import BackwardPass, graph_task_id
 from .reducer import Pausable, pausable
 from .zero import flat_layout, reduce_rows, row_segments
 from .zero_groups import ZeroGroups
@@ -93,7 +94,7 @@ class ShardUnit:
         self.full: Optional[torch.Tensor] = None  # the gathered flat buffer
         self.views: Optional[Dict[str, torch.Tensor]] = None  # name -> gathered tensor (forward)
         self.pending: Optional[torch.Tensor] = None  # the send buffer summed under no_sync
-        self.used: Optional[torch.Tensor] = None  # per tensor: a rank gave it a gradient this step
+        self.used: Optional[torch.Tensor] = None  # per tensor: a rank gave it a gradient this step (on the device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,7 +171,7 @@ class FullyShardedParams(Pausable):
         self._unsharded = 0
         self._forward_depth = 0  # inside forward_scope
         self._live: Dict[int, ShardUnit] = {}  # storage address of a gathered buffer -> its unit
-        self._cleanup_queued = False
+        self._pass = BackwardPass(lambda: self.sync_enabled, self._end_of_backward)  # grad_ready.py
         self._order: List[ShardUnit] = []  # repeated blocks in the order the first forward used them
         self._next: Dict[int, ShardUnit] = {}  # id(block) -> the block forward uses after it
         self._prev: Dict[int, ShardUnit] = {}  # id(block) -> the block forward used before it
@@ -191,7 +192,7 @@ class FullyShardedParams(Pausable):
                     view.copy_(p)
                 own = flat[i * u.shard_numel:(i + 1) * u.shard_numel].clone()
                 u.shard = torch.nn.Parameter(own, requires_grad=u.trainable)
-                u.used = torch.zeros(len(u.params), dtype=torch.bool)
+                u.used = torch.zeros(len(u.params), dtype=torch.bool, device=u.device)
                 for p in u.params:
                     p.data = _empty(p)
         self.sharded = True
@@ -203,6 +204,7 @@ class FullyShardedParams(Pausable):
         with torch.no_grad():
             for u in self.units:
                 u.shard.data = fn(u.shard.data)
+                u.used = u.used.to(u.shard.device)
                 for p in u.params:
                     p.data = _empty(u.shard)
 
@@ -218,8 +220,8 @@ class FullyShardedParams(Pausable):
         u = self.unit_of[name]
         if self._forward_depth:
             return self._use(u, name, backward=False)
-        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward
-            self._queue_cleanup()
+        if graph_task_id() != -1:  # recomputation inside backward
+            self._pass.enter()
             return self._use(u, name, backward=True)
         self._land(None)
         return dict(zip(u.local_names, _GatherUnit.apply(u.shard, self, u, False)))[name]
@@ -350,7 +352,8 @@ class FullyShardedParams(Pausable):
             return saved
         u = saved.unit
         if u.full is None:
-            self._queue_cleanup()
+            if graph_task_id() != -1:
+                self._pass.enter()
             if not u.is_root:
                 self._enter(u)
             self._gather(u)
@@ -359,25 +362,19 @@ class FullyShardedParams(Pausable):
                 self._prefetch(self._prev.get(id(u)))
         return u.full.as_strided(saved.size, saved.stride, saved.offset)
 
-    def _queue_cleanup(self) -> None:
-        """Whatever backward gathers or prefetches is dropped when the backward pass ends."""
-        if not self._cleanup_queued and torch._C._current_graph_task_id() != -1:
-            self._cleanup_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _end_of_backward(self) -> None:
-        self._cleanup_queued = False
+    def _end_of_backward(self, sync: bool, reduce: bool) -> None:
+        """Whatever backward gathered or prefetched is dropped when the backward pass ends."""
         self.free_all()
 
     # -- backward -------------------------------------------------------------------------------
     def _reduce(self, u: ShardUnit, grads) -> Optional[torch.Tensor]:
         """The shard gradient of `u` from its gathered tensors' gradients (None under no_sync)."""
         self._free(u)  # a later use in this backward gathers it again
-        self._queue_cleanup()
+        sync = self._pass.enter()  # decided once per backward pass, as the Reducer's (grad_ready.py)
         if not u.trainable:
             return None
         send = self._accumulate(u, grads)
-        if not self.sync_enabled:
+        if not sync:
             u.pending = send
             return None
         return self._reduce_scatter(u, send)
@@ -405,7 +402,7 @@ class FullyShardedParams(Pausable):
         out = reduce_rows(send, self.groups, label="zero3_reduce_scatter",
                           what="the fully sharded gradient reduce-scatter")
         self.stats.reduce_scatters += 1
-        u.used |= (out[width:] > 0).cpu()
+        u.used |= out[width:] > 0  # on the device: read once per step (used_flags), no host sync here
         return out[:width]
 
     def finish_grads(self) -> None:
@@ -420,6 +417,17 @@ class FullyShardedParams(Pausable):
                     u.shard.grad = grad
                 else:
                     u.shard.grad.add_(grad)
+
+    def used_flags(self) -> Dict[int, List[bool]]:
+        """id(unit) -> per tensor, whether a rank gave it a gradient this step (one device-to-host
+        copy for all units: called once per step, by the optimizer's `sync_grads`)."""
+        units = [u for u in self.units if u.used is not None]
+        flat = torch.cat([u.used for u in units]).tolist() if units else []
+        out, at = {}, 0
+        for u in units:
+            out[id(u)] = flat[at:at + len(u.params)]
+            at += len(u.params)
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for u in self.units:

@@ -108,11 +108,13 @@ class FullyShardedOptimizerState:
             engine.free_all()
         if self._synced:
             return
+        used = {}
         for engine in self.engines:
             engine.finish_grads()
+            used.update(engine.used_flags())
         for piece in self.pieces:
             grad = piece.unit.shard.grad
-            if grad is None or not bool(piece.unit.used[piece.position]):
+            if grad is None or not used[id(piece.unit)][piece.position]:
                 piece.tensor.grad = None
             else:
                 piece.tensor.grad = grad[piece.shard_offset:piece.shard_offset + piece.numel]
