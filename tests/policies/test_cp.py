@@ -170,3 +170,33 @@ def test_experts_split_over_the_unit_as_ep():
 def test_bad_ep_size(ep_size, words):
     with pytest.raises(ConfigError, match=words):
         apply_policy(_graph(AttentionMoE()), ComputeConfig(4, 4, pas_config={"ep_size": ep_size}), "cp")
+
+
+def test_autodist_plans_ring_attention_with_expert_parallelism(tmp_path, monkeypatch):
+    """autodist prices ring attention and split experts in one plan: with attention limited to the ring
+    (a partition constraint), the search also splits the experts (its own choice among R, t and e: the
+    cheapest), and codegen emits both runtime calls."""
+    from nnscaler.codegen import generate
+    from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS
+    from nnscaler.policies.autodist.choices import node_choices
+    monkeypatch.setenv("NNSCALER_CACHE_DIR", str(tmp_path / "cache"))
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- op: scaled_dot_product_attention\n  allowed: [ring]\n")
+    comm = {"backend": "given", "collectives": {c: {"2": [1e-5, 5e9]} for c in
+                                                ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}}
+    torch.manual_seed(0)
+    model = AttentionMoE()
+    model.up, model.down = (torch.nn.Parameter(torch.randn(4, 256, 8) * 0.1),  # experts: most of the weights
+                            torch.nn.Parameter(torch.randn(4, 8, 128) * 0.1))
+    graph = _graph(model)
+    experts = next(n for n in graph.nodes if n.target == ROUTED_EXPERTS)
+    assert [c.label for c in node_choices(graph, experts, 2)] == ["R", "t", "e"]
+    cfg = ComputeConfig(2, 2, pas_config={"_comm_profile": comm, "_profile_repeats": 1,
+                                          "partition_constraints_path": str(rules)})
+    planned = apply_policy(graph, cfg, "autodist")
+    ring = next(n for n in planned.nodes if n.target == SDPA)
+    experts = next(n for n in planned.nodes if n.target == ROUTED_EXPERTS)
+    assert ring.pieces[0].dim == RING_DIM and experts.pieces[0].dim == EXPERT_DIM
+    generate(planned, cfg, tmp_path / "gen")
+    code = (tmp_path / "gen" / "gencode0.py").read_text()
+    assert "nr.ring_attention.attention(" in code and "nr.moe.expert_parallel(" in code
