@@ -1,12 +1,17 @@
-"""Padded batches on real models (HF Llama and BERT decide in Python, from `attention_mask`'s
-values, whether to build an attention mask).
+"""Padded batches on real models (HF Llama, Qwen2, Mistral and BERT decide in Python, from
+`attention_mask`'s values, whether to build an attention mask).
 
-- Traced without padding, then fed a padded batch: either every rank raises
+- Traced without padding, then fed right- and left-padded batches: either every rank raises
   `nnscaler.runtime.GuardError` on that step (naming the model's line), or, when both branches
-  were generated, training matches one process.
-- Traced with padding, then fed padded and unpadded batches: training matches one process.
+  were generated, training matches one process. Under `tp` both branches must be generated and
+  match: each branch's ops are split along dims of their own, and a size read of a value that
+  differs between the branches was scaled by the traced side's layout (issue 45: SDPA's output
+  reshaped with the heads' size as the batch's, the loss 6e-3 off one process, or a crash).
+- Traced with padding, then fed padded (right, left) and unpadded batches: training matches
+  one process.
 
-Under dp and megatron (2 processes, float64, 3 Adam steps, the bars of test_hf_parity).
+Under dp, megatron and tp (2 processes) and tp 2 x dp 2 with ZeRO-1 (4 processes), float64,
+3 Adam steps, the bars of test_hf_parity. One launch per plan, looping over the models.
 """
 from __future__ import annotations
 
@@ -16,42 +21,62 @@ import model_plans as mp
 from launch import run_workers
 from test_hf_parity import TOL, _check
 
-UNPADDED_THEN_PADDED = [False, True, True]
-PADDED_THEN_MIXED = [True, False, True]
+UNPADDED_THEN_PADDED = [False, True, "left"]
+PADDED_THEN_MIXED = [True, False, "left"]
+# plan -> (models, guards allowed: the plan may keep the traced branch and raise GuardError)
+PLANS = {"dp": (["llama", "bert"], True), "megatron": (["llama", "bert"], True),
+         "tp": (["llama64", "qwen2", "mistral", "gpt2", "bert"], False)}
+TRACE_PADDED_TOO = {"dp": ["llama", "bert"], "megatron": ["llama", "bert"], "tp": ["llama64"]}
 
 
-def _cases(model):
+def _cases(plan):
+    models, guard_ok = PLANS[plan]
+    base = getattr(mp, plan)()
     cases = []
-    for make in (mp.dp, mp.megatron):
-        base = make()
-        cases.append(dict(base, model=model, label=f"{base['label']}-trace-unpadded", trace_pad=False,
-                          pad=UNPADDED_THEN_PADDED, guard_ok=True))
-        cases.append(dict(base, model=model, label=f"{base['label']}-trace-padded", trace_pad=True,
-                          pad=PADDED_THEN_MIXED))
+    for model in models:
+        cases.append(dict(base, model=model, label=f"{model}-{base['label']}-trace-unpadded", trace_pad=False,
+                          pad=UNPADDED_THEN_PADDED, guard_ok=guard_ok))
+        if model in TRACE_PADDED_TOO[plan]:
+            cases.append(dict(base, model=model, label=f"{model}-{base['label']}-trace-padded", trace_pad=True,
+                              pad=PADDED_THEN_MIXED))
     return cases
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "bert"])
-def test_padded_batches(model, tmp_path):
-    cases = _cases(model)
-    results = run_workers(mp.run_plans, 2, cases, str(tmp_path / "gen"), timeout=300)
+def _check_guarded_or_matching(results, cases):
     matching = []
     for case in cases:
-        label = case["label"]
+        label, model = case["label"], case["model"]
         per_rank = [r[label][0] for r in results]
         guarded = [losses[-1] for losses in per_rank if losses and isinstance(losses[-1], tuple)]
         if case.get("guard_ok") and guarded:
             # the guard fired: on every rank, at the first padded step, naming the user's line
             assert len(guarded) == len(per_rank), f"{label}: only some ranks raised GuardError: {per_rank}"
-            assert all(len(losses) == 1 + UNPADDED_THEN_PADDED.index(True) for losses in per_rank), per_rank
+            first = [bool(p) for p in UNPADDED_THEN_PADDED].index(True)
+            assert all(len(losses) == 1 + first for losses in per_rank), per_rank
             for _, message in guarded:
                 assert "masking_utils.py" in message or "modeling_" in message, message
             ref_losses, _ = mp.reference(model, pad=UNPADDED_THEN_PADDED)
-            first = UNPADDED_THEN_PADDED.index(True)
             for got, want in zip(per_rank[0][:first], ref_losses[:first]):
                 assert abs(got - want) <= TOL * max(1.0, abs(want))
         else:
             matching.append(case)
     _check(results, matching)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_padded_batches(plan, tmp_path):
+    cases = _cases(plan)
+    results = run_workers(mp.run_plans, 2, cases, str(tmp_path / "gen"), timeout=600)
+    _check_guarded_or_matching(results, cases)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_padded_batches_tp2_dp2_zero1(tmp_path):
+    """tp over 2 ranks x 2 data-parallel replicas with ZeRO-1, traced unpadded, fed padded batches."""
+    cases = [dict(mp.tp(use_zero=True), model="llama64", label="llama64-tp2-dp2-zero1-trace-unpadded",
+                  trace_pad=False, pad=UNPADDED_THEN_PADDED)]
+    results = run_workers(mp.run_plans, 4, cases, str(tmp_path / "gen"), timeout=600)
+    _check(results, cases)
