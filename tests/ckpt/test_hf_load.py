@@ -3,7 +3,8 @@ module built on the meta device and parallelized takes the values `save_pretrain
 file and sharded with an index), under the files' names as they are or under one common prefix;
 missing, unexpected and mis-shaped tensors, an ambiguous prefix and an optimizer are refused by
 name. One launch of 2 gloo processes: a meta-built Llama (float64) loads the directory and an
-nnscaler checkpoint into dp, tp and ZeRO-3 plans and trains as one process does (1e-10)."""
+nnscaler checkpoint into dp, tp, ZeRO-1, ZeRO-3 and pp (1f1b) plans and trains as one process does
+(1e-10)."""
 from __future__ import annotations
 
 import os
@@ -107,7 +108,10 @@ def test_a_checkpoint_directory_is_not_taken_for_hugging_face(tmp_path):
     assert not is_hf_directory(tmp_path / "nothing")
 
 
-PLANS = [("dp", "dp", 1, {}), ("tp", "tp", 2, {}), ("zero3", "dp", 1, {"use_zero": 3})]
+PLANS = [("dp", "dp", 1, {}), ("tp", "tp", 2, {}), ("zero3", "dp", 1, {"use_zero": 3}),
+         ("zero1", "dp", 1, {"use_zero": True}),
+         ("pp", "pp", 2, {"use_end2end": True, "pas_config": {"pipeline_nmicros": mp.NMICROS,
+                                                             "pipeline_scheduler": "1f1b"}})]
 
 
 def _meta_plans(rank, world, hf_dir, root):
@@ -120,8 +124,9 @@ def _meta_plans(rank, world, hf_dir, root):
             with torch.device("meta"):
                 model = hf_models.make("llama64")
             per, dp_rank = mp.GLOBAL_BATCH // (world // plan_ngpus), rank // plan_ngpus
-            pm = parallelize(model, hf_models.batch("llama64", 0, per), policy, ComputeConfig(plan_ngpus, world, **extra),
-                             gen_savedir=os.path.join(root, label), init_module_params=False)
+            cfg = ComputeConfig(plan_ngpus, world, **extra)
+            sample = hf_models.batch("llama64", 0, per // mp.NMICROS if cfg.use_end2end else per)
+            pm = parallelize(model, sample, policy, cfg, gen_savedir=os.path.join(root, label), init_module_params=False)
             assert all(p.is_meta for p in model.parameters())
             assert ckpt.load(hf_dir if source == "hf" else ckpt_dir, pm) is None
             if label == "dp" and source == "hf":  # the nnscaler checkpoint the other plans load
@@ -130,9 +135,15 @@ def _meta_plans(rank, world, hf_dir, root):
             losses = []
             for step in range(mp.STEPS):
                 full = hf_models.batch("llama64", step, mp.GLOBAL_BATCH)
+                mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()}
                 opt.zero_grad()
-                loss = pm(**{k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()})
-                loss.backward()
+                if cfg.use_end2end:  # the pipeline: micro-batches, gradients averaged over them
+                    outputs = pm.train_step(mp._micro(mine, mp.NMICROS))
+                    opt.scale_grads(1.0 / mp.NMICROS)
+                    loss = torch.stack([o.detach().reshape(()) for o in outputs]).mean()
+                else:
+                    loss = pm(**mine)
+                    loss.backward()
                 opt.step()
                 t = loss.detach().reshape(1).clone()
                 dist.all_reduce(t)
