@@ -130,3 +130,48 @@ def test_own_module_calls_the_op():
     want = sum(w[t, j] * (torch.nn.functional.gelu(x[t] @ model.w1[idx[t, j], :6].t()) * (x[t] @ model.w1[idx[t, j], 6:].t()))
                @ model.w2[idx[t, j]].t() for t in range(6) for j in range(2)).sum()
     assert torch.allclose(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def _naive_capacity(hidden, index, weights, up, down, cf):
+    """GShard's rule by hand: each expert keeps ceil(cf * T * k / E) pairs, first choices first, then
+    tokens in order; a dropped pair adds nothing."""
+    import math
+    tokens, k = index.shape
+    experts, ffn = up.shape[0], up.shape[1] // 2
+    cap, used = math.ceil(cf * tokens * k / experts), [0] * experts
+    out = torch.zeros_like(hidden)
+    for s in range(k):
+        for t in range(tokens):
+            e = int(index[t, s])
+            if used[e] < cap:
+                used[e] += 1
+                h = torch.nn.functional.silu(hidden[t] @ up[e, :ffn].t()) * (hidden[t] @ up[e, ffn:].t())
+                out[t] += weights[t, s] * (h @ down[e].t())
+    return out
+
+
+@pytest.mark.parametrize("cf", [0.5, 1.0, 1.25, 100.0])
+def test_capacity_drops_gshards_pairs(cf):
+    g = torch.Generator().manual_seed(3)
+    tokens, hidden_size, ffn, experts, k = 11, 6, 4, 4, 2
+    hidden = torch.randn(tokens, hidden_size, generator=g, dtype=torch.float64)
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    index[:6, 0] = 1  # expert 1 is every early token's first choice
+    weights = torch.rand(tokens, k, generator=g, dtype=torch.float64)
+    up = torch.randn(experts, 2 * ffn, hidden_size, generator=g, dtype=torch.float64)
+    down = torch.randn(experts, hidden_size, ffn, generator=g, dtype=torch.float64)
+    got = routed_experts(hidden, index, weights, up, down, capacity_factor=cf)
+    assert (got - _naive_capacity(hidden, index, weights, up, down, cf)).abs().max().item() <= 1e-12
+    assert torch.equal(got, routed_experts(hidden, index, weights, up, down)) == (cf == 100.0)
+
+
+def test_capacity_keeps_the_tokens_whole_and_is_checked():
+    from nnscaler.ir import parse_annotation
+    args = (torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2), torch.zeros(3, 6, 8),
+            torch.zeros(3, 8, 3))
+    anno = REGISTRY.lookup(routed_experts, args, {"capacity_factor": 1.25})
+    bound = parse_annotation(anno).bind([(4, 8), (4, 2), (4, 2), (3, 6, 8), (3, 8, 3)], [(4, 8)])
+    assert bound.splittable_dims(2) == []  # which pairs drop depends on the whole batch
+    for bad in (0, -1.0, "1.25", True):
+        with pytest.raises(ValueError, match=r"capacity_factor must be a number > 0 .* None for dropless"):
+            routed_experts(*args, capacity_factor=bad)

@@ -3,7 +3,8 @@ tokens and of the experts, the outputs and every gradient (tokens, routing weigh
 weights and biases) equal `routed_experts` on the whole batch in one process (float64, 1e-12);
 the native all-to-all with variable counts and its all-gather fallback alike, with ranks in any
 order, an expert that receives no token, a rank that sends none, and ranks whose experts receive
-no row at all (their backward still runs the exchanges: no hang); the payload counted is the
+no row at all (their backward still runs the exchanges: no hang), and with a capacity factor (the
+pairs dropped are those one process drops on the whole batch); the payload counted is the
 rows exchanged; `expert_load` records the tokens per expert of the unit. One launch of 4 ranks
 runs every case."""
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _job(rank, world, cases):
     from nnscaler.runtime import comm, moe
     from nnscaler.runtime.comm import group_for
     out = {}
-    for label, ranks, seed, skewed, fallback in cases:
+    for label, ranks, seed, skewed, fallback, *capacity in cases:
+        cf = capacity[0] if capacity else None
         group_for(sorted(ranks))
         if rank not in ranks:
             continue
@@ -63,12 +65,13 @@ def _job(rank, world, cases):
 
         def parallel(h, i, w, u, d, ub, db):
             return moe.expert_parallel(h, i, w, u, d, ub, db, gate="clamped_swiglu", transposed=False, alpha=1.7,
-                                       limit=2.0, ranks=ranks)
+                                       limit=2.0, capacity_factor=cf, ranks=ranks)
         with (comm.force_fallback("all_to_all") if fallback else _nothing()), comm.count_collectives() as stats:
             got, grads = _grads(parallel, SEED_OF_OUT[tok], hidden[tok], index[tok], weights[tok], up[exp], down[exp], up_bias[exp],
                                 down_bias[exp])
         want, want_grads = _grads(lambda h, i, w, u, d, ub, db: routed_experts(
-            h, i, w, u, d, ub, db, gate="clamped_swiglu", alpha=1.7, limit=2.0), SEED_OF_OUT, *problem)
+            h, i, w, u, d, ub, db, gate="clamped_swiglu", alpha=1.7, limit=2.0, capacity_factor=cf), SEED_OF_OUT,
+            *problem)
         pieces = [want[tok], want_grads[0][tok], want_grads[1][tok], want_grads[2][exp], want_grads[3][exp],
                   want_grads[4][exp], want_grads[5][exp]]
         diffs = [(a - b).abs().max().item() for a, b in zip([got] + grads, pieces)]
@@ -90,13 +93,20 @@ class _nothing:
 CASES = [("native", (0, 1, 2, 3), 1, False, False), ("fallback", (0, 1, 2, 3), 2, False, True),
          ("reordered-pair", (3, 1), 3, True, False), ("pair-fallback", (0, 2), 4, True, True),
          # ranks whose experts receive no row still run the backward's exchanges (no hang)
-         ("empty-ranks", (0, 1, 2, 3), 5, "first", False), ("empty-rank-pair", (1, 0), 6, "first", True)]
+         ("empty-ranks", (0, 1, 2, 3), 5, "first", False), ("empty-rank-pair", (1, 0), 6, "first", True),
+         # a capacity: the pairs dropped are those one process drops on the whole batch
+         ("capacity", (0, 1, 2, 3), 8, False, False, 0.75), ("capacity-skewed", (0, 1, 2, 3), 9, "first", False, 1.0),
+         ("capacity-pair", (2, 0), 10, True, True, 0.5)]
 
 
 @pytest.mark.multiprocess
 def test_expert_parallel_equals_one_process():
     results = run_workers(_job, 4, CASES, timeout=120)
-    for label, ranks, *_ in CASES:
+    from nnscaler.ir.ops.moe import routed_experts
+    for label, ranks, seed, skewed, _, *capacity in CASES:
+        if capacity:  # the capacity drops pairs (the output differs from dropless routing)
+            problem = _problem(seed, skewed)
+            assert not torch.equal(routed_experts(*problem, capacity_factor=capacity[0]), routed_experts(*problem)), label
         for rank in ranks:
             diffs, calls, nbytes, load, want_load = results[rank][label]
             assert max(diffs) <= 1e-12, (label, rank, diffs)

@@ -20,7 +20,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from nnscaler.ir import ExpertMLP, combine_experts as combine, experts_dispatch_order as dispatch_order, expert_mlp
+from nnscaler.ir import (ExpertMLP, combine_experts as combine, drop_over_capacity, expert_capacity, expert_mlp,
+                         experts_dispatch_order as dispatch_order, kept_counts, slot_counts, with_dropped)
 
 from .comm.exchange import exchange_rows
 from .comm.flat import all_gather_flat
@@ -85,11 +86,14 @@ def _training_forward() -> bool:
 
 def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, down_bias=None, *,
                     activation: str = "silu", gate: str = "glu", transposed: bool = False, alpha: float = 1.0,
-                    limit: float = 0.0, ranks, layer: Optional[str] = None) -> torch.Tensor:
+                    limit: float = 0.0, capacity_factor: Optional[float] = None, ranks,
+                    layer: Optional[str] = None) -> torch.Tensor:
     """`routed_experts` on this rank's tokens, with this rank's share of the experts (see the module
     docstring). COLLECTIVE over `ranks` (every rank of the unit calls it for the same layer), with the
     same collectives in the same order whatever the routing, forward and backward. `layer` names the
-    layer in `expert_load()`."""
+    layer in `expert_load()`. With `capacity_factor`, the pairs dropped are those `routed_experts`
+    drops on the unit's whole batch (the count exchange carries counts per slot and expert, from which
+    every rank derives every piece's kept pairs)."""
     ranks = as_ranks(ranks)
     mlp = ExpertMLP(activation, gate, transposed, float(alpha), float(limit))
     n, local = len(ranks), gate_up.shape[0]
@@ -99,18 +103,26 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     if top_k_index.numel() and int(top_k_index.max()) >= num_experts:
         raise CommError(f"nnscaler.runtime.moe.expert_parallel: an expert index is {int(top_k_index.max())}, "
                         f"but the layer has {num_experts} experts ({local} on each of {n} ranks)")
-    order, counts = dispatch_order(top_k_index, num_experts)
-    # every rank's counts per expert, rows in piece order: matrix[src piece, expert]
-    gathered = all_gather_flat(counts.to(torch.int64), rs.group, n, label=None,
-                               what=f"the expert-parallel count exchange over ranks {ranks}").view(n, num_experts)
-    rows = gathered.tolist()  # group order; piece k is group rank to_piece[k]
-    matrix = rows if rs.to_piece is None else [rows[int(g)] for g in rs.to_piece]
+    # every rank's counts per slot and expert (E per rank when dropless), in piece order
+    counts = slot_counts(top_k_index, num_experts) if capacity_factor is not None else \
+        torch.bincount(top_k_index.reshape(-1), minlength=num_experts)[:num_experts].unsqueeze(0)
+    gathered = all_gather_flat(counts.reshape(-1).to(torch.int64), rs.group, n, label=None,
+                               what=f"the expert-parallel count exchange over ranks {ranks}").view(n, -1, num_experts)
+    if rs.to_piece is not None:  # group order -> piece order (piece p is group rank to_piece[p])
+        gathered = gathered[torch.as_tensor([int(g) for g in rs.to_piece], device=gathered.device)]
     me = rs.index
     if _training_forward():
-        _LOAD.add(gathered.sum(0), layer)
+        _LOAD.add(gathered.sum((0, 1)), layer)
+    if capacity_factor is not None:
+        capacity = expert_capacity(tokens * n, k, num_experts, float(capacity_factor))
+        kept = kept_counts(gathered.cpu(), capacity)
+        top_k_index = drop_over_capacity(top_k_index, kept[me].to(top_k_index.device), num_experts)
+        gathered = kept
+    matrix = gathered.sum(1).tolist()  # matrix[src piece][expert]: the rows it sends there
+    order, _ = dispatch_order(top_k_index, num_experts)  # a dropped pair sorts last
     send = [sum(matrix[me][j * local:(j + 1) * local]) for j in range(n)]  # rows to piece j
     recv = [sum(matrix[j][me * local:(me + 1) * local]) for j in range(n)]  # rows from piece j
-    x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    x = hidden.index_select(0, torch.div(order[:sum(send)], k, rounding_mode="floor"))
     xr = exchange_rows(x, send, recv, rs)
     # received rows are grouped by source piece, then expert: regroup them by expert
     mine = [matrix[j][me * local:(me + 1) * local] for j in range(n)]
@@ -121,4 +133,4 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     y = expert_mlp(xr.index_select(0, regroup), per_expert, gate_up, down, gate_up_bias, down_bias, mlp)
     y = y.index_select(0, torch.argsort(regroup))
     back = exchange_rows(y, recv, send, rs)
-    return combine(back, order, top_k_weights, hidden.dtype)
+    return combine(with_dropped(back, tokens * k), order, top_k_weights, hidden.dtype)

@@ -19,6 +19,7 @@ experts split over the unit and exchanges tokens by all-to-all. `dispatch_order`
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 from ..tracer.tracing_context import current_tracer
 
 __all__ = ["routed_experts", "ROUTED_EXPERTS", "EXPERT_DIM", "ExpertMLP", "ACTIVATIONS", "GATES",
-           "dispatch_order", "expert_mlp", "combine", "routed_experts_annotation"]
+           "dispatch_order", "expert_mlp", "combine", "routed_experts_annotation", "expert_capacity", "slot_counts",
+           "kept_counts", "drop_over_capacity", "with_dropped"]
 
 ROUTED_EXPERTS = "nnscaler.ir.ops.moe.routed_experts"
 EXPERT_DIM = "e"  # the annotation's experts dim: a piece split along it is expert parallel
@@ -83,6 +85,53 @@ def dispatch_order(top_k_index: torch.Tensor, num_experts: int):
     return order, torch.bincount(flat, minlength=num_experts)[:num_experts]
 
 
+# -- capacity (token dropping) -----------------------------------------------------------------
+# GShard / Switch semantics, defined on the whole batch of the call: each expert keeps at most
+# `expert_capacity` (token, slot) pairs, in priority order: every token's first choice before any
+# second choice, ..., and within a slot the tokens in batch order (under expert parallelism: the
+# pieces in order, then each piece's tokens). A dropped pair adds nothing to its token's output (the
+# model's residual carries the token on).
+
+def expert_capacity(tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """The pairs each expert keeps: ceil(capacity_factor * tokens * k / num_experts)."""
+    return math.ceil(capacity_factor * tokens * k / num_experts)
+
+
+def slot_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(K, E) int64: the pairs of each slot routed to each expert."""
+    k = top_k_index.shape[1]
+    return torch.stack([torch.bincount(top_k_index[:, s], minlength=num_experts)[:num_experts] for s in range(k)]) \
+        if top_k_index.shape[0] else torch.zeros(k, num_experts, dtype=torch.int64, device=top_k_index.device)
+
+
+def kept_counts(counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """(n, K, E): of each piece's pairs per (slot, expert) (`counts`, pieces in batch order), how many
+    their expert keeps (the priority order above)."""
+    n, k, e = counts.shape
+    ordered = counts.permute(1, 0, 2).reshape(k * n, e)  # slot-major, then piece
+    ahead = ordered.cumsum(0) - ordered
+    kept = (capacity - ahead).clamp(min=0).minimum(ordered)
+    return kept.reshape(k, n, e).permute(1, 0, 2)
+
+
+def drop_over_capacity(top_k_index: torch.Tensor, kept_here: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`top_k_index` with each dropped pair's expert set to `num_experts` (past the last expert:
+    `dispatch_order` then sorts it last and counts it nowhere); `kept_here` (K, E): this piece's kept
+    pairs per (slot, expert), its first ones in token order."""
+    tokens, k = top_k_index.shape
+    out = top_k_index.clone()
+    positions = torch.arange(tokens, device=top_k_index.device)
+    for s in range(k):
+        experts = top_k_index[:, s]
+        order = torch.argsort(experts, stable=True)
+        counts = torch.bincount(experts, minlength=num_experts)
+        start = counts.cumsum(0) - counts
+        rank = torch.empty_like(positions)
+        rank[order] = positions - start[experts[order]]  # among this slot's pairs for its expert
+        out[:, s] = torch.where(rank < kept_here[s].to(rank.device)[experts], experts, num_experts)
+    return out
+
+
 def expert_mlp(x: torch.Tensor, counts: List[int], gate_up, down, gate_up_bias, down_bias,
                mlp: ExpertMLP) -> torch.Tensor:
     """Each expert's MLP on its rows of `x` (rows sorted by expert, `counts[e]` rows for expert e).
@@ -128,10 +177,13 @@ def combine(y_sorted: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Te
 def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: Optional[torch.Tensor] = None,
                    down_bias: Optional[torch.Tensor] = None, *, activation: str = "silu", gate: str = "glu",
-                   transposed: bool = False, alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+                   transposed: bool = False, alpha: float = 1.0, limit: float = 0.0,
+                   capacity_factor: Optional[float] = None) -> torch.Tensor:
     """Route every token of `hidden` to its `top_k_index` experts and sum their MLP outputs weighted
-    by `top_k_weights` (dropless: every expert takes every token sent to it). See the module
-    docstring for shapes; `activation` names one of `ACTIVATIONS`, `gate` one of `GATES`."""
+    by `top_k_weights`: dropless (every expert takes every token sent to it), or with
+    `capacity_factor` each expert keeps at most `expert_capacity` pairs of the batch (the priority order
+    above) and the others add nothing. See the module docstring for shapes; `activation` names one of
+    `ACTIVATIONS`, `gate` one of `GATES`."""
     mlp = ExpertMLP(activation, gate, transposed, float(alpha), float(limit))
     num_experts = gate_up.shape[0]
     tokens, k = top_k_index.shape
@@ -139,10 +191,28 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         raise ValueError(f"routed_experts: each token is routed to top-k = {k} experts, but there are only "
                          f"{num_experts} experts (gate_up has shape {tuple(gate_up.shape)}): num_experts_per_tok "
                          f"must be at most the number of experts")
+    if capacity_factor is not None:
+        capacity = expert_capacity(tokens, k, num_experts, _check_capacity_factor(capacity_factor))
+        kept = kept_counts(slot_counts(top_k_index, num_experts).unsqueeze(0), capacity)[0]
+        top_k_index = drop_over_capacity(top_k_index, kept, num_experts)
     order, counts = dispatch_order(top_k_index, num_experts)
-    x = hidden.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    rows = int(counts.sum())
+    x = hidden.index_select(0, torch.div(order[:rows], k, rounding_mode="floor"))
     y = expert_mlp(x, counts.tolist(), gate_up, down, gate_up_bias, down_bias, mlp)
-    return combine(y, order, top_k_weights, hidden.dtype)
+    return combine(with_dropped(y, tokens * k), order, top_k_weights, hidden.dtype)
+
+
+def with_dropped(y: torch.Tensor, pairs: int) -> torch.Tensor:
+    """The kept pairs' outputs followed by zeros for the dropped ones (sorted last), `pairs` rows."""
+    return y if y.shape[0] == pairs else torch.cat([y, y.new_zeros((pairs - y.shape[0],) + tuple(y.shape[1:]))])
+
+
+def _check_capacity_factor(capacity_factor) -> float:
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
+        raise ValueError(f"routed_experts: capacity_factor must be a number > 0 (each expert keeps at most "
+                         f"ceil(capacity_factor * tokens * top-k / experts) token slots; e.g. 1.25), or None "
+                         f"for dropless routing; got {capacity_factor!r}")
+    return float(capacity_factor)
 
 
 def _recorded_whole(fn):
@@ -160,12 +230,15 @@ routed_experts = _recorded_whole(routed_experts)
 
 
 def routed_experts_annotation(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None,
-                              down_bias=None, *, transposed=False, **_) -> str:
-    """Tokens (``t``) split; experts, widths and slots stay whole (see the module docstring)."""
+                              down_bias=None, *, transposed=False, capacity_factor=None, **_) -> str:
+    """Tokens (``t``) split; experts, widths and slots stay whole (see the module docstring). With a
+    capacity the tokens stay whole too (which pairs drop depends on the whole batch); only expert
+    parallelism splits it then (`nnscaler.runtime.moe`, which counts over the unit)."""
     w1, w2 = ("e^ h^ g^", "e^ f^ h^") if transposed else ("e^ g^ h^", "e^ h^ f^")
-    ins = ["t h^", "t k^", "t k^", w1, w2]
+    t = "t^" if capacity_factor is not None else "t"
+    ins = [f"{t} h^", f"{t} k^", f"{t} k^", w1, w2]
     if gate_up_bias is not None:
         ins.append("e^ g^")
     if down_bias is not None:
         ins.append("e^ h^")
-    return f"{', '.join(ins)} -> t h^"
+    return f"{', '.join(ins)} -> {t} h^"
