@@ -175,3 +175,21 @@ def test_capacity_keeps_the_tokens_whole_and_is_checked():
     for bad in (0, -1.0, "1.25", True):
         with pytest.raises(ValueError, match=r"capacity_factor must be a number > 0 .* None for dropless"):
             routed_experts(*args, capacity_factor=bad)
+
+
+def test_set_capacity_factor_reaches_the_traced_op():
+    from nnscaler.ir import experts_recorded_whole, set_capacity_factor
+    torch.manual_seed(0)
+    model = moe_models.build("mixtral")
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        dropless = model(input_ids=ids).logits
+    assert set_capacity_factor(model, 0.5) == 2  # one experts module per layer
+    ops = [n for n in trace(model, {"input_ids": ids}).nodes if n.target == ROUTED_EXPERTS]
+    assert [n.kwargs.get("capacity_factor") for n in ops] == [0.5, 0.5] and all(" t^ " in f" {n.annotation} " for n in ops)
+    with torch.no_grad(), experts_recorded_whole(model):  # one process: the op, with its capacity
+        dropped = model(input_ids=ids).logits
+    assert not torch.allclose(dropped, dropless)
+    set_capacity_factor(model, None)
+    with torch.no_grad(), experts_recorded_whole(model):
+        assert torch.allclose(model(input_ids=ids).logits, dropless, atol=1e-5)

@@ -48,10 +48,12 @@ def route_table() -> torch.Tensor:
 
 
 class RiggedBlock(torch.nn.Module):
-    """Softmax top-k routing (logits + the rig) to experts with a gated SiLU MLP, a residual."""
+    """Softmax top-k routing (logits + the rig) to experts with a gated SiLU MLP, a residual; with
+    `capacity` (a capacity factor) the experts drop what is over it."""
 
-    def __init__(self):
+    def __init__(self, capacity=None):
         super().__init__()
+        self.capacity = capacity
         self.router = torch.nn.Linear(HIDDEN, EXPERTS, bias=False)
         self.gate_up = torch.nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN) * 0.3)
         self.down = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN) * 0.3)
@@ -62,15 +64,16 @@ class RiggedBlock(torch.nn.Module):
         flat = x.reshape(b * s, h)
         probs = (self.router(flat) + rig.reshape(b * s, EXPERTS)).softmax(-1)
         weights, index = probs.topk(K, dim=-1)
-        y = nnscaler.routed_experts(flat, index, weights, self.gate_up, self.down, activation="silu")
+        y = nnscaler.routed_experts(flat, index, weights, self.gate_up, self.down, activation="silu",
+                                    capacity_factor=self.capacity)
         return x + y.reshape(b, s, h)
 
 
 class RiggedMoE(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, capacity=None):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = torch.nn.ModuleList(RiggedBlock() for _ in range(LAYERS))
+        self.blocks = torch.nn.ModuleList(RiggedBlock(capacity) for _ in range(LAYERS))
         self.head = torch.nn.Linear(HIDDEN, VOCAB)
         self.register_buffer("route", route_table())
 
@@ -83,9 +86,9 @@ class RiggedMoE(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def make() -> RiggedMoE:
+def make(capacity=None) -> RiggedMoE:
     torch.manual_seed(0)
-    return RiggedMoE().to(torch.float64)
+    return RiggedMoE(capacity).to(torch.float64)
 
 
 def batch(step: int, n: int = GLOBAL_BATCH) -> dict:
@@ -110,13 +113,13 @@ def _micro(b, n):
     return [{k: v[i * size:(i + 1) * size] for k, v in b.items()} for i in range(n)]
 
 
-def reference(halves: bool = False):
+def reference(halves: bool = False, capacity=None):
     """One process, Adam, one step per case on the global batch ((losses, parameters)); with
     `halves` each step accumulates the two halves of the batch (each loss / 2)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = make()
+        model = make(capacity)
         opt = torch.optim.Adam(model.parameters(), lr=LR)
         losses = []
         for step in range(len(CASES)):
@@ -136,7 +139,8 @@ def reference(halves: bool = False):
 
 def train(rank, world, plans, gen_root):
     """Every plan ((label, plan_ngpus, ComputeConfig keywords, policy ``ep`` unless the keywords
-    name one under "policy")) through every case: by label,
+    name one under "policy", dropless unless they give a capacity factor under "capacity")) through
+    every case: by label,
     (losses, this rank's parameter shards, collective calls by kind per step, the expert-load record
     after each step as {layer: counts})."""
     return {label: _train_plan(rank, world, label, plan_ngpus, cfg, gen_root) for label, plan_ngpus, cfg in plans}
@@ -148,13 +152,13 @@ def _train_plan(rank, world, label, plan_ngpus, cfg_kw, gen_root):
     from nnscaler.runtime import comm, moe
 
     cfg_kw = dict(cfg_kw)
-    policy = cfg_kw.pop("policy", "ep")
+    policy, capacity = cfg_kw.pop("policy", "ep"), cfg_kw.pop("capacity", None)
     cfg = ComputeConfig(plan_ngpus, world, trace_strategy="cpu", **cfg_kw)
     dp_size, dp_rank = world // plan_ngpus, rank // plan_ngpus
     per = GLOBAL_BATCH // dp_size
     end2end = cfg.use_end2end
     sample = {k: v[:per // NMICROS if end2end else per] for k, v in batch(0).items()}
-    pm = parallelize(make(), sample, policy, cfg, gen_savedir=os.path.join(gen_root, label),
+    pm = parallelize(make(capacity), sample, policy, cfg, gen_savedir=os.path.join(gen_root, label),
                      instance_name=f"rigged_{label}".replace("-", "_"))
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
     losses, calls, loads = [], [], []

@@ -9,6 +9,9 @@ within 1e-9). Each launch has a deadline, so a hang fails the test.
 - 4 processes: ``ep`` 4, ``ep`` 2 x dp 2 with recomputation, ``pp`` 2 x ``ep`` 2 (2 micro-batches)
   with recomputation, and ``ep`` 2 x dp 2 with ``use_zero=3``, without and with recomputation.
 
+With a capacity factor (token dropping, ``ep`` 2, ``ep`` 4 with recomputation, and ``tp`` 2, which
+keeps the op's tokens whole) the parallel plans drop the pairs one process drops.
+
 Every rank of a unit (of a pipeline stage) runs the same collectives, as many of each kind, in
 every step; the expert-load record holds the step's load per layer (summed over its micro-batches:
 the unit's tokens x top-k, none on an expert the rig forbids) and never grows: one entry per layer.
@@ -24,11 +27,14 @@ from parity import assemble_full
 
 TOL = 1e-9
 RECOMPUTE = {"recompute_modules": "RiggedBlock"}
-PLANS2 = [("ep2", 2, {}), ("ep2-recompute", 2, {"pas_config": RECOMPUTE})]
+CAPACITY = 1.0  # with it, the one-expert cases drop most pairs
+PLANS2 = [("ep2", 2, {}), ("ep2-recompute", 2, {"pas_config": RECOMPUTE}),
+          ("ep2-capacity", 2, {"capacity": CAPACITY}), ("tp-capacity", 2, {"policy": "tp", "capacity": CAPACITY})]
 PLANS4 = [("ep4", 4, {}), ("ep2-dp2-recompute", 2, {"pas_config": RECOMPUTE}),
           ("pp2-ep2-recompute", 4, {"use_end2end": True,
                                     "pas_config": {"pp_size": 2, "pipeline_nmicros": rm.NMICROS, **RECOMPUTE}}),
-          ("ep2-dp2-zero3", 2, {"use_zero": 3}), ("ep2-dp2-zero3-recompute", 2, {"use_zero": 3, "pas_config": RECOMPUTE})]
+          ("ep2-dp2-zero3", 2, {"use_zero": 3}), ("ep2-dp2-zero3-recompute", 2, {"use_zero": 3, "pas_config": RECOMPUTE}),
+          ("ep4-capacity-recompute", 4, {"capacity": CAPACITY, "pas_config": RECOMPUTE})]
 
 
 def _forbidden(step):
@@ -45,9 +51,10 @@ def _check(results, plans, world):
     refs = {}
     for label, plan_ngpus, cfg in plans:
         halves = world > plan_ngpus or "pp_size" in cfg.get("pas_config", {})
-        if halves not in refs:
-            refs[halves] = rm.reference(halves)
-        want_losses, want_params = refs[halves]
+        key = (halves, cfg.get("capacity"))
+        if key not in refs:
+            refs[key] = rm.reference(*key)
+        want_losses, want_params = refs[key]
         losses = results[0][label][0]
         for step, (got, want) in enumerate(zip(losses, want_losses)):
             assert abs(got - want) <= TOL * max(1.0, abs(want)), f"{label} step {step} ({rm.CASES[step][0]}): {got} vs {want}"
@@ -59,6 +66,8 @@ def _check(results, plans, world):
         pipeline = "pp_size" in cfg.get("pas_config", {})
         groups = [[0, 1], [2, 3]] if pipeline else [list(range(world))]  # ranks that run the same collectives
         unit_tokens = rm.GLOBAL_BATCH // (world // plan_ngpus) * rm.SEQ
+        if cfg.get("policy", "ep") != "ep":
+            continue  # the experts are not split: no exchange, no load record
         for step, (case, _) in enumerate(rm.CASES):
             for ranks in groups:
                 calls = [results[r][label][2][step] for r in ranks]
@@ -79,6 +88,8 @@ def _check(results, plans, world):
 def test_rigged_routers_on_2_processes(tmp_path):
     results = run_workers(rm.train, 2, PLANS2, str(tmp_path / "gen"), timeout=120)
     _check(results, PLANS2, 2)
+    dropless, dropping = rm.reference()[0], rm.reference(capacity=CAPACITY)[0]
+    assert all(a != b for a, b in zip(dropless[1:], dropping[1:]))  # the capacity drops pairs (all to one expert: most)
 
 
 @pytest.mark.multiprocess

@@ -37,12 +37,14 @@ from .ops.registry import REGISTRY, register_op  # (importing it registers the b
 from .ops.moe import (EXPERT_DIM, ROUTED_EXPERTS, ExpertMLP, combine as combine_experts,
                       dispatch_order as experts_dispatch_order, expert_mlp, routed_experts,  # mixture of experts
                       expert_capacity, slot_counts, kept_counts, drop_over_capacity, with_dropped)  # (capacity)
+from .tracer.moe_modules import experts_recorded_whole, set_capacity_factor  # transformers' experts modules
 from .ops.context_parallel import (CROSS_ENTROPY, RING_DIM, SDPA,  # attention with its sequence split (ring attention)
                                    SEQUENCE_LOSS_DIM)  # and the mean loss over a split sequence
 
 __all__ = [
     "EXPERT_DIM", "ROUTED_EXPERTS", "ExpertMLP", "combine_experts", "experts_dispatch_order", "expert_mlp",
-    "routed_experts", "expert_capacity", "slot_counts", "kept_counts", "drop_over_capacity", "with_dropped", "RING_DIM", "SDPA", "CROSS_ENTROPY", "SEQUENCE_LOSS_DIM",
+    "routed_experts", "expert_capacity", "slot_counts", "kept_counts", "drop_over_capacity", "with_dropped",
+    "experts_recorded_whole", "set_capacity_factor", "RING_DIM", "SDPA", "CROSS_ENTROPY", "SEQUENCE_LOSS_DIM",
     "ComputeConfig", "OptionalComputeConfig", "as_compute_config", "ConfigWarning", "warn_ineffective_settings",
     "NnScalerError", "NnScalerWarning", "ConfigError", "GenerationError", "TraceError", "TracingWarning",
     "AnnotationError", "LayoutError",

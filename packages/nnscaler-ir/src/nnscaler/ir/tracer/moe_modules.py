@@ -8,6 +8,7 @@ one op instead: for the duration of the trace each such module's ``forward`` bec
 `routed_experts` on its own weights (`experts_recorded_whole`). The activation and the gate are
 read off the module and checked numerically on a probe against its own ``act_fn`` /
 ``_apply_gate``; one the op cannot express stops the trace naming the module and the fix.
+`set_capacity_factor` gives the op a capacity (token dropping) for every experts module of a model.
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import torch
 from ..errors import TraceError
 from ..ops.moe import ACTIVATIONS, ExpertMLP, routed_experts
 
-__all__ = ["is_transformers_experts", "experts_recorded_whole", "experts_spec", "UNKNOWN_EXPERTS_FIX"]
+__all__ = ["is_transformers_experts", "experts_recorded_whole", "experts_spec", "set_capacity_factor",
+           "UNKNOWN_EXPERTS_FIX"]
+
+_CAPACITY = "_nnscaler_capacity_factor"  # set on an experts module by `set_capacity_factor`
 
 UNKNOWN_EXPERTS_FIX = ("call nnscaler.routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, ...) in "
                        "the module's forward (docs/moe.md \"Your own MoE module\")")
@@ -49,6 +53,8 @@ def experts_spec(path: str, module: torch.nn.Module) -> Dict:
     else:
         gate, alpha, limit = "clamped_swiglu", float(getattr(module, "alpha", 1.0)), float(getattr(module, "limit", 0.0))
     spec = dict(activation=activation, gate=gate, transposed=transposed, alpha=alpha, limit=limit)
+    if getattr(module, _CAPACITY, None) is not None:
+        spec["capacity_factor"] = getattr(module, _CAPACITY)
     if module.has_gate:
         probe = torch.linspace(-9.0, 9.0, 24, dtype=torch.float64).reshape(2, 12)
         mlp = ExpertMLP(activation, gate, transposed, alpha, limit)
@@ -58,6 +64,16 @@ def experts_spec(path: str, module: torch.nn.Module) -> Dict:
             raise TraceError(f"{where}: its _apply_gate is none of the gates nnscaler.routed_experts knows "
                              f"(glu, clamped_swiglu); {UNKNOWN_EXPERTS_FIX}")
     return spec
+
+
+def set_capacity_factor(root: torch.nn.Module, capacity_factor) -> int:
+    """Every transformers experts module under `root` drops tokens beyond `capacity_factor` (the
+    `routed_experts` argument; None: dropless) when traced, or run inside `experts_recorded_whole`.
+    Returns the number of experts modules (0: `root` has none)."""
+    found = [m for _, m in _found(root)]
+    for module in found:
+        setattr(module, _CAPACITY, capacity_factor)
+    return len(found)
 
 
 def _activation(where: str, module) -> str:
