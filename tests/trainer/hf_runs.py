@@ -92,15 +92,19 @@ def assert_config_verdict(example, overrides, key, says) -> None:
     assert e.value.key == key and all(s in str(e.value) for s in says), str(e.value)
 
 
-def first_batch_and_model(args):
+def first_batch_and_model(args, whole=False):
     """(the first micro-batch of `args`' training data on one process, the model `args` builds, seeded
-    as the Trainer seeds it before building): what a one-process reference of step 1 runs."""
+    as the Trainer seeds it before building): what a one-process reference of step 1 runs. The batch
+    is the stacked input_ids, or with `whole` every key of the samples stacked (packed samples carry
+    position_ids and labels)."""
     from nnscaler.trainer.config.values import build_args
     from nnscaler.trainer.hf import CausalLM, TokenizedText
     from nnscaler.trainer.setup import seed_everything
     data = TokenizedText(**build_args(args.dataset.train_args, "dataset.train_args"))
     sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     sampler.set_epoch(0)
-    batch = torch.stack([data[i]["input_ids"] for i in list(sampler)[:args.micro_batch_size]])
+    first = [data[i] for i in list(sampler)[:args.micro_batch_size]]
+    batch = {k: torch.stack([x[k] for x in first]) for k in first[0]} if whole else \
+        torch.stack([x["input_ids"] for x in first])
     seed_everything(args.seed)  # as the Trainer does before it builds the model
     return batch, CausalLM(**build_args(args.model.args, "model.args"))

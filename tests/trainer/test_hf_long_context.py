@@ -41,17 +41,18 @@ def _reference_step_1(args):
     """The loss of transformers' forward (sdpa, one process) of the example's initial weights on
     its first micro-batch."""
     from hf_runs import first_batch_and_model
-    batch, model = first_batch_and_model(args)
+    batch, model = first_batch_and_model(args, whole=True)
     assert model.model.config._attn_implementation == "sdpa"
-    with torch.no_grad():
-        return model.model(input_ids=batch, labels=batch).loss.item()
+    with torch.no_grad():  # packed (pack: true): documents apart, as the example trains
+        return model.model(**batch).loss.item()
 
 
 @pytest.mark.multiprocess
 def test_hf_long_context_example_trains_under_cp_with_ring_attention(tmp_path):
     run = tmp_path / "run"
-    data = [f"--dataset.{split}_args.{key}={value}" for split in ("train", "val")  # one doc: tokenized in 0.1 s
-            for key, value in (("files", "docs/trainer.md"), ("cache_dir", tmp_path / "datasets"))]
+    data = [f"--dataset.{split}_args.{key}={value}" for split in ("train", "val")  # two docs: tokenized in 0.1 s
+            for key, value in (("files", "[\"docs/long-context.md\", \"docs/trainer.md\"]"),
+                               ("cache_dir", tmp_path / "datasets"))]
     argv = ["--vars.run_dir", str(run), "--vars.block_size", "512", "--max_train_steps", "4",
             "--val_every_n_train_steps", "2", "--checkpoint.every_n_train_steps", "4", "--enable_progress_bar",
             "false", *data]
