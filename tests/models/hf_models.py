@@ -35,6 +35,23 @@ class CausalLM(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+class PackedCausalLM(CausalLM):
+    """A causal LM fed packed documents: `position_ids` restart at 0 where a document starts and
+    there is no `attention_mask` (transformers then attends within each document)."""
+
+    def forward(self, input_ids, labels, position_ids):
+        logits = self.model(input_ids=input_ids, position_ids=position_ids).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _packed(build):
+    def packed():
+        model = build()
+        model.__class__ = PackedCausalLM
+        return model
+    return packed
+
+
 class MaskedLM(CausalLM):
     """BERT: the same token-level loss on the masked-LM head's logits."""
 
@@ -259,6 +276,10 @@ BUILDERS = {"gpt2": gpt2, "llama": llama, "llama64": llama64, "bert": bert, "res
             "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
 TEXT = ("gpt2", "llama", "llama64", "bert", "mixtral", "qwen2_moe", "qwen3_moe", "qwen2", "mistral", "deepseek_v3",
         "gpt_oss")
+# the same models fed packed documents (`batch(name + "_packed", ...)`: position_ids, no attention_mask)
+PACKED = ("llama64", "mistral", "gpt2")
+BUILDERS.update({f"{name}_packed": _packed(BUILDERS[name]) for name in PACKED})
+TEXT += tuple(f"{name}_packed" for name in PACKED)
 
 
 def make(name, dtype=torch.float64, train=True):
@@ -287,6 +308,13 @@ def batch(name, step, n, dtype=torch.float64, pad=False):
                 mask[i, SEQ - 1 - (i // 2) % 3:] = 0
         if pad == "left":
             mask = mask.flip(-1)
+        if name.endswith("_packed"):  # with `pad`, every odd sample holds two documents (2..4 tokens first)
+            positions = torch.arange(SEQ).repeat(n, 1)
+            if pad:
+                for i in range(1, n, 2):
+                    first = 2 + (i // 2) % 3
+                    positions[i, first:] = torch.arange(SEQ - first)
+            return {"input_ids": ids, "labels": labels, "position_ids": positions}
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
     pixels = torch.randn(n, 3, IMAGE, IMAGE, generator=g, dtype=torch.float64).to(dtype)
     return {"pixel_values": pixels, "labels": torch.randint(0, CLASSES, (n,), generator=g)}
