@@ -183,3 +183,27 @@ def test_meter_means_the_aux_loss_and_the_load_and_resets_every_step():
     assert expert_load().per_call == []
     meter.begin()
     assert MoEMeter(aux_loss_output=None).end([torch.tensor(1.0)]) == MoEMetrics()
+
+
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "max_position_embeddings": 16}
+
+
+def test_capacity_factor_option_gives_the_experts_a_capacity():
+    from nnscaler.ir import ROUTED_EXPERTS, trace
+    from nnscaler.trainer.errors import TrainerConfigError
+    from nnscaler.trainer.hf import CausalLM
+    model = CausalLM(MIXTRAL, dtype="float64", capacity_factor=1.25)
+    ids = torch.randint(0, 64, (2, 8))
+    ops = [n for n in trace(model.model, {"input_ids": ids}).nodes if n.target == ROUTED_EXPERTS]
+    assert [n.kwargs.get("capacity_factor") for n in ops] == [1.25, 1.25]
+    assert all(n.kwargs.get("capacity_factor") is None
+               for n in trace(CausalLM(MIXTRAL, dtype="float64").model, {"input_ids": ids}).nodes
+               if n.target == ROUTED_EXPERTS)  # off by default: dropless
+    for bad in (0, -1, "1.25", True):
+        with pytest.raises(TrainerConfigError, match=r"model\.args\.capacity_factor.*not a number > 0.*dropless"):
+            CausalLM(MIXTRAL, capacity_factor=bad)
+    dense = {k: v for k, v in MIXTRAL.items() if "expert" not in k} | {"model_type": "llama"}
+    with pytest.raises(TrainerConfigError, match=r"model\.args\.capacity_factor.*LlamaForCausalLM has no experts"):
+        CausalLM(dense, capacity_factor=1.0)

@@ -255,6 +255,19 @@ def _routes_aux_loss(model_class, hf_config) -> bool:
             and "output_router_logits" in inspect.signature(model_class.forward).parameters)
 
 
+def _set_capacity_factor(model, capacity_factor) -> None:
+    key = "model.args.capacity_factor"
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
+        raise TrainerConfigError(key, f"{capacity_factor!r} is not a number > 0: each expert keeps at most "
+                                      f"ceil(capacity_factor x tokens x top-k / experts) token slots (e.g. 1.25); "
+                                      f"leave it out (null) for dropless routing")
+    from nnscaler.ir import set_capacity_factor
+    if not set_capacity_factor(model, float(capacity_factor)):
+        raise TrainerConfigError(key, f"{type(model).__name__} has no experts module nnscaler routes (a transformers "
+                                      f"class marked use_experts_implementation): a capacity applies to "
+                                      f"mixture-of-experts models only; remove capacity_factor")
+
+
 def _read_generation_config(config: Union[str, Mapping[str, Any]],
                             from_pretrained: Optional[str]) -> Optional[str]:
     """generation_config.json of the weights' directory, else of the config's; None if neither has one."""
@@ -282,11 +295,13 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
 
     A mixture-of-experts model whose architecture returns router logits (Mixtral, Qwen2/3-MoE,
     OLMoE, gpt-oss, ...) returns ``(loss, aux_loss)``: `aux_loss_output` is 1 (see the module
-    docstring); `experts` is its `Experts` (None for a dense model)."""
+    docstring); `experts` is its `Experts` (None for a dense model). `capacity_factor` (off by
+    default: dropless) makes its experts drop the token slots beyond ceil(capacity_factor x tokens x
+    top-k / experts) per expert and forward call (GShard / Switch; docs/moe.md)."""
 
     def __init__(self, config: Union[str, Mapping[str, Any]], from_pretrained: Optional[str] = None,
                  dtype: str = "float32", attn_implementation: Optional[str] = None, tokenizer: Optional[str] = None,
-                 pretrained: Optional[str] = None):
+                 pretrained: Optional[str] = None, capacity_factor: Optional[float] = None):
         super().__init__()
         transformers = import_transformers("model.type")
         if dtype not in _DTYPES:
@@ -329,6 +344,8 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
         self._tied = tuple(sorted(tied or ()))
         self._tokenizer_files: Optional[Dict[str, bytes]] = None
         self.aux_loss_output = 1 if self.experts is not None and _routes_aux_loss(type(self.model), hf_config) else None
+        if capacity_factor is not None:
+            _set_capacity_factor(self.model, capacity_factor)
 
     @classmethod
     def builds_on_meta(cls, args) -> bool:
