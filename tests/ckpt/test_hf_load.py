@@ -128,6 +128,10 @@ def _meta_plans(rank, world, hf_dir, root):
             sample = hf_models.batch("llama64", 0, per // mp.NMICROS if cfg.use_end2end else per)
             pm = parallelize(model, sample, policy, cfg, gen_savedir=os.path.join(root, label), init_module_params=False)
             assert all(p.is_meta for p in model.parameters())
+            if cfg.zero_stage == 3:  # only the shards were allocated: every registered parameter is empty
+                fs = pm.fully_sharded
+                assert fs.sharded and all(p.numel() == 0 and not p.is_meta for p in pm.parameters())
+                assert sum(u.shard.numel() for u in fs.units) <= sum(u.padded for u in fs.units) // world
             assert ckpt.load(hf_dir if source == "hf" else ckpt_dir, pm) is None
             if label == "dp" and source == "hf":  # the nnscaler checkpoint the other plans load
                 ckpt.save(ckpt_dir, pm)

@@ -66,6 +66,13 @@ INIT_WEIGHTS_FILE = WEIGHTS_FILE
 make_compute_config = as_compute_config  # the generated COMPUTE_CONFIG -> ComputeConfig (kept for callers)
 
 
+def _real_default_device():
+    """The CPU as the default device while the runtime itself runs (process groups, random streams,
+    placement) when the generated class is built under ``torch.device("meta")``, which only the
+    generated registrations should see (a meta-built model: runtime/driver/meta_init.py)."""
+    return torch.device("cpu") if torch.get_default_device().type == "meta" else contextlib.nullcontext()
+
+
 class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStreamsMixin, torch.nn.Module):
     """One rank's share of a parallelized model. See the module docstring for the contract.
 
@@ -74,6 +81,10 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
     by `GeneratedAttrs` from nnscaler.ir.contracts.GENERATED_ATTRS; PIPELINE is a `PipelineMeta`."""
 
     def __init__(self):
+        with _real_default_device():
+            self._setup_parallel()
+
+    def _setup_parallel(self) -> None:
         super().__init__()
         self.training = bool(self.TRACED_TRAINING)
         self.compute_config = make_compute_config(self.COMPUTE_CONFIG)
@@ -95,11 +106,25 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
     # -- initialisation -------------------------------------------------------------------------
     def _post_init(self, init_params: bool = True) -> None:
         """End of the generated __init__: device placement, initial weights, gradient reducers."""
+        with _real_default_device():
+            self._place_and_prepare(init_params)
+
+    def _place_and_prepare(self, init_params: bool) -> None:
         unmapped = self.unmapped_tensors()
         if unmapped:
             raise GenerationError(f"{type(self).__name__} registers {', '.join(unmapped)} without add_full_map: "
                                   f"regenerate the code (ReuseType.OVERRIDE)")
-        if any(t.is_meta for t in (*self.parameters(), *self.buffers())):
+        cfg = self.compute_config
+        on_meta = any(t.is_meta for t in (*self.parameters(), *self.buffers()))
+        # built under torch.device("meta") (parallelize of a meta-built model): under use_zero=3 each
+        # rank allocates only its shards (FullyShardedParams.shard), the buffers whole
+        shard_now = on_meta and cfg.zero_stage == 3 and not cfg.inference_only
+        if shard_now:
+            for m in self.modules():
+                for k, b in m._buffers.items():
+                    if b is not None and b.is_meta:
+                        m._buffers[k] = torch.empty_like(b, device=self.device)
+        elif on_meta:
             self.to_empty(device=self.device)
         else:
             self.to(self.device)
@@ -115,6 +140,8 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
             trainable = [p for p in trainable if id(p) not in shared]
         if cfg.zero_stage == 3 and training:
             self.fully_sharded = self._fully_sharded_params()
+            if shard_now:
+                self.fully_sharded.shard(self.device)
         elif self.grid.dp_size > 1 and trainable and training:
             self.reducer = Reducer(trainable, group=self.grid.sync_group, bucket_cap_mb=cfg.reducer_bucket_cap_mb,
                                    async_op=cfg.use_async_reducer)

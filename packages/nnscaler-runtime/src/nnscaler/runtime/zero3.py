@@ -179,22 +179,30 @@ class FullyShardedParams(Pausable):
         pausable(self)
 
     # -- sharding -------------------------------------------------------------------------------
-    def shard(self) -> None:
+    def shard(self, device: Optional[torch.device] = None) -> None:
         """Keep only this rank's shard of every unit (once; the registered parameters then hold no
-        storage)."""
+        storage). A unit whose parameters are on the meta device (a module built on meta) gets a
+        zero shard on `device` and nothing else is allocated: its values are written into the
+        shards afterwards (runtime/driver/meta_init.py, nnscaler.ckpt.load)."""
         if self.sharded:
             return
         i, size = self.groups.group_index, self.groups.size
         with torch.no_grad():
             for u in self.units:
-                flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
-                for p, view in zip(u.params, u.flat_views(flat)):
-                    view.copy_(p)
-                own = flat[i * u.shard_numel:(i + 1) * u.shard_numel].clone()
+                if u.params[0].is_meta:
+                    own = torch.zeros(u.shard_numel, dtype=u.dtype, device=device)
+                else:
+                    flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+                    for p, view in zip(u.params, u.flat_views(flat)):
+                        view.copy_(p)
+                    own = flat[i * u.shard_numel:(i + 1) * u.shard_numel].clone()
                 u.shard = torch.nn.Parameter(own, requires_grad=u.trainable)
                 u.used = torch.zeros(len(u.params), dtype=torch.bool, device=u.device)
                 for p in u.params:
-                    p.data = _empty(p)
+                    if p.is_meta:  # another device: swapped in place (the module keeps the same Parameter)
+                        torch.utils.swap_tensors(p, torch.nn.Parameter(_empty(own), requires_grad=p.requires_grad))
+                    else:
+                        p.data = _empty(p)
         self.sharded = True
 
     def apply(self, fn) -> None:

@@ -11,8 +11,9 @@ memory, each rank allocates only its own local tensors, and the values come from
   its ``__init__``, skipping what a nested one already did), from rank 0's torch generator as it
   was when `parallelize` was called. So with the same seed the values are those of the module
   built on the CPU. One module's own tensors are materialized at a time (on the CPU, then copied
-  into the slices this rank holds and dropped), so a rank never holds more than one module
-  beyond its local tensors.
+  into the slices this rank holds, `write_full`, and dropped), so a rank never holds more than one
+  module beyond its local tensors; under ``use_zero=3`` those are its shards (the generated module
+  is built on meta and sharded at once: `ParallelModule._post_init`).
 
 Non-persistent buffers (a rotary embedding's ``inv_freq``) are in no checkpoint: they are always
 filled from the initialisation (`fill_from_init(..., buffers_only=True)`).
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 
-__all__ = ["has_meta_tensors", "check_initializable", "fill_from_init"]
+__all__ = ["has_meta_tensors", "check_initializable", "fill_from_init", "write_full"]
 
 
 def has_meta_tensors(module: torch.nn.Module) -> bool:
@@ -136,6 +137,32 @@ def fill_from_init(pm, root: torch.nn.Module, rng_state: torch.Tensor, buffers_o
             else:
                 owner._init_weights(m)
             values = {f"{path}.{n}" if path else n: t for n, t in made.items()}
-            values = {n: t for n, t in values.items() if n in canonical}
-            if values:
-                pm.load_full_state(values, strict=False)
+            write_full(pm, {n: t for n, t in values.items() if n in canonical})
+
+
+def write_full(pm, values: Dict[str, torch.Tensor]) -> None:
+    """Put full (single-device) tensors by canonical full name into the slices `pm` holds: into a
+    fully sharded parameter's held ranges in place (`held_tensors`, no gather), into any other
+    local tensor directly. Names `pm` does not hold are skipped."""
+    if not values:
+        return
+    held = pm.held_tensors() or {}
+    by_full = {e.full_name: (local, e) for local, e in pm.fullmap.items()}
+    with torch.no_grad():
+        for name, value in values.items():
+            if name not in by_full:
+                continue
+            local, e = by_full[name]
+            if tuple(value.shape) != tuple(e.full_shape):
+                raise ConfigError(f"{name} has shape {tuple(value.shape)}, the generated module expects "
+                                  f"{tuple(e.full_shape)}: regenerate the code (reuse='override')")
+            part = value[tuple(slice(a, b) for a, b in e.slices)]
+            if e.value_split[0] != 0:  # the value lives in part 0, the other parts hold zeros
+                part = torch.zeros_like(part)
+            h = held.get(local)
+            if h is None:
+                getattr(pm, local).copy_(part)
+                continue
+            flat = part.reshape(-1)
+            for r in h.ranges:
+                r.values.copy_(flat[r.start:r.stop])

@@ -1,6 +1,7 @@
 """`parallelize()`: trace, plan and generate on rank 0, share, and load on every rank."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -27,7 +28,7 @@ from .gen_dir import (ReuseDecision, Identity, ReuseType, decide, generator_iden
                       state_schema,
                       swap_in, write_manifest)
 from .model_sources import collect_sources
-from .meta_init import check_initializable, fill_from_init, has_meta_tensors
+from .meta_init import check_initializable, fill_from_init, has_meta_tensors, write_full
 
 
 def parallelize(
@@ -151,11 +152,10 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
         return None
     if is_class:
         return gen_cls
-    pm = gen_cls(init_params=False)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():  # then allocated on the device: only
+        pm = gen_cls(init_params=False)  # the local tensors (under use_zero=3 the shards: module.py _post_init)
     if on_meta:  # each rank fills only what it holds: constants, then the initialisation (meta_init.py)
-        constants = _constants(directory)
-        if constants:
-            pm.load_full_state(constants, strict=False)
+        write_full(pm, _constants(directory))
         fill_from_init(pm, module_or_module_class, rng_state if rng_state is not None else torch.get_rng_state(),
                        buffers_only=not init_module_params)
     elif init_module_params:
