@@ -1,5 +1,6 @@
-"""Padded batches on real models (HF Llama, Qwen2, Mistral and BERT decide in Python, from
-`attention_mask`'s values, whether to build an attention mask).
+"""Padded and packed batches on real models (HF Llama, Qwen2, Mistral and BERT decide in Python,
+from `attention_mask`'s values, whether to build an attention mask; without a mask, from
+`position_ids`, whether documents are packed).
 
 - Traced without padding, then fed right- and left-padded batches: either every rank raises
   `nnscaler.runtime.GuardError` on that step (naming the model's line), or, when both branches
@@ -9,6 +10,8 @@
   reshaped with the heads' size as the batch's, the loss 6e-3 off one process, or a crash).
 - Traced with padding, then fed padded (right, left) and unpadded batches: training matches
   one process.
+- Llama, Mistral (and GPT-2 under megatron) fed packed documents (`position_ids` restarting, no
+  mask), traced unpacked: training matches one process (each document attends to itself only).
 
 Under dp, megatron and tp (2 processes) and tp 2 x dp 2 with ZeRO-1 (4 processes), float64,
 3 Adam steps, the bars of test_hf_parity. One launch per plan, looping over the models.
@@ -27,6 +30,8 @@ PADDED_THEN_MIXED = [True, False, "left"]
 PLANS = {"dp": (["llama", "bert"], True), "megatron": (["llama", "bert"], True),
          "tp": (["llama64", "qwen2", "mistral", "gpt2", "bert"], False)}
 TRACE_PADDED_TOO = {"dp": ["llama", "bert"], "megatron": ["llama", "bert"], "tp": ["llama64"]}
+UNPACKED_THEN_PACKED = [False, True, True]
+PACKED = {"dp": [], "megatron": ["gpt2_packed"], "tp": ["llama64_packed", "mistral_packed"]}
 
 
 def _cases(plan):
@@ -39,6 +44,9 @@ def _cases(plan):
         if model in TRACE_PADDED_TOO[plan]:
             cases.append(dict(base, model=model, label=f"{model}-{base['label']}-trace-padded", trace_pad=True,
                               pad=PADDED_THEN_MIXED))
+    for model in PACKED[plan]:
+        cases.append(dict(base, model=model, label=f"{model}-{base['label']}-trace-unpacked", trace_pad=False,
+                          pad=UNPACKED_THEN_PACKED))
     return cases
 
 
