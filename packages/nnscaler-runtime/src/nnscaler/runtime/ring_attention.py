@@ -82,7 +82,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if not balanced:
         return out
     out = _zigzag(out, rs, forward=False, like=like)
-    holder.append(out.detach())  # shares its storage with what the model keeps (o_proj's input)
+    holder += [out.detach(), out._version]  # shares its storage with what the model keeps (o_proj's input)
     return out
 
 
@@ -264,7 +264,11 @@ class _Ring(Function):
         causal, balanced, scale, rs, has_mask, has_iv = ctx.flags
         q, k, v, lse, *rest = ctx.saved_tensors
         if ctx.holder is not None:
-            out = _zigzag(ctx.holder[0], rs, forward=True)  # the caller's output, back in the ring's order
+            kept, version = ctx.holder
+            if kept._version != version:
+                raise CommError("ring attention: its output was modified in place after the call; backward needs "
+                                "it as returned (copy it before modifying it)")
+            out = _zigzag(kept, rs, forward=True)  # the caller's output, back in the ring's order
         else:
             out, rest = rest[0], rest[1:]
         mask = rest.pop(0) if has_mask else None

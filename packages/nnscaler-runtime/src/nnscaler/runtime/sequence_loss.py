@@ -33,11 +33,12 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
                         f"annotation")
     total = F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction="sum",
                             label_smoothing=label_smoothing)
-    count = _denominator(input, target, weight, ignore_index).to(total.dtype)
+    acc = torch.promote_types(total.dtype, torch.float32)  # a bf16 / fp16 count is inexact above 256 tokens
+    count = _denominator(input, target, weight, ignore_index).to(acc)
     if len(ranks) == 1:
-        return total / count
-    both = all_reduce(torch.stack([total, count]), ranks)  # one collective: the sums and the denominators
-    return both[0] / both[1].detach()
+        return (total.to(acc) / count).to(total.dtype)
+    both = all_reduce(torch.stack([total.to(acc), count]), ranks)  # one collective: the sums and the denominators
+    return (both[0] / both[1].detach()).to(total.dtype)
 
 
 def _denominator(input, target, weight, ignore_index) -> torch.Tensor:
