@@ -340,3 +340,23 @@ def test_meta_keeps_the_users_example_batch_unchanged():
         m = InPlace()
     trace(m, {"x": x}, trace_strategy="meta")
     assert torch.equal(x, torch.ones(2, 4))
+
+
+def test_meta_value_read_of_a_weight_result_is_refused_with_the_fix():
+    class ReadsWeights(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.l1(x)
+            if (y > 0).any():  # a value of the weights: nothing to read on meta
+                y = y * 2
+            return y.sum()
+
+    with torch.device("meta"):
+        m = ReadsWeights()
+    from nnscaler.ir.errors import TraceError
+    with pytest.raises(TraceError, match=r"reads the value of a tensor computed from the weights \(__bool__\).*"
+                                         r"torch.where.*trace_strategy='cpu'"):
+        trace(m, {"x": torch.randn(2, 4)}, trace_strategy="meta")

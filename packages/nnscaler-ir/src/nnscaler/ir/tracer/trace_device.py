@@ -21,6 +21,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..errors import TraceError
 from ..tree import iter_tensors as _tensors
 from ..user_code import warn_user
 
@@ -120,6 +121,14 @@ class ExecutionDevice:
             self.fallbacks += 1
             cpu = torch.device("cpu")
             out = _call(func, self._move(args, cpu), self._move(kwargs, cpu), mode_off)
+        except (RuntimeError, NotImplementedError):
+            if self.device.type == "meta" and _value_read(func):
+                raise TraceError(
+                    f"the forward reads the value of a tensor computed from the weights "
+                    f"({getattr(func, '__name__', func)}), which under trace_strategy='meta' (always for a module "
+                    f"built on the meta device) has none: decide with tensor ops instead (torch.where, masking), "
+                    f"or build the module on the CPU and trace with trace_strategy='cpu'") from None
+            raise
         if key is not None and not _is_inplace(out, args, kwargs):
             self.cache[key] = out
         return out
@@ -136,6 +145,14 @@ def _call(func, args, kwargs, mode_off):
         with torch.overrides._pop_mode_temporarily():
             return func(*args, **kwargs)
     return func(*args, **kwargs)
+
+
+_VALUE_READS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "__array__", "numpy",
+                 "_local_scalar_dense"}
+
+
+def _value_read(func) -> bool:
+    return getattr(func, "__name__", "") in _VALUE_READS
 
 
 def _meta_to_cpu(obj):
