@@ -3,7 +3,7 @@ when the value differs between the branches of a decision and the plan splits ea
 another dim (issue 45: tp on a padded Llama batch read the heads' size as the batch's)."""
 from __future__ import annotations
 
-import re
+import ast
 import warnings
 
 import torch
@@ -56,20 +56,22 @@ def test_sizes_of_a_value_split_differently_per_branch_are_scaled_per_branch():
                                              "mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])})
     graph = apply_policy(graph, config, _split_sides_differently)
     text = emit_rank(graph, config.to_dict(), 0, _split_sides_differently, graph.fingerprint())
-    compile(text, "gencode0.py", "exec")
-    lines = text.split("def _forward_impl")[1].splitlines()
-    read = next(i for i, line in enumerate(lines) if line.strip().endswith(").shape"))
-    m = re.match(r"\s*\((\w+), (\w+), (\w+)\) = \((\w+) if (_branch_\d+) else (\w+)\)\.shape", lines[read])
-    assert m, lines[read]
-    names, when_true, decision, when_false = m.group(1, 2, 3), m.group(4), m.group(5), m.group(6)
-    # run the size read and its rescaling on each side's local piece (rank 0 of 2)
-    block = [lines[read].strip()]
-    for line in lines[read + 1:]:
-        if not re.match(rf"\s*(if (not )?{decision}:|\s+\w+ = \w+ \* 2)$", line):
+    forward = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and n.name == "_forward_impl")
+    # `(b, s, d) = (y_true if _branch_N else y_false).shape`, then the ifs that scale its sizes
+    at = next(i for i, st in enumerate(forward.body) if isinstance(st, ast.Assign)
+              and isinstance(st.value, ast.Attribute) and st.value.attr == "shape" and isinstance(st.value.value, ast.IfExp))
+    read = forward.body[at]
+    choice = read.value.value
+    decision, when_true, when_false = choice.test.id, choice.body.id, choice.orelse.id
+    names = [target.id for target in read.targets[0].elts]
+    block = [read]
+    for st in forward.body[at + 1:]:
+        if not (isinstance(st, ast.If) and decision in {n.id for n in ast.walk(st.test) if isinstance(n, ast.Name)}):
             break
-        block.append(line[len(lines[read]) - len(lines[read].lstrip()):])
-    local = {True: torch.zeros(1, 4, 4), False: torch.zeros(2, 2, 4)}  # split along dim 0 / dim 1
+        block.append(st)
+    code = compile(ast.Module(body=block, type_ignores=[]), "gencode0.py", "exec")
+    local = {True: torch.zeros(1, 4, 4), False: torch.zeros(2, 2, 4)}  # rank 0's piece: split along dim 0 / dim 1
     for side in (True, False):
         scope = {decision: side, when_true: local[True], when_false: local[False]}
-        exec("\n".join(block), {}, scope)
-        assert tuple(scope[n] for n in names) == (2, 4, 4), (side, block)
+        exec(code, {}, scope)
+        assert tuple(scope[n] for n in names) == (2, 4, 4), (side, ast.unparse(ast.Module(body=block, type_ignores=[])))
