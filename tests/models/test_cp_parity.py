@@ -7,7 +7,8 @@ steps within 1e-10 of single-process training on the global batch.
 - ``cp`` 2 x dp 2 on 4 processes: each unit takes half of the batch, the loss is the mean over all
   tokens (the reference: gradient accumulation over the two halves, each loss / 2).
 - mixture of experts (Mixtral, Qwen3-MoE) under ``cp`` 2, ``cp`` 2 x dp 2 (Qwen3-MoE also with
-  use_zero=3) and a pipeline of 2 stages each cp 2 (Mixtral, 4 processes): the routed experts are
+  use_zero=3), a pipeline of 2 stages each cp 2 (Mixtral, 4 processes) and cp 4 with ``ep_size`` 2
+  (Mixtral: two groups of 2 ranks each split the experts): the routed experts are
   split over the unit as ``ep`` splits them (rank 0 holds half of every expert weight; the generated
   code calls ring attention and the experts' exchange), the next-token and load-balancing losses
   exact (per replica under dp, as ``ep``); with ``pas_config={"ep_size": 1}`` every expert whole on
@@ -32,7 +33,8 @@ WORLD4 = [dict(mp.plan("cp4", "cp", 4), model="llama64"), dict(mp.plan("cp2-dp2"
           dict(mp.plan("m-cp2-dp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2-dp2", "cp", 2), model="qwen3_moe"),
           dict(mp.plan("q3-cp2-dp2-zero3", "cp", 2, use_zero=3), model="qwen3_moe"),
           dict(mp.plan("m-pp2-cp2", "cp", 4, use_end2end=True, pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}),
-               model="mixtral")]
+               model="mixtral"),
+          dict(mp.plan("m-cp4-ep2", "cp", 4, pas_config={"ep_size": 2}), model="mixtral")]
 MOE = ("m-cp2", "q3-cp2", "m-cp2-dp2", "q3-cp2-dp2", "m-pp2-cp2")
 
 
@@ -76,3 +78,7 @@ def test_cp4_and_cp2_dp2(tmp_path):
     # per replica (dp) or per micro-batch (the pipeline): the load-balancing loss of each half batch
     _check(results, WORLD4, halves_for=("cp2-dp2", "cp2-dp2-zero3", "q3-cp2-dp2-zero3") + MOE[2:])
     assert all(_experts_split(results, label) for label in MOE[2:])  # a pipeline stage's experts over its cp 2
+    # ep_size 2 of cp 4: two groups of 2 ranks each split the experts, their weights whole on every rank
+    assert _activations_split(results, "m-cp4-ep2")
+    code = _generated(tmp_path, "m-cp4-ep2")
+    assert len(code) == 4 and all(c.count("ep_size=2") == 2 for c in code)

@@ -164,12 +164,33 @@ def test_experts_split_over_the_unit_as_ep():
     assert experts.pieces[0].dim != EXPERT_DIM and isinstance(experts.pieces[0].inputs[3], type(Replicate()))
 
 
+def test_ep_size_between_splits_the_experts_over_groups(tmp_path):
+    """ep_size 2 of 4 devices: each group of 2 consecutive devices splits the experts (dim "e:2"), their
+    weights whole on every device; codegen makes the groups' process groups and passes ep_size."""
+    from nnscaler.codegen import generate
+    from nnscaler.ir import ROUTED_EXPERTS, expert_group
+    cfg = ComputeConfig(4, 4, pas_config={"ep_size": 2})
+    graph = apply_policy(_graph(AttentionMoE()), cfg, "cp")
+    experts = next(n for n in graph.nodes if n.target == ROUTED_EXPERTS)
+    assert [expert_group(p.dim) for p in experts.pieces] == [(True, 2)] * 4
+    assert [type(p).__name__ for p in experts.pieces[0].inputs] == ["Shard"] * 3 + ["Replicate"] * 2
+    generate(graph, cfg, tmp_path / "gen")
+    code = (tmp_path / "gen" / "gencode2.py").read_text()
+    assert "nr.moe.expert_parallel(" in code and "ep_size=2" in code
+    assert "(0, 1, 2, 3), (0, 1), (2, 3))" in code  # the unit's group, then the two expert groups
+
+
 @pytest.mark.parametrize("ep_size, words", [(3, r"must be a whole number dividing the 4 devices"),
-                                            (2, r"ep_size'\] = 2: .*all 4 devices .*or over none .*use ep_size 4"),
                                             ("2", "must be a whole number")])
 def test_bad_ep_size(ep_size, words):
     with pytest.raises(ConfigError, match=words):
         apply_policy(_graph(AttentionMoE()), ComputeConfig(4, 4, pas_config={"ep_size": ep_size}), "cp")
+
+
+def test_experts_that_do_not_split_over_ep_size():
+    with pytest.raises(PlanError, match=r"has 3 experts, which do not split over pas_config\['ep_size'\] \(2\): .*"
+                                        r"ep_size=1: every expert on every device"):
+        apply_policy(_graph(AttentionMoE(experts=3)), ComputeConfig(4, 4, pas_config={"ep_size": 2}), "cp")
 
 
 def test_autodist_plans_ring_attention_with_expert_parallelism(tmp_path, monkeypatch):

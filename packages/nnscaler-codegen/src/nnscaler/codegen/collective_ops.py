@@ -3,7 +3,10 @@ them in a way no annotation can express.
 
 - expert parallelism: a routed-experts op (``nnscaler.ir.ops.moe``) split along ``e``
   (`EXPERT_DIM`; piece i holds 1/n of the tokens and of the experts: the index holds global
-  expert ids) calls ``nr.moe.expert_parallel``, which exchanges the tokens by all-to-all;
+  expert ids) calls ``nr.moe.expert_parallel``, which exchanges the tokens by all-to-all; split
+  along ``e:k`` (`expert_group_dim`: the weights whole on every device, the experts over groups of
+  k consecutive devices of the unit) it passes ``ep_size=k`` (the groups' process groups are made
+  with the unit's, `expert_groups`);
 - context parallelism: ``scaled_dot_product_attention`` split along `RING_DIM` (piece i holds 1/n
   of the sequence of q, k, v and the mask's rows) calls ``nr.ring_attention.attention``; a mean
   ``cross_entropy`` split along `SEQUENCE_LOSS_DIM` (piece i holds 1/n of the tokens, the mean is
@@ -17,12 +20,12 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from nnscaler.ir import CROSS_ENTROPY, EXPERT_DIM, RING_DIM, ROUTED_EXPERTS, SDPA, SEQUENCE_LOSS_DIM, Node
+from nnscaler.ir import CROSS_ENTROPY, EXPERT_DIM, RING_DIM, ROUTED_EXPERTS, SDPA, SEQUENCE_LOSS_DIM, Node, expert_group
 
 from .errors import GenerationError
 from .layouts import UnitPlan
 
-__all__ = ["collective_call", "runtime_call", "RUNTIME_CALLS"]
+__all__ = ["collective_call", "runtime_call", "expert_groups", "RUNTIME_CALLS"]
 
 RUNTIME_CALLS = {(ROUTED_EXPERTS, EXPERT_DIM): "nr.moe.expert_parallel",
                  (SDPA, RING_DIM): "nr.ring_attention.attention",
@@ -33,7 +36,19 @@ def runtime_call(node: Node, unit: UnitPlan) -> Optional[str]:
     """The runtime function that runs `node`'s pieces, or None when the op runs as traced."""
     if not unit.partitioned.get(node.id) or not node.pieces:
         return None
-    return RUNTIME_CALLS.get((node.target, node.pieces[0].dim))
+    experts, _ = expert_group(node.pieces[0].dim)  # "e:k": the experts over groups of k devices
+    return RUNTIME_CALLS.get((node.target, EXPERT_DIM if experts else node.pieces[0].dim))
+
+
+def expert_groups(nodes) -> set:
+    """The group sizes k of the routed-experts ops split over groups of k devices (``"e:k"`` pieces)."""
+    out = set()
+    for node in nodes:
+        if node.target == ROUTED_EXPERTS and node.pieces:
+            experts, k = expert_group(node.pieces[0].dim)
+            if experts and k is not None:
+                out.add(k)
+    return out
 
 
 def collective_call(node: Node, lines: List[str], unit: UnitPlan, ranks: tuple) -> List[str]:
@@ -44,5 +59,8 @@ def collective_call(node: Node, lines: List[str], unit: UnitPlan, ranks: tuple) 
     target = node.target + "("
     if len(lines) != 1 or lines[0].count(target) != 1 or not lines[0].endswith(")"):
         raise GenerationError(f"cannot rewrite the op {node.describe()} to {call} (generated as {lines!r})")
-    extra = f", layer={(node.module_path or f'op {node.id}')!r}" if call == RUNTIME_CALLS[(ROUTED_EXPERTS, EXPERT_DIM)] else ""
+    extra = ""
+    if call == RUNTIME_CALLS[(ROUTED_EXPERTS, EXPERT_DIM)]:
+        _, group = expert_group(node.pieces[0].dim)
+        extra = f", layer={(node.module_path or f'op {node.id}')!r}" + (f", ep_size={group}" if group else "")
     return [lines[0].replace(target, call + "(")[:-1] + f", ranks={tuple(ranks)!r}{extra})"]

@@ -17,6 +17,7 @@ from nnscaler.ir.contracts import GENERATED_ATTR_NAMES, GENERATED_ATTRS
 from .lines import Lines
 from .errors import GenerationError
 from .layouts import UnitPlan, local_slices
+from .collective_ops import expert_groups
 from .stages import holding_groups
 
 __all__ = ["Method", "module_text", "class_attr_lines", "init_lines"]
@@ -86,6 +87,10 @@ def init_lines(graph: IRGraph, local: Dict[str, str], unit: UnitPlan, device: in
                    for u in range(cfg.dp_size) for g in range(pipe.pp_size)]
     if plan_n > 1:
         groups += [tuple(range(u * plan_n, (u + 1) * plan_n)) for u in range(cfg.dp_size)]
+    for k in sorted(expert_groups(graph.nodes)):  # experts over groups of k devices of the unit / stage
+        homes = [pipe.group_devices(g) for g in range(pipe.pp_size)] if pipe is not None else [range(plan_n)]
+        groups += [tuple(u * plan_n + d for d in list(home)[i:i + k]) for u in range(cfg.dp_size)
+                   for home in homes for i in range(0, len(home), k)]
     lines = []
     if groups:
         lines.append(f"for _ranks in {tuple(groups)!r}:")

@@ -34,7 +34,7 @@ from .atomic_write import TMP_SUFFIX, AtomicFile, atomic_write, exchange_paths, 
 from .ops.op_names import module_of, policy_name, resolve as resolve_target
 from .ops.annotation import AnnotationError, parse_annotation
 from .ops.registry import REGISTRY, register_op  # (importing it registers the built-in annotations)
-from .ops.moe import (EXPERT_DIM, ROUTED_EXPERTS, ExpertMLP, combine as combine_experts,
+from .ops.moe import (EXPERT_DIM, ROUTED_EXPERTS, expert_group, expert_group_dim, ExpertMLP, combine as combine_experts,
                       dispatch_order as experts_dispatch_order, expert_mlp, routed_experts,  # mixture of experts
                       expert_capacity, slot_counts, kept_counts, drop_over_capacity, with_dropped)  # (capacity)
 from .tracer.moe_modules import experts_recorded_whole, set_capacity_factor  # transformers' experts modules
@@ -42,7 +42,7 @@ from .ops.context_parallel import (CROSS_ENTROPY, RING_DIM, SDPA,  # attention w
                                    SEQUENCE_LOSS_DIM)  # and the mean loss over a split sequence
 
 __all__ = [
-    "EXPERT_DIM", "ROUTED_EXPERTS", "ExpertMLP", "combine_experts", "experts_dispatch_order", "expert_mlp",
+    "EXPERT_DIM", "ROUTED_EXPERTS", "expert_group", "expert_group_dim", "ExpertMLP", "combine_experts", "experts_dispatch_order", "expert_mlp",
     "routed_experts", "expert_capacity", "slot_counts", "kept_counts", "drop_over_capacity", "with_dropped",
     "experts_recorded_whole", "set_capacity_factor", "RING_DIM", "SDPA", "CROSS_ENTROPY", "SEQUENCE_LOSS_DIM",
     "ComputeConfig", "OptionalComputeConfig", "as_compute_config", "ConfigWarning", "warn_ineffective_settings",

@@ -84,17 +84,39 @@ def _training_forward() -> bool:
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
+def _expert_group(ranks, k: int, weights):
+    """(this rank's group of k consecutive `ranks`, its slice of each whole expert weight (or None)): the
+    j-th rank of a group holds experts [j * E/k, (j + 1) * E/k)."""
+    import torch.distributed as dist
+    me = ranks.index(dist.get_rank()) if dist.is_initialized() and dist.get_rank() in ranks else None
+    if k < 1 or len(ranks) % k or me is None:
+        raise CommError(f"nnscaler.runtime.moe.expert_parallel: ep_size={k} must divide the {len(ranks)} ranks "
+                        f"{ranks}, this rank among them")
+    first = me - me % k
+    num = weights[0].shape[0]
+    if num % k:
+        raise CommError(f"nnscaler.runtime.moe.expert_parallel: {num} experts do not split over ep_size={k}")
+    local = num // k
+    return ranks[first:first + k], tuple(None if w is None else w.narrow(0, (me - first) * local, local)
+                                         for w in weights)
+
+
 def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, down_bias=None, *,
                     activation: str = "silu", gate: str = "glu", transposed: bool = False, alpha: float = 1.0,
                     limit: float = 0.0, capacity_factor: Optional[float] = None, ranks,
-                    layer: Optional[str] = None) -> torch.Tensor:
+                    layer: Optional[str] = None, ep_size: Optional[int] = None) -> torch.Tensor:
     """`routed_experts` on this rank's tokens, with this rank's share of the experts (see the module
     docstring). COLLECTIVE over `ranks` (every rank of the unit calls it for the same layer), with the
     same collectives in the same order whatever the routing, forward and backward. `layer` names the
     layer in `expert_load()`. With `capacity_factor`, the pairs dropped are those `routed_experts`
     drops on the unit's whole batch (the count exchange carries counts per slot and expert, from which
-    every rank derives every piece's kept pairs)."""
+    every rank derives every piece's kept pairs). With `ep_size` k below the ranks, the experts' weights
+    are whole on every rank and split over groups of k consecutive ranks (`_expert_group`): the
+    exchange runs inside this rank's group, with its group's tokens."""
     ranks = as_ranks(ranks)
+    if ep_size is not None and ep_size != len(ranks):
+        ranks, (gate_up, down, gate_up_bias, down_bias) = _expert_group(ranks, int(ep_size),
+                                                                        (gate_up, down, gate_up_bias, down_bias))
     mlp = ExpertMLP(activation, gate, transposed, float(alpha), float(limit))
     n, local = len(ranks), gate_up.shape[0]
     num_experts = local * n

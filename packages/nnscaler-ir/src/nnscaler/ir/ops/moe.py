@@ -28,12 +28,26 @@ import torch.nn.functional as F
 
 from ..tracer.tracing_context import current_tracer
 
-__all__ = ["routed_experts", "ROUTED_EXPERTS", "EXPERT_DIM", "ExpertMLP", "ACTIVATIONS", "GATES",
+__all__ = ["routed_experts", "ROUTED_EXPERTS", "EXPERT_DIM", "expert_group_dim", "expert_group", "ExpertMLP", "ACTIVATIONS", "GATES",
            "dispatch_order", "expert_mlp", "combine", "routed_experts_annotation", "expert_capacity", "slot_counts",
            "kept_counts", "drop_over_capacity", "with_dropped"]
 
 ROUTED_EXPERTS = "nnscaler.ir.ops.moe.routed_experts"
 EXPERT_DIM = "e"  # the annotation's experts dim: a piece split along it is expert parallel
+
+
+def expert_group_dim(group: int) -> str:
+    """A piece's dim when the experts are split over groups of `group` of the unit's devices (the
+    weights whole on each device, the tokens exchanged inside a group): ``"e:2"``."""
+    return f"{EXPERT_DIM}:{int(group)}"
+
+
+def expert_group(dim) -> "tuple":
+    """(is expert parallel, group size or None for the whole unit) of a piece's `dim`."""
+    base, sep, group = (dim or "").partition(":")
+    if base != EXPERT_DIM:
+        return False, None
+    return True, (int(group) if sep else None)
 
 ACTIVATIONS = {
     "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,

@@ -14,8 +14,10 @@ Pipeline keys (as ``hybrid``, needs ``use_end2end=True``): ``pp_size`` > 1 cuts 
 its experts are split; ``pipeline_nmicros``, ``pipeline_scheduler``, ``pipeline_pivots`` as there.
 
 ``ep_size`` (this policy and ``cp``): the devices of a unit (or stage) each expert layer is split
-over: all of them (the default), or 1 (every expert on every device, the op split along its tokens,
-as ``tp`` splits it).
+over: all of them (the default); 1 (every expert on every device, the op split along its tokens,
+as ``tp`` splits it); or k in between (groups of k consecutive devices each split the experts and
+exchange their tokens among themselves; the weights are stored whole on every device, so this saves
+no memory over ep_size 1, only keeps each exchange inside k devices).
 
 Tensor parallelism where asked: ``tp_modules`` (module path globs, e.g. ``["*.self_attn"]``) makes
 the ops inside those modules follow Megatron's rule over the same devices (column / row-parallel
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, ConfigError, Shard
+from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, ConfigError, Replicate, Shard, expert_group_dim
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
@@ -66,25 +68,26 @@ def ep_size_of(pas: dict, devices: int, policy: str) -> Optional[int]:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1 or devices % k:
         raise ConfigError(f"pas_config['ep_size'] must be a whole number dividing the {devices} devices each expert "
                           f"layer runs on under pas_policy {policy!r} (plan_ngpus / pp_size), got {k!r}")
-    if 1 < k < devices:
-        raise ConfigError(f"pas_config['ep_size'] = {k}: pas_policy {policy!r} splits the experts over all "
-                          f"{devices} devices of a unit (or stage) or over none (ep_size 1), not over {k} of them "
-                          f"yet; use ep_size {devices} (or leave it out) or 1, or plan_ngpus / pp_size = {k}")
     return k
 
 
 def split_routed_experts(graph, node, devices: Sequence[int], ep_size: Optional[int]) -> None:
-    """A routed-experts op over `devices`: its experts split over them (`split_experts`), or with
-    ``ep_size`` 1 every expert on every device and the op split along its tokens."""
+    """A routed-experts op over `devices`: its experts split over them (`split_experts`); with ``ep_size``
+    1 every expert on every device and the op split along its tokens; with ``ep_size`` k in between the
+    experts split over groups of k consecutive devices, their weights whole on every device."""
     if ep_size == 1:
         split_batch_or_replicate(graph, node, devices)
     else:
-        split_experts(graph, node, devices)
+        split_experts(graph, node, devices, None if ep_size == len(devices) else ep_size)
 
 
-def split_experts(graph, node, devices: Sequence[int]) -> None:
-    """Piece i of routed-experts op `node` on ``devices[i]``: 1/n of its tokens and of its experts."""
+def split_experts(graph, node, devices: Sequence[int], group: Optional[int] = None) -> None:
+    """Piece i of routed-experts op `node` on ``devices[i]``: 1/n of its tokens and of its experts, or with
+    `group` k (1 < k < n) of its experts 1/k, over groups of k consecutive devices: the weights whole on
+    every device (the runtime slices its group's share; their gradients, partial, are summed over the
+    unit), the piece's dim `expert_group_dim(k)` (codegen passes ``ep_size=k``)."""
     n = len(devices)
+    split = group or n
     ins = tensor_inputs(graph, node)
     tokens, k = graph.value(ins[1]).shape
     num_experts = graph.value(ins[3]).shape[0]
@@ -92,13 +95,21 @@ def split_experts(graph, node, devices: Sequence[int]) -> None:
     if k > num_experts:
         raise PlanError(f"{where} routes each token to top-k = {k} experts but has only {num_experts}: "
                         f"num_experts_per_tok must be at most the number of experts")
-    if num_experts % n:
-        raise PlanError(f"{where} has {num_experts} experts, which do not split over the expert-parallel size "
-                        f"{n} (plan_ngpus / pp_size): use an ep size that divides {num_experts} "
-                        f"(e.g. plan_ngpus={_divisor(num_experts, n)}), or a model whose expert count it divides")
+    if num_experts % split:
+        how = f"pas_config['ep_size'] ({split})" if group else f"the expert-parallel size {n} (plan_ngpus / pp_size)"
+        raise PlanError(f"{where} has {num_experts} experts, which do not split over {how}: use an ep size that "
+                        f"divides {num_experts} (e.g. {'ep_size' if group else 'plan_ngpus'}="
+                        f"{_divisor(num_experts, split)}, or ep_size=1: every expert on every device), or a model "
+                        f"whose expert count it divides")
     if tokens % n:
         raise PlanError(f"{where} receives {tokens} tokens when traced (batch x sequence), which do not split "
                         f"into {n} equal parts: make the micro-batch size times the sequence length a multiple of {n}")
+    if group:
+        outs = [Shard(0)] * len(tensor_outputs(graph, node))
+        places = [Shard(0)] * 3 + [Replicate()] * (len(ins) - 3)  # tokens, index, weights split; experts whole
+        node.pieces = [Piece(i, n, list(places), list(outs), expert_group_dim(group), device)
+                       for i, device in enumerate(devices)]
+        return
     outs = [Shard(0)] * len(tensor_outputs(graph, node))
     node.pieces = [Piece(i, n, [Shard(0)] * len(ins), list(outs), EXPERT_DIM, device)
                    for i, device in enumerate(devices)]
