@@ -1,0 +1,73 @@
+"""nnscaler.runtime.ring_masks (no processes): masks read as key intervals (causal, padding, packed
+documents; boolean or 0/-inf), others refused (a hole, a bias, per-head, broadcast keys); the result
+cached per mask object and renewed when it changes; blocks classified (skipped, whole, causal
+diagonal, masked) and a block's mask equal to the mask's own block."""
+from __future__ import annotations
+
+import torch
+
+from nnscaler.runtime import ring_masks
+from nnscaler.runtime.ring_masks import DIAG, FULL, MASKED
+
+S = 16
+
+
+def _packed(docs):
+    doc = torch.cat([torch.full((d,), i) for i, d in enumerate(docs)])[None]
+    return (doc[:, None, :, None] == doc[:, None, None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
+
+
+def _rebuilt(iv, width):
+    pos = torch.arange(width)
+    return (pos >= iv[..., :1]) & (pos <= iv[..., 1:])
+
+
+def test_interval_masks_are_read_exactly():
+    padded = torch.ones(S, S, dtype=torch.bool).tril().expand(2, 1, S, S).clone()
+    padded[1, ..., 12:] = False  # right padding of sample 1's keys
+    packed = _packed([5, 6, 5])
+    additive = torch.zeros(1, 1, S, S).masked_fill(~packed, float("-inf"))
+    for mask in (padded, packed, additive, packed[:, :, 8:]):  # a rank's rows of a mask read as well
+        iv = ring_masks.intervals(mask, S, ("test", id(mask)))
+        want = mask if mask.dtype == torch.bool else mask == 0
+        assert iv is not None and torch.equal(_rebuilt(iv, S), want)
+    rows = torch.ones(1, 1, 1, S, dtype=torch.bool)
+    rows[..., 14:] = False  # key padding broadcast over the rows
+    assert ring_masks.intervals(rows, S, "rows").tolist() == [[[[0, 13]]]]
+
+
+def test_other_masks_take_the_general_path():
+    hole = torch.ones(1, 1, S, S, dtype=torch.bool)
+    hole[..., 3] = False
+    bias = torch.zeros(1, 1, S, S).masked_fill(~_packed([8, 8]), -1e9)  # finite: a bias, not a mask
+    heads = _packed([8, 8]).expand(1, 2, S, S)
+    keys = torch.ones(1, 1, S, 1, dtype=torch.bool)  # keys broadcast: not the sequence's keys
+    for i, mask in enumerate((hole, bias, heads, keys)):
+        assert ring_masks.intervals(mask, S, ("general", i)) is None
+
+
+def test_read_once_per_mask_renewed_when_it_changes():
+    mask = _packed([8, 8])
+    first = ring_masks.intervals(mask, S, "cache")
+    assert ring_masks.intervals(mask, S, "cache") is first  # every layer after the first
+    mask[0, 0, 9, 8] = False  # in place: version bumped
+    again = ring_masks.intervals(mask, S, "cache")
+    assert again is not first and again[0, 0, 9].tolist() == [9, 9]
+
+
+def test_blocks_are_skipped_whole_diagonal_or_masked():
+    iv = ring_masks.intervals(_packed([4, 4, 8]), S, "plan")  # chunks of 4: documents on chunk borders
+    parts = torch.chunk(iv, 4, dim=-2)
+    kinds = {(i, j): k for i, j, k in ring_masks.plan_blocks([0, 1, 2, 3], [0, 1, 2, 3], 4, parts)}
+    assert kinds == {(0, 0): DIAG, (1, 1): DIAG, (2, 2): DIAG, (3, 2): FULL, (3, 3): DIAG}
+    iv = ring_masks.intervals(_packed([6, 10]), S, "plan2")  # a document starts inside chunk 1
+    parts = torch.chunk(iv, 4, dim=-2)
+    kinds = {(i, j): k for i, j, k in ring_masks.plan_blocks([0, 1, 2, 3], [0, 1, 2, 3], 4, parts)}
+    assert kinds[(1, 1)] == MASKED and kinds[(1, 0)] == MASKED and (2, 0) not in kinds and kinds[(2, 1)] == MASKED
+    block = ring_masks.block_mask(parts[1], 4, 4, torch.float64)
+    assert torch.equal(block == 0, _packed([6, 10])[..., 4:8, 4:8])
+
+
+def test_causal_like():
+    assert ring_masks.causal_like(ring_masks.intervals(_packed([8, 8]), S, "c1"), 0)
+    assert not ring_masks.causal_like(ring_masks.intervals(torch.ones(1, 1, S, S, dtype=torch.bool), S, "c2"), 0)
