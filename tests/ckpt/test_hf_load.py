@@ -3,7 +3,7 @@ module built on the meta device and parallelized takes the values `save_pretrain
 file and sharded with an index), under the files' names as they are or under one common prefix;
 missing, unexpected and mis-shaped tensors, an ambiguous prefix and an optimizer are refused by
 name. One launch of 2 gloo processes: a meta-built Llama (float64) loads the directory and an
-nnscaler checkpoint into dp, tp, ZeRO-1, ZeRO-3 and pp (1f1b) plans and trains as one process does
+nnscaler checkpoint into dp, tp, ZeRO-1, ZeRO-3, cp (ring attention) and pp (1f1b) plans and trains as one process does
 (1e-10)."""
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_a_checkpoint_directory_is_not_taken_for_hugging_face(tmp_path):
 
 
 PLANS = [("dp", "dp", 1, {}), ("tp", "tp", 2, {}), ("zero3", "dp", 1, {"use_zero": 3}),
-         ("zero1", "dp", 1, {"use_zero": True}),
+         ("zero1", "dp", 1, {"use_zero": True}), ("cp", "cp", 2, {}),
          ("pp", "pp", 2, {"use_end2end": True, "pas_config": {"pipeline_nmicros": mp.NMICROS,
                                                              "pipeline_scheduler": "1f1b"}})]
 
