@@ -105,6 +105,12 @@ def _example(*overrides):
     (["--model.args.config.num_local_experts", "8", "--compute_config.plan_ngpus", "4",
       "--compute_config.runtime_ngpus", "4", "--compute_config.pas_config.pp_size", "2"],
      None, []),  # ep 2 inside each of 2 stages: 8 experts split
+    (["--pas_policy", "cp"], None, []),  # cp 2 on the MoE model: its 4 experts split over both ranks
+    (["--pas_policy", "cp", "--model.args.config.num_local_experts", "3"], "compute_config.pas_config.ep_size",
+     ["is 2 (a stage of plan_ngpus / pp_size devices): pas_policy 'cp' splits each layer's 3 experts",
+      "set pas_config.ep_size to 1"]),
+    (["--pas_policy", "cp", "--model.args.config.num_local_experts", "3", "--compute_config.pas_config.ep_size", "1"],
+     None, []),  # every expert on every rank
 ])
 def test_bad_moe_config_is_refused_before_any_worker(overrides, key, says):
     from hf_runs import assert_config_verdict

@@ -141,9 +141,14 @@ def check_experts(hf_config, key: str = "model.args.config") -> Optional[Experts
 
 def _check_ep(args, hf_config, experts: Optional[Experts]) -> None:
     """Under ``pas_policy: ep``: experts present and divisible by the expert-parallel size (the
-    policy's own refusals, said before any worker starts)."""
+    policy's own refusals, said before any worker starts). Under ``cp`` on a mixture-of-experts model:
+    the experts divisible by the devices ``cp`` splits them over (``pas_config['ep_size']``, default a
+    stage's devices)."""
     from nnscaler.policies import resolve_policy
-    if resolve_policy(args.pas_policy).name != "ep":
+    policy = resolve_policy(args.pas_policy).name
+    if policy == "cp" and experts is not None:
+        _check_cp_experts(args, experts)
+    if policy != "ep":
         return
     if experts is None:
         raise TrainerConfigError("pas_policy", f"'ep' splits the experts of mixture-of-experts layers, but the "
@@ -163,6 +168,21 @@ def _check_ep(args, hf_config, experts: Optional[Experts]) -> None:
                                  f"{f' / pp_size {pp}' if pp > 1 else ''}), which does not divide {experts.count}: "
                                  f"use {how} (an expert-parallel size dividing {experts.count}; runtime_ngpus a "
                                  f"multiple of plan_ngpus), or a model whose expert count {ep} divides")
+
+
+def _check_cp_experts(args, experts: Experts) -> None:
+    cc = args.compute_config
+    pas = cc.pas_config or {}
+    pp = pas.get("pp_size", 1)
+    pp = pp if isinstance(pp, int) and pp > 0 else 1
+    ep = pas.get("ep_size", cc.plan_ngpus // pp)
+    if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 and experts.count % ep:
+        fits = [n for n in range(2, ep + 1) if experts.count % n == 0 and (cc.plan_ngpus // pp) % n == 0]
+        raise TrainerConfigError("compute_config.pas_config.ep_size",
+                                 f"is {ep}{'' if 'ep_size' in pas else ' (a stage of plan_ngpus / pp_size devices)'}: "
+                                 f"pas_policy 'cp' splits each layer's {experts.count} experts ({experts.key}) over "
+                                 f"{ep} devices, which does not divide {experts.count}: set pas_config.ep_size to "
+                                 + " or ".join(str(n) for n in fits + [1]) + " (1: every expert on every device)")
 
 
 def cp_size(args) -> int:
