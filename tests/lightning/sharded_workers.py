@@ -175,4 +175,12 @@ def configure_model(rank, world, root):
         model = MetaLlama(hf_dir, meta=True, batch_size=8 * plan)
         _fit(model, _strategy(root, label, plan, policy, **kwargs), root, label)
         out[label] = (global_losses(model.step_losses), full_weights(model), model.built_on, model.llama, None)
+    # activation checkpointing of the decoder layers (issue 43 §1), under dp2
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    model = MetaLlama(hf_dir, meta=True, batch_size=8)
+    label = "llama-dp2-ckpt"
+    _fit(model, _strategy(root, label, activation_checkpointing_policy={LlamaDecoderLayer}), root, label)
+    files = glob.glob(os.path.join(root, "gen", "**", label, "**", "gencode*.py"), recursive=True)
+    out[label] = (global_losses(model.step_losses), full_weights(model), model.built_on, model.llama,
+                  [open(f).read().count("torch.utils.checkpoint.checkpoint(") for f in files])
     return out if rank == 0 else None
