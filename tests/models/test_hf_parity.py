@@ -8,7 +8,8 @@ merged checkpoint) and every loss within 1e-10.
 
 One spawn of 2 worker processes per model runs all its plans (each its own gen_savedir); one
 spawn of 4 runs megatron tp 2 x dp 2 on Llama, without and with use_zero=3, use_zero=3 over dp 4
-with zero_ngroups=2, and pp 2 x dp 2 with use_zero=3. Llama's use_zero=3 plans but pp also read
+with zero_ngroups=2, and pp 2 x dp 2 with use_zero=3 (Llama, and GPT-2 whose tied embedding and
+head both stages hold). Llama's use_zero=3 plans but pp also read
 parameters outside forward every step (between backward and step, and after it: `model_plans.READS`),
 which must change nothing and give the current values. The reference runs with one thread like the
 workers (HF's float32 softmax / RMSNorm round differently per thread split).
@@ -56,7 +57,9 @@ CASES = {
 WORLD4 = [dict(mp.megatron(), model="llama", label="megatron-tp2-dp2"),
           dict(mp.megatron(use_zero=3, reads=True), model="llama", label="megatron-tp2-dp2-zero3"),
           dict(mp.zero3(zero_ngroups=2, reads=True), model="llama", label="dp4-zero3-g2"),
-          dict(mp.pp(use_zero=3), model="llama", label="pp2-dp2-zero3")]
+          dict(mp.pp(use_zero=3), model="llama", label="pp2-dp2-zero3"),
+          # GPT-2's embedding tied to its head, held by both stages: sharded like any other tensor
+          dict(mp.pp(use_zero=3), model="gpt2", label="gpt2-pp2-dp2-zero3")]
 
 # The projections megatron must shard, by the parameter's suffix (per layer).
 MEGATRON_SHARDED = {

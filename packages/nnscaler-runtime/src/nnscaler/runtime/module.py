@@ -49,7 +49,7 @@ from .errors import GenerationError, NnScalerError, PlanMismatchError
 from .full_map import FullMapMixin
 from .gradients import scaled_loss
 from .grid import RankGrid
-from .pipeline_grads import PipelineGradSync
+from .pipeline_grads import PipelineGradSync, zero3_cross_groups
 from .random import RandomStreamsMixin
 from .reducer import Reducer
 from .source_notes import note_source
@@ -147,13 +147,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
                                    async_op=cfg.use_async_reducer)
 
     def _fully_sharded_params(self) -> FullyShardedParams:
-        if self.PIPELINE is not None and self.PIPELINE.shared:  # the same on every rank
-            shared = sorted(self.PIPELINE.shared)
-            raise NnScalerError(f"{type(self).__name__}: ComputeConfig(use_zero=3) does not shard tensors that several "
-                                f"pipeline stages hold ({', '.join(shared[:3])}{', ...' if len(shared) > 3 else ''}: "
-                                f"e.g. an embedding tied to the output head) yet: untie them (e.g. Hugging Face's "
-                                f"tie_word_embeddings=False), keep them in one stage, or use use_zero=True with "
-                                f"this pipelined plan")
+        shared = zero3_cross_groups(self)  # tensors several pipeline stages hold (collective: creates groups)
         cfg = self.compute_config
         params = [(local, self.fullmap[local].full_name, p) for local, p in self.named_parameters()]
         # codegen resolves pas_config['zero3_units'] (classes, globs) into SHARD_UNITS; a module written
@@ -161,7 +155,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         units = self.SHARD_UNITS if self.SHARD_UNITS is not None else cfg.pas_config.get("zero3_units", ())
         if isinstance(units, str):
             units = [u.strip() for u in units.split(",") if u.strip()]
-        return FullyShardedParams(params, make_zero_groups(self.grid, cfg.zero_ngroups), units)
+        return FullyShardedParams(params, make_zero_groups(self.grid, cfg.zero_ngroups), units, shared)
 
     def __getattr__(self, name: str):
         value = super().__getattr__(name)

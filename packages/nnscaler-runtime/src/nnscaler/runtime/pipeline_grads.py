@@ -15,7 +15,33 @@ import torch
 
 from .reducer import Pausable, Reducer, pausable
 
-__all__ = ["PipelineGradSync"]
+__all__ = ["PipelineGradSync", "zero3_cross_groups"]
+
+
+def zero3_cross_groups(module) -> Dict[str, Any]:
+    """use_zero=3: local name -> (holders, group) of each tensor several pipeline devices hold (a tied
+    embedding and head): the group joins this rank with the same data-parallel unit on the other
+    holders, whose shards hold the same elements; their shard gradients are summed at the step
+    (`zero3.FullyShardedParams.sum_shared`). Creates every such group on every rank, in one order
+    (collective)."""
+    meta, grid = module.PIPELINE, module.grid
+    if meta is None or not meta.shared:
+        return {}
+    n, unit = grid.plan_ngpus, grid.rank // grid.plan_ngpus
+    mine = {}
+    for holders in meta.shared_groups:
+        for u in range(grid.dp_size):
+            group = grid.group([u * n + d for d in holders])
+            if grid.plan_device in holders and u == unit:
+                mine[tuple(holders)] = group
+    index = grid.plan_device % meta.tp_size
+    out = {}
+    for local, entry in module.fullmap.items():
+        holders = meta.shared.get(entry.full_name)
+        tensor, _ = module.local_tensor(local)
+        if holders and isinstance(tensor, torch.nn.Parameter):
+            out[local] = (tuple(holders[index]), mine[tuple(holders[index])])
+    return out
 
 
 class PipelineGradSync(Pausable):
@@ -25,8 +51,9 @@ class PipelineGradSync(Pausable):
         self.module = module
         self.reducers: List[Reducer] = []  # pipeline devices holding one tensor: sum their grads
         self._synced = False
+        sharded = module.compute_config.zero_stage == 3  # use_zero=3 sums them itself (zero3_cross_groups)
         for group, params in self._shared_param_groups().items():
-            if params and training:
+            if params and training and not sharded:
                 self.reducers.append(Reducer(params, group=group, bucket_cap_mb=bucket_cap_mb,
                                              divisor=module.grid.dp_size))
         pausable(self)

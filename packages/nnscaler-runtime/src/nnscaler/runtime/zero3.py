@@ -95,6 +95,7 @@ class ShardUnit:
         self.views: Optional[Dict[str, torch.Tensor]] = None  # name -> gathered tensor (forward)
         self.pending: Optional[torch.Tensor] = None  # the send buffer summed under no_sync
         self.used: Optional[torch.Tensor] = None  # per tensor: a rank gave it a gradient this step (on the device)
+        self.cross: Optional[Tuple[tuple, object]] = None  # several pipeline stages hold it: (holders, group)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,17 +155,26 @@ class FullyShardedParams(Pausable):
     next synchronising backward (or `finish_grads`) reduce-scatters the sum."""
 
     def __init__(self, params: Sequence[Tuple[str, str, torch.nn.Parameter]], groups: ZeroGroups,
-                 unit_modules: Sequence[str] = ()):
-        """`params`: (local name, full name, parameter) in registration order."""
+                 unit_modules: Sequence[str] = (), shared: Optional[Dict[str, Tuple[tuple, object]]] = None):
+        """`params`: (local name, full name, parameter) in registration order. `shared`: local name ->
+        (holders, group) of tensors several pipeline stages hold (`pipeline_grads.zero3_cross_groups`):
+        they form root units of their own, the same on every holder (by full name), whose shard
+        gradients are summed over the holders at the step (`zero3_shared`)."""
         self.groups = groups
+        shared = shared or {}
         names = unit_names([full for _, full, _ in params], unit_modules)
+        params = sorted(params, key=lambda x: (x[0] in shared, x[1] if x[0] in shared else ""))  # stable
         # a unit's frozen tensors are a unit of their own: no gradient, no reduce-scatter, no optimizer state
-        by_key: Dict[Tuple[str, torch.dtype, bool], Tuple[List[str], List[torch.nn.Parameter]]] = {}
+        by_key: Dict[tuple, Tuple[List[str], List[torch.nn.Parameter]]] = {}
         for local, full, p in params:
-            locals_, ps = by_key.setdefault((names[full], p.dtype, p.requires_grad), ([], []))
+            key = (names[full], p.dtype, p.requires_grad) if local not in shared else (
+                ROOT_UNIT, p.dtype, p.requires_grad, shared[local][0])
+            locals_, ps = by_key.setdefault(key, ([], []))
             locals_.append(local)
             ps.append(p)
-        self.units = [ShardUnit(unit, ls, ps, groups.size) for (unit, _, _), (ls, ps) in by_key.items()]
+        self.units = [ShardUnit(key[0], ls, ps, groups.size) for key, (ls, ps) in by_key.items()]
+        for u in self.units:
+            u.cross = shared.get(u.local_names[0])  # (holders, group) of a unit several stages hold
         self.unit_of: Dict[str, ShardUnit] = {n: u for u in self.units for n in u.local_names}
         self.stats = Zero3Stats()
         self.sharded = False

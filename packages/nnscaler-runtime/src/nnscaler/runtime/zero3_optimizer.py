@@ -18,6 +18,7 @@ import torch
 from .errors import ConfigError
 from .zero import ZeroStats, held_order, owned_ranges
 from .zero3 import FullyShardedParams, ShardUnit
+from .zero3_shared import sum_shared
 from nnscaler.ir.contracts import LAYOUT_VERSION, FullMapEntry, ZeroBucket, ZeroPiece, ZeroShardLayout
 
 __all__ = ["FullyShardedOptimizerState"]
@@ -111,6 +112,7 @@ class FullyShardedOptimizerState:
         used = {}
         for engine in self.engines:
             engine.finish_grads()
+            sum_shared(engine)  # tensors several pipeline stages hold: their gradients summed over the holders
             used.update(engine.used_flags())
         for piece in self.pieces:
             grad = piece.unit.shard.grad
