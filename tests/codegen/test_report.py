@@ -253,6 +253,7 @@ def _measure_cp(rank, world, gen_dir):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cp_collectives_equal_what_a_real_run_measures(tmp_path):
     """cp on attention + experts: the report's collectives (the adapters', ring attention's all-to-alls, the
     experts' dispatch and combine) are those the run counts; ring_send (isend, not counted) apart."""
