@@ -7,6 +7,7 @@ nnscaler checkpoint into dp, tp, ZeRO-1, ZeRO-3, cp (ring attention) and pp (1f1
 (1e-10)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -19,6 +20,7 @@ import nnscaler.ckpt as ckpt
 from nnscaler import ComputeConfig, parallelize
 from nnscaler.ckpt import CheckpointError
 from nnscaler.ckpt.hf_load import is_hf_directory, match_prefix
+from nnscaler.ckpt.module_tensors import local_tensors
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
 import hf_models  # noqa: E402
@@ -114,6 +116,23 @@ PLANS = [("dp", "dp", 1, {}), ("tp", "tp", 2, {}), ("zero3", "dp", 1, {"use_zero
                                                              "pipeline_scheduler": "1f1b"}})]
 
 
+@contextlib.contextmanager
+def _counting_reads():
+    """[elements read from checkpoint files] while inside (every read goes through Sources.read_key)."""
+    from nnscaler.ckpt.sources import Sources
+    count, original = [0], Sources.read_key
+
+    def counted(self, file, key, region=None):
+        out = original(self, file, key, region)
+        count[0] += out.numel()
+        return out
+    Sources.read_key = counted
+    try:
+        yield count
+    finally:
+        Sources.read_key = original
+
+
 def _meta_plans(rank, world, hf_dir, root):
     """Every plan from each source: (losses, this rank's parameter pieces) by "<plan>-<source>"."""
     import torch.distributed as dist
@@ -132,7 +151,12 @@ def _meta_plans(rank, world, hf_dir, root):
                 fs = pm.fully_sharded
                 assert fs.sharded and all(p.numel() == 0 and not p.is_meta for p in pm.parameters())
                 assert sum(u.shard.numel() for u in fs.units) <= sum(u.padded for u in fs.units) // world
-            assert ckpt.load(hf_dir if source == "hf" else ckpt_dir, pm) is None
+            with _counting_reads() as read:
+                assert ckpt.load(hf_dir if source == "hf" else ckpt_dir, pm) is None
+            held = sum(t.numel() for lt in local_tensors(pm) if lt.persistent for _, t in lt.pieces())
+            if source == "hf":  # only the regions this rank holds are read, a fraction under tp, ZeRO-3, pp
+                assert read[0] <= held, (label, read[0], held)
+                assert (held < sum(p.numel() for p in model.parameters())) == (label in ("tp", "zero3", "pp")), label
             if label == "dp" and source == "hf":  # the nnscaler checkpoint the other plans load
                 ckpt.save(ckpt_dir, pm)
             opt = build_optimizer(pm, torch.optim.Adam, lr=mp.LR)
