@@ -69,20 +69,38 @@ def _pad_at(pad, step):
     return pad[step] if isinstance(pad, (list, tuple)) else pad
 
 
-def reference(name, train=True, pad=False, dtype=torch.float64, halves=False):
-    """Single-process Adam training on the global batch: (losses, parameters). With `halves`, each
-    step's gradient is accumulated over the two halves of the batch (each loss / 2) instead."""
+BIAS = "e_score_correction_bias"  # DeepSeek-V3's router bias: compared as the parameters are
+
+
+def reference(name, train=True, pad=False, dtype=torch.float64, halves=False, balance=None):
+    """Single-process Adam training on the global batch: (losses, parameters and router biases).
+    With `halves`, each step's gradient is accumulated over the two halves of the batch (each loss /
+    2) instead. With `balance` (a coefficient), DeepSeek-V3's auxiliary-loss-free balancing written
+    out here: after each step every router's bias += balance * sign(mean load - load), the load
+    being the step's tokens per expert (counted from the router's top-k)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: float32 islands (HF softmax / RMSNorm) round per thread split
     try:
-        return _reference(name, train, pad, dtype, halves)
+        return _reference(name, train, pad, dtype, halves, balance)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(name, train, pad, dtype, halves):
+def _count_routes(model, loads):
+    """Forward hooks adding each router's top-k counts of a forward into `loads` (router -> counts)."""
+    def hook(router, _inputs, out):
+        loads[router] = loads.get(router, 0) + torch.bincount(out[2].reshape(-1), minlength=router.num_experts).double()
+    for module in model.modules():
+        if hasattr(module, BIAS):
+            module.register_forward_hook(hook)
+
+
+def _reference(name, train, pad, dtype, halves, balance):
     model = hf_models.make(name, dtype, train)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
+    loads = {}
+    if balance is not None:
+        _count_routes(model, loads)
     losses = []
     for step in range(STEPS):
         batch = hf_models.batch(name, step, GLOBAL_BATCH, dtype, _pad_at(pad, step))
@@ -97,8 +115,14 @@ def _reference(name, train, pad, dtype, halves):
             loss = model(**batch)
             loss.backward()
         opt.step()
+        with torch.no_grad():
+            for router, load in loads.items():
+                getattr(router, BIAS).add_(balance * torch.sign(load.mean() - load))
+        loads.clear()
         losses.append(float(loss.detach()) if torch.is_tensor(loss) else loss)
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = dict(model.named_parameters())
+    state.update((k, v) for k, v in model.named_buffers() if k.endswith(BIAS))
+    return losses, {k: v.detach().clone() for k, v in state.items()}
 
 
 def train_plan(rank, world, name, case, gen_root):
@@ -119,6 +143,9 @@ def train_plan(rank, world, name, case, gen_root):
                      instance_name=f"{name}_{case['label']}".replace("-", "_"))
     pm.train(case["train"])
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
+    if case.get("balance") is not None:  # DeepSeek-V3's auxiliary-loss-free balancing
+        from nnscaler.runtime.moe import balance_experts
+        assert balance_experts(pm, case["balance"]), "no router bias to balance"
     losses, reads = [], case.get("reads") and READS[name]
     for step in range(STEPS):
         full = hf_models.batch(name, step, GLOBAL_BATCH, pad=_pad_at(case["pad"], step))
@@ -152,7 +179,8 @@ def train_plan(rank, world, name, case, gen_root):
         return losses, _merged_weights(pm, opt, os.path.join(gen_root, case["label"], "ckpt")), read
     with pm.unsharded():  # whole local tensors (use_zero=3 gathers them)
         shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
-                  for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
+                  for local, e in pm.fullmap.items()
+                  if isinstance(getattr(pm, local), torch.nn.Parameter) or e.full_name.endswith(BIAS)]
     return losses, shards
 
 
@@ -175,6 +203,10 @@ def _merged_weights(pm, opt, path):
         assert stored, f"{name} is not in the merged checkpoint"
         v = weights[stored[0]]
         out.append((name, tuple(v.shape), tuple((0, d) for d in v.shape), v))
+    for local, _ in pm.named_buffers():  # router biases that balancing moves (DeepSeek-V3): checkpointed too
+        if local in pm.fullmap and pm.fullmap[local].full_name.endswith(BIAS):
+            v = weights[pm.fullmap[local].full_name]
+            out.append((pm.fullmap[local].full_name, tuple(v.shape), tuple((0, d) for d in v.shape), v))
     return out
 
 

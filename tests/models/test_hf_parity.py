@@ -83,9 +83,9 @@ def _check(results, cases, halves_for=()):
     for case in cases:
         label, tol = case["label"], case.get("tol", TOL)
         pad, halves = case["pad"], case["label"] in halves_for
-        key = (case["model"], case["train"], tuple(pad) if isinstance(pad, list) else pad, halves)
+        key = (case["model"], case["train"], tuple(pad) if isinstance(pad, list) else pad, halves, case.get("balance"))
         if key not in refs:
-            refs[key] = mp.reference(case["model"], train=case["train"], pad=pad, halves=halves)
+            refs[key] = mp.reference(case["model"], train=case["train"], pad=pad, halves=halves, balance=case.get("balance"))
         ref_losses, ref_params = refs[key]
         losses = results[0][label][0]
         for step, (got, want) in enumerate(zip(losses, ref_losses)):

@@ -28,13 +28,16 @@ from launch import run_workers
 from test_hf_parity import _check
 
 FP32_TOL = 1e-5  # tp splits the router's float32 softmax (HF computes it in float32)
+BALANCE = 0.01  # DeepSeek-V3's auxiliary-loss-free balancing: the router bias step
 
 EP2 = [dict(mp.plan("ep2", "ep", 2), model="mixtral"), dict(mp.plan("ep2", "ep", 2), model="qwen2_moe", label="q-ep2"),
        dict(mp.tp(), model="mixtral", label="m-tp", tol=FP32_TOL), dict(mp.dp(), model="qwen2_moe", label="q-dp"),
        dict(mp.plan("ep2-attn-tp", "ep", 2, pas_config={"tp_modules": ["*.self_attn"]}), model="mixtral"),
-       dict(mp.plan("d-ep2", "ep", 2), model="deepseek_v3"), dict(mp.plan("g-ep2", "ep", 2), model="gpt_oss")]
+       dict(mp.plan("d-ep2", "ep", 2), model="deepseek_v3"), dict(mp.plan("g-ep2", "ep", 2), model="gpt_oss"),
+       dict(mp.plan("d-ep2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE)]
 EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
            dict(mp.plan("d-ep4", "ep", 4), model="deepseek_v3"), dict(mp.plan("g-ep4", "ep", 4), model="gpt_oss"),
+           dict(mp.plan("d-ep2-dp2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE),
            dict(mp.plan("ep2-dp2-zero3", "ep", 2, use_zero=3), model="qwen2_moe"),
            dict(mp.plan("pp2-ep2", "ep", 4, use_end2end=True,
                         pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}), model="mixtral")]
@@ -65,7 +68,7 @@ def test_moe_ep2(tmp_path):
 def test_moe_ep2_dp2(tmp_path):
     results = run_workers(mp.run_plans, 4, EP2_DP2, str(tmp_path / "gen"), timeout=400)
     # per replica (dp) or per micro-batch (the pipeline): the load-balancing loss of each half batch
-    _check(results, EP2_DP2, halves_for=("ep2-dp2", "ep2-dp2-zero3", "pp2-ep2"))
+    _check(results, EP2_DP2, halves_for=("ep2-dp2", "ep2-dp2-zero3", "pp2-ep2", "d-ep2-dp2-balanced"))
     for label, n in (("ep2-dp2", 2), ("pp2-ep2", 2), ("d-ep4", 4), ("g-ep4", 4)):  # rank 0's share of every expert weight
         shapes = _expert_shapes(results, label)
         assert shapes and all(local[0] * n == full[0] for full, local in shapes.values()), (label, shapes)

@@ -155,3 +155,12 @@ def test_expert_load_counts_training_forwards_once(world1):
     checkpoint(run, hidden.requires_grad_(True), use_reentrant=False).sum().backward()
     assert moe.expert_load().per_layer["moe"].tolist() == want and up.grad is not None
     moe.expert_load().reset()
+
+
+def test_balance_experts_refuses_bad_input():
+    from nnscaler.runtime.moe import balance_experts
+    for bad in (-0.1, "0.001", True, None):
+        with pytest.raises(ValueError, match=r"load_balance_coeff must be a number >= 0 .* got"):
+            balance_experts(torch.nn.Linear(2, 2), bad)
+    with pytest.raises(TypeError, match=r"Linear is not a ParallelModule: call it on what parallelize returned"):
+        balance_experts(torch.nn.Linear(2, 2), 1e-3)

@@ -213,3 +213,22 @@ def test_capacity_factor_option_gives_the_experts_a_capacity():
     dense = {k: v for k, v in MIXTRAL.items() if "expert" not in k} | {"model_type": "llama"}
     with pytest.raises(TrainerConfigError, match=r"model\.args\.capacity_factor.*LlamaForCausalLM has no experts"):
         CausalLM(dense, capacity_factor=1.0)
+
+
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+               "moe_intermediate_size": 24, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+               "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+               "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 16}
+
+
+def test_load_balance_coeff_option_is_checked():
+    from nnscaler.trainer.errors import TrainerConfigError
+    from nnscaler.trainer.hf import CausalLM
+    assert CausalLM(DEEPSEEK_V3, load_balance_coeff=1e-3).load_balance_coeff == 1e-3
+    assert CausalLM(DEEPSEEK_V3).load_balance_coeff is None  # off by default
+    for bad in (-1, "0.001", True):
+        with pytest.raises(TrainerConfigError, match=r"model\.args\.load_balance_coeff.*not a number >= 0"):
+            CausalLM(DEEPSEEK_V3, load_balance_coeff=bad)
+    with pytest.raises(TrainerConfigError, match=r"load_balance_coeff.*MixtralForCausalLM has no router bias"):
+        CausalLM(MIXTRAL, load_balance_coeff=1e-3)

@@ -19,15 +19,20 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from nnscaler.ir import (ExpertMLP, combine_experts as combine, drop_over_capacity, expert_capacity, expert_mlp,
                          experts_dispatch_order as dispatch_order, kept_counts, slot_counts, with_dropped)
 
 from .comm.exchange import exchange_rows
 from .comm.flat import all_gather_flat
+from . import failures
 from .comm.primitives import CommError, as_ranks, resolve
 
-__all__ = ["expert_parallel", "ExpertLoad", "expert_load"]
+__all__ = ["expert_parallel", "ExpertLoad", "expert_load", "balance_experts", "BIAS_NAME"]
+
+BIAS_NAME = "e_score_correction_bias"  # DeepSeek-V3's router bias, moved by `balance_experts`
+_BALANCE = "_nnscaler_load_balance_coeff"
 
 
 @dataclass
@@ -156,3 +161,60 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     y = y.index_select(0, torch.argsort(regroup))
     back = exchange_rows(y, recv, send, rs)
     return combine(with_dropped(back, tokens * k), order, top_k_weights, hidden.dtype)
+
+
+# -- auxiliary-loss-free load balancing (DeepSeek-V3) --------------------------------------------
+
+def balance_experts(module, load_balance_coeff: float) -> List[str]:
+    """DeepSeek-V3's auxiliary-loss-free load balancing for the ParallelModule `module`: after every
+    step of its optimizer (`build_optimizer`'s), each MoE layer's router bias (a buffer named
+    `BIAS_NAME` in a module beside the layer's experts module) moves by `load_balance_coeff` with the
+    sign rule, ``bias += coeff * sign(mean load - load)`` per expert, from the step's load: the tokens
+    each expert received over the whole global batch (summed over the step's micro-batches and the
+    data-parallel replicas: every rank computes the same update). Needs the experts split by ``ep``
+    (`expert_parallel` records the load). Returns the biases' full names. The biases are buffers of
+    the model: checkpoints hold them."""
+    from .module import ParallelModule
+    if isinstance(load_balance_coeff, bool) or not isinstance(load_balance_coeff, (int, float)) \
+            or not load_balance_coeff >= 0:
+        raise ValueError(f"balance_experts: load_balance_coeff must be a number >= 0 (the bias step per "
+                         f"optimizer step, e.g. 1e-3), got {load_balance_coeff!r}")
+    if not isinstance(module, ParallelModule):
+        raise TypeError(f"balance_experts: {type(module).__name__} is not a ParallelModule: call it on what "
+                        f"parallelize returned")
+    names = [e.full_name for e in module.fullmap.values() if e.full_name.endswith("." + BIAS_NAME)]
+    setattr(module, _BALANCE, float(load_balance_coeff))
+    return names
+
+
+def after_optimizer_step(root: torch.nn.Module) -> None:
+    """What an optimizer step over `root` does to the experts: the biases of `balance_experts`
+    (collective over each module's gradient-sync group), then the end of the load record's step."""
+    for pm in [m for m in root.modules() if getattr(m, _BALANCE, None) is not None]:
+        _move_biases(pm, getattr(pm, _BALANCE))
+    _LOAD.end_step()
+
+
+def _move_biases(pm, coeff: float) -> None:
+    targets = []
+    for local, entry in pm.fullmap.items():
+        if not entry.full_name.endswith("." + BIAS_NAME):
+            continue
+        block = entry.full_name[:-len(BIAS_NAME) - 1].rsplit(".", 1)[0]
+        keys = [k for k in _LOAD.per_layer if k.rsplit(".", 1)[0] == block]
+        if len(keys) != 1:
+            raise CommError(f"balance_experts: {entry.full_name} has no expert-parallel load recorded in this step "
+                            f"(layers recorded: {sorted(_LOAD.per_layer) or 'none'}): auxiliary-loss-free balancing "
+                            f"reads the load that expert parallelism records; train with pas_policy 'ep'")
+        targets.append((getattr(pm, local), _LOAD.per_layer[keys[0]]))
+    if not targets:
+        return
+    loads = torch.stack([load for _, load in targets])
+    grid = pm.grid
+    if len(grid.sync_ranks) > 1:  # every unit's load: the global batch's
+        loads = loads.to(targets[0][0].device)
+        failures.run(dist.all_reduce, loads, group=grid.sync_group, what="the expert-load all-reduce")
+    with torch.no_grad():
+        for (bias, _), load in zip(targets, loads):
+            load = load.to(bias.device, torch.float64)
+            bias.add_((coeff * torch.sign(load.mean() - load)).to(bias.dtype))

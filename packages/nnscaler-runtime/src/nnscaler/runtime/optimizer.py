@@ -39,7 +39,7 @@ from nnscaler.ir.contracts import FullMapEntry, OptimizerAttrs
 
 from .class_mixin import mix_into
 from .module import ParallelModule
-from .moe import expert_load
+from .moe import after_optimizer_step
 from .reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from .zero import ZeroEngine, ZeroParam, ZeroShardLayout, make_zero_groups
 from .zero3_optimizer import FullyShardedOptimizerState
@@ -62,8 +62,9 @@ class NnScalerOptimizerMixin(OptimizerAttrs):
 
     def step(self, closure=None):
         """The optimizer's step; under ZeRO it first sets the shard gradients (if not done yet in
-        this step) and afterwards all-gathers the updated parameters (collective). Ends the step of
-        the experts' load record (`nnscaler.runtime.moe.expert_load`)."""
+        this step) and afterwards all-gathers the updated parameters (collective). Then moves the
+        experts' balancing biases (`nnscaler.runtime.moe.balance_experts`) and ends the step of their load
+        record (`nnscaler.runtime.moe.expert_load`)."""
         zero = _zero(self)
         if zero is None:
             loss = super().step(closure)
@@ -75,7 +76,9 @@ class NnScalerOptimizerMixin(OptimizerAttrs):
             zero.sync_grads()
             super().step()
             zero.gather_params(self)
-        expert_load().end_step()
+        state = optimizer_state(self)
+        if state is not None:  # experts: the balancing biases, the end of the load record's step
+            after_optimizer_step(state.module)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -17,7 +17,19 @@ import torch.distributed as dist
 
 from .metrics import MoEMetrics
 
-__all__ = ["MoEModel", "MoEMeter"]
+__all__ = ["MoEModel", "MoEMeter", "balance_if_asked"]
+
+
+def balance_if_asked(original: torch.nn.Module, model: torch.nn.Module) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing of every ParallelModule of `model` when the
+    user's model asks for it (``load_balance_coeff``, e.g. `nnscaler.trainer.hf.CausalLM`'s)."""
+    coeff = getattr(original, "load_balance_coeff", None)
+    if coeff is None:
+        return
+    from nnscaler.runtime import ParallelModule
+    from nnscaler.runtime.moe import balance_experts
+    for pm in [m for m in model.modules() if isinstance(m, ParallelModule)]:
+        balance_experts(pm, coeff)
 
 
 class MoEModel:

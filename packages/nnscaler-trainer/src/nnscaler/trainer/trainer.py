@@ -32,7 +32,7 @@ from .hooks import HookChain, TrainHook
 from .loggers.console import ConsoleReporter
 from .meta_build import MetaBuilt, builds_on_meta, meta_scope
 from .metrics import TrainStepMetrics, ValMetrics
-from .moe import MoEMeter
+from .moe import MoEMeter, balance_if_asked
 from .preemption import PreemptionWatch
 from .prechecks import check_paths
 from .state import TrainState
@@ -146,6 +146,7 @@ class Trainer:
             self.model = self.precision.setup_module(self.model)
         self.model.train()
         self._moe = MoEMeter.for_run(args, original)
+        balance_if_asked(original, self.model)  # DeepSeek-V3's router biases, moved after each step
         self.optimizer = build.build_trainer_optimizer(args, self.model, self.precision)
         self.lr_scheduler = build.build_lr_scheduler(args, self.optimizer)
         if args.optimizer.aggregate_outputs_fn:

@@ -288,6 +288,21 @@ def _set_capacity_factor(model, capacity_factor) -> None:
                                       f"mixture-of-experts models only; remove capacity_factor")
 
 
+def _balance_coeff(model, coeff) -> Optional[float]:
+    if coeff is None:
+        return None
+    key = "model.args.load_balance_coeff"
+    if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not coeff >= 0:
+        raise TrainerConfigError(key, f"{coeff!r} is not a number >= 0: the step each router bias moves by after "
+                                      f"every optimizer step (e.g. 0.001); leave it out (null) for no balancing")
+    from nnscaler.runtime.moe import BIAS_NAME
+    if not any(name.endswith("." + BIAS_NAME) for name, _ in model.named_buffers()):
+        raise TrainerConfigError(key, f"{type(model).__name__} has no router bias ({BIAS_NAME}, DeepSeek-V3's) to "
+                                      f"balance: auxiliary-loss-free balancing applies to such models only; remove "
+                                      f"load_balance_coeff")
+    return float(coeff)
+
+
 def _read_generation_config(config: Union[str, Mapping[str, Any]],
                             from_pretrained: Optional[str]) -> Optional[str]:
     """generation_config.json of the weights' directory, else of the config's; None if neither has one."""
@@ -317,11 +332,15 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
     OLMoE, gpt-oss, ...) returns ``(loss, aux_loss)``: `aux_loss_output` is 1 (see the module
     docstring); `experts` is its `Experts` (None for a dense model). `capacity_factor` (off by
     default: dropless) makes its experts drop the token slots beyond ceil(capacity_factor x tokens x
-    top-k / experts) per expert and forward call (GShard / Switch; docs/moe.md)."""
+    top-k / experts) per expert and forward call (GShard / Switch; docs/moe.md).
+    `load_balance_coeff` (DeepSeek-V3's auxiliary-loss-free balancing; off by default): after each
+    step every router's ``e_score_correction_bias`` moves by it toward balance
+    (`nnscaler.runtime.moe.balance_experts`; needs ``pas_policy: ep``)."""
 
     def __init__(self, config: Union[str, Mapping[str, Any]], from_pretrained: Optional[str] = None,
                  dtype: str = "float32", attn_implementation: Optional[str] = None, tokenizer: Optional[str] = None,
-                 pretrained: Optional[str] = None, capacity_factor: Optional[float] = None):
+                 pretrained: Optional[str] = None, capacity_factor: Optional[float] = None,
+                 load_balance_coeff: Optional[float] = None):
         super().__init__()
         transformers = import_transformers("model.type")
         if dtype not in _DTYPES:
@@ -366,6 +385,7 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
         self.aux_loss_output = 1 if self.experts is not None and _routes_aux_loss(type(self.model), hf_config) else None
         if capacity_factor is not None:
             _set_capacity_factor(self.model, capacity_factor)
+        self.load_balance_coeff = _balance_coeff(self.model, load_balance_coeff)
 
     @classmethod
     def builds_on_meta(cls, args) -> bool:
