@@ -176,7 +176,8 @@ def train_plan(rank, world, name, case, gen_root):
         assert pm.fully_sharded is not None and all(p.numel() == 0 for p in pm.parameters()), case["label"]
         assert pm.fully_sharded.stats.reduce_scatters > 0 and pm.fully_sharded.groups.size == dp_size // cfg.zero_ngroups
         read = {n: _read(pm, n).detach().clone() for n in reads[1]} if reads else {}
-        return losses, _merged_weights(pm, opt, os.path.join(gen_root, case["label"], "ckpt")), read
+        stats = dict(vars(pm.fully_sharded.stats))  # what was gathered when (Zero3Stats)
+        return losses, _merged_weights(pm, opt, os.path.join(gen_root, case["label"], "ckpt")), read, stats
     with pm.unsharded():  # whole local tensors (use_zero=3 gathers them)
         shards = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
                   for local, e in pm.fullmap.items()

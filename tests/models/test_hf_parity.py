@@ -48,6 +48,7 @@ CASES = {
              dict(mp.megatron(pas_config={"row": ["*.attn.c_attn", "*.attn.c_proj", "*.mlp.c_proj"]}),
                   label="megatron-row-c_attn")],
     "llama": [mp.dp(), mp.megatron(), mp.zero(), mp.zero3(reads=True), mp.pp(), dict(mp.tp(), tol=FP32_TOL),
+              dict(mp.zero3(reads=True, pas_config={"recompute_modules": "LlamaDecoderLayer"}), label="dp-zero3-recompute"),
               dict(mp.tp(), model="llama64", label="tp-llama64")],
     "bert": [mp.dp(), mp.tp(), mp.megatron(), mp.zero(), mp.pp()],
     "resnet": [mp.dp(train=False), mp.zero(train=False), mp.tp(), mp.tp(train=False), mp.pp(train=False),
@@ -144,6 +145,11 @@ def test_hf_model_parity(model, tmp_path):
         # Megatron's minimum: per block one all-reduce after attention, one after the MLP
         forward = [(c["kind"], c["calls"]) for c in _report(gen_root, "megatron")["forward"] if c["calls"]]
         assert forward == [("all_reduce", 2 * 2)], forward
+    if model == "llama":  # use_zero=3 with every decoder layer recomputed: the gathers stay bounded (Zero3Stats)
+        for r in results:
+            stats = r["dp-zero3-recompute"][3]
+            assert stats["max_gathered_blocks"] <= 2 and stats["dropped"] == 0, stats  # prefetch: the block next
+            assert stats["backward_gathers"] > 0 and stats["reads"] > 0, stats
     if model == "gpt2":
         assert {n for n in _sharded(results, "megatron-row-c_attn") if "c_attn" in n} == {
             f"model.transformer.h.{i}.attn.c_attn.weight" for i in range(2)}
