@@ -15,7 +15,10 @@ exchange (E integers) not counted as the runtime does not count it; the sequence
 all-reduce of its sum and denominator; ring attention with causal balance four all-to-alls forward (q, k, v
 to the balanced order, the output back) and five backward (their duals, and the output reordered
 again for the backward), and ``ring_send``: n - 1 steps sending a K and a V block forward, K, V
-and their float32-accumulated gradients backward, plus the last gradients sent home.
+and their float32-accumulated gradients backward, plus the last gradients sent home. With an
+attention mask instead of ``is_causal`` the runtime decides at run time whether the mask's rows are
+causal-like and balances them then (the same all-to-alls, and the mask's intervals): the report
+counts the unbalanced ring for it.
 """
 from __future__ import annotations
 
