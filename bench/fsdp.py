@@ -67,7 +67,17 @@ the last inside `model.no_sync()`: each unit's full gradients kept and summed, o
 step) and `each` (every micro-batch reduce-scatters into the shard gradients): their peak RSS, step
 time and reduce-scatters a step.
 
-`--parts time memory budget accum` picks the parts (default all four). Writes bench/results/fsdp.json.
+**5. Checkpoints** (`--parts ckpt`, `_fsdp_ckpt.py`): the RSS a `use_zero=3` rank adds while it
+saves, loads and async-saves the shards as held, against the rank's shard (the bytes of its rank
+file) and the writer's buffer, and the same save and load inside `unsharded()` (each rank holding
+its whole local model) in the same run. Target: added <= 1.1 x shard + writer's buffer.
+
+**6. Frozen parameters** (`--parts frozen`): `use_zero=3` and ZeRO-1 measured as in part 2 with
+every parameter trainable and with the first `--frozen-blocks` (half the layers) blocks frozen
+(``requires_grad_(False)``, as in partial fine-tuning): the memory the frozen tensors' missing
+gradients and Adam state save, in the same run.
+
+`--parts time memory budget accum ckpt frozen` picks the parts (default all six). Writes bench/results/fsdp.json.
 """
 from __future__ import annotations
 
@@ -83,6 +93,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+import _fsdp_ckpt  # noqa: E402
 import _rss  # noqa: E402
 from _common import MIB, fmt_mib  # noqa: E402
 
@@ -121,6 +132,8 @@ def _build(case: str, a: dict, world: int, gen_dir: str, example: dict):
     torch.manual_seed(0)
     base = GPT(_gpt_cfg(a))
     n_params = sum(p.numel() for p in base.parameters())
+    for block in base.h[:a.get("frozen_blocks", 0)]:  # part 6
+        block.requires_grad_(False)
     if case == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         kw = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
@@ -263,6 +276,17 @@ def memory_case(rank: int, case: str, a: dict, gen_dir: str, budget: int = 0) ->
             "over_budget_at_step": m.over_budget_at_step, "reduce_scatters": _reduce_scatters(model_stats)}
 
 
+def ckpt_case(rank: int, a: dict, gen_dir: str, out_dir: str) -> dict:
+    """Part 5: build `use_zero=3`, one step (Adam's state then exists), then `_fsdp_ckpt.measure`."""
+    world = dist.get_world_size()
+    _rss.baselines(_tiny_step, WARM_UP_COLLECTIVES)
+    batches = _batches(a, rank, world, 1)
+    model, opt, n_params = _build("zero3", a, world, gen_dir, batches[0])
+    _step(model, opt, batches[0])
+    opt.zero_grad()
+    return {"params": n_params, **_fsdp_ckpt.measure(model, opt, out_dir)}
+
+
 # -- driver ---------------------------------------------------------------------------------------
 
 def _spawn(fn, fn_args: tuple, a: dict, tmp: str, name: str, malloc_env: bool):
@@ -285,9 +309,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--lr", type=float, default=1e-3)
     _rss.add_protocol_args(p, warmup=1, rounds=5, block=1)
-    p.add_argument("--parts", nargs="*", default=["time", "memory", "budget", "accum"],
-                   choices=["time", "memory", "budget", "accum"],
-                   help="which parts to run (1: time, 2: memory, 3: budget, 4: accum)")
+    p.add_argument("--parts", nargs="*", default=["time", "memory", "budget", "accum", "ckpt", "frozen"],
+                   choices=["time", "memory", "budget", "accum", "ckpt", "frozen"],
+                   help="which parts to run (1: time, 2: memory, 3: budget, 4: accum, 5: ckpt, 6: frozen)")
+    p.add_argument("--frozen-blocks", type=int, default=None, help="part 6: blocks frozen (default: half)")
     p.add_argument("--accum-micros", type=int, default=4, help="part 4: micro-batches a step")
     p.add_argument("--budget-cases", nargs="*", default=["ddp", "zero1", "zero3"], choices=CASES)
     p.add_argument("--budget-mib", type=float, default=1100)
@@ -299,7 +324,7 @@ def main() -> None:
                                   "mem_steps": 1, "demo_layers": 2, "demo_embd": 64, "budget_steps": 1,
                                   "accum_micros": 2,
                                   # every code path once, in few process launches (the test suite's time)
-                                  "cases": ["ddp", "fsdp2", "zero3"], "parts": ["time", "budget", "accum"],
+                                  "cases": ["ddp", "fsdp2", "zero3"], "parts": ["time", "budget", "accum", "ckpt", "frozen"],
                                   "budget_cases": ["zero3"]},
                               "fsdp.json")
     t_start = time.perf_counter()
@@ -342,6 +367,21 @@ def main() -> None:
             print(f"part 4 (accumulation, {mode}) zero3: peak RSS {fmt_mib(accum_runs[mode]['peak_rss'])} MiB "
                   f"({s:.1f} s)", flush=True)
 
+        ckpt_run = None
+        if "ckpt" in args.parts:
+            ranks, s = _spawn(ckpt_case, (a, gen, os.path.join(tmp, "ckpt")), a, tmp, "ckpt", not args.no_malloc_env)
+            ckpt_run = _fsdp_ckpt.summary(ranks)
+            print(f"part 5 (checkpoints) zero3: ({s:.1f} s)", flush=True)
+        frozen_runs = {}
+        n_frozen = args.layers // 2 if args.frozen_blocks is None else args.frozen_blocks
+        for c in (("zero3", "zero1") if "frozen" in args.parts else ()):
+            for k in (0, n_frozen):
+                fa = dict(a, frozen_blocks=k, tag=f"frozen{k}")
+                ranks, s = _spawn(memory_case, (c, fa, gen), fa, tmp, f"frozen_{c}_{k}", not args.no_malloc_env)
+                frozen_runs[f"{c} frozen {k}"] = dict(_mem_summary(c, ranks, s), frozen_blocks=k)
+                print(f"part 6 (frozen) {c}, {k} blocks frozen: peak RSS "
+                      f"{fmt_mib(frozen_runs[f'{c} frozen {k}']['peak_rss'])} MiB ({s:.1f} s)", flush=True)
+
     # -- report ------------------------------------------------------------------------------------
     r0 = timing[0] if timing else None
     step = {c: statistics.median(r0["step_s"][c]) for c in cases} if r0 else {}
@@ -383,7 +423,7 @@ def main() -> None:
         row += [f"{checks[c]['losses'][-1]:.6f}" if checks[c]["losses"] else "-",
                 "-" if checks[c]["max_rel_diff"] is None else f"{checks[c]['max_rel_diff']:.1e}"]
         rows.append(row)
-    if rows:
+    if rows and (mem or r0):
         head = ["case"]
         if mem:
             head += ["cold baseline MiB", "baseline", "build peak", "held tensors", "steady RSS", "transient",
@@ -443,6 +483,25 @@ def main() -> None:
             [[m, fmt_mib(r["steady_rss"]), fmt_mib(r["peak_rss"]), fmt_mib(r["transient"]),
               f"{r['reduce_scatters_per_step']:.0f}", f"{r['step_s_median'] * 1e3:,.0f}"]
              for m, r in accum_runs.items()]))
+    if frozen_runs:
+        print(f"\n== frozen parameters: the first {n_frozen} of {args.layers} blocks frozen (GPT {args.layers} x "
+              f"{args.embd}, Adam) ==")
+        rows = []
+        for c in ("zero3", "zero1"):
+            full, part = frozen_runs[f"{c} frozen 0"], frozen_runs[f"{c} frozen {n_frozen}"]
+            for k, r in ((0, full), (n_frozen, part)):
+                rows.append([c, k, fmt_mib(r["held_bytes"]), fmt_mib(r["steady_rss"]), fmt_mib(r["peak_rss"]),
+                             "-" if k == 0 else fmt_mib(full["held_bytes"] - r["held_bytes"]),
+                             "-" if k == 0 else fmt_mib(full["peak_rss"] - r["peak_rss"]),
+                             f"{r['losses'][-1]:.6f}"])
+            ratios[f"peak_rss {c} frozen/trainable"] = part["peak_rss"] / full["peak_rss"]
+            ratios[f"held_bytes {c} frozen/trainable"] = part["held_bytes"] / full["held_bytes"]
+        print(_common.table(["case", "blocks frozen", "held tensors MiB", "steady RSS", "peak RSS", "held saved",
+                             "peak saved", "final loss"], rows))
+    if ckpt_run:
+        print(f"\n== checkpoints of use_zero=3 (GPT {args.layers} x {args.embd}, Adam): RSS a rank adds, per "
+              f"operation its larger rank; checks {ckpt_run['checks']} ==")
+        print(_fsdp_ckpt.report(ckpt_run, _common.table, fmt_mib))
     elapsed = time.perf_counter() - t_start
     print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
     data = {**_common.run_header(),
@@ -462,6 +521,8 @@ def main() -> None:
             "accumulation": {"micros": args.accum_micros, "runs": accum_runs,
                              "note": "no_sync: the first micro-batches keep the units' full gradients, the last "
                                      "reduce-scatters the sum; each: every micro-batch reduce-scatters"},
+            "checkpoint": ckpt_run,
+            "frozen": {"blocks": n_frozen if frozen_runs else None, "runs": frozen_runs},
             "loadavg_before": load_before, "loadavg_after": _common.loadavg(), "seconds": elapsed}
     _common.save_results(args.out, data)
 

@@ -112,10 +112,30 @@ def test_unit_names_follow_repeated_blocks():
     # not a repeated block: a list holding one module, and everything outside the lists
     assert {units[n] for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
                                "single.0.weight")} == {""}
-    named = unit_names(names, ["model.layers.0.mlp", "model.layers.1"])
+    # named units add to the block rule (as fully_shard on a sub-module): a path inside a block splits
+    # it, a path around the blocks keeps them, a path outside them takes its parameters from the root
+    named = unit_names(names, ["model.layers.0.mlp", "model.layers.1", "model", "single"])
     assert named["model.layers.0.mlp.experts.3.w1"] == "model.layers.0.mlp"
-    assert named["model.layers.0.self_attn.q_proj.weight"] == ""
+    assert named["model.layers.0.self_attn.q_proj.weight"] == "model.layers.0"
     assert named["model.layers.1.mlp.experts.0.w1"] == "model.layers.1"
+    assert named["model.embed_tokens.weight"] == named["model.norm.weight"] == "model"
+    assert named["single.0.weight"] == "single" and named["lm_head.weight"] == ""
+
+
+def test_root_modules_are_the_embeddings_and_the_head():
+    """Outside the blocks, each module holding a matrix is a unit of its own (a small root), but for
+    a tied tensor's module and a module with other root parameters deeper under it."""
+    from nnscaler.ir.contracts import root_modules, unit_names
+    names = ["model.embed_tokens.weight", "model.layers.0.q.weight", "model.layers.1.q.weight", "model.norm.weight",
+             "lm_head.weight", "lm_head.bias", "pos", "outer.scale", "outer.inner.weight"]
+    shapes = {n: (8, 4) for n in names}
+    shapes.update({"model.norm.weight": (4,), "lm_head.bias": (8,), "pos": (8, 4), "outer.scale": (2, 2)})
+    assert root_modules(names, shapes) == ["lm_head", "model.embed_tokens", "outer.inner"]
+    units = unit_names(names, root_modules(names, shapes))
+    assert units["lm_head.bias"] == "lm_head" and units["model.norm.weight"] == units["pos"] == ""
+    assert units["outer.scale"] == "" and units["model.layers.1.q.weight"] == "model.layers.1"
+    assert root_modules(names, shapes, tied={"model.embed_tokens.weight", "lm_head.weight"}) == ["outer.inner"]
+    assert root_modules(names, shapes, ["model"]) == ["lm_head", "outer.inner"]
 
 
 def test_resolve_unit_modules_takes_classes_globs_and_paths():

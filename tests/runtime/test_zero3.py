@@ -31,8 +31,9 @@ from nnscaler.runtime.optimizer import build_optimizer
 
 def test_units_named_in_pas_config():
     pm = gen_class(use_zero=3, pas_config={"zero3_units": ["layers.0", "layers.2"]})()
+    # the named units add to the block rule: layers.1 is a block of its own too
     assert [(u.name, u.local_names) for u in pm.fully_sharded.units] == [
-        ("layers.0", ["layers_0_weight", "layers_0_bias"]), ("", ["layers_1_weight", "layers_1_bias"]),
+        ("layers.0", ["layers_0_weight", "layers_0_bias"]), ("layers.1", ["layers_1_weight", "layers_1_bias"]),
         ("layers.2", ["layers_2_weight", "layers_2_bias"])]
 
 
@@ -44,7 +45,9 @@ def test_units_named_by_module_class_or_glob_are_resolved_by_codegen(tmp_path):
         cfg = ComputeConfig(1, 1, trace_strategy="cpu", use_zero=3, pas_config={"zero3_units": units})
         pm = parallelize(_make("gpt"), _batch("gpt", 0, 2), "dp", cfg, gen_savedir=tmp_path, instance_name=name)
         assert type(pm).SHARD_UNITS == want
-        assert sorted({u.name for u in pm.fully_sharded.units}) == ["", *want], name
+        # added to the blocks (h.i); the position embedding is a unit of its own, the token embedding
+        # tied to the head and the final norm stay in the root
+        assert sorted({u.name for u in pm.fully_sharded.units}) == sorted({"", "h.0", "h.1", "wpe", *want}), name
     with pytest.raises(ConfigError, match="'Blok' matches no module"):
         parallelize(_make("gpt"), _batch("gpt", 0, 2), "dp", ComputeConfig(1, 1, trace_strategy="cpu", use_zero=3,
                     pas_config={"zero3_units": "Blok"}), gen_savedir=tmp_path, instance_name="bad")
@@ -480,10 +483,13 @@ def _check(world, results):
             assert out["local"] / z <= out["resident"] <= out["local"] / z + units, (name, out["resident"], out["local"])
             if model == "gpt":  # never the whole model at once (the toy MLP has no repeated block: one unit)
                 assert out["stats"]["max_gathered_numel"] < 0.75 * out["local"], name
-                # from the second forward on, block 1's gather starts while block 0 computes; in every
-                # backward (the first's too) block 0's while block 1 computes
+                # from the second forward on, block 0's gather starts while the position embedding (a
+                # unit of its own) computes and block 1's while block 0 does; in every backward (the
+                # first's too) block 0's while block 1 computes, never the embedding's (its backward
+                # reads no weight)
                 forwards = STEPS * (1 if mode == "plain" else 2)
-                assert out["stats"]["prefetched"] == 2 * forwards - 1, (name, out["stats"])
+                assert out["stats"]["prefetched"] == 3 * forwards - 2, (name, out["stats"])
+                assert out["stats"]["dropped"] == 0, (name, out["stats"])
     return refs
 
 

@@ -7,7 +7,8 @@ a tiny Hugging Face Llama with a frozen embedding and of the same Llama with LoR
 ``use_zero=True``: losses and every parameter match one process (1e-10 relative), the frozen
 tensors are unchanged and get no gradient, the optimizer holds no piece nor state of them, and
 under ``use_zero=3`` their units (a block's frozen tensors are a unit of their own) are never
-reduce-scattered and their shards need no gradient.
+reduce-scattered and their shards need no gradient; the embedding and the head are units of their
+own (the root holds the final norm only).
 """
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ def _case(rank, world, gen_dir, kind, zero):
         out["mixed_units"] = [u.name for u in fs.units if len({p.requires_grad for p in u.params}) > 1]
         out["reduce_scatters"] = fs.stats.reduce_scatters
         out["trainable_units"] = sum(u.trainable for u in fs.units)
+        out["unit_names"] = sorted({u.name for u in fs.units})
+        out["root"] = sorted(pm.fullmap[n].full_name for u in fs.units if u.is_root for n in u.local_names)
     elif engine is not None:
         out["zero1_params_trainable"] = all(zp.param.requires_grad for zp in engine.params)
     return out
@@ -145,5 +148,9 @@ def test_frozen_parameters_under_zero3_and_zero1(tmp_path):
                 assert got["frozen_units"] and all(not t and not rg for _, t, rg, _ in got["frozen_units"]), where
                 assert {n for *_, names in got["frozen_units"] for n in names} == frozen, where
                 assert got["reduce_scatters"] == STEPS * got["trainable_units"], where
+                # the embedding and the head are units of their own: the root holds the final norm only
+                assert {"model.model.embed_tokens", "model.lm_head", "model.model.layers.0"} <= set(
+                    got["unit_names"]), where
+                assert got["root"] == ["model.model.norm.weight"], where
             else:
                 assert got["zero1_params_trainable"], where

@@ -37,7 +37,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 
 from nnscaler.ir import as_compute_config
-from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file
+from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file, root_modules
 from nnscaler.ir.contracts import WEIGHTS_FILE
 from nnscaler.ir import map_tensors
 
@@ -155,7 +155,13 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         units = self.SHARD_UNITS if self.SHARD_UNITS is not None else cfg.pas_config.get("zero3_units", ())
         if isinstance(units, str):
             units = [u.strip() for u in units.split(",") if u.strip()]
-        return FullyShardedParams(params, make_zero_groups(self.grid, cfg.zero_ngroups), units, shared)
+        # the embeddings and the head outside the blocks are units of their own (a small root); tied ones stay
+        full = [f for _, f, _ in params]
+        shapes = {self.fullmap[local].full_name: tuple(self.fullmap[local].full_shape) for local, _, _ in params}
+        tied = {n for alias, local in self.full_aliases.items() for n in (alias, self.fullmap[local].full_name)}
+        edges = root_modules(full, shapes, units, tied)
+        return FullyShardedParams(params, make_zero_groups(self.grid, cfg.zero_ngroups), [*units, *edges], shared,
+                                  edges=edges)
 
     def __getattr__(self, name: str):
         value = super().__getattr__(name)

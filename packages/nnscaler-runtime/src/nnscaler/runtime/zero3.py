@@ -155,11 +155,14 @@ class FullyShardedParams(Pausable):
     next synchronising backward (or `finish_grads`) reduce-scatters the sum."""
 
     def __init__(self, params: Sequence[Tuple[str, str, torch.nn.Parameter]], groups: ZeroGroups,
-                 unit_modules: Sequence[str] = (), shared: Optional[Dict[str, Tuple[tuple, object]]] = None):
+                 unit_modules: Sequence[str] = (), shared: Optional[Dict[str, Tuple[tuple, object]]] = None,
+                 edges: Sequence[str] = ()):
         """`params`: (local name, full name, parameter) in registration order. `shared`: local name ->
         (holders, group) of tensors several pipeline stages hold (`pipeline_grads.zero3_cross_groups`):
         they form root units of their own, the same on every holder (by full name), whose shard
-        gradients are summed over the holders at the step (`zero3_shared`)."""
+        gradients are summed over the holders at the step (`zero3_shared`). `edges`: the units of
+        `unit_modules` outside the blocks (`contracts.root_modules`: embeddings, head), which backward
+        does not prefetch."""
         self.groups = groups
         shared = shared or {}
         names = unit_names([full for _, full, _ in params], unit_modules)
@@ -185,6 +188,7 @@ class FullyShardedParams(Pausable):
         self._order: List[ShardUnit] = []  # repeated blocks in the order the first forward used them
         self._next: Dict[int, ShardUnit] = {}  # id(block) -> the block forward uses after it
         self._prev: Dict[int, ShardUnit] = {}  # id(block) -> the block forward used before it
+        self._edges = set(edges)  # units backward does not prefetch (contracts.root_modules: embeddings, head)
         self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
         pausable(self)
 
@@ -255,7 +259,7 @@ class FullyShardedParams(Pausable):
             u.views = dict(zip(u.local_names, _GatherUnit.apply(u.shard, self, u)))
             self.stats.backward_gathers += backward
             if not u.is_root:
-                self._prefetch((self._prev if backward else self._next).get(id(u)))
+                self._prefetch(self._before(u) if backward else self._next.get(id(u)))
         return u.views[name]
 
     def _enter(self, u: ShardUnit) -> None:
@@ -264,6 +268,12 @@ class FullyShardedParams(Pausable):
         for x in self.units:
             if x.name != u.name and not x.is_root and x.full is not None:
                 self._free(x)
+
+    def _before(self, u: ShardUnit) -> Optional[ShardUnit]:
+        """The block forward used before `u`, which backward runs next; None for an edge unit (an
+        embedding: its backward reads the indices, not the weight)."""
+        before = self._prev.get(id(u))
+        return None if before is None or before.name in self._edges else before
 
     def _prefetch(self, u: Optional[ShardUnit]) -> None:
         """Start the all-gather of `u` now, so that it runs while the current block computes
@@ -377,7 +387,7 @@ class FullyShardedParams(Pausable):
             self._gather(u)
             self.stats.backward_gathers += 1
             if not u.is_root:  # backward runs the blocks in reverse: start the one before
-                self._prefetch(self._prev.get(id(u)))
+                self._prefetch(self._before(u))
         return u.full.as_strided(saved.size, saved.stride, saved.offset)
 
     def _end_of_backward(self, sync: bool, reduce: bool) -> None:

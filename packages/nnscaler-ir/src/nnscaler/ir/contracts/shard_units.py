@@ -4,11 +4,11 @@ runtime applies (`nnscaler.runtime.zero3`) and the policies' cost models price
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Collection, Dict, List, Mapping, Sequence, Tuple, Union
 
 from ..errors import ConfigError
 
-__all__ = ["ROOT_UNIT", "unit_names", "resolve_unit_modules"]
+__all__ = ["ROOT_UNIT", "unit_names", "root_modules", "resolve_unit_modules"]
 
 ROOT_UNIT = ""
 
@@ -16,13 +16,13 @@ ROOT_UNIT = ""
 def unit_names(full_names: Sequence[str], unit_modules: Sequence[str] = ()) -> Dict[str, str]:
     """full (single-device) parameter name -> its unit; ``""`` is the root unit.
 
-    With `unit_modules` (``pas_config["zero3_units"]``, module paths): the longest path a name
-    starts with, else the root. Otherwise each repeated block is a unit: the outermost
-    ``<prefix>.<i>`` whose prefix holds at least two indices (``model.layers.0``, ``h.3``; an MoE
-    layer's experts stay inside their decoder layer), as FSDP's auto-wrap of each decoder layer."""
-    if unit_modules:
-        prefixes = sorted(unit_modules, key=len, reverse=True)
-        return {n: next((p for p in prefixes if n.startswith(p + ".")), ROOT_UNIT) for n in full_names}
+    Each repeated block is a unit: the outermost ``<prefix>.<i>`` whose prefix holds at least two
+    indices (``model.layers.0``, ``h.3``; an MoE layer's experts stay inside their decoder layer), as
+    FSDP's auto-wrap of each decoder layer. `unit_modules` (``pas_config["zero3_units"]`` resolved,
+    and `root_modules`: module paths) add units to that rule, as FSDP2's ``fully_shard`` on a
+    sub-module: a name goes to the longest of its block and the named paths it starts with (a path
+    inside a block splits it, a path around blocks keeps them), else to the root."""
+    prefixes = sorted(unit_modules, key=len, reverse=True)
     indices: Dict[Tuple[str, ...], set] = {}
     for name in full_names:
         parts = name.split(".")
@@ -32,9 +32,33 @@ def unit_names(full_names: Sequence[str], unit_modules: Sequence[str] = ()) -> D
     out = {}
     for name in full_names:
         parts = name.split(".")
-        out[name] = next((".".join(parts[:i + 1]) for i, part in enumerate(parts[:-1])
-                          if part.isdigit() and len(indices[tuple(parts[:i])]) > 1), ROOT_UNIT)
+        block = next((".".join(parts[:i + 1]) for i, part in enumerate(parts[:-1])
+                      if part.isdigit() and len(indices[tuple(parts[:i])]) > 1), ROOT_UNIT)
+        named = next((p for p in prefixes if name.startswith(p + ".")), ROOT_UNIT)
+        out[name] = max(block, named, key=len)
     return out
+
+
+def root_modules(full_names: Sequence[str], shapes: Mapping[str, Sequence[int]], unit_modules: Sequence[str] = (),
+                 tied: Collection[str] = ()) -> List[str]:
+    """The modules outside every block and named unit that hold a matrix (a parameter of two or more
+    dims: the token and position embeddings, the output head): each is made a unit of its own (as
+    torchtitan shards the embedding and the head apart from the root), so that the root, gathered
+    from its first use in forward to the end of backward, keeps only small tensors (the final norm).
+    A module holding a tied tensor (`tied`: full names of tensors with another name, an embedding
+    tied to the head, used at both ends of forward) stays in the root, as does a module with other
+    root parameters deeper under its path. `shapes`: full name -> shape."""
+    units = unit_names(full_names, unit_modules)
+    root = [n for n in full_names if units[n] == ROOT_UNIT and "." in n]
+    owners = {n.rsplit(".", 1)[0] for n in root}
+    out = set()
+    for name in root:
+        module = name.rsplit(".", 1)[0]
+        if len(shapes[name]) < 2 or any(t.startswith(module + ".") for t in tied):
+            continue
+        if not any(o != module and o.startswith(module + ".") for o in owners):
+            out.add(module)
+    return sorted(out)
 
 
 def resolve_unit_modules(module_types: Mapping[str, str], names: Union[str, Sequence[str]]) -> List[str]:
