@@ -45,7 +45,7 @@ def test_recompute_modules_in_the_yaml_trains_like_without(tmp_path):
     recompute_yaml = tmp_path / "hf_llama_recompute.yaml"
     recompute_yaml.write_text(yaml.safe_dump(cfg))
     runs = {label: (path, overrides(str(tmp_path / label), configs["llama"], "dp2", str(text))
-                    + ["--model.args.dtype", "float64"])
+                    + ["--model.args.dtype", "float64", "--dataset.train_args.cache_dir", str(tmp_path / "datasets")])
             for label, path in (("plain", EXAMPLE), ("recompute", str(recompute_yaml)))}
     results = run_workers(_worker, 2, runs, timeout=400)
     (loss, _), (loss_rc, _) = results[0]["plain"], results[0]["recompute"]
