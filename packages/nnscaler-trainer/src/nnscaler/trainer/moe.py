@@ -27,9 +27,9 @@ def balance_if_asked(original: torch.nn.Module, model: torch.nn.Module) -> None:
     if coeff is None:
         return
     from nnscaler.runtime import ParallelModule
-    from nnscaler.runtime.moe import balance_experts
+    from nnscaler.runtime import moe as runtime_moe
     for pm in [m for m in model.modules() if isinstance(m, ParallelModule)]:
-        balance_experts(pm, coeff)
+        runtime_moe.balance_experts(pm, coeff)
 
 
 class MoEModel:

@@ -295,7 +295,8 @@ def _balance_coeff(model, coeff) -> Optional[float]:
     if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not coeff >= 0:
         raise TrainerConfigError(key, f"{coeff!r} is not a number >= 0: the step each router bias moves by after "
                                       f"every optimizer step (e.g. 0.001); leave it out (null) for no balancing")
-    from nnscaler.runtime.moe import BIAS_NAME
+    from nnscaler.runtime import moe as runtime_moe
+    BIAS_NAME = runtime_moe.BIAS_NAME
     if not any(name.endswith("." + BIAS_NAME) for name, _ in model.named_buffers()):
         raise TrainerConfigError(key, f"{type(model).__name__} has no router bias ({BIAS_NAME}, DeepSeek-V3's) to "
                                       f"balance: auxiliary-loss-free balancing applies to such models only; remove "
