@@ -94,6 +94,7 @@ def _job(rank, world, cases, bf16_cases=()):
         leaves = [t[:, :, rows].clone().requires_grad_(True) for t in (q, k, v)]
         local_mask = None if mask is None else mask[:, :, rows] if mask.shape[-2] > 1 else mask
         saved = []
+        ring_attention.WORK.update(calls=0, blocks=0, pairs=0)
         with count_collectives() as stats:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape[-2:])) or t, lambda t: t):
                 got = ring_attention.attention(*leaves, local_mask, ranks=ranks, **kw)
@@ -103,7 +104,7 @@ def _job(rank, world, cases, bf16_cases=()):
         want.backward(dout)
         diffs = [(got - want[:, :, rows]).abs().max().item()] + [
             (a.grad - b.grad[:, :, rows]).abs().max().item() for a, b in zip(leaves, full)]
-        out[label] = (diffs, stats.calls("all_to_all"), (S // n, S) in saved)
+        out[label] = (diffs, stats.calls("all_to_all"), (S // n, S) in saved, ring_attention.WORK["pairs"])
     for label, ranks, causal, mask_kind, fused in bf16_cases:
         group_for(sorted(ranks))
         if rank in ranks:
@@ -138,11 +139,14 @@ def test_ring_attention_equals_one_process():
                 assert r <= 1.25 * t + 1e-4, (label, rank, what, r, t)
     for label, ranks, _, causal, _ in CASES:
         for rank in ranks:
-            diffs, all_to_all, mask_saved = results[rank][label]
+            diffs, all_to_all, mask_saved, _ = results[rank][label]
             assert max(diffs) <= 1e-12, (label, rank, diffs)
             assert all_to_all == ALL_TO_ALL.get(label, 0), (label, all_to_all)
             # a mask read as intervals is not kept: nothing of (rows x keys) saved (an additive -1e9 is a bias)
             assert mask_saved == (label == "mask-float-2"), (label, rank)
+    # causal: every rank computes the same (query, key) pairs (packed documents: test_ring_masks.py)
+    causal = [results[r]["causal-4"][3] for r in range(4)]
+    assert len(set(causal)) == 1 and causal[0] > 0, causal
 
 
 def _layout_job(rank, world):

@@ -37,8 +37,12 @@ from .comm.primitives import CommError, as_ranks, resolve
 from . import ring_masks
 from .ring_masks import DIAG, FULL, MASKED
 
-__all__ = ["attention", "FUSED_CPU_KERNEL"]
+__all__ = ["attention", "FUSED_CPU_KERNEL", "WORK"]
 
+WORK = {"calls": 0, "blocks": 0, "pairs": 0}
+"""What this process's ring attention forwards computed: calls, blocks, and (query row, key) pairs
+of those blocks (a skipped block counts nothing): the load balance across a unit's ranks (tests,
+bench/long_context_packing.py). Reset it by assigning zeros."""
 FUSED_CPU_KERNEL = True
 """CPU blocks run torch's fused flash kernel; False: the matrix implementation other devices run
 (the tests run both paths on the CPU)."""
@@ -237,6 +241,7 @@ class _Ring(Function):
         iv_parts = torch.chunk(iv, len(q_chunks), dim=-2) if iv is not None else None
         acc: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(q_parts)
         block = (k, v)
+        WORK["calls"] += 1
         for step in range(n):
             src = (me - step) % n
             pending = _shift(block, rs, step) if step < n - 1 else None
@@ -247,6 +252,8 @@ class _Ring(Function):
                                 q.dtype)
                 o, lse = _block_forward(q_parts[i], _expand(k_parts[j], groups), _expand(v_parts[j], groups), m,
                                         kind == DIAG, scale)
+                WORK["blocks"] += 1
+                WORK["pairs"] += q_parts[i].shape[-2] * k_parts[j].shape[-2] // (2 if kind == DIAG else 1)
                 acc[i] = _merge(acc[i], o, lse)
             block = _finish(pending, rs) if pending is not None else block
         outs, lses = zip(*[_final(a, p) for a, p in zip(acc, q_parts)])
