@@ -11,6 +11,9 @@
   the experts; ``ep`` with a dense model; experts not divisible by the ep size); ``ep`` on a model
   the policy finds no experts in is refused by the policy in the workers, one line, exit code 2.
 - The pieces: the console line, the logged scalars, `MoEMeter` on recorded outputs and load.
+- DeepSeek-V3 with ``load_balance_coeff`` and ``capacity_factor`` (one launch): the checkpoint's
+  router bias moved by whole steps of the coefficient, the experts got the capacity; both options
+  checked (a number in range, a model they apply to).
 """
 from __future__ import annotations
 
@@ -232,3 +235,36 @@ def test_load_balance_coeff_option_is_checked():
             CausalLM(DEEPSEEK_V3, load_balance_coeff=bad)
     with pytest.raises(TrainerConfigError, match=r"load_balance_coeff.*MixtralForCausalLM has no router bias"):
         CausalLM(MIXTRAL, load_balance_coeff=1e-3)
+
+
+@pytest.mark.multiprocess
+def test_deepseek_v3_balances_and_drops_under_ep_in_the_trainer(tmp_path):
+    """The example's run with a tiny DeepSeek-V3, model.args.load_balance_coeff and capacity_factor:
+    after 2 steps the checkpoint's router bias moved by multiples of the coefficient (each step +-coeff
+    or 0 per expert, not all 0), and the generated code passes the capacity to the experts."""
+    import yaml
+    from safetensors.torch import load_file
+    with open(EXAMPLE) as f:
+        cfg = yaml.safe_load(f)
+    coeff = 0.01
+    cfg["model"]["args"] = {"dtype": "float32", "load_balance_coeff": coeff, "capacity_factor": 1.5,
+                            "config": dict(DEEPSEEK_V3, vocab_size=512, max_position_embeddings=256, bos_token_id=0,
+                                           eos_token_id=0, pad_token_id=0)}
+    path = tmp_path / "deepseek.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    argv = ["--vars.run_dir", str(run), "--max_train_steps", "2", "--val_every_n_train_steps", "2",
+            "--checkpoint.every_n_train_steps", "2", "--enable_progress_bar", "false",
+            *[f"--dataset.{split}_args.{key}={value}" for split in ("train", "val")
+              for key, value in (("files", "docs/trainer.md"), ("cache_dir", tmp_path / "datasets"))]]
+    r = nnscaler("train", "-f", str(path), "--nproc", "2", *argv, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "expert_imbalance" in r.stdout
+    gencode = glob.glob(str(run / "gen" / "**" / "gencode0.py"), recursive=True)
+    assert gencode and "capacity_factor=1.5" in open(gencode[0]).read()
+    r = nnscaler("ckpt", "merge", str(run / "checkpoints" / "last"), str(tmp_path / "merged"), cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    [bias] = [v for k, v in load_file(str(tmp_path / "merged" / "model.safetensors")).items()
+              if k.endswith("e_score_correction_bias")]
+    steps = bias / coeff  # initialised to 0: each step moved every expert by -1, 0 or +1
+    assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 2 and steps.abs().sum() > 0
