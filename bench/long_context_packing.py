@@ -14,8 +14,10 @@ same options):
 
 Each layout under one process (plain PyTorch, every core) and under `cp` (``--nproc`` gloo ranks,
 each a build of its own: the two layouts take different inputs). Reported per case: the step time
-(median of `--steps` after one warm-up step; the slower rank's) and tokens/s = real tokens (T, no
-padding) / step time; losses of cp and one process equal within 1e-4 relative. Writes
+(median of `--steps` after one warm-up step; the slower rank's), tokens/s = real tokens (T, no
+padding) / step time, and the balance of ring attention's work over the ranks (its (query, key)
+pairs computed, `ring_attention.WORK`: busiest / idlest rank); losses of cp and one process equal
+within 1e-4 relative. Writes
 bench/results/long_context_packing.json.
 """
 from __future__ import annotations
@@ -83,6 +85,8 @@ def run(rank: int, a: dict, tokens: int, steps: int, gen: str) -> dict:
     for layout in ("packed", "padded"):
         b = data[layout]
         model, opt = _model(a, layout, b, n, gen)
+        from nnscaler.runtime import ring_attention
+        ring_attention.WORK.update(calls=0, blocks=0, pairs=0)
         times, losses = [], []
         for s in range(steps + 1):
             t = time.perf_counter()
@@ -94,8 +98,10 @@ def run(rank: int, a: dict, tokens: int, steps: int, gen: str) -> dict:
             losses.append(loss.item())
         slow = _common.all_reduce_floats(times[1:], dist.ReduceOp.MAX)
         step = _common.median(slow)
+        work = [None] * n  # ring attention's (query, key) pairs per rank: the balance over the unit
+        dist.all_gather_object(work, ring_attention.WORK["pairs"])
         out[layout] = {"step_s": slow, "step_s_median": step, "tokens_per_s": tokens / step, "losses": losses,
-                       "shape": list(b["input_ids"].shape)}
+                       "shape": list(b["input_ids"].shape), "ring_pairs_per_rank": work}
         del model, opt
     return out
 
@@ -129,14 +135,15 @@ def main() -> None:
     for layout in ("packed", "padded"):
         for case in ("one", "cp"):
             r = results[case][layout]
+            w = r["ring_pairs_per_rank"]
             rows.append([layout, case, "x".join(map(str, r["shape"])), f"{r['step_s_median']:.2f}",
-                         f"{r['tokens_per_s']:,.0f}"])
+                         f"{r['tokens_per_s']:,.0f}", f"{max(w) / min(w):.2f}" if min(w) else "-"])
         diff = _common.max_rel_diff(results["cp"][layout]["losses"], results["one"][layout]["losses"])
         results[f"{layout}_loss_rel_diff"] = diff
         ok = ok and diff <= 1e-4
     docs = results["one"]["documents"]
     print(f"{len(docs)} documents, {args.tokens} tokens (lengths {docs}); padded to {results['one']['padded_width']}")
-    print(_common.table(["layout", "case", "batch", "step s", "tokens/s"], rows))
+    print(_common.table(["layout", "case", "batch", "step s", "tokens/s", "ring work max/min rank"], rows))
     speed = {c: results[c]["packed"]["tokens_per_s"] / results[c]["padded"]["tokens_per_s"] for c in ("one", "cp")}
     print(f"packed / padded tokens/s: one {speed['one']:.2f}, cp {args.nproc} {speed['cp']:.2f}; losses cp = one: "
           f"{'ok' if ok else 'NOT OK'}; load average {load} -> {_common.loadavg()}")
