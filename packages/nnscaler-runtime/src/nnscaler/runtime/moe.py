@@ -189,9 +189,11 @@ def balance_experts(module, load_balance_coeff: float) -> List[str]:
 
 def after_optimizer_step(root: torch.nn.Module) -> None:
     """What an optimizer step over `root` does to the experts: the biases of `balance_experts`
-    (collective over each module's gradient-sync group), then the end of the load record's step."""
-    for pm in [m for m in root.modules() if getattr(m, _BALANCE, None) is not None]:
-        _move_biases(pm, getattr(pm, _BALANCE))
+    (collective over each module's gradient-sync group), then the end of the load record's step. A
+    second step without a training forward in between moves nothing (its load was used)."""
+    if not _LOAD.ended:
+        for pm in [m for m in root.modules() if getattr(m, _BALANCE, None) is not None]:
+            _move_biases(pm, getattr(pm, _BALANCE))
     _LOAD.end_step()
 
 
