@@ -185,3 +185,21 @@ def test_async_save_is_committed_at_the_end_at_a_preemption_and_on_a_failure(tmp
         run("fail")
     assert fake.log == [("prepare", "NnScalerAdamW"), ("async_save", "0000-0002"), ("wait", "0000-0002")]
     assert os.readlink(tmp_path / "fail" / "ckpt" / "last") == "0000-0002"
+
+
+def test_a_model_that_cannot_validate_is_refused_before_the_first_step(tmp_path):
+    """A forward traced in training mode that branches on self.training cannot run validation: the
+    Trainer refuses it at set-up (no step trained, so none lost), naming the branch and the fixes;
+    without validation it trains."""
+    from nnscaler.trainer import TrainerConfigError
+    from trainer_models import RecordingHook
+    data = config(tmp_path / "a", max_train_steps=2, **{"model.type": "trainer_models.TrainOnlyNoiseMLP",
+                                                        "dataset.val_args": {"size": 8, "seed": 1}})
+    RecordingHook.losses.clear()
+    with pytest.raises(TrainerConfigError, match=r"dataset.val_args: the run validates, but .* traced in training "
+                                                 r"mode and runs other ops in eval mode.*remove dataset.val_args"):
+        run_trainer(data)
+    assert RecordingHook.losses == []
+    losses, _, _ = run_trainer(config(tmp_path / "b", max_train_steps=2,
+                                      **{"model.type": "trainer_models.TrainOnlyNoiseMLP"}))
+    assert len(losses) == 2

@@ -147,3 +147,14 @@ class NeedsArgs(MLP):
 
     def __init__(self, width: int, scale: Optional[float] = 1.0, **kwargs):
         super().__init__(dim=width)
+
+
+class TrainOnlyNoiseMLP(MLP):
+    """`MLP` whose forward adds noise in training mode only, by a Python branch on self.training
+    (as transformers' router_jitter_noise does): its generated code cannot run in eval mode."""
+
+    def forward(self, batch):
+        x = batch["x"]
+        if self.training:
+            x = x * (1 + 0.01 * torch.rand_like(x))
+        return super().forward({"x": x, "y": batch["y"]})

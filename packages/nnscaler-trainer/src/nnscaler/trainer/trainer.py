@@ -27,7 +27,7 @@ from .config.loading import dump_yaml
 from .config.trainer_args import TrainerArgs
 from .config.values import build_args, instantiate, resolve_object
 from .data_position import samples_in_epoch, skip_per_rank
-from .errors import TrainerError
+from .errors import TrainerConfigError, TrainerError
 from .hooks import HookChain, TrainHook
 from .loggers.console import ConsoleReporter
 from .meta_build import MetaBuilt, builds_on_meta, meta_scope
@@ -145,6 +145,8 @@ class Trainer:
                 ckpt.load(weights, self.model)
             self.model = self.precision.setup_module(self.model)
         self.model.train()
+        if self.val_dataset is not None:
+            _check_eval_mode_runs(self.model)  # before the first step, not at the first validation
         self._moe = MoEMeter.for_run(args, original)
         balance_if_asked(original, self.model)  # DeepSeek-V3's router biases, moved after each step
         self.optimizer = build.build_trainer_optimizer(args, self.model, self.precision)
@@ -379,6 +381,22 @@ class Trainer:
     def _log(self, scalars: Dict[str, float], tag: str) -> None:
         for logger in self.loggers:
             logger.log_metrics(scalars, self.state.step, tag)
+
+
+def _check_eval_mode_runs(model: torch.nn.Module) -> None:
+    """A run that validates: refuse, before any step, a ParallelModule whose generated code (traced in
+    training mode) cannot run in eval mode (ParallelModule.check_mode), so that a first validation
+    failing that way never loses the training done before it."""
+    from nnscaler.runtime import ParallelModule
+    for pm in [m for m in model.modules() if isinstance(m, ParallelModule)]:
+        if pm.MODE_DIVERGENCE is not None and pm.TRACED_TRAINING:
+            raise TrainerConfigError(
+                "dataset.val_args", f"the run validates, but {type(pm).__name__}'s forward was traced in training "
+                f"mode and runs other ops in eval mode, at {pm.MODE_DIVERGENCE}: its generated code follows the "
+                f"training mode only, so the first validation would fail after the training before it. Make the "
+                f"difference an argument of an op (e.g. F.dropout(x, p, training=self.training), torch.where) "
+                f"instead of a Python branch on self.training (for transformers' router_jitter_noise: set it to 0), "
+                f"or train without validation (remove dataset.val_args)")
 
 
 def _memory_mb() -> Optional[float]:

@@ -39,6 +39,7 @@ from ..errors import TrainerConfigError
 from ..hooks import TrainHook
 from ..meta_build import MetaBuilt
 from ..moe import MoEModel
+from .config_keys import check_train_only_randomness, warn_unread_config_keys
 
 __all__ = ["CausalLM", "Experts", "attention_dropouts", "cp_size", "experts_of", "import_transformers",
            "load_hf_config", "tokenizer_files"]
@@ -402,12 +403,15 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
         """Before any worker starts (`TrainerArgs.validate`): the config loads, num_experts_per_tok
         fits the experts, under ``pas_policy: ep`` the model has experts that split over the
         expert-parallel size (plan_ngpus / pp_size), and under ``pas_policy: cp`` the attention is
-        sdpa without dropout. Raises TrainerConfigError."""
+        sdpa without dropout; no ``router_jitter_noise`` in a run that validates. Raises
+        TrainerConfigError. Warns for each key of a config mapping its class does not read."""
         config = _model_args(args).get("config")
         if config is None:
             return  # instantiate() names the missing argument
         hf_config = load_hf_config(config)
         experts = check_experts(hf_config)
+        warn_unread_config_keys(config)  # a key the config class ignores (config_keys.py)
+        check_train_only_randomness(args, hf_config)
         if not args.uses_parallel_modules:
             _check_ep(args, hf_config, experts)
             _check_cp(args, config, hf_config)
