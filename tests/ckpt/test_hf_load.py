@@ -4,7 +4,7 @@ file and sharded with an index), under the files' names as they are or under one
 missing, unexpected and mis-shaped tensors, an ambiguous prefix and an optimizer are refused by
 name. One launch of 2 gloo processes: a meta-built Llama (float64) loads the directory and an
 nnscaler checkpoint into dp, tp, ZeRO-1, ZeRO-3, cp (ring attention) and pp (1f1b) plans and trains as one process does
-(1e-10)."""
+(1e-10); a Mixtral built on meta and initialized on the ranks trains under ep 2 as one process does."""
 from __future__ import annotations
 
 import contextlib
@@ -117,6 +117,16 @@ PLANS = [("dp", "dp", 1, {}), ("tp", "tp", 2, {}), ("zero3", "dp", 1, {"use_zero
 
 
 @contextlib.contextmanager
+def _default_dtype(dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@contextlib.contextmanager
 def _counting_reads():
     """[elements read from checkpoint files] while inside (every read goes through Sources.read_key)."""
     from nnscaler.ckpt.sources import Sources
@@ -135,8 +145,6 @@ def _counting_reads():
 
 def _meta_plans(rank, world, hf_dir, root):
     """Every plan from each source: (losses, this rank's parameter pieces) by "<plan>-<source>"."""
-    import torch.distributed as dist
-    from nnscaler import build_optimizer
     out, ckpt_dir = {}, os.path.join(root, "ckpt")
     for label, policy, plan_ngpus, extra in PLANS:
         for source in ("hf", "ckpt"):
@@ -159,36 +167,53 @@ def _meta_plans(rank, world, hf_dir, root):
                 assert (held < sum(p.numel() for p in model.parameters())) == (label in ("tp", "zero3", "pp")), label
             if label == "dp" and source == "hf":  # the nnscaler checkpoint the other plans load
                 ckpt.save(ckpt_dir, pm)
-            opt = build_optimizer(pm, torch.optim.Adam, lr=mp.LR)
-            losses = []
-            for step in range(mp.STEPS):
-                full = hf_models.batch("llama64", step, mp.GLOBAL_BATCH)
-                mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()}
-                opt.zero_grad()
-                if cfg.use_end2end:  # the pipeline: micro-batches, gradients averaged over them
-                    outputs = pm.train_step(mp._micro(mine, mp.NMICROS))
-                    opt.scale_grads(1.0 / mp.NMICROS)
-                    loss = torch.stack([o.detach().reshape(()) for o in outputs]).mean()
-                else:
-                    loss = pm(**mine)
-                    loss.backward()
-                opt.step()
-                t = loss.detach().reshape(1).clone()
-                dist.all_reduce(t)
-                losses.append(t.item() / world)
-            with pm.unsharded():
-                pieces = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
-                          for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
-            out[f"{label}-{source}"] = (losses, pieces)
+            out[f"{label}-{source}"] = _train(pm, cfg, "llama64", per, dp_rank, world)
+    # a mixture of experts under ep 2, initialized on the ranks (the CPU build's values with the same seed)
+    with torch.device("meta"), _default_dtype(torch.float64):
+        model = hf_models.make("mixtral")  # seeds 0, as the reference's CPU build (in float64 from the start)
+    cfg = ComputeConfig(2, world)
+    pm = parallelize(model, hf_models.batch("mixtral", 0, mp.GLOBAL_BATCH), "ep", cfg,
+                     gen_savedir=os.path.join(root, "ep"))
+    out["ep-init"] = _train(pm, cfg, "mixtral", mp.GLOBAL_BATCH, 0, world)
     return out
+
+
+def _train(pm, cfg, name, per, dp_rank, world):
+    """STEPS Adam steps of `pm` on this rank's slice of each global batch: (mean losses, pieces)."""
+    import torch.distributed as dist
+    from nnscaler import build_optimizer
+    opt = build_optimizer(pm, torch.optim.Adam, lr=mp.LR)
+    losses = []
+    for step in range(mp.STEPS):
+        full = hf_models.batch(name, step, mp.GLOBAL_BATCH)
+        mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()}
+        opt.zero_grad()
+        if cfg.use_end2end:  # the pipeline: micro-batches, gradients averaged over them
+            outputs = pm.train_step(mp._micro(mine, mp.NMICROS))
+            opt.scale_grads(1.0 / mp.NMICROS)
+            loss = torch.stack([o.detach().reshape(()) for o in outputs]).mean()
+        else:
+            loss = pm(**mine)
+            loss.backward()
+        opt.step()
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    with pm.unsharded():
+        pieces = [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
+                  for local, e in pm.fullmap.items() if isinstance(getattr(pm, local), torch.nn.Parameter)]
+    return losses, pieces
 
 
 @pytest.mark.multiprocess
 def test_meta_llama_from_hf_directory_and_checkpoint_trains_as_one_process(tmp_path):
     hf_models.make("llama64").model.save_pretrained(tmp_path / "hf")
     results = run_workers(_meta_plans, 2, str(tmp_path / "hf"), str(tmp_path), timeout=300)
-    ref_losses, ref_params = mp.reference("llama64")
+    refs = {"llama64": mp.reference("llama64")}
+    with _default_dtype(torch.float64):  # the initialisation draws in the dtype the model is built in
+        refs["mixtral"] = mp.reference("mixtral")
     for label in results[0]:
+        ref_losses, ref_params = refs["mixtral" if label == "ep-init" else "llama64"]
         losses = results[0][label][0]
         assert all(r[label][0] == losses for r in results), label
         for got, want in zip(losses, ref_losses):
@@ -197,4 +222,4 @@ def test_meta_llama_from_hf_directory_and_checkpoint_trains_as_one_process(tmp_p
         assert set(params) == set(ref_params), label
         for name, value in params.items():
             assert (value - ref_params[name]).abs().max().item() <= 1e-10, (label, name)
-    assert len(results[0]) == 2 * len(PLANS)
+    assert len(results[0]) == 2 * len(PLANS) + 1

@@ -205,6 +205,8 @@ def routed_experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
         raise ValueError(f"routed_experts: each token is routed to top-k = {k} experts, but there are only "
                          f"{num_experts} experts (gate_up has shape {tuple(gate_up.shape)}): num_experts_per_tok "
                          f"must be at most the number of experts")
+    if hidden.is_meta:  # a meta trace (a model built on the meta device): no routing values, the result's shape
+        return torch.empty_like(hidden)
     if capacity_factor is not None:
         capacity = expert_capacity(tokens, k, num_experts, _check_capacity_factor(capacity_factor))
         kept = kept_counts(slot_counts(top_k_index, num_experts).unsqueeze(0), capacity)[0]
