@@ -10,7 +10,8 @@ memory, each rank allocates only its own local tensors, and the values come from
   a layer resets when it is built, a ``PreTrainedModel`` initialises its sub-tree at the end of
   its ``__init__``, skipping what a nested one already did), from rank 0's torch generator as it
   was when `parallelize` was called. So with the same seed the values are those of the module
-  built on the CPU. One module's own tensors are materialized at a time (on the CPU, then copied
+  built on the CPU (in the dtypes the meta module has: a draw in float64 is not a float32 draw
+  cast). One module's own tensors are materialized at a time (on the CPU, then copied
   into the slices this rank holds, `write_full`, and dropped), so a rank never holds more than one
   module beyond its local tensors; under ``use_zero=3`` those are its shards (the generated module
   is built on meta and sharded at once: `ParallelModule._post_init`).
