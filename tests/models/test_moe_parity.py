@@ -13,7 +13,7 @@ within 1e-10 of single-process training on the global batch.
   Megatron-style over the same ranks (``tp_modules``).
 - DeepSeek-V3 (sigmoid scores, group-limited top-2 with ``e_score_correction_bias``, a shared
   expert, latent attention) and gpt-oss (attention sinks, biased transposed experts, clamped
-  SwiGLU) under ``ep`` 2 and ``ep`` 4: DeepSeek-V3's groups keep each token on one half of the
+  SwiGLU) under ``ep`` 2 and ``ep`` 4 (DeepSeek-V3 under ``tp`` 2 too): DeepSeek-V3's groups keep each token on one half of the
   experts, so under ``ep`` 2 a rank's experts often receive no row (it hung before the fix).
 - ``dp`` and ``tp`` on the same models: the experts op splits along the tokens under tp (held to
   the float32 bar, 1e-5 relative: tp also splits HF's float32 router softmax and load-balancing
@@ -34,7 +34,8 @@ EP2 = [dict(mp.plan("ep2", "ep", 2), model="mixtral"), dict(mp.plan("ep2", "ep",
        dict(mp.tp(), model="mixtral", label="m-tp", tol=FP32_TOL), dict(mp.dp(), model="qwen2_moe", label="q-dp"),
        dict(mp.plan("ep2-attn-tp", "ep", 2, pas_config={"tp_modules": ["*.self_attn"]}), model="mixtral"),
        dict(mp.plan("d-ep2", "ep", 2), model="deepseek_v3"), dict(mp.plan("g-ep2", "ep", 2), model="gpt_oss"),
-       dict(mp.plan("d-ep2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE)]
+       dict(mp.plan("d-ep2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE),
+       dict(mp.tp(), model="deepseek_v3", label="d-tp")]  # tp keeps the attention's in-place key writes whole
 EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
            dict(mp.plan("d-ep4", "ep", 4), model="deepseek_v3"), dict(mp.plan("g-ep4", "ep", 4), model="gpt_oss"),
            dict(mp.plan("d-ep2-dp2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE),
