@@ -138,6 +138,19 @@ def test_root_modules_are_the_embeddings_and_the_head():
     assert root_modules(names, shapes, ["model"]) == ["lm_head", "outer.inner"]
 
 
+def test_kept_after_forward_follows_reshard_after_forward():
+    from nnscaler.ir import ConfigError
+    from nnscaler.ir.contracts import kept_after_forward
+    units = {"", "model.layers.0", "model.layers.1", "lm_head"}
+    assert kept_after_forward(units, True) == []
+    assert kept_after_forward(units, False) == sorted(units)
+    assert kept_after_forward(units, {"lm_head": True, "model.layers.*": False, "": False}) == [
+        "", "model.layers.0", "model.layers.1"]
+    for bad in (2, "no", {"model.layers.*": 2}):
+        with pytest.raises(ConfigError, match=r"zero3_reshard_after_forward'\] is .*give True, False or a mapping"):
+            kept_after_forward(units, bad)
+
+
 def test_resolve_unit_modules_takes_classes_globs_and_paths():
     from nnscaler.ir import ConfigError
     from nnscaler.ir.contracts import resolve_unit_modules

@@ -62,6 +62,8 @@ GOOD = {
     "transient_mem_coef": ({"transient_mem_coef": 0}, {}, {"transient_mem_coef": 0.0}),
     "zero3_units": ({"zero3_units": ["h.0", "h.1"]}, {"use_zero": 3, "runtime_ngpus": 4},
                     {"zero3_units": ["h.0", "h.1"], "zero_stage": 3}),
+    "zero3_reshard_after_forward": ({"zero3_reshard_after_forward": {"h.*": False}}, {"use_zero": 3, "runtime_ngpus": 4},
+                                    {"zero3_reshard_after_forward": {"h.*": False}}),
 }
 
 
@@ -148,6 +150,7 @@ BAD = [
     ({"_optimizer_states": -1}, {}, "_optimizer_states", ">= 0"),
     ({"zero3_units": ["h.0", 3]}, {}, "zero3_units", "module classes, path globs or module paths"),
     ({"zero3_units": " , "}, {}, "zero3_units", "module classes, path globs or module paths"),
+    ({"zero3_reshard_after_forward": 2}, {}, "zero3_reshard_after_forward", "True, False or a mapping"),
 ]
 
 

@@ -8,7 +8,9 @@ a tiny Hugging Face Llama with a frozen embedding and of the same Llama with LoR
 tensors are unchanged and get no gradient, the optimizer holds no piece nor state of them, and
 under ``use_zero=3`` their units (a block's frozen tensors are a unit of their own) are never
 reduce-scattered and their shards need no gradient; the embedding and the head are units of their
-own (the root holds the final norm only).
+own (the root holds the final norm only). With ``pas_config["zero3_reshard_after_forward"]`` False
+for the decoder layers (FSDP2's ``reshard_after_forward``), LoRA under use_zero=3 trains the same
+and backward gathers only the head again, nothing staying gathered after backward.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ STEPS = 3
 GLOBAL_BATCH = 4
 LR = 1e-2
 TOL = 1e-10
-CASES = [("embed", 3), ("embed", True), ("lora", 3), ("lora", True)]
+CASES = [("embed", 3), ("embed", True), ("lora", 3), ("lora", True), ("lora-keep", 3)]
+KEEP = {"model.model.layers.*": False}  # "lora-keep": pas_config["zero3_reshard_after_forward"]
 
 
 def _model(kind: str):
@@ -75,15 +78,17 @@ def _case(rank, world, gen_dir, kind, zero):
     model = _model(kind)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if n in frozen}
-    cfg = ComputeConfig(1, world, trace_strategy="cpu", use_zero=zero)
+    pas = {"zero3_reshard_after_forward": KEEP} if kind == "lora-keep" else {}
+    cfg = ComputeConfig(1, world, trace_strategy="cpu", use_zero=zero, pas_config=pas)
     pm = parallelize(model, {k: v[:GLOBAL_BATCH // world] for k, v in _batch(0).items()}, "dp", cfg,
-                     gen_savedir=gen_dir, instance_name=f"frozen_{kind}_{int(zero)}")
+                     gen_savedir=gen_dir, instance_name=f"frozen_{kind.replace('-', '_')}_{int(zero)}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
-    losses, frozen_grads, per = [], [], GLOBAL_BATCH // world
+    losses, frozen_grads, left, per = [], [], [], GLOBAL_BATCH // world
     for step in range(STEPS):
         opt.zero_grad()
         loss = pm(**{k: v[rank * per:(rank + 1) * per] for k, v in _batch(step).items()})
         loss.backward()
+        left += [u.name for u in pm.fully_sharded.units if u.full is not None] if pm.fully_sharded else []
         opt.sync_grads()
         # after backward: the frozen tensors (and under use_zero=3 their shards) got no gradient
         frozen_grads += [p.grad is not None for p in pm.parameters() if not p.requires_grad]
@@ -93,7 +98,7 @@ def _case(rank, world, gen_dir, kind, zero):
         t = loss.detach().reshape(1).clone()
         torch.distributed.all_reduce(t)
         losses.append(t.item() / world)
-    out = {"losses": losses, "frozen": sorted(frozen), "frozen_grads": any(frozen_grads)}
+    out = {"losses": losses, "frozen": sorted(frozen), "frozen_grads": any(frozen_grads), "left": left}
     with pm.unsharded():
         out["params"] = {pm.fullmap[local].full_name: p.detach().clone() for local, p in pm.named_parameters()}
     out["frozen_unchanged"] = all(torch.equal(out["params"][n], v) for n, v in initial.items())
@@ -109,6 +114,8 @@ def _case(rank, world, gen_dir, kind, zero):
                                for u in fs.units if not u.trainable]
         out["mixed_units"] = [u.name for u in fs.units if len({p.requires_grad for p in u.params}) > 1]
         out["reduce_scatters"] = fs.stats.reduce_scatters
+        out["backward_gathers"] = fs.stats.backward_gathers
+        out["layer_units"] = sum(u.name.startswith("model.model.layers.") for u in fs.units)
         out["trainable_units"] = sum(u.trainable for u in fs.units)
         out["unit_names"] = sorted({u.name for u in fs.units})
         out["root"] = sorted(pm.fullmap[n].full_name for u in fs.units if u.is_root for n in u.local_names)
@@ -124,6 +131,7 @@ def _job(rank, world, gen_dir):
 @pytest.mark.multiprocess
 def test_frozen_parameters_under_zero3_and_zero1(tmp_path):
     refs = {kind: reference(kind) for kind in ("embed", "lora")}
+    refs["lora-keep"] = refs["lora"]
     results = run_workers(_job, 2, str(tmp_path / "gen"), timeout=400)
     for kind, zero in CASES:
         ref_losses, ref_params = refs[kind]
@@ -152,5 +160,12 @@ def test_frozen_parameters_under_zero3_and_zero1(tmp_path):
                 assert {"model.model.embed_tokens", "model.lm_head", "model.model.layers.0"} <= set(
                     got["unit_names"]), where
                 assert got["root"] == ["model.model.norm.weight"], where
+                assert got["left"] == [], where  # nothing stays gathered after backward
             else:
                 assert got["zero1_params_trainable"], where
+    for rank, per_rank in enumerate(results):  # lora-keep: the layers stay gathered from forward to backward
+        keep, plain = per_rank["lora-keep-3"], per_rank["lora-3"]
+        # backward gathers the head and the root (final norm) again, no decoder layer; without the
+        # setting also the layers' units (frozen base weights, trainable adapters) backward reads
+        assert keep["layer_units"] == 4 and keep["backward_gathers"] == STEPS * 2, (rank, keep)
+        assert plain["backward_gathers"] >= STEPS * (2 + 2), (rank, plain)

@@ -37,7 +37,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 
 from nnscaler.ir import as_compute_config
-from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file, root_modules
+from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file, kept_after_forward, root_modules, unit_names
 from nnscaler.ir.contracts import WEIGHTS_FILE
 from nnscaler.ir import map_tensors
 
@@ -160,8 +160,10 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         shapes = {self.fullmap[local].full_name: tuple(self.fullmap[local].full_shape) for local, _, _ in params}
         tied = {n for alias, local in self.full_aliases.items() for n in (alias, self.fullmap[local].full_name)}
         edges = root_modules(full, shapes, units, tied)
+        keep = kept_after_forward(set(unit_names(full, [*units, *edges]).values()),
+                                  cfg.pas_config.get("zero3_reshard_after_forward", True))
         return FullyShardedParams(params, make_zero_groups(self.grid, cfg.zero_ngroups), [*units, *edges], shared,
-                                  edges=edges)
+                                  edges=edges, keep=keep)
 
     def __getattr__(self, name: str):
         value = super().__getattr__(name)

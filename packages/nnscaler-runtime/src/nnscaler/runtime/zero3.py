@@ -156,13 +156,15 @@ class FullyShardedParams(Pausable):
 
     def __init__(self, params: Sequence[Tuple[str, str, torch.nn.Parameter]], groups: ZeroGroups,
                  unit_modules: Sequence[str] = (), shared: Optional[Dict[str, Tuple[tuple, object]]] = None,
-                 edges: Sequence[str] = ()):
+                 edges: Sequence[str] = (), keep: Sequence[str] = ()):
         """`params`: (local name, full name, parameter) in registration order. `shared`: local name ->
         (holders, group) of tensors several pipeline stages hold (`pipeline_grads.zero3_cross_groups`):
         they form root units of their own, the same on every holder (by full name), whose shard
         gradients are summed over the holders at the step (`zero3_shared`). `edges`: the units of
         `unit_modules` outside the blocks (`contracts.root_modules`: embeddings, head), which backward
-        does not prefetch."""
+        does not prefetch. `keep`: the units (by name) not freed after forward (FSDP2's
+        ``reshard_after_forward=False``): gathered until their backward reduce-scatters (or backward
+        ends), so backward gathers them no more."""
         self.groups = groups
         shared = shared or {}
         names = unit_names([full for _, full, _ in params], unit_modules)
@@ -189,6 +191,7 @@ class FullyShardedParams(Pausable):
         self._next: Dict[int, ShardUnit] = {}  # id(block) -> the block forward uses after it
         self._prev: Dict[int, ShardUnit] = {}  # id(block) -> the block forward used before it
         self._edges = set(edges)  # units backward does not prefetch (contracts.root_modules: embeddings, head)
+        self._keep = set(keep)  # units kept gathered from forward to their backward (reshard_after_forward=False)
         self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
         pausable(self)
 
@@ -266,7 +269,7 @@ class FullyShardedParams(Pausable):
         """Free every gathered block but `u`'s (whatever uses them again gathers them again; a block's
         frozen and trainable tensors, or tensors of two dtypes, are units of the same name)."""
         for x in self.units:
-            if x.name != u.name and not x.is_root and x.full is not None:
+            if x.name != u.name and not x.is_root and x.full is not None and x.name not in self._keep:
                 self._free(x)
 
     def _before(self, u: ShardUnit) -> Optional[ShardUnit]:
@@ -312,10 +315,20 @@ class FullyShardedParams(Pausable):
                 yield
         finally:
             self._forward_depth -= 1
-            self.free_all()
+            self._after_forward()
             if not self._next and len(self._order) > 1:
                 self._next = {id(a): b for a, b in zip(self._order, self._order[1:])}
                 self._prev = {id(b): a for a, b in zip(self._order, self._order[1:])}
+
+    def _after_forward(self) -> None:
+        """Free every unit but those kept for backward (`keep`: only when a backward will come)."""
+        if not self._keep or not torch.is_grad_enabled():
+            self.free_all()
+            return
+        self._land(None)
+        for u in self.units:
+            if u.name not in self._keep:
+                self._free(u)
 
     def free_all(self) -> None:
         """Drop every gathered unit and a prefetch still in flight (waited for: nothing crosses)."""
@@ -379,6 +392,8 @@ class FullyShardedParams(Pausable):
         if not isinstance(saved, _Saved):
             return saved
         u = saved.unit
+        if u.full is not None and u.name in self._keep and graph_task_id() != -1:
+            self._pass.enter()  # kept from forward: whatever is left is freed when backward ends
         if u.full is None:
             if graph_task_id() != -1:
                 self._pass.enter()

@@ -4,11 +4,11 @@ runtime applies (`nnscaler.runtime.zero3`) and the policies' cost models price
 from __future__ import annotations
 
 import fnmatch
-from typing import Collection, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, List, Mapping, Sequence, Tuple, Union
 
 from ..errors import ConfigError
 
-__all__ = ["ROOT_UNIT", "unit_names", "root_modules", "resolve_unit_modules"]
+__all__ = ["ROOT_UNIT", "unit_names", "root_modules", "resolve_unit_modules", "kept_after_forward"]
 
 ROOT_UNIT = ""
 
@@ -79,4 +79,28 @@ def resolve_unit_modules(module_types: Mapping[str, str], names: Union[str, Sequ
             raise ConfigError(f"pas_config['zero3_units']: {name!r} matches no module of the model; module types "
                              f"there: {', '.join(kinds)} (or give a module path or a path glob)")
         out.extend(h for h in hits if h not in out)
+    return sorted(out)
+
+
+def kept_after_forward(units: Collection[str], setting: Any) -> List[str]:
+    """The units (by name, `unit_names`' values) not freed after forward, from
+    ``pas_config["zero3_reshard_after_forward"]`` (FSDP2's ``reshard_after_forward``): True (the
+    default: every unit is freed after forward and gathered again in backward), False (every unit
+    kept gathered until its backward: no gather in backward, more memory between), or a mapping
+    of unit names or globs (``"model.layers.*"``; ``""`` is the root) to True / False, the first
+    matching entry deciding (units no entry matches: True). Raises ConfigError for another value
+    (FSDP2's int, resharding to a smaller group, is not supported)."""
+    key = "pas_config['zero3_reshard_after_forward']"
+    if isinstance(setting, bool):
+        return sorted(units) if not setting else []
+    if not isinstance(setting, Mapping) or not all(isinstance(k, str) and isinstance(v, bool)
+                                                   for k, v in setting.items()):
+        raise ConfigError(f"{key} is {setting!r}: give True, False or a mapping of unit names or globs to True / "
+                         f"False (e.g. {{'model.layers.*': False}}); resharding to a smaller group (an int) is not "
+                         f"supported")
+    out = []
+    for unit in units:
+        hit = next((v for k, v in setting.items() if fnmatch.fnmatchcase(unit, k)), True)
+        if not hit:
+            out.append(unit)
     return sorted(out)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from nnscaler.ir import ConfigError
+from nnscaler.ir.contracts import kept_after_forward
 
 __all__ = ["AutodistConfig", "KEYS"]
 
@@ -39,6 +40,8 @@ KEYS: Dict[str, Tuple[str, Any]] = {
     "transient_mem_coef": ("number >= 0", 2.0),
     "zero3_units": ("module classes, path globs or module paths, a list or comma-separated (ZeRO-3's gathered "
                     "units; read by the code generator too)", []),
+    "zero3_reshard_after_forward": ("True, False or a mapping of unit names or globs to bool (ZeRO-3's units "
+                                    "kept gathered from forward to backward; read by the runtime)", True),
 }
 
 
@@ -76,6 +79,7 @@ class AutodistConfig:
     bucket_cap_bytes: float = 25 * 1024 ** 2  # the reducer's gradient bucket (ComputeConfig.bucket_cap_mb)
     optimizer_states: int = 2  # fp32 tensors of optimizer state per parameter (Adam: exp_avg, exp_avg_sq)
     zero3_units: List[str] = field(default_factory=list)  # module paths gathered as one unit under ZeRO-3
+    zero3_reshard_after_forward: Any = True  # read by the runtime (contracts.kept_after_forward); not priced
 
     @property
     def zero_stage(self) -> int:
@@ -133,6 +137,9 @@ class AutodistConfig:
                                   f"{'plan JSON (written by save_plan_path)' if key == 'load_plan_path' else 'constraints YAML'}")
         if pas.get("zero3_units"):
             out.zero3_units = _name_list("zero3_units", pas["zero3_units"])
+        if "zero3_reshard_after_forward" in pas:
+            kept_after_forward((), pas["zero3_reshard_after_forward"])  # its check
+            out.zero3_reshard_after_forward = pas["zero3_reshard_after_forward"]
         for key in ("recompute_modules", "pipeline_pivots"):
             if pas.get(key):
                 setattr(out, key, _names(key, pas[key]))
