@@ -5,7 +5,8 @@ the native all-to-all with variable counts and its all-gather fallback alike, wi
 order, an expert that receives no token, a rank that sends none, and ranks whose experts receive
 no row at all (their backward still runs the exchanges: no hang), and with a capacity factor (the
 pairs dropped are those one process drops on the whole batch); the payload counted is the
-rows exchanged; `expert_load` records the tokens per expert of the unit. One launch of 4 ranks
+rows exchanged; `expert_load` records the tokens per expert of the unit, the rank's own tokens' and,
+with a capacity, the pairs the rank's tokens lost (summed over the ranks: one process's). One launch of 4 ranks
 runs every case."""
 from __future__ import annotations
 
@@ -76,8 +77,10 @@ def _job(rank, world, cases):
                   want_grads[4][exp], want_grads[5][exp]]
         diffs = [(a - b).abs().max().item() for a, b in zip([got] + grads, pieces)]
         name = "all_to_all(fallback)" if fallback else "all_to_all"
-        out[label] = (diffs, stats.calls(name), stats.bytes(name), moe.expert_load().per_call[0].tolist(),
-                      torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist())
+        load = moe.expert_load()
+        out[label] = (diffs, stats.calls(name), stats.bytes(name), load.per_call[0].tolist(),
+                      torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist(), list(load.own.values())[0].tolist(),
+                      torch.bincount(index[tok].reshape(-1), minlength=EXPERTS).tolist(), list(load.dropped.values()))
     dist.barrier()
     return out
 
@@ -107,11 +110,21 @@ def test_expert_parallel_equals_one_process():
         if capacity:  # the capacity drops pairs (the output differs from dropless routing)
             problem = _problem(seed, skewed)
             assert not torch.equal(routed_experts(*problem, capacity_factor=capacity[0]), routed_experts(*problem)), label
+        dropped = []
         for rank in ranks:
-            diffs, calls, nbytes, load, want_load = results[rank][label]
+            diffs, calls, nbytes, load, want_load, own, want_own, rank_dropped = results[rank][label]
             assert max(diffs) <= 1e-12, (label, rank, diffs)
             assert calls == 4, (label, calls)  # dispatch and combine, forward and backward
             assert nbytes > 0 and load == want_load, (label, load, want_load)
+            assert own == want_own, (label, rank, own, want_own)  # this rank's own tokens' choices
+            dropped += rank_dropped
+        if capacity:  # the ranks' dropped pairs add up to those one process drops
+            from nnscaler.ir.ops.moe import expert_capacity, kept_counts, slot_counts
+            index = _problem(seed, skewed)[1]
+            kept = kept_counts(slot_counts(index, EXPERTS).unsqueeze(0), expert_capacity(TOKENS, K, EXPERTS, capacity[0]))
+            assert len(dropped) == len(ranks) and sum(dropped) == TOKENS * K - int(kept.sum()) > 0, (label, dropped)
+        else:
+            assert dropped == [], label
 
 
 # -- the expert-load record (no process: a one-rank group) --------------------------------------

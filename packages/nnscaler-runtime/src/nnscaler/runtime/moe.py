@@ -47,22 +47,35 @@ class ExpertLoad:
 
     per_layer: Dict[str, torch.Tensor] = field(default_factory=dict)
     ended: bool = False
+    # this rank's own tokens' choices per expert (summed over all ranks: the global batch's load), and
+    # of them the (token, slot) pairs its experts' capacity dropped (only with a capacity factor)
+    own: Dict[str, torch.Tensor] = field(default_factory=dict)
+    dropped: Dict[str, float] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.per_layer.clear()
+        self.own.clear()
+        self.dropped.clear()
         self.ended = False
 
     def end_step(self) -> None:
         """The step is over: the next `add` starts the next step's record."""
         self.ended = True
 
-    def add(self, counts: torch.Tensor, layer: Optional[str] = None) -> None:
-        """Add one forward's tokens per expert of `layer` (None: a call of its own, named by its order)."""
+    def add(self, counts: torch.Tensor, layer: Optional[str] = None, own: Optional[torch.Tensor] = None,
+            dropped: Optional[float] = None) -> None:
+        """Add one forward's tokens per expert of `layer` (None: a call of its own, named by its order);
+        `own`: of them, this rank's tokens'; `dropped`: this rank's pairs dropped over capacity."""
         if self.ended:
             self.reset()
         key = layer if layer is not None else f"call {len(self.per_layer)}"
         counts = counts.detach().to("cpu", torch.float64)
         self.per_layer[key] = self.per_layer[key] + counts if key in self.per_layer else counts
+        if own is not None:
+            own = own.detach().to("cpu", torch.float64)
+            self.own[key] = self.own[key] + own if key in self.own else own
+        if dropped is not None:
+            self.dropped[key] = self.dropped.get(key, 0.0) + float(dropped)
 
     @property
     def per_call(self) -> List[torch.Tensor]:
@@ -138,13 +151,15 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     if rs.to_piece is not None:  # group order -> piece order (piece p is group rank to_piece[p])
         gathered = gathered[torch.as_tensor([int(g) for g in rs.to_piece], device=gathered.device)]
     me = rs.index
-    if _training_forward():
-        _LOAD.add(gathered.sum((0, 1)), layer)
+    recorded = gathered
     if capacity_factor is not None:
         capacity = expert_capacity(tokens * n, k, num_experts, float(capacity_factor))
         kept = kept_counts(gathered.cpu(), capacity)
         top_k_index = drop_over_capacity(top_k_index, kept[me].to(top_k_index.device), num_experts)
         gathered = kept
+    if _training_forward():
+        dropped = None if capacity_factor is None else int(recorded[me].sum()) - int(gathered[me].sum())
+        _LOAD.add(recorded.sum((0, 1)), layer, own=recorded[me].sum(0), dropped=dropped)
     matrix = gathered.sum(1).tolist()  # matrix[src piece][expert]: the rows it sends there
     order, _ = dispatch_order(top_k_index, num_experts)  # a dropped pair sorts last
     send = [sum(matrix[me][j * local:(j + 1) * local]) for j in range(n)]  # rows to piece j

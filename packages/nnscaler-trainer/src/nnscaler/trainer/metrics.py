@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 __all__ = ["MoEMetrics", "TrainStepMetrics", "ValMetrics"]
 
@@ -17,9 +17,21 @@ class MoEMetrics:
     # the busiest expert's tokens over the mean tokens per expert (1.0: balanced), averaged over the
     # expert-parallel layer calls of the step and the ranks; None without expert parallelism
     expert_imbalance: Optional[float] = None
+    # per MoE layer (the experts module's path), the (token, slot) pairs the router sent to each expert
+    # over the step's global batch (all micro-batches and replicas); None without expert parallelism
+    tokens_per_expert: Optional[Dict[str, List[float]]] = None
+    # with a capacity factor: the pairs the experts' capacity dropped over the global batch, and their
+    # share of all pairs; None without one
+    dropped_tokens: Optional[float] = None
+    dropped_fraction: Optional[float] = None
 
     def scalars(self) -> Dict[str, float]:
-        out = {"aux_loss": self.aux_loss, "expert_imbalance": self.expert_imbalance}
+        """aux_loss, expert_imbalance, dropped_tokens, dropped_fraction and one
+        ``tokens_per_expert/<layer>/<expert>`` per expert of each layer (those the run has)."""
+        out = {"aux_loss": self.aux_loss, "expert_imbalance": self.expert_imbalance,
+               "dropped_tokens": self.dropped_tokens, "dropped_fraction": self.dropped_fraction}
+        for layer, counts in (self.tokens_per_expert or {}).items():
+            out.update({f"tokens_per_expert/{layer}/{e}": c for e, c in enumerate(counts)})
         return {k: float(v) for k, v in out.items() if v is not None}
 
 

@@ -5,7 +5,9 @@
 - `MoEMeter`: per step, the mean of that output over the micro-batches of all replicas, and the
   expert load of the expert-parallel forwards (``nnscaler.runtime.moe.expert_load()``: per layer the
   step's tokens per expert, summed over its micro-batches; the busiest expert's over the mean,
-  averaged over layers, then over ranks), reset every step; one all-reduce of four numbers. The Trainer puts them in
+  averaged over layers, then over ranks), reset every step; one all-reduce of four numbers; and the
+  global batch's tokens per expert of each layer and, with a capacity factor, the (token, slot) pairs
+  dropped (one all_gather_object of every rank's own counts). The Trainer puts them in
   ``TrainStepMetrics.moe`` (`MoEMetrics`), hence in the console line and the loggers.
 """
 from __future__ import annotations
@@ -77,11 +79,33 @@ class MoEMeter:
         load = _expert_load()
         routed = any(float(c.sum()) > 0 for c in load.per_call)
         imbalance = load.imbalance() if routed else 0.0
+        own = {layer: c.tolist() for layer, c in load.own.items()}
+        dropped = dict(load.dropped)
         load.reset()
         stats = torch.tensor([sum(aux), len(aux), imbalance, 1.0 if routed else 0.0], dtype=torch.float64)
         stats = _all_reduce_sum(stats)
+        per_expert, dropped_total = _global_load(own, dropped)
+        total = sum(sum(c) for c in per_expert.values())
         return MoEMetrics(aux_loss=float(stats[0] / stats[1]) if stats[1] else None,
-                          expert_imbalance=float(stats[2] / stats[3]) if stats[3] else None)
+                          expert_imbalance=float(stats[2] / stats[3]) if stats[3] else None,
+                          tokens_per_expert=per_expert or None, dropped_tokens=dropped_total,
+                          dropped_fraction=dropped_total / total if dropped_total is not None and total else None)
+
+
+def _global_load(own, dropped):
+    """({layer: tokens per expert}, pairs dropped or None) of the step's global batch: every rank's
+    own tokens summed (one all_gather_object over all ranks; pipeline stages hold different layers)."""
+    parts = [(own, dropped)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (own, dropped))
+    per_expert, total, any_dropped = {}, 0.0, False
+    for rank_own, rank_dropped in parts:
+        for layer, counts in rank_own.items():
+            per_expert[layer] = [a + b for a, b in zip(per_expert[layer], counts)] if layer in per_expert else counts
+        total += sum(rank_dropped.values())
+        any_dropped = any_dropped or bool(rank_dropped)
+    return per_expert, (total if any_dropped else None)
 
 
 def _expert_load():

@@ -9,13 +9,16 @@ __all__ = ["ConsoleReporter", "format_train_line", "format_val_line"]
 
 def format_train_line(m, total_steps: Optional[int]) -> str:
     """``epoch 0 step 3/20 | loss 2.3456 | lr 1.00e-03 | gnorm 0.812 | 812.3 samples/s | ...``; a
-    mixture-of-experts model adds ``aux_loss 2.0154 | expert_imbalance 1.32`` after the loss."""
+    mixture-of-experts model adds ``aux_loss 2.0154 | expert_imbalance 1.32`` after the loss, and with a
+    capacity factor ``dropped_tokens 12 (1.2%)`` (the (token, slot) pairs over capacity)."""
     parts = [f"epoch {m.epoch} step {m.step}{f'/{total_steps}' if total_steps else ''}", f"loss {m.train_loss:.4f}"]
     moe = getattr(m, "moe", None)
     if moe is not None and moe.aux_loss is not None:
         parts.append(f"aux_loss {moe.aux_loss:.4f}")
     if moe is not None and moe.expert_imbalance is not None:
         parts.append(f"expert_imbalance {moe.expert_imbalance:.2f}")
+    if moe is not None and moe.dropped_tokens is not None:  # a capacity factor is set
+        parts.append(f"dropped_tokens {moe.dropped_tokens:.0f} ({100 * (moe.dropped_fraction or 0.0):.1f}%)")
     parts.append(f"lr {m.lr:.2e}")
     if m.gnorm is not None:
         parts.append(f"gnorm {m.gnorm:.3f}")
