@@ -345,6 +345,33 @@ def test_var_keyword_forward_receives_extra_dummy_args():
     assert g.nodes[0].args == [g.inputs[0].leaves[0][1], g.inputs[1].leaves[0][1]]
 
 
+@pytest.mark.parametrize("strategy", ["cpu", "meta"])
+def test_one_tensor_given_for_two_inputs_stays_two_inputs(strategy):
+    """``{"input_ids": ids, "labels": ids}`` (one object twice, as a causal LM's example input
+    often is): each argument is its own graph input, so the program reads input_ids where forward
+    does (it read the last one bound, labels, and trained on the labels). A weight passed as an
+    input is an input too."""
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def forward(self, input_ids, labels, w):
+            return self.emb(input_ids).sum() + labels.sum() * w.sum()
+
+    lm = LM()
+    ids = torch.randint(0, 10, (2, 3))
+    g = trace(lm, {"input_ids": ids, "labels": ids, "w": lm.emb.weight}, trace_strategy=strategy)
+    (_, ids_ref), = g.inputs[0].leaves
+    (_, labels_ref), = g.inputs[1].leaves
+    (_, w_ref), = g.inputs[2].leaves
+    assert len({ids_ref.id, labels_ref.id, w_ref.id}) == 3
+    emb = next(n for n in g.nodes if n.target.endswith("embedding"))
+    assert emb.args[0] == ids_ref, emb.args
+    reads = [r for n in g.nodes for r in n.input_refs()]
+    assert labels_ref in reads and w_ref in reads
+
+
 def test_numpy_scalars_are_recorded_as_numbers():
     class Np(nn.Module):
         def forward(self, x):

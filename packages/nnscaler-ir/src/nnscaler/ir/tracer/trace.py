@@ -41,6 +41,8 @@ def _input_leaves(tracer: Tracer, obj, path: tuple, hint: str, leaves: list):
         ref = tracer.new_value(obj, hint)
         leaves.append((path, ref))
         twin = tracer.device.input_twin(obj)
+        if tracer.is_bound(twin):  # one tensor given twice ({"input_ids": ids, "labels": ids}), or a weight
+            twin = _distinct_copy(twin)  # each input its own value: else every use reads the last binding
         tracer.bind_tensor(twin, ref)
         return twin
     if isinstance(obj, dict):
@@ -51,6 +53,12 @@ def _input_leaves(tracer: Tracer, obj, path: tuple, hint: str, leaves: list):
             return type(obj)(*items)
         return items if isinstance(obj, list) else tuple(items)
     return obj
+
+
+def _distinct_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` that is another object (so it binds to another graph input)."""
+    copy = t.detach().clone()
+    return copy.requires_grad_(True) if t.requires_grad and copy.is_floating_point() else copy
 
 
 def trace(module: torch.nn.Module, dummy_forward_args: Dict[str, Any], *, constant_folding: bool = False,
