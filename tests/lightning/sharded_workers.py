@@ -171,8 +171,11 @@ def configure_model(rank, world, root):
     out["llama-ddp"] = (global_losses(model.step_losses),
                         {f"llama.{k}": v.detach().clone() for k, v in model.llama.named_parameters()})
     for label, plan, policy, kwargs in (("llama-tp2", 2, "tp", {}), ("llama-zero3", 1, "dp",
-                                                                     {"sharding_strategy": "FULL_SHARD"})):
-        model = MetaLlama(hf_dir, meta=True, batch_size=8 * plan)
+                                                                     {"sharding_strategy": "FULL_SHARD"}),
+                                        ("llama-cpu-dp2", 1, "dp", {})):
+        # llama-cpu-dp2: built by from_pretrained on the CPU, as the reference (its example input is
+        # one tensor for input_ids and labels: traced as two inputs, ir/tracer/trace.py)
+        model = MetaLlama(hf_dir, meta=label != "llama-cpu-dp2", batch_size=8 * plan)
         _fit(model, _strategy(root, label, plan, policy, **kwargs), root, label)
         out[label] = (global_losses(model.step_losses), full_weights(model), model.built_on, model.llama, None)
     # activation checkpointing of the decoder layers (issue 43 §1), under dp2

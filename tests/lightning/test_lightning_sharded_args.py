@@ -2,7 +2,8 @@
 (recomputes those modules: same numbers, fewer saved activations, checkpointed generated code),
 `configure_model()` (also on the meta device: a Hugging Face Llama built there on meta and loaded from
 a save_pretrained directory with nnscaler.ckpt.load trains as DDP from from_pretrained, under tp2 and
-FULL_SHARD, and with its decoder layers as activation_checkpointing_policy under dp2) and `cpu_offload` (its own tests:
+FULL_SHARD, and with its decoder layers as activation_checkpointing_policy under dp2; built on the CPU by
+from_pretrained, under dp2, too: its example input gives one tensor as input_ids and labels) and `cpu_offload` (its own tests:
 test_lightning_cpu_offload.py)."""
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ def test_configure_model_and_cpu_offload_match_ddp(tmp_path):
     # a Hugging Face Llama built on meta in configure_model, loaded from its save_pretrained
     # directory in on_fit_start (nnscaler.ckpt.load): DDP's training from from_pretrained
     ref_losses, ref_weights = out["llama-ddp"]
-    for label in ("llama-tp2", "llama-zero3", "llama-dp2-ckpt"):
+    for label in ("llama-tp2", "llama-zero3", "llama-dp2-ckpt", "llama-cpu-dp2"):
         losses, weights, built_on, llama, calls = out[label]
-        assert built_on == "meta" and llama is None, label
+        assert built_on == ("cpu" if label == "llama-cpu-dp2" else "meta") and llama is None, label
         if label == "llama-dp2-ckpt":  # activation_checkpointing_policy={LlamaDecoderLayer}: both layers
             assert calls == [2, 2], calls
         torch.testing.assert_close(losses, ref_losses, atol=1e-6, rtol=TOL, msg=lambda m: f"{label} losses: {m}")
