@@ -1,17 +1,24 @@
-"""Mixture of experts: nnscaler's `ep` policy against `dp` on a tiny Mixtral, 2 ranks of this machine.
+"""Mixture of experts: nnscaler's `ep` policy against `dp` on DeepSeek-V3-style routing (or a Mixtral),
+2 and 4 ranks of this machine, in one run.
 
-    python bench/moe.py [--hidden 256] [--intermediate 512] [--layers 2] [--experts 8] [--top-k 2]
+    python bench/moe.py [--model deepseek_v3|mixtral] [--nprocs 2 4] [--hidden 256] [--intermediate 512]
+                        [--layers 2] [--experts 8] [--top-k 2] [--n-group 4] [--topk-group 2]
                         [--seq 128] [--batch 8] [--rounds 10] [--parts time memory]
 
-The model is transformers' `MixtralForCausalLM` built from a config in code (nothing downloaded;
-seed-0 weights, float32, `experts_implementation="eager"`: transformers' own experts module, which
-nnscaler traces to its one `routed_experts` op whatever the implementation), sdpa attention, no
-dropout, wrapped so that forward(input_ids, labels) returns the next-token cross-entropy. No
-load-balancing loss: under `dp` each rank's would see half the batch, under `ep` the whole batch
-(the plan computes the whole batch), so the two would train different objectives; without it they
-train the same one and their losses must agree within `--loss-rtol` (float32 rounding). Adam (lr
-1e-3). `--nproc` (2) gloo processes, each with max(1, cores // nproc) intra-op threads, the same
-global batch of `--batch` sequences of `--seq` random tokens a step (step s: generator seed 1000 + s):
+The model (default `--model deepseek_v3`) is transformers' `DeepseekV3ForCausalLM` built from a config
+in code: DeepSeek-V3's routing (sigmoid scores, group-limited top-k: the experts in `--n-group`
+groups, each token's `--top-k` experts taken from its `--topk-group` best groups, the router bias
+`e_score_correction_bias` added for the choice), one shared expert, every layer an MoE layer
+(`first_k_dense_replace` 0), MLA attention; `--model mixtral` a `MixtralForCausalLM` (softmax top-k).
+Nothing downloaded; seed-0 weights, float32, `experts_implementation="eager"` (transformers' own
+experts module, which nnscaler traces to its one `routed_experts` op whatever the implementation), sdpa
+attention, no dropout, wrapped so that forward(input_ids, labels) returns the next-token
+cross-entropy. No load-balancing loss (DeepSeek-V3 has none; the Mixtral's coefficient is 0): under
+`dp` each rank's would see 1/n of the batch, under `ep` the whole batch, so the two would train
+different objectives; without it they train the same one and their losses must agree within
+`--loss-rtol` (float32 rounding). Adam (lr 1e-3). For each n of `--nprocs` (2 and 4) in turn: n gloo
+processes, each with max(1, cores // n) intra-op threads, the same global batch of `--batch`
+sequences of `--seq` random tokens a step (step s: generator seed 1000 + s):
 
 * `dp` : `parallelize(model, sample, "dp", ComputeConfig(1, n))`: every rank the whole model and
          rows [r*B/n, (r+1)*B/n) of the batch; the gradients all-reduced;
@@ -19,10 +26,7 @@ global batch of `--batch` sequences of `--seq` random tokens a step (step s: gen
          layer's experts split over it (rank r holds experts [r*E/n, (r+1)*E/n)), the tokens sent
          to their experts' ranks and back by all-to-all (`nnscaler.runtime.moe.expert_parallel`);
          every other op split along its first input's leading dim, or replicated where that does
-         not split (the policy's rule: mostly the batch / tokens with the weights replicated and
-         their gradients all-reduced; RMSNorm's `weight * x` splits along the weight, i.e. the
-         hidden dim, with an all-to-all of the activations either side; the router's softmax and
-         the logits are all-gathered). Every rank passes the whole batch; the generated code takes
+         not split (the policy's rule). Every rank passes the whole batch; the generated code takes
          its rows.
 
 Both with `build_optimizer(pm, torch.optim.Adam)`. A step is `zero_grad`, forward (the loss),
@@ -82,7 +86,8 @@ peak above the baseline. Each case's figure is its larger rank.
 
 Ratios ep/dp (`ratios`): expert parameter bytes per rank (1/n: each rank holds E/n experts), total
 parameter bytes per rank, held tensors per rank, steady-state peak RSS, step time, tokens/s.
-Writes bench/results/moe.json (`--out`); `--smoke` a tiny model, a few steps, both parts.
+Writes bench/results/moe.json (`--out`): the first n's figures at the top level and every n's under
+`by_nproc`; `--smoke` a tiny model, a few steps, both parts, 2 ranks only.
 """
 from __future__ import annotations
 
@@ -126,6 +131,29 @@ def _mixtral(a: dict, seed: int = 0) -> CausalLMLoss:
     return CausalLMLoss(MixtralForCausalLM(cfg)).float().train()
 
 
+def _deepseek_v3(a: dict, seed: int = 0) -> CausalLMLoss:
+    """DeepSeek-V3's routing: sigmoid scores, group-limited top-k (the experts in n_group groups, each
+    token's top-k taken from its topk_group best groups), a bias added to the scores for the choice
+    (e_score_correction_bias, zero here), one shared expert; every layer an MoE layer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    rank = max(8, a["hidden"] // 4)
+    cfg = DeepseekV3Config(vocab_size=a["vocab"], hidden_size=a["hidden"], intermediate_size=a["intermediate"],
+                           moe_intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
+                           num_attention_heads=a["heads"], num_key_value_heads=a["heads"],
+                           n_routed_experts=a["experts"], num_experts_per_tok=a["top_k"], n_shared_experts=1,
+                           n_group=a["n_group"], topk_group=a["topk_group"], first_k_dense_replace=0,
+                           q_lora_rank=rank, kv_lora_rank=rank, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                           v_head_dim=16, max_position_embeddings=a["seq"], attention_dropout=0.0,
+                           attn_implementation="sdpa", experts_implementation="eager", use_cache=False,
+                           tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return CausalLMLoss(DeepseekV3ForCausalLM(cfg)).float().train()
+
+
+def _model(a: dict, seed: int = 0) -> CausalLMLoss:
+    return _deepseek_v3(a, seed) if a["model"] == "deepseek_v3" else _mixtral(a, seed)
+
+
 def _global_batch(a: dict, step: int) -> dict:
     g = torch.Generator().manual_seed(1000 + step)
     shape = (a["batch"], a["seq"])
@@ -149,7 +177,7 @@ def _is_expert(name: str) -> bool:
 def _build(case: str, a: dict, world: int, gen_dir: str):
     """(parallelized module, optimizer, parameters of the single-device model, its expert parameters)."""
     from nnscaler import ComputeConfig, build_optimizer, parallelize
-    base = _mixtral(a)
+    base = _model(a)
     n_params = sum(p.numel() for p in base.parameters())
     n_expert = sum(p.numel() for n, p in base.named_parameters() if _is_expert(n))
     plan = world if case == "ep" else 1
@@ -389,43 +417,19 @@ def _all_to_all_report(timing: list, a: dict, n: int) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=512)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences a step (the global batch)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    _rss.add_protocol_args(p, warmup=2, rounds=10, block=2)
-    p.add_argument("--parts", nargs="*", default=["time", "memory"], choices=["time", "memory"],
-                   help="1: step time, parameter bytes, all-to-all bytes; 2: peak RSS")
-    p.add_argument("--out", default=str(_common.RESULTS_DIR / "moe.json"))
-    args = _common.parse_args(p, {"hidden": 64, "intermediate": 96, "layers": 2, "heads": 4, "kv_heads": 2,
-                                  "experts": 4, "vocab": 128, "seq": 16, "batch": 4, "warmup": 1, "rounds": 1,
-                                  "block": 1, "mem_steps": 1},
-                              "moe.json")
-    if "time" not in args.parts:
-        p.error("--parts needs 'time' (the parameter and all-to-all figures come from it)")
-    n = args.nproc
-    if args.batch % n or args.experts % n:
-        p.error(f"--batch ({args.batch}) and --experts ({args.experts}) must be multiples of --nproc ({n})")
+def _run(args, n: int) -> dict:
+    """Both parts on `n` ranks: the report printed, the figures returned."""
     t_start = time.perf_counter()
     load_before = _common.loadavg()
     cases = list(CASES)
     a = {k: getattr(args, k) for k in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "experts",
                                        "top_k", "seq", "batch", "lr", "warmup", "rounds", "block", "mem_warmup",
-                                       "mem_steps", "nproc")}
-    a["tag"] = "main"
+                                       "mem_steps", "model", "n_group", "topk_group")}
+    a["nproc"] = n
+    a["tag"] = f"{args.model}_{n}"
     threads = _common.threads_per_rank(n)
     tokens = args.batch * args.seq
-    print(f"Mixtral {args.layers} layers x {args.hidden} (experts {args.experts} x {args.intermediate}, top-"
+    print(f"{args.model} {args.layers} layers x {args.hidden} (experts {args.experts} x {args.intermediate}, top-"
           f"{args.top_k}), seq {args.seq}, {args.batch} sequences a step ({tokens} tokens); {n} gloo processes x "
           f"{threads} thread(s)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -454,7 +458,7 @@ def main() -> None:
     if mem:
         for c in cases:
             mem[c]["loss_rel_diff_vs_part1"] = _common.max_rel_diff(mem[c]["losses"], r0["losses"][c])
-    print(f"\n== Mixtral {args.layers} x {args.hidden}: {sizes['params']:,} parameters, {sizes['expert_params']:,} "
+    print(f"\n== {args.model} {args.layers} x {args.hidden}: {sizes['params']:,} parameters, {sizes['expert_params']:,} "
           f"in experts; Adam fp32; {n} gloo ranks x {threads} thread(s); {tokens} tokens a step ==")
     head = ["case", "step ms (median)", "min", "fwd / bwd / opt ms", "tokens/s", "expert params MiB/rank",
             "params MiB/rank", "held tensors MiB/rank"]
@@ -510,7 +514,7 @@ def main() -> None:
     elapsed = time.perf_counter() - t_start
     print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
     data = {**_common.run_header(),
-            "config": {**vars(args), "threads_per_rank": threads, "tokens_per_step": tokens,
+            "config": {**vars(args), "nproc": n, "threads_per_rank": threads, "tokens_per_step": tokens,
                        "malloc_env": None if args.no_malloc_env else _rss.MALLOC_ENV, "dtype": "float32",
                        "experts_implementation": "eager", "labels": LABELS},
             "model": {"params": sizes["params"], "expert_params": sizes["expert_params"],
@@ -525,6 +529,42 @@ def main() -> None:
             "losses": r0["losses"], "loss_rel_diff_ep_vs_dp": loss_diff, "loss_rtol": args.loss_rtol,
             "losses_ok": losses_ok, "all_to_all_exact": a2a["exact_every_step"],
             "loadavg_before": load_before, "loadavg_after": _common.loadavg(), "seconds": elapsed}
+    return data
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nprocs", type=int, nargs="+", default=[2, 4], help="rank counts, each run in turn")
+    p.add_argument("--model", choices=["deepseek_v3", "mixtral"], default="deepseek_v3")
+    p.add_argument("--n-group", type=int, default=4, help="deepseek_v3: expert groups")
+    p.add_argument("--topk-group", type=int, default=2, help="deepseek_v3: groups a token's experts come from")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences a step (the global batch)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    _rss.add_protocol_args(p, warmup=2, rounds=10, block=2)
+    p.add_argument("--parts", nargs="*", default=["time", "memory"], choices=["time", "memory"],
+                   help="1: step time, parameter bytes, all-to-all bytes; 2: peak RSS")
+    p.add_argument("--out", default=str(_common.RESULTS_DIR / "moe.json"))
+    args = _common.parse_args(p, {"hidden": 64, "intermediate": 96, "layers": 2, "heads": 4, "kv_heads": 2,
+                                  "experts": 4, "vocab": 128, "seq": 16, "batch": 4, "warmup": 1, "rounds": 1,
+                                  "block": 1, "mem_steps": 1, "nprocs": [2], "n_group": 2, "topk_group": 1},
+                              "moe.json")
+    if "time" not in args.parts:
+        p.error("--parts needs 'time' (the parameter and all-to-all figures come from it)")
+    for n in args.nprocs:
+        if args.batch % n or args.experts % n:
+            p.error(f"--batch ({args.batch}) and --experts ({args.experts}) must be multiples of every --nprocs ({n})")
+    runs = {str(n): _run(args, n) for n in args.nprocs}
+    first = runs[str(args.nprocs[0])]
+    data = {**first, "by_nproc": runs}  # the first size's figures at the top level, every size's under by_nproc
     _common.save_results(args.out, data)
 
 

@@ -1,4 +1,4 @@
-"""bench/moe.py still runs (``--smoke``: a tiny Mixtral on 2 gloo processes, `ep` against `dp`) and
+"""bench/moe.py still runs (``--smoke``: a tiny DeepSeek-V3 on 2 gloo processes, `ep` against `dp`) and
 reports every figure: step time and tokens/s of both, parameter bytes per rank (ep holds half the
 expert weights), steady-state peak RSS per rank, and the experts' all-to-all payload a step equal
 to the analytic count (measured / analytic == 1.0 exactly, over the ranks and per rank). The
@@ -16,6 +16,8 @@ def test_moe_bench_runs_and_reports(tmp_path):
     data = run_smoke("moe.py", tmp_path)
 
     cfg = data["config"]
+    assert cfg["model"] == "deepseek_v3" and list(data["by_nproc"]) == ["2"] and cfg["nproc"] == 2
+    assert data["by_nproc"]["2"]["ratios"] == data["ratios"]
     for case in ("dp", "ep"):
         assert data["step_time"]["median_s"][case] > 0 and data["step_time"]["tokens_per_s"][case] > 0
         pb = data["param_bytes"][case]
