@@ -313,6 +313,7 @@ def main() -> None:
                    choices=["time", "memory", "budget", "accum", "ckpt", "frozen"],
                    help="which parts to run (1: time, 2: memory, 3: budget, 4: accum, 5: ckpt, 6: frozen)")
     p.add_argument("--frozen-blocks", type=int, default=None, help="part 6: blocks frozen (default: half)")
+    p.add_argument("--frozen-cases", nargs="*", default=["zero3", "zero1"], choices=["zero3", "zero1"])
     p.add_argument("--accum-micros", type=int, default=4, help="part 4: micro-batches a step")
     p.add_argument("--budget-cases", nargs="*", default=["ddp", "zero1", "zero3"], choices=CASES)
     p.add_argument("--budget-mib", type=float, default=1100)
@@ -324,7 +325,7 @@ def main() -> None:
                                   "mem_steps": 1, "demo_layers": 2, "demo_embd": 64, "budget_steps": 1,
                                   "accum_micros": 2,
                                   # every code path once, in few process launches (the test suite's time)
-                                  "cases": ["ddp", "fsdp2", "zero3"], "parts": ["time", "budget", "accum", "ckpt", "frozen"],
+                                  "cases": ["ddp", "fsdp2", "zero3"], "parts": ["time", "budget", "accum", "ckpt", "frozen"], "frozen_cases": ["zero3"],
                                   "budget_cases": ["zero3"]},
                               "fsdp.json")
     t_start = time.perf_counter()
@@ -374,7 +375,7 @@ def main() -> None:
             print(f"part 5 (checkpoints) zero3: ({s:.1f} s)", flush=True)
         frozen_runs = {}
         n_frozen = args.layers // 2 if args.frozen_blocks is None else args.frozen_blocks
-        for c in (("zero3", "zero1") if "frozen" in args.parts else ()):
+        for c in (args.frozen_cases if "frozen" in args.parts else ()):
             for k in (0, n_frozen):
                 fa = dict(a, frozen_blocks=k, tag=f"frozen{k}")
                 ranks, s = _spawn(memory_case, (c, fa, gen), fa, tmp, f"frozen_{c}_{k}", not args.no_malloc_env)
@@ -487,7 +488,7 @@ def main() -> None:
         print(f"\n== frozen parameters: the first {n_frozen} of {args.layers} blocks frozen (GPT {args.layers} x "
               f"{args.embd}, Adam) ==")
         rows = []
-        for c in ("zero3", "zero1"):
+        for c in args.frozen_cases:
             full, part = frozen_runs[f"{c} frozen 0"], frozen_runs[f"{c} frozen {n_frozen}"]
             for k, r in ((0, full), (n_frozen, part)):
                 rows.append([c, k, fmt_mib(r["held_bytes"]), fmt_mib(r["steady_rss"]), fmt_mib(r["peak_rss"]),
