@@ -79,6 +79,18 @@ def assert_refused_in_one_line(example: str, run_dir: str, overrides, capsys, mo
     assert not os.listdir(run_dir)
 
 
+def example_args(example: str, *overrides):
+    """TrainerArgs of examples/trainer/`example` with `overrides`, read from the repository root
+    (as the README runs the examples: their relative paths resolve there)."""
+    from nnscaler.trainer import TrainerArgs
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return TrainerArgs.from_yaml(os.path.join(ROOT, "examples", "trainer", example), list(overrides))
+    finally:
+        os.chdir(cwd)
+
+
 def assert_config_verdict(example, overrides, key, says) -> None:
     """`example(*overrides)` (building and checking the config) passes when `key` is None, else
     raises TrainerConfigError naming `key` whose message holds every text of `says`."""

@@ -10,28 +10,19 @@ examples/trainer/hf_moe.yaml (no process launched).
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 
-from nnscaler.trainer import TrainerArgs, TrainerConfigError, TrainerConfigWarning
+from nnscaler.trainer import TrainerConfigError, TrainerConfigWarning
 from nnscaler.trainer.hf.config_keys import unread_config_keys
-from test_cli import HERE
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(HERE))
-EXAMPLE = os.path.join(ROOT, "examples", "trainer", "hf_moe.yaml")
-
 
 def _example(*overrides):
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        return TrainerArgs.from_yaml(EXAMPLE, list(overrides))
-    finally:
-        os.chdir(cwd)
+    from hf_runs import example_args
+    return example_args("hf_moe.yaml", *overrides)
 
 
 def _warnings(*overrides):

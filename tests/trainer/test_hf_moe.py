@@ -90,12 +90,8 @@ def test_hf_moe_example_trains_under_ep_and_logs_aux_loss_and_expert_load(tmp_pa
 
 
 def _example(*overrides):
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        return TrainerArgs.from_yaml(EXAMPLE, list(overrides))
-    finally:
-        os.chdir(cwd)
+    from hf_runs import example_args
+    return example_args("hf_moe.yaml", *overrides)
 
 
 @pytest.mark.parametrize("overrides,key,says", [
