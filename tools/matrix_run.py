@@ -229,6 +229,7 @@ def reference(case) -> Dict[str, Any]:
         world = PLANS[case["plan"]][2]
         dp = world // PLANS[case["plan"]][1]
         n, per = nmicros(case), GLOBAL_BATCH // dp
+        aux = isinstance(model, hf_models.MoeCausalLM) and dp > 1
         losses = []
         for step in range(STEPS):
             ranks = [{k: v[r * per:(r + 1) * per] for k, v in _batch(case, step).items()} for r in range(dp)]
@@ -237,7 +238,7 @@ def reference(case) -> Dict[str, Any]:
             total = 0.0
             for i in range(n):
                 mb = {k: torch.cat([p[i][k] for p in pieces]) for k in pieces[0][i]}
-                part = model(**mb)
+                part = _per_replica_loss(model, mb, dp) if aux else model(**mb)
                 (part / n).backward()
                 total += float(part.detach())
             if case["action"] == "clip":
@@ -250,6 +251,27 @@ def reference(case) -> Dict[str, Any]:
         return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
     finally:
         torch.set_num_threads(threads)
+
+
+def _per_replica_loss(model, mb, dp):
+    """`model(**mb)` with the router's load-balancing loss taken per data-parallel replica (`dp`
+    equal row groups of `mb`, each a replica's micro-batch) and averaged, as nnscaler, Megatron and
+    DeepSpeed compute it (docs/moe.md; `tests/models/test_moe_parity.py`'s per-replica reference).
+    One forward on the whole micro-batch, so dropout draws as for it; the next-token loss, a mean
+    over equally many tokens per replica, is unchanged."""
+    captured = []
+    hook = model.model.register_forward_hook(lambda _m, _i, out: captured.append(out.router_logits))
+    try:
+        whole = model(**mb)
+    finally:
+        hook.remove()
+    cfg = model.model.config
+    experts, k = getattr(cfg, "num_local_experts", None) or cfg.num_experts, cfg.num_experts_per_tok
+    layers = [logits.reshape(dp, -1, logits.shape[-1]) for logits in captured[0]]  # rows are batch-major
+    per_replica = torch.stack([hf_models.load_balancing_loss([lg[r] for lg in layers], experts, k)
+                               for r in range(dp)]).mean()
+    global_aux = hf_models.load_balancing_loss(captured[0], experts, k)
+    return whole + cfg.router_aux_loss_coef * (per_replica - global_aux)
 
 
 def compare(case, results: List[dict], ref: Dict[str, Any]) -> str:
