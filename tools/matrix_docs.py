@@ -33,6 +33,13 @@ with (precision, batch, dropout, user action, zero_ngroups) are chosen by a seed
 covering design: see `tools/matrix_cases.py` and [tools/matrix.py](#running-it). "Llama" is HF
 Llama with RMSNorm in the input's dtype; the vision model is transformers' ViT (timm could not be
 installed here: its torchvision dependency replaces the CPU torch).
+
+For the MoE models with an auxiliary load-balancing loss (Mixtral, Qwen3-MoE, gpt-oss) the
+one-process reference takes that loss per data-parallel replica and micro-batch, the documented
+semantics (`docs/moe.md`, as Megatron and DeepSpeed compute it): each replica's micro-batch gets
+its own load-balancing loss and the reference averages them (the next-token loss is unchanged);
+within a replica, tp / megatron / cp / ep compute it over the replica's whole micro-batch, as one
+process does. DeepSeek-V3 has no auxiliary loss; its reference is the plain global batch.
 """
 
 FOOTER = """

@@ -17,6 +17,11 @@ A case ends in one state:
   Python stacks, dumped by faulthandler just before the deadline, are attached) or ``differs``
   (the first value out of bounds): failures, recorded as found.
 
+For a model with an auxiliary load-balancing loss (`hf_models.MoeCausalLM`: Mixtral, Qwen3-MoE,
+gpt-oss) the reference takes that loss per data-parallel replica's micro-batch and averages them
+(docs/moe.md's semantics, as `tests/models/test_moe_parity.py`'s per-replica reference); see
+`_per_replica_loss`.
+
 The model "llama" is HF Llama with RMSNorm in the input's dtype (`hf_models.llama64`: HF computes
 it in float32 whatever the model's dtype); the vision model is transformers' ViT (timm is not
 installed: its torchvision dependency would replace this machine's CPU torch).
