@@ -17,6 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from launch import run_workers  # noqa: E402
 
+from cp_models import AttentionMoE  # noqa: E402
 from gpt import GPT, GPTConfig, random_batch  # noqa: E402
 from nnscaler.codegen import REPORT_JSON, REPORT_TEXT, build_report, generate  # noqa: E402
 from nnscaler.ir import ComputeConfig, trace  # noqa: E402
@@ -194,27 +195,6 @@ def test_collectives_per_step_equal_what_a_real_run_measures(tmp_path):
 
 
 # -- context and expert parallelism: the runtime's own exchanges ---------------------------------------
-
-class AttentionMoE(nn.Module):
-    """Causal attention, then a mixture-of-experts layer on the flattened tokens (4 experts, top-2)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb, self.qkv, self.out = nn.Embedding(16, 8), nn.Linear(8, 24), nn.Linear(8, 16)
-        self.router = nn.Linear(8, 4, bias=False)
-        self.up = nn.Parameter(torch.randn(4, 16, 8) * 0.1)
-        self.down = nn.Parameter(torch.randn(4, 8, 8) * 0.1)
-
-    def forward(self, ids, labels):
-        from nnscaler.ir.ops.moe import routed_experts
-        b, s = ids.shape
-        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 8)
-        x = y.reshape(-1, 8)
-        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
-        y = y + routed_experts(x, index, weights, self.up, self.down).view(b, s, 8)
-        return F.cross_entropy(self.out(y).transpose(1, 2), labels)
-
 
 def _cp_moe_batch():
     ids = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(0))

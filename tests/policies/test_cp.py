@@ -13,6 +13,8 @@ from nnscaler.ir.graph import IRGraph
 from nnscaler.policies import PlanError, apply_policy
 from nnscaler.policies.plan import tensor_outputs
 
+from cp_models import AttentionMoE
+
 
 class Attention(torch.nn.Module):
     def __init__(self, eager=False, dropout=0.0, causal=True, reduction="mean", packed=False):
@@ -129,26 +131,6 @@ def test_autodist_may_ring_the_attention():
     op = next(o for o in problem.ops if o.node.id == attention.id)
     times = dict(zip(op.labels, op.time))
     assert times["ring"] > 3e-3 / 2  # half the compute plus the blocks passed around the ring
-
-
-class AttentionMoE(Attention):
-    """Attention, then a mixture-of-experts layer on the flattened (batch x sequence) tokens."""
-
-    def __init__(self, experts=4):
-        super().__init__()
-        self.router = torch.nn.Linear(8, experts, bias=False)
-        self.up = torch.nn.Parameter(torch.randn(experts, 16, 8) * 0.1)
-        self.down = torch.nn.Parameter(torch.randn(experts, 8, 8) * 0.1)
-
-    def forward(self, ids, labels):
-        from nnscaler.ir.ops.moe import routed_experts
-        b, s = ids.shape
-        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 8)
-        x = y.reshape(-1, 8)
-        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
-        y = y + routed_experts(x, index, weights, self.up, self.down).view(b, s, 8)
-        return F.cross_entropy(self.out(y).transpose(1, 2), labels)
 
 
 def test_experts_split_over_the_unit_as_ep():
