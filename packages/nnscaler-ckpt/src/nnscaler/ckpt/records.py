@@ -1,4 +1,5 @@
-"""The records of ``manifest.json`` as typed objects: `Manifest` and the records it holds
+"""(One file over 400 lines: the records nest into one schema, read and checked together.)
+The records of ``manifest.json`` as typed objects: `Manifest` and the records it holds
 (`FileRecord`, `TensorInfo`, `ModelPiece`, `OptimizerPiece`, `RankRecord`, `OptimizerInfo`,
 `ModulePlan`, `MergeSource`). Code reads and builds them by attribute; they become JSON only at
 the disk (and wire) boundary: ``to_json()`` gives exactly the JSON that was always written,
@@ -7,7 +8,6 @@ offending field (`Manifest.from_json` turns it into a `CheckpointError` naming t
 fix). Fields older manifests lack are optional here; unknown fields are ignored.
 ``Manifest.dumps()`` / ``Manifest.loads(raw)`` are the bytes of ``manifest.json``: every writer
 (the commit, the SHA-256 filled in after it) and every reader goes through them.
-(One file over 400 lines: the records nest into one schema, read and checked together.)
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """ZeRO stage 1: the optimizer state (and the fp32 master copy, where there is one) of every
 trainable tensor is sharded across the data-parallel replicas of that tensor.
+(One file over 400 lines: the buckets, their reduction and the sharded step are one engine whose
+state the three share; the fully sharded mode's unit cycle is `zero3`.)
 
 Turned on by ``ComputeConfig(use_zero=True)``; `build_optimizer` builds it (this module holds the
 machinery and the public metadata). The training loop does not change::
@@ -88,8 +90,6 @@ Checkpoint metadata
 says which slice of which parameter's state lives on which rank; see its docstring. It is the
 public contract: a checkpoint reader needs only these dataclasses, or just the dict.
 
-(One file over 400 lines: the buckets, their reduction and the sharded step are one engine whose
-state the three share; the fully sharded mode's unit cycle is `zero3`.)
 """
 from __future__ import annotations
 
