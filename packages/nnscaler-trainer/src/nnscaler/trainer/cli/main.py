@@ -15,28 +15,29 @@ import logging
 import os
 import signal
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..config.argv import split_argv
 from ..config.loading import dump_yaml
 from ..config.trainer_args import TrainerArgs
 from ..errors import NnScalerError, TrainerConfigError
+from .worker_env import worker_env
 
 __all__ = ["main", "PREEMPTED_EXIT"]
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM  # 143: what a shell reports for a process SIGTERM ended
 
 
-def _launch(nproc: int, argv: List[str], max_restarts: int = 0) -> int:
+def _launch(nproc: int, argv: List[str], max_restarts: int = 0,
+            entry: Sequence[str] = ("-m", "nnscaler.trainer")) -> int:
     """``torchrun --nproc_per_node N --max-restarts R -m nnscaler.trainer ARGV`` (standalone
-    rendezvous). Torch's agent forwards SIGTERM to the workers and gives them
-    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (30 by default) before it kills them."""
+    rendezvous; `entry` replaces ``-m nnscaler.trainer``), the workers' environment from
+    `worker_env` (threads, glibc's malloc thresholds). Torch's agent forwards SIGTERM to the workers
+    and gives them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (30 by default) before it kills them."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", "-m", "nnscaler.trainer",
-            *argv]
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # each rank: cores // ranks threads
+    args = ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", *entry, *argv]
+    worker_env(nproc)  # each rank: cores // ranks threads; freed memory handed back
     agent_log = _AgentLog(logging.getLogger("torch.distributed.elastic.multiprocessing.api"))
     try:
         torchrun.main(args)
