@@ -146,9 +146,35 @@ def test_kept_after_forward_follows_reshard_after_forward():
     assert kept_after_forward(units, False) == sorted(units)
     assert kept_after_forward(units, {"lm_head": True, "model.layers.*": False, "": False}) == [
         "", "model.layers.0", "model.layers.1"]
-    for bad in (2, "no", {"model.layers.*": 2}):
-        with pytest.raises(ConfigError, match=r"zero3_reshard_after_forward'\] is .*give True, False or a mapping"):
+    assert kept_after_forward(units, 1) == sorted(units)  # the int 1: a group of one rank, kept gathered
+    assert kept_after_forward(units, {"model.layers.*": 1, "": 2}, 4) == ["model.layers.0", "model.layers.1"]
+    for bad in ("no", 0, {"model.layers.*": "2"}, {"model.layers.*": None}):
+        with pytest.raises(ConfigError, match=r"zero3_reshard_after_forward'\](\[.*\])? is .*give"):
             kept_after_forward(units, bad)
+
+
+def test_reshard_sizes_take_an_int_dividing_the_zero_group():
+    """FSDP2's reshard_after_forward as an int k: the size of the smaller group a unit is resharded
+    to after forward; True is the whole zero group (never the int 1), False and 1 keep it gathered."""
+    from nnscaler.ir import ConfigError
+    from nnscaler.ir.contracts import reshard_sizes, smaller_sizes
+    units = {"", "model.layers.0", "model.layers.1", "lm_head"}
+    assert reshard_sizes(units, True, 4) == dict.fromkeys(units, 4)
+    assert reshard_sizes(units, False, 4) == reshard_sizes(units, 1, 4) == dict.fromkeys(units, 1)
+    assert reshard_sizes(units, 2, 4) == dict.fromkeys(units, 2)
+    assert reshard_sizes(units, {"model.layers.*": 2, "lm_head": False}, 4) == {
+        "": 4, "model.layers.0": 2, "model.layers.1": 2, "lm_head": 1}
+    assert reshard_sizes(units, {"model.layers.*": True, "*": 2}, 8) == {
+        "": 2, "model.layers.0": 8, "model.layers.1": 8, "lm_head": 2}  # the first matching entry decides
+    assert smaller_sizes({"a": 2, "b": 4, "c": True, "d": 1, "e": 8}, 8) == [2, 4]
+    assert smaller_sizes(True, 8) == smaller_sizes(8, 8) == smaller_sizes(1, 8) == []
+    for bad, text in ((3, "is 3, which does not divide the zero group size 4.*: 1, 2, 4"), (0, "at least 1"),
+                      (8, "does not divide"), ("2", "the string '2'.*not a string"), (2.5, "is 2.5: give"),
+                      ({"model.layers.*": 3}, r"\['model.layers.\*'\] is 3, which does not divide"),
+                      ({1: 2}, "keys are unit names or globs")):
+        with pytest.raises(ConfigError, match=r"pas_config\['zero3_reshard_after_forward'\].*" + text):
+            reshard_sizes(units, bad, 4)
+    assert reshard_sizes(units, 3, None) == dict.fromkeys(units, 3)  # the group size not known yet: k >= 1 only
 
 
 def test_resolve_unit_modules_takes_classes_globs_and_paths():

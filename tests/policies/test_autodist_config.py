@@ -150,7 +150,9 @@ BAD = [
     ({"_optimizer_states": -1}, {}, "_optimizer_states", ">= 0"),
     ({"zero3_units": ["h.0", 3]}, {}, "zero3_units", "module classes, path globs or module paths"),
     ({"zero3_units": " , "}, {}, "zero3_units", "module classes, path globs or module paths"),
-    ({"zero3_reshard_after_forward": 2}, {}, "zero3_reshard_after_forward", "True, False or a mapping"),
+    ({"zero3_reshard_after_forward": "yes"}, {}, "zero3_reshard_after_forward", "not a string"),
+    ({"zero3_reshard_after_forward": 3}, {"use_zero": 3, "runtime_ngpus": 4, "plan_ngpus": 1},
+     "zero3_reshard_after_forward", "does not divide the zero group size 4"),
 ]
 
 

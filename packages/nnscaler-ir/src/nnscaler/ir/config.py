@@ -143,6 +143,10 @@ class ComputeConfig:
                 continue
             _check_type(name, value, dict)
             _check_json(name, value)
+        if "zero3_reshard_after_forward" in self.pas_config:  # its values, and under use_zero=3 k | zero group
+            from .contracts.shard_units import reshard_sizes
+            reshard_sizes((), self.pas_config["zero3_reshard_after_forward"],
+                          self.dp_size // self.zero_ngroups if self.zero_stage == 3 else None)
 
     # -- derived values ------------------------------------------------------------------------
     @property

@@ -37,7 +37,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 
 from nnscaler.ir import as_compute_config
-from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file, kept_after_forward, root_modules, unit_names
+from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file, reshard_sizes, root_modules, smaller_sizes
+from nnscaler.ir.contracts import unit_names
 from nnscaler.ir.contracts import WEIGHTS_FILE
 from nnscaler.ir import map_tensors
 
@@ -56,6 +57,7 @@ from .source_notes import note_source
 from .weight_loading import WeightLoadingMixin
 from .zero3 import FullyShardedParams
 from .zero3_held import held_tensors
+from .zero3_reshard import SmallerReshard, make_smaller_groups
 from .zero_groups import make_zero_groups
 
 __all__ = ["ParallelModule", "FullMapEntry", "INIT_WEIGHTS_FILE", "make_compute_config"]
@@ -160,10 +162,21 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         shapes = {self.fullmap[local].full_name: tuple(self.fullmap[local].full_shape) for local, _, _ in params}
         tied = {n for alias, local in self.full_aliases.items() for n in (alias, self.fullmap[local].full_name)}
         edges = root_modules(full, shapes, units, tied)
-        keep = kept_after_forward(set(unit_names(full, [*units, *edges]).values()),
-                                  cfg.pas_config.get("zero3_reshard_after_forward", True))
-        return FullyShardedParams(params, make_zero_groups(self.grid, cfg.zero_ngroups), [*units, *edges], shared,
-                                  edges=edges, keep=keep)
+        groups = make_zero_groups(self.grid, cfg.zero_ngroups)
+        keep, smaller = self._resharded_after_forward(set(unit_names(full, [*units, *edges]).values()), groups.size)
+        return FullyShardedParams(params, groups, [*units, *edges], shared,
+                                  edges=edges, keep=keep, smaller=smaller)
+
+    def _resharded_after_forward(self, units, group_size: int):
+        """FSDP2's ``reshard_after_forward`` (``pas_config["zero3_reshard_after_forward"]``): the units kept
+        gathered after forward, and the units resharded to a smaller group (COLLECTIVE: makes the smaller
+        groups of every size the setting names, on every rank)."""
+        cfg = self.compute_config
+        setting = cfg.pas_config.get("zero3_reshard_after_forward", True)
+        sizes = reshard_sizes(units, setting, group_size)
+        groups = make_smaller_groups(self.grid, cfg.zero_ngroups, smaller_sizes(setting, group_size))
+        smaller = SmallerReshard({u: k for u, k in sizes.items() if 1 < k < group_size}, groups)
+        return sorted(u for u, k in sizes.items() if k == 1), smaller
 
     def __getattr__(self, name: str):
         value = super().__getattr__(name)

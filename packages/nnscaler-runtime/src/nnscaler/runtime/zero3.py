@@ -63,6 +63,7 @@ from .grad_ready import BackwardPass, graph_task_id
 from .reducer import Pausable, pausable
 from .zero import flat_layout, reduce_rows, row_segments
 from .zero_groups import ZeroGroups
+from .zero3_reshard import SmallerReshard
 from nnscaler.ir.contracts import ROOT_UNIT, unit_names
 
 __all__ = ["FullyShardedParams", "ShardUnit", "Zero3Stats", "unit_names", "ROOT_UNIT"]
@@ -158,7 +159,7 @@ class FullyShardedParams(Pausable):
 
     def __init__(self, params: Sequence[Tuple[str, str, torch.nn.Parameter]], groups: ZeroGroups,
                  unit_modules: Sequence[str] = (), shared: Optional[Dict[str, Tuple[tuple, object]]] = None,
-                 edges: Sequence[str] = (), keep: Sequence[str] = ()):
+                 edges: Sequence[str] = (), keep: Sequence[str] = (), smaller: Optional[SmallerReshard] = None):
         """`params`: (local name, full name, parameter) in registration order. `shared`: local name ->
         (holders, group) of tensors several pipeline stages hold (`pipeline_grads.zero3_cross_groups`):
         they form root units of their own, the same on every holder (by full name), whose shard
@@ -166,7 +167,9 @@ class FullyShardedParams(Pausable):
         `unit_modules` outside the blocks (`contracts.root_modules`: embeddings, head), which backward
         does not prefetch. `keep`: the units (by name) not freed after forward (FSDP2's
         ``reshard_after_forward=False``): gathered until their backward reduce-scatters (or backward
-        ends), so backward gathers them no more."""
+        ends), so backward gathers them no more. `smaller`: the units resharded to a smaller group after
+        forward (FSDP2's ``reshard_after_forward=k``, `zero3_reshard`): each rank keeps its 1/k part of
+        them, and backward gathers them from the parts over k ranks."""
         self.groups = groups
         shared = shared or {}
         names = unit_names([full for _, full, _ in params], unit_modules)
@@ -194,6 +197,7 @@ class FullyShardedParams(Pausable):
         self._prev: Dict[int, ShardUnit] = {}  # id(block) -> the block forward used before it
         self._edges = set(edges)  # units backward does not prefetch (contracts.root_modules: embeddings, head)
         self._keep = set(keep)  # units kept gathered from forward to their backward (reshard_after_forward=False)
+        self._smaller = smaller if smaller is not None else SmallerReshard({}, {})  # reshard_after_forward=k
         self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
         pausable(self)
 
@@ -272,7 +276,7 @@ class FullyShardedParams(Pausable):
         frozen and trainable tensors, or tensors of two dtypes, are units of the same name)."""
         for x in self.units:
             if x.name != u.name and not x.is_root and x.full is not None and x.name not in self._keep:
-                self._free(x)
+                self._free(x, reshard=True)
 
     def _before(self, u: ShardUnit) -> Optional[ShardUnit]:
         """The block forward used before `u`, which backward runs next; None for an edge unit (an
@@ -286,7 +290,8 @@ class FullyShardedParams(Pausable):
         g = self.groups
         if u is None or g.size == 1 or u.full is not None or self._inflight is not None:
             return
-        started = start_all_gather_flat(u.shard.detach(), g.group, g.size, label="zero3_all_gather")
+        started = (self._smaller.start(u) if self._smaller.holds(u) else
+                   start_all_gather_flat(u.shard.detach(), g.group, g.size, label="zero3_all_gather"))
         if started is not None:
             self._inflight = (u, *started)
             self._count()
@@ -324,13 +329,13 @@ class FullyShardedParams(Pausable):
 
     def _after_forward(self) -> None:
         """Free every unit but those kept for backward (`keep`: only when a backward will come)."""
-        if not self._keep or not torch.is_grad_enabled():
+        if not (self._keep or self._smaller) or not torch.is_grad_enabled():
             self.free_all()
             return
         self._land(None)
         for u in self.units:
             if u.name not in self._keep:
-                self._free(u)
+                self._free(u, reshard=True)
 
     def free_all(self) -> None:
         """Drop every gathered unit and a prefetch still in flight (waited for: nothing crosses)."""
@@ -338,7 +343,13 @@ class FullyShardedParams(Pausable):
         for u in self.units:
             self._free(u)
 
-    def _free(self, u: ShardUnit) -> None:
+    def _free(self, u: ShardUnit, reshard: bool = False) -> None:
+        """Drop `u`'s gathered buffer; with `reshard` (forward leaving it) a unit resharded to a smaller
+        group keeps its part, otherwise the part goes too."""
+        if reshard and u.full is not None:
+            self._smaller.keep(u, u.full)
+        elif not reshard:
+            self._smaller.drop(u)
         if u.full is not None:
             self._live.pop(u.full.untyped_storage().data_ptr(), None)
         u.full = None
@@ -351,8 +362,11 @@ class FullyShardedParams(Pausable):
         if u.full is not None:
             return u.full
         shard = u.shard.detach()
-        full = all_gather_flat(shard, g.group, g.size, label="zero3_all_gather",
-                               what="the fully sharded parameter all-gather") if g.size > 1 else shard.clone()
+        if self._smaller.holds(u):  # resharded to a smaller group after forward: gathered from the parts there
+            full = self._smaller.gather(u)
+        else:
+            full = all_gather_flat(shard, g.group, g.size, label="zero3_all_gather",
+                                   what="the fully sharded parameter all-gather") if g.size > 1 else shard.clone()
         self._hold(u, full)
         return full
 

@@ -20,7 +20,8 @@ from .full_map import FullMapEntry
 from .held_tensors import HeldRange, HeldTensor, flat_blocks
 from .generated_module import GENERATED_ATTR_NAMES, GENERATED_ATTRS, GeneratedAttr, GeneratedAttrs
 from .piece import Piece
-from .shard_units import ROOT_UNIT, kept_after_forward, resolve_unit_modules, root_modules, unit_names
+from .shard_units import (ROOT_UNIT, kept_after_forward, reshard_sizes, resolve_unit_modules, root_modules,
+                          smaller_sizes, unit_names)
 from .pipeline_meta import PipelineMeta
 from .plan_report import (REPLICATED_WARN_FRACTION, REPORT_JSON, REPORT_TEXT, Collective, ModuleReport, OpSplit,
                           PlanReport, UnannotatedOp)
@@ -30,5 +31,6 @@ from .optimizer_attrs import OptimizerAttrs
 __all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", "gencode_file", "is_gencode_file",
            "FullMapEntry", "GENERATED_ATTR_NAMES", "GENERATED_ATTRS", "GeneratedAttr", "GeneratedAttrs", "Piece",
            "PipelineMeta", "REPLICATED_WARN_FRACTION", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit",
-           "PlanReport", "UnannotatedOp", "ROOT_UNIT", "unit_names", "root_modules", "kept_after_forward", "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout",
+           "PlanReport", "UnannotatedOp", "ROOT_UNIT", "unit_names", "root_modules", "kept_after_forward", "reshard_sizes", "smaller_sizes",
+           "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout",
            "OptimizerAttrs", "HeldRange", "HeldTensor", "flat_blocks"]

@@ -4,11 +4,12 @@ runtime applies (`nnscaler.runtime.zero3`) and the policies' cost models price
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Collection, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ConfigError
 
-__all__ = ["ROOT_UNIT", "unit_names", "root_modules", "resolve_unit_modules", "kept_after_forward"]
+__all__ = ["ROOT_UNIT", "unit_names", "root_modules", "resolve_unit_modules", "kept_after_forward",
+           "reshard_sizes", "smaller_sizes"]
 
 ROOT_UNIT = ""
 
@@ -82,25 +83,77 @@ def resolve_unit_modules(module_types: Mapping[str, str], names: Union[str, Sequ
     return sorted(out)
 
 
-def kept_after_forward(units: Collection[str], setting: Any) -> List[str]:
-    """The units (by name, `unit_names`' values) not freed after forward, from
-    ``pas_config["zero3_reshard_after_forward"]`` (FSDP2's ``reshard_after_forward``): True (the
-    default: every unit is freed after forward and gathered again in backward), False (every unit
-    kept gathered until its backward: no gather in backward, more memory between), or a mapping
-    of unit names or globs (``"model.layers.*"``; ``""`` is the root) to True / False, the first
-    matching entry deciding (units no entry matches: True). Raises ConfigError for another value
-    (FSDP2's int, resharding to a smaller group, is not supported)."""
-    key = "pas_config['zero3_reshard_after_forward']"
-    if isinstance(setting, bool):
-        return sorted(units) if not setting else []
-    if not isinstance(setting, Mapping) or not all(isinstance(k, str) and isinstance(v, bool)
-                                                   for k, v in setting.items()):
-        raise ConfigError(f"{key} is {setting!r}: give True, False or a mapping of unit names or globs to True / "
-                         f"False (e.g. {{'model.layers.*': False}}); resharding to a smaller group (an int) is not "
-                         f"supported")
-    out = []
+_KEY = "pas_config['zero3_reshard_after_forward']"
+
+
+def _check_size(where: str, value: Any, group_size: Optional[int]) -> None:
+    """`value` (one setting of ``zero3_reshard_after_forward``) is a bool or an int k >= 1 dividing
+    `group_size` (None: not known yet, only k >= 1 checked); ConfigError naming `where` otherwise."""
+    if isinstance(value, bool):
+        return
+    fix = "True (reshard to the whole zero group), False (keep gathered) or an int"
+    if group_size is not None:
+        divisors = [k for k in range(1, group_size + 1) if group_size % k == 0]
+        fix += (f" dividing the zero group size {group_size} (runtime_ngpus // plan_ngpus // zero_ngroups): "
+                f"{', '.join(map(str, divisors))}")
+    else:
+        fix += " >= 1 dividing the zero group size"
+    if isinstance(value, str):
+        raise ConfigError(f"{where} is the string {value!r}: give the bool or the int itself, not a string: {fix} "
+                          f"(the int 1 keeps the unit gathered like False; True reshards to the whole group)")
+    if not isinstance(value, int):
+        raise ConfigError(f"{where} is {value!r}: give {fix}, or a mapping of unit names or globs to those "
+                          f"(e.g. {{'model.layers.*': 2}})")
+    if value < 1:
+        raise ConfigError(f"{where} is {value}: an int is the size of the smaller group a unit is resharded to after "
+                          f"forward (FSDP2's reshard_after_forward=int), at least 1; give {fix}")
+    if group_size is not None and group_size % value:
+        raise ConfigError(f"{where} is {value}, which does not divide the zero group size {group_size}: each of "
+                          f"the smaller groups of that many ranks holds a whole unit after forward; give {fix}")
+
+
+def reshard_sizes(units: Collection[str], setting: Any, group_size: Optional[int]) -> Dict[str, int]:
+    """unit name -> the size k of the group it is resharded to after forward, from
+    ``pas_config["zero3_reshard_after_forward"]`` (FSDP2's ``reshard_after_forward``), `group_size`
+    being the zero group's size z: True (the default: k = z, every unit freed after forward and
+    gathered again in backward from the whole zero group), False (k = 1: kept gathered until its
+    backward), an int k dividing z (each rank keeps 1/k of the unit after forward, the k consecutive
+    ranks of its zero group together hold it all, and backward all-gathers among them only: the
+    int 1 is False, the int z is True, and the bool True is never the int 1), or a mapping of unit
+    names or globs (``"model.layers.*"``; ``""`` is the root) to those, the first matching entry
+    deciding (units no entry matches: True). With `group_size` None every k is only checked to be an
+    int >= 1 and True maps to 0 ("the whole group"). Raises ConfigError for another value."""
+    if isinstance(setting, Mapping):
+        if not all(isinstance(k, str) for k in setting):
+            raise ConfigError(f"{_KEY} is {setting!r}: a mapping's keys are unit names or globs (strings, "
+                             f"e.g. 'model.layers.*'; '' is the root)")
+        for k, v in setting.items():
+            _check_size(f"{_KEY}[{k!r}]", v, group_size)
+    else:
+        _check_size(_KEY, setting, group_size)
+
+    def size(value: Any) -> int:
+        if value is True:
+            return group_size or 0
+        return 1 if value is False else int(value)
+
+    out = {}
     for unit in units:
-        hit = next((v for k, v in setting.items() if fnmatch.fnmatchcase(unit, k)), True)
-        if not hit:
-            out.append(unit)
-    return sorted(out)
+        hit = setting if not isinstance(setting, Mapping) else next(
+            (v for k, v in setting.items() if fnmatch.fnmatchcase(unit, k)), True)
+        out[unit] = size(hit)
+    return out
+
+
+def smaller_sizes(setting: Any, group_size: int) -> List[int]:
+    """The group sizes k (1 < k < z) that ``zero3_reshard_after_forward`` names anywhere (the same on
+    every rank, whatever units a rank holds): the smaller groups the runtime creates."""
+    values = setting.values() if isinstance(setting, Mapping) else [setting]
+    return sorted({int(v) for v in values if not isinstance(v, bool) and isinstance(v, int) and 1 < v < group_size})
+
+
+def kept_after_forward(units: Collection[str], setting: Any, group_size: Optional[int] = None) -> List[str]:
+    """The units (by name, `unit_names`' values) not freed after forward (resharded to a group of one
+    rank: `reshard_sizes` gives them 1, from False or the int 1). Raises ConfigError for a bad
+    ``pas_config["zero3_reshard_after_forward"]``."""
+    return sorted(u for u, k in reshard_sizes(units, setting, group_size).items() if k == 1)

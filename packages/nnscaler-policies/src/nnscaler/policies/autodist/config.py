@@ -40,8 +40,10 @@ KEYS: Dict[str, Tuple[str, Any]] = {
     "transient_mem_coef": ("number >= 0", 2.0),
     "zero3_units": ("module classes, path globs or module paths, a list or comma-separated (ZeRO-3's gathered "
                     "units; read by the code generator too)", []),
-    "zero3_reshard_after_forward": ("True, False or a mapping of unit names or globs to bool (ZeRO-3's units "
-                                    "kept gathered from forward to backward; read by the runtime)", True),
+    "zero3_reshard_after_forward": ("True, False, an int dividing the zero group size, or a mapping of unit "
+                                    "names or globs to those (FSDP2's reshard_after_forward of ZeRO-3's units: "
+                                    "kept gathered, or held by a smaller group, from forward to backward; read by "
+                                    "the runtime)", True),
 }
 
 
@@ -138,7 +140,8 @@ class AutodistConfig:
         if pas.get("zero3_units"):
             out.zero3_units = _name_list("zero3_units", pas["zero3_units"])
         if "zero3_reshard_after_forward" in pas:
-            kept_after_forward((), pas["zero3_reshard_after_forward"])  # its check
+            kept_after_forward((), pas["zero3_reshard_after_forward"],  # its check
+                               out.runtime_ngpus // out.plan_ngpus // out.zero_ngroups if out.use_zero == 3 else None)
             out.zero3_reshard_after_forward = pas["zero3_reshard_after_forward"]
         for key in ("recompute_modules", "pipeline_pivots"):
             if pas.get(key):
