@@ -3,7 +3,8 @@ tokens, the loss and the gradient of its logits equal ``F.cross_entropy(reductio
 tokens in one process (float64, 1e-12): class indices with ignored targets (one rank with every
 target ignored), class weights, label smoothing, class probabilities, spatial dims; one all-reduce a
 call, nothing of the logits' size sent. One launch of 2 ranks; the refusal of other reductions
-needs no process."""
+needs no process, nor does the per-rank sum's memory (one logits-sized tensor saved, the
+gradient written into it)."""
 from __future__ import annotations
 
 import pytest
@@ -73,3 +74,41 @@ def test_other_reductions_are_refused_by_name():
     from nnscaler.runtime.comm import CommError
     with pytest.raises(CommError, match="reduction='mean' only .*reduction='sum'"):
         sequence_loss.cross_entropy(torch.randn(4, 3), torch.zeros(4, dtype=torch.long), reduction="sum", ranks=(0,))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sum_holds_one_logits_sized_tensor_and_equals_torch(weighted):
+    """The fused per-rank sum (class indices, no smoothing) equals ``F.cross_entropy(reduction='sum')``
+    in float64 (loss and gradient, ignored targets included), saves one (N, C) tensor (the
+    log-probabilities) and returns the gradient in that tensor's memory (no third logits-sized
+    tensor in backward)."""
+    from nnscaler.runtime import sequence_loss
+    x, t, _ = _problem("ignored")
+    w = torch.rand(C, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5 if weighted else None
+    mine, ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    saved = []
+
+    def pack(s):
+        if s.shape == x.shape:
+            saved.append(s)
+        return s
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+        loss = sequence_loss._sum(mine, t, w, -100, 0.0)
+    want = F.cross_entropy(ref, t, weight=w, reduction="sum")
+    loss.backward()
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-12
+    assert (mine.grad - ref.grad).abs().max().item() <= 1e-12
+    assert len(saved) == 1 and saved[0].data_ptr() != mine.data_ptr()  # the log-probabilities, not the logits
+    assert torch.equal(saved[0], mine.grad)  # the gradient was written over them (in place)
+
+
+def test_sum_refuses_a_second_backward_through_the_same_graph():
+    from nnscaler.runtime import sequence_loss
+    x, t, _ = _problem("ignored")
+    x.requires_grad_(True)
+    loss = sequence_loss._sum(x, t, None, -100, 0.0)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -9,11 +9,22 @@ losses of its own tokens (``reduction='sum'``), one all-reduce adds the sums and
 (the tokens not ignored, or their class weights), and every rank returns the same mean. Backward:
 each rank's gradient of its own sum, over the global denominator (the all-reduce's dual is the
 identity), so nothing of the vocabulary's size crosses the ranks either way.
+
+Memory: with class indices over ``(tokens, classes)`` logits and no label smoothing (transformers'
+loss), each rank's sum is `_SumCrossEntropy`: forward keeps the log-probabilities only, and backward
+turns them into the gradient in place (``softmax - one_hot``, times the token's weight), so the loss
+holds two logits-sized tensors at its peak (the logits and their log-probabilities, in forward)
+where ``F.cross_entropy`` holds three (its saved log-probabilities, their gradient and the logits'
+gradient, in backward). The logits are the largest activation of a language model (vocabulary x
+tokens). A second backward through the same graph (``retain_graph=True``) is refused by autograd's
+saved-tensor check (the log-probabilities were modified in place).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import Function
+from torch.autograd.function import once_differentiable
 
 from .comm.collectives import all_reduce
 from .comm.primitives import CommError, as_ranks
@@ -31,14 +42,46 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         raise CommError(f"sequence_loss.cross_entropy computes reduction='mean' only (got reduction={reduction!r}, "
                         f"size_average={size_average!r}, reduce={reduce!r}): other reductions split by their "
                         f"annotation")
-    total = F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction="sum",
-                            label_smoothing=label_smoothing)
+    total = _sum(input, target, weight, ignore_index, label_smoothing)
     acc = torch.promote_types(total.dtype, torch.float32)  # a bf16 / fp16 count is inexact above 256 tokens
     count = _denominator(input, target, weight, ignore_index).to(acc)
     if len(ranks) == 1:
         return (total.to(acc) / count).to(total.dtype)
     both = all_reduce(torch.stack([total.to(acc), count]), ranks)  # one collective: the sums and the denominators
     return (both[0] / both[1].detach()).to(total.dtype)
+
+
+def _sum(input, target, weight, ignore_index, label_smoothing) -> torch.Tensor:
+    """``F.cross_entropy(reduction='sum')``: `_SumCrossEntropy` where it applies (class indices over
+    (tokens, classes), no label smoothing), else torch's."""
+    if input.dim() == 2 and not target.is_floating_point() and target.dim() == 1 and label_smoothing == 0.0:
+        return _SumCrossEntropy.apply(input, target, weight, ignore_index)
+    return F.cross_entropy(input, target, weight=weight, ignore_index=ignore_index, reduction="sum",
+                           label_smoothing=label_smoothing)
+
+
+class _SumCrossEntropy(Function):
+    """The summed cross-entropy of (N, C) logits against N class indices; saves the log-probabilities
+    (and per-token weights), and backward overwrites them with the gradient (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, input, target, weight, ignore_index):
+        logp = torch.log_softmax(input, dim=1)
+        keep = target != ignore_index
+        t = torch.where(keep, target, 0)
+        w = keep.to(logp.dtype) if weight is None else torch.where(keep, weight[t].to(logp.dtype), 0)
+        total = -(logp.gather(1, t.unsqueeze(1)).squeeze(1) * w).sum()
+        ctx.save_for_backward(logp, t, w)
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        logp, t, w = ctx.saved_tensors
+        g = logp.exp_()  # softmax, in the log-probabilities' memory
+        g[torch.arange(g.shape[0], device=g.device), t] -= 1
+        g.mul_((w * grad).unsqueeze(1))
+        return g, None, None, None
 
 
 def _denominator(input, target, weight, ignore_index) -> torch.Tensor:

@@ -30,7 +30,11 @@ view and shares no memory with the input, so in-place ops (``relu_``, ``add_``, 
 ``ReLU(inplace=True)``) may modify it and the input stays intact. Where the collective already
 produces a fresh buffer this costs nothing (`primitives.own` drops the view-ness of a reshaped
 receive buffer without a copy); the one copy is `grad_all_reduce`'s forward, whose result is
-the input's value: it is a clone (autograd refuses in-place ops on an input returned as is).
+the input's value: it is a clone (autograd refuses in-place ops on an input returned as is),
+except for a parameter (``nn.Parameter``: what a replicated weight is under cp, tp, ep), which it
+returns as a view of itself: an op that saves the weight for backward (a linear layer, the head of
+the vocabulary's size) then saves the parameter, not a copy a step; a parameter cannot be modified
+in place in forward anyway (autograd refuses it on a leaf that requires grad).
 Backward identities (`all_reduce`, `to_partial`) pass the incoming gradient on, as autograd does.
 """
 from __future__ import annotations
@@ -66,7 +70,10 @@ def _identity(x, *args):
 
 
 def _copy(x, *args):
-    """A fresh copy (forward of an identity transition: the output may be modified in place)."""
+    """A fresh copy (forward of an identity transition: the output may be modified in place); a
+    parameter's view of itself (see the module docstring)."""
+    if isinstance(x, torch.nn.Parameter):
+        return x.view_as(x)
     return x.clone(memory_format=torch.contiguous_format)
 
 
