@@ -2,9 +2,13 @@
 module built on the meta device and parallelized takes the values `save_pretrained` wrote (one
 file and sharded with an index), under the files' names as they are or under one common prefix;
 missing, unexpected and mis-shaped tensors, an ambiguous prefix and an optimizer are refused by
-name. One launch of 2 gloo processes: a meta-built Llama (float64) loads the directory and an
-nnscaler checkpoint into dp, tp, ZeRO-1, ZeRO-3, cp (ring attention) and pp (1f1b) plans and trains as one process does
-(1e-10); a Mixtral built on meta and initialized on the ranks trains under ep 2 as one process does."""
+name; a Qwen3-MoE directory (experts stored one by one) fills the module's fused expert tensors as
+``from_pretrained`` does, and a missing expert tensor is refused by name. One launch of 2 gloo
+processes: a meta-built Llama (float64) loads the directory and an nnscaler checkpoint into dp, tp,
+ZeRO-1, ZeRO-3, cp (ring attention) and pp (1f1b) plans and trains as one process does (1e-10); a
+Mixtral built on meta and initialized on the ranks trains under ep 2 as one process does, and a
+meta-built Mixtral loads its ``save_pretrained`` directory (per-expert names) under ep 2, each rank
+reading only its experts, to ``from_pretrained``'s values exactly."""
 from __future__ import annotations
 
 import contextlib
@@ -102,6 +106,47 @@ def test_names_as_they_are_and_under_one_prefix():
         match_prefix(["c.weight"], files, "d")
 
 
+def _meta_pm(name, tmp_path, policy="dp", cfg=None):
+    with torch.device("meta"), _default_dtype(torch.float64):
+        model = hf_models.BUILDERS[name]()
+    return parallelize(model, hf_models.batch(name, 0, 2), policy, cfg or ComputeConfig(1, 1),
+                       gen_savedir=tmp_path / "gen", init_module_params=False)
+
+
+def _from_pretrained(name, path):
+    """The model transformers loads from `path` (its own per-expert -> fused conversion), by name."""
+    model = type(hf_models.make(name).model).from_pretrained(path, dtype=torch.float64)
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def test_experts_stored_one_by_one_fill_the_fused_tensors(tmp_path):
+    hf_models.make("qwen3_moe").model.save_pretrained(tmp_path / "hf")  # transformers 5 writes experts one by one
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys and not any("gate_up_proj" in k for k in keys)
+    pm = _meta_pm("qwen3_moe", tmp_path)
+    ckpt.load(tmp_path / "hf", pm)
+    want = _from_pretrained("qwen3_moe", tmp_path / "hf")
+    fused = [e.full_name for e in pm.fullmap.values() if e.full_name.endswith(("gate_up_proj", "down_proj"))]
+    assert len(fused) == 4
+    for local, e in pm.fullmap.items():
+        assert torch.equal(getattr(pm, local), want[e.full_name[len("model."):]]), e.full_name
+    # one expert's up projection missing: refused by name, with the fix, and nothing changed
+    from safetensors.torch import load_file
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    del state["model.layers.1.mlp.experts.2.up_proj.weight"]
+    _write(tmp_path / "lacking", state)
+    before = {local: getattr(pm, local).clone() for local in pm.fullmap}
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.experts.gate_up_proj is stored per expert, and the "
+                                              r"directory lacks model.layers.1.mlp.experts.2.up_proj.weight: copy "
+                                              r"the model's files completely \(every expert's gate_proj and "
+                                              r"up_proj\)") as info:
+        ckpt.load(tmp_path / "lacking", pm)
+    assert "Traceback" not in str(info.value)
+    assert all(torch.equal(getattr(pm, local), v) for local, v in before.items())
+
+
 def test_a_checkpoint_directory_is_not_taken_for_hugging_face(tmp_path):
     _write(tmp_path / "hf", {"w": torch.zeros(1)})
     assert is_hf_directory(tmp_path / "hf")
@@ -143,7 +188,7 @@ def _counting_reads():
         Sources.read_key = original
 
 
-def _meta_plans(rank, world, hf_dir, root):
+def _meta_plans(rank, world, hf_dir, root, moe_dir):
     """Every plan from each source: (losses, this rank's parameter pieces) by "<plan>-<source>"."""
     out, ckpt_dir = {}, os.path.join(root, "ckpt")
     for label, policy, plan_ngpus, extra in PLANS:
@@ -175,6 +220,18 @@ def _meta_plans(rank, world, hf_dir, root):
     pm = parallelize(model, hf_models.batch("mixtral", 0, mp.GLOBAL_BATCH), "ep", cfg,
                      gen_savedir=os.path.join(root, "ep"))
     out["ep-init"] = _train(pm, cfg, "mixtral", mp.GLOBAL_BATCH, 0, world)
+    # the same model from its save_pretrained directory (experts one by one): each rank reads its experts
+    with torch.device("meta"), _default_dtype(torch.float64):
+        model = hf_models.make("mixtral")
+    pm = parallelize(model, hf_models.batch("mixtral", 0, mp.GLOBAL_BATCH), "ep", cfg,
+                     gen_savedir=os.path.join(root, "ep"), init_module_params=False)
+    with _counting_reads() as read:
+        ckpt.load(moe_dir, pm)
+    held = sum(t.numel() for lt in local_tensors(pm) if lt.persistent for _, t in lt.pieces())
+    experts = [lt for lt in local_tensors(pm) if lt.full_name.endswith("gate_up_proj")]
+    assert experts and all(lt.slices[0][1] - lt.slices[0][0] == 2 for lt in experts)  # 2 of the 4 experts
+    out["ep-hf"] = (read[0], held, [(e.full_name, e.full_shape, e.slices, getattr(pm, local).detach().clone())
+                                    for local, e in pm.fullmap.items()])
     return out
 
 
@@ -208,7 +265,15 @@ def _train(pm, cfg, name, per, dp_rank, world):
 @pytest.mark.multiprocess
 def test_meta_llama_from_hf_directory_and_checkpoint_trains_as_one_process(tmp_path):
     hf_models.make("llama64").model.save_pretrained(tmp_path / "hf")
-    results = run_workers(_meta_plans, 2, str(tmp_path / "hf"), str(tmp_path), timeout=300)
+    hf_models.make("mixtral").model.save_pretrained(tmp_path / "moe")  # block_sparse_moe.experts.<e>.w1 ...
+    results = run_workers(_meta_plans, 2, str(tmp_path / "hf"), str(tmp_path), str(tmp_path / "moe"), timeout=360)
+    want = _from_pretrained("mixtral", tmp_path / "moe")
+    loaded = [r.pop("ep-hf") for r in results]
+    assert all(read <= held for read, held, _ in loaded), loaded  # each rank read only its experts and regions
+    moe = assemble_full(((r, pieces) for r, (_, _, pieces) in enumerate(loaded)), "ep-hf")
+    assert {n[len("model."):] for n in moe} == set(want)
+    for name, value in moe.items():
+        assert torch.equal(value, want[name[len("model."):]]), name
     refs = {"llama64": mp.reference("llama64")}
     with _default_dtype(torch.float64):  # the initialisation draws in the dtype the model is built in
         refs["mixtral"] = mp.reference("mixtral")

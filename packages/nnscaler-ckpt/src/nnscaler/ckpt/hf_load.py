@@ -7,7 +7,9 @@ Each rank reads only the regions of the tensors it holds (``safe_open(...).get_s
 shard reads its rows or columns, never the whole tensor. Names: the module's full names are the
 files' as they are, or the files' under one common prefix (a wrapper holding the model as
 ``self.m``: ``m.model.layers.0.mlp.up_proj.weight``), found from the names of every rank and
-refused when two prefixes fit equally well. Every rank checks the same things on the gathered
+refused when two prefixes fit equally well; a mixture of experts stored per expert fills the
+module's fused expert tensors (`hf_names`: transformers' own renaming and fusing rules, each
+per-expert tensor a piece of its fused tensor). Every rank checks the same things on the gathered
 names: a persistent tensor of the module the files lack (by none of its names, a tied one's
 included), a tensor of the files no rank's module has, and a shape that differs are errors naming
 the tensor. The directory has no recorded hashes: its files are read as they are.
@@ -24,6 +26,7 @@ import torch
 
 from .collectives import all_gather_json, rank_and_world
 from .errors import CheckpointError, describe
+from .hf_names import Target, converted_name, targets
 from .load import _model_values, _raise_if_any
 from .module_tensors import local_tensors
 from .names import MANIFEST
@@ -90,21 +93,22 @@ def match_prefix(module_names: Iterable[str], file_names: Set[str], root) -> str
     return top[0]
 
 
-def _check(root: Path, everyone: List[list], files: Dict[str, tuple], prefix: str) -> None:
+def _check(root: Path, everyone: List[list], found: Dict[str, Target], prefix: str) -> None:
     """Missing, unexpected and mis-shaped tensors over every rank's (names, full shape, persistent)."""
     missing, shapes, used = set(), set(), set()
     for names, shape, persistent in (t for rank in everyone for t in rank):
-        keys = [n[len(prefix):] for n in names if n.startswith(prefix) and n[len(prefix):] in files]
+        keys = [n[len(prefix):] for n in names if n.startswith(prefix) and n[len(prefix):] in found]
         used.update(keys)
         if not keys:
             if persistent:
                 missing.add(f"{names[0]}{list(shape)}")
             continue
         for key in keys:
-            if tuple(files[key][1]) != tuple(shape):
-                shapes.add(f"{key} has shape {list(files[key][1])} in the directory, the module's {names[0]} "
-                           f"{list(shape)}")
-    unexpected = sorted(set(files) - used)
+            if tuple(found[key].shape) != tuple(shape):
+                how = " (fused from its per-expert tensors)" if found[key].sources[0].squeezed else ""
+                shapes.add(f"{key}{how} has shape {list(found[key].shape)} in the directory, the module's "
+                           f"{names[0]} {list(shape)}")
+    unexpected = sorted(k for name, t in found.items() if name not in used for k in t.file_names())
     if missing or shapes or unexpected:
         parts = ([f"missing {', '.join(sorted(missing))}"] if missing else []) + sorted(shapes) + \
                 ([f"unexpected {', '.join(unexpected)}"] if unexpected else [])
@@ -113,13 +117,29 @@ def _check(root: Path, everyone: List[list], files: Dict[str, tuple], prefix: st
                               f"directory of the model this module was built from (same config)")
 
 
-def _manifest(root: Path, files: Dict[str, tuple], prefix: str) -> Manifest:
-    """The directory as a merged checkpoint whose full names are the module's (prefix + key)."""
-    records = {f: FileRecord(os.path.getsize(root / f), None) for f in sorted({v[0] for v in files.values()})}
-    model = [ModelPiece(key, prefix + key, shape, tuple((0, d) for d in shape), (0, 1), dtype, file=f)
-             for key, (f, shape, dtype) in files.items()]
-    tensors = {prefix + key: TensorInfo(shape, dtype) for key, (_, shape, dtype) in files.items()}
+def _manifest(root: Path, found: Dict[str, Target], prefix: str) -> Manifest:
+    """The directory as a merged checkpoint whose full names are the module's (prefix + name): one
+    piece per file tensor (a per-expert tensor is a piece of its fused tensor)."""
+    files = sorted({s.file for t in found.values() for s in t.sources})
+    records = {f: FileRecord(os.path.getsize(root / f), None) for f in files}
+    model = [ModelPiece(s.key, prefix + name, t.shape, s.region, (0, 1), t.dtype, file=s.file)
+             for name, t in found.items() for s in t.sources]
+    tensors = {prefix + name: TensorInfo(t.shape, t.dtype) for name, t in found.items()}
     return Manifest("merged", 1, records, tensors=tensors, model=model)
+
+
+class _Sources(Sources):
+    """`Sources` that reads a per-expert tensor as its piece of the fused tensor (with the leading
+    expert dimension of 1 it is stored without)."""
+
+    def __init__(self, root, manifest: Manifest, squeezed: Set[str]):
+        super().__init__(root, manifest, "size")
+        self.squeezed = squeezed
+
+    def read(self, rec, region=None) -> torch.Tensor:
+        if rec.key not in self.squeezed:
+            return super().read(rec, region)
+        return self.read_key(rec.file, rec.key, tuple(region[1:]) if region else None).unsqueeze(0)
 
 
 def load_hf_directory(path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -127,7 +147,7 @@ def load_hf_directory(path, module: torch.nn.Module, optimizer: Optional[torch.o
     the same error when any rank fails, and nothing changes then."""
     rank, _ = rank_and_world()
     root = Path(path).absolute()
-    error, tensors, mine = None, [], []
+    error, tensors, mine, squeezed = None, [], [], set()
     try:
         if optimizer is not None:
             raise CheckpointError(f"{root} is a Hugging Face model directory: it holds no optimizer state; call "
@@ -141,15 +161,20 @@ def load_hf_directory(path, module: torch.nn.Module, optimizer: Optional[torch.o
     manifest = None
     try:
         files = hf_tensors(root)
-        prefix = match_prefix({n for rank_ in everyone for names, _, _ in rank_ for n in names}, set(files), root)
-        _check(root, everyone, files, prefix)
-        manifest = _manifest(root, files, prefix)
+        known = set(files) | {c for c in map(converted_name, files) if c is not None}
+        prefix = match_prefix({n for rank_ in everyone for names, _, _ in rank_ for n in names}, known, root)
+        shapes = {n[len(prefix):]: tuple(shape) for rank_ in everyone for names, shape, _ in rank_ for n in names
+                  if n.startswith(prefix)}
+        found = targets(root, files, shapes)
+        _check(root, everyone, found, prefix)
+        manifest = _manifest(root, found, prefix)
+        squeezed = {s.key for t in found.values() for s in t.sources if s.squeezed}
     except Exception as e:  # noqa: BLE001
         error = describe(e, rank)
     _raise_if_any(error)
     values = []
     try:
-        with Sources(root, manifest, "size") as src:
+        with _Sources(root, manifest, squeezed) as src:
             values = _model_values(src, tensors)
     except Exception as e:  # noqa: BLE001
         error = describe(e, rank)
