@@ -2,12 +2,13 @@
 sequence, the output and the gradients of q, k, v equal ``F.scaled_dot_product_attention`` on the
 whole sequence in one process (float64, 1e-12): causal (rows balanced in the zigzag layout), with
 a padding + causal mask (bool and additive), packed documents (a causal mask per document), key
-padding broadcast over the rows, without any; a boolean mask is read as key intervals (balanced when
-causal-like, nothing of its size kept for backward), with grouped-query heads and a
-given scale, at n = 2 and 4, with unsorted ranks. In bfloat16 (both block paths: the fused CPU
-kernel and the matrix one other devices run) against float32 ``scaled_dot_product_attention``:
-within torch's own bfloat16 ``scaled_dot_product_attention`` error (the softmax statistics, the
-merge and the gradient sums are float32). One launch of 4 ranks runs every case."""
+padding broadcast over the rows, without any, with a value head size other than the query's; a
+boolean mask is read as key intervals (balanced when causal-like, nothing of its size kept for
+backward), with grouped-query heads and a given scale, at n = 2 and 4, with unsorted ranks. In
+bfloat16 (both block paths: the fused CPU kernel and the matrix one other devices run) against
+float32 ``scaled_dot_product_attention``: within torch's own bfloat16 ``scaled_dot_product_attention``
+error (the softmax statistics, the merge and the gradient sums are float32). One launch of 4 ranks
+runs every case. The fast tier checks the blocks with a value head size other than the query's."""
 from __future__ import annotations
 
 import pytest
@@ -19,12 +20,12 @@ from launch import run_workers
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8
 
 
-def _problem(seed, mask_kind):
+def _problem(seed, mask_kind, dv=D):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HQ, S, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, HKV, S, D, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, HQ, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, HKV, S, dv, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, HQ, S, dv, generator=g, dtype=torch.float64)
     mask = None
     if mask_kind:
         keep = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
@@ -83,12 +84,12 @@ def _job(rank, world, cases, bf16_cases=()):
     from nnscaler.runtime import ring_attention
     from nnscaler.runtime.comm import count_collectives, group_for
     out = {}
-    for label, ranks, seed, causal, mask_kind in cases:
+    for label, ranks, seed, causal, mask_kind, *dv in cases:
         group_for(sorted(ranks))
         if rank not in ranks:
             continue
         n, piece = len(ranks), ranks.index(rank)
-        q, k, v, dout, mask = _problem(seed, mask_kind)
+        q, k, v, dout, mask = _problem(seed, mask_kind, *dv)
         rows = slice(piece * S // n, (piece + 1) * S // n)
         kw = dict(is_causal=causal, scale=0.3, enable_gqa=True)
         leaves = [t[:, :, rows].clone().requires_grad_(True) for t in (q, k, v)]
@@ -116,10 +117,13 @@ def _job(rank, world, cases, bf16_cases=()):
 CASES = [("causal-4", (0, 1, 2, 3), 1, True, None), ("causal-2-unsorted", (3, 1), 2, True, None),
          ("mask-bool-4", (0, 1, 2, 3), 3, False, "bool"), ("mask-float-2", (0, 2), 4, False, "float"),
          ("full-2", (1, 2), 5, False, None), ("packed-4", (0, 1, 2, 3), 6, False, "packed"),
-         ("packed-2", (2, 0), 7, False, "packed"), ("keys-2", (1, 3), 8, False, "keys")]
+         ("packed-2", (2, 0), 7, False, "packed"), ("keys-2", (1, 3), 8, False, "keys"),
+         # a value head size other than the query / key one (DeepSeek-V3's MLA), larger and smaller
+         ("causal-2-dv12", (0, 1), 9, True, None, 12), ("mask-bool-2-dv6", (3, 2), 10, False, "bool", 6)]
 # all-to-alls a call: balanced, q, k, v in and the output out, backward the output again (not kept twice),
 # dout in and dq, dk, dv out; a mask read as key intervals (causal-like) also its rows' intervals
-ALL_TO_ALL = {"causal-4": 9, "causal-2-unsorted": 9, "mask-bool-4": 10, "packed-4": 10, "packed-2": 10}
+ALL_TO_ALL = {"causal-4": 9, "causal-2-unsorted": 9, "mask-bool-4": 10, "packed-4": 10, "packed-2": 10,
+              "causal-2-dv12": 9, "mask-bool-2-dv6": 10}
 
 
 BF16 = [("bf16-causal-4-fused", (0, 1, 2, 3), True, None, True), ("bf16-causal-4-matrix", (0, 1, 2, 3), True, None, False),
@@ -137,7 +141,7 @@ def test_ring_attention_equals_one_process():
             ring, torch_bf16 = results[rank][label]
             for what, r, t in zip(("out", "dq", "dk", "dv"), ring, torch_bf16):
                 assert r <= 1.25 * t + 1e-4, (label, rank, what, r, t)
-    for label, ranks, _, causal, _ in CASES:
+    for label, ranks, *_ in CASES:
         for rank in ranks:
             diffs, all_to_all, mask_saved, _ = results[rank][label]
             assert max(diffs) <= 1e-12, (label, rank, diffs)
@@ -201,3 +205,51 @@ def test_ring_attention_output_layout_follows_sdpa():
             assert strides == sdpa_strides, (rank, label, layout, strides, sdpa_strides)
             assert shared == (layout == "bshd"), (rank, label, layout)
             assert err <= 1e-12, (rank, label, layout, err)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "matrix"])
+@pytest.mark.parametrize("dqk,dv", [(12, 8), (8, 12)], ids=["dv<dqk", "dv>dqk"])
+@pytest.mark.parametrize("mask_kind", [None, "bool"])
+def test_ring_blocks_value_head_size_differs(fused, dqk, dv, mask_kind):
+    """A value head size other than the query / key one (DeepSeek-V3's MLA: v_head_dim against
+    qk_nope_head_dim + qk_rope_head_dim), no processes: the ring's two key blocks of one query chunk
+    (causal: one full, one diagonal), merged by log-sum-exp, and their backward given the merged
+    output and statistics, equal torch's math ``scaled_dot_product_attention`` and its autograd
+    (float64, 1e-12), through the fused CPU kernel (zero-padded to one head size) and the matrix path."""
+    from nnscaler.runtime import ring_attention as ra
+    g = torch.Generator().manual_seed(3)
+    L = 6  # rows of a chunk; the queries are chunk 1, the keys chunks 0 and 1
+    q = torch.randn(B, HQ, L, dqk, generator=g, dtype=torch.float64)
+    k = torch.randn(B, HKV, 2 * L, dqk, generator=g, dtype=torch.float64)
+    v = torch.randn(B, HKV, 2 * L, dv, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, HQ, L, dv, generator=g, dtype=torch.float64)
+    keep = torch.ones(L, 2 * L, dtype=torch.bool).tril(L).expand(B, 1, L, 2 * L).clone()
+    if mask_kind:
+        keep[1, :, :, :4] = False  # sample 1: 4 padding keys, all in block 0
+    groups, scale = HQ // HKV, 0.3
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    bias = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))  # the raw op adds it
+    want = torch.ops.aten._scaled_dot_product_attention_math(
+        ref[0], ra._expand(ref[1], groups), ra._expand(ref[2], groups), attn_mask=bias, scale=scale)[0]
+    want.backward(dout)
+    blocks = [(slice(0, L), bias[..., :L] if mask_kind else None, False),  # block 0: full (or masked)
+              (slice(L, 2 * L), None, True)]  # block 1: the diagonal
+    ra.FUSED_CPU_KERNEL = fused
+    try:
+        acc = None
+        for cols, m, diag in blocks:
+            acc = ra._merge(acc, *ra._block_forward(q, ra._expand(k[..., cols, :], groups),
+                                                    ra._expand(v[..., cols, :], groups), m, diag, scale))
+        out, lse = ra._final(acc, q, dv)
+        dq, dk, dvs = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for cols, m, diag in blocks:
+            gq, gk, gv = ra._block_backward(dout, q, ra._expand(k[..., cols, :], groups),
+                                            ra._expand(v[..., cols, :], groups), out, lse, m, diag, scale)
+            dq += gq
+            dk[..., cols, :] += ra._fold(gk, groups)
+            dvs[..., cols, :] += ra._fold(gv, groups)
+    finally:
+        ra.FUSED_CPU_KERNEL = True
+    assert out.shape == (B, HQ, L, dv)
+    for got, exp in ((out, want), (dq, ref[0].grad), (dk, ref[1].grad), (dvs, ref[2].grad)):
+        assert got.shape == exp.shape and (got - exp).abs().max().item() <= 1e-12

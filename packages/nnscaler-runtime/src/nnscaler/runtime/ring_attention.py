@@ -18,10 +18,12 @@ the output is exchanged back.
 Each block runs the fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``: no
 (L, L) matrix, its log-sum-exp returned), its backward the matching kernel given the merged output
 and log-sum-exp (which makes each block's gradients exactly its share); on other devices a plain
-matrix implementation. Values match one process's ``scaled_dot_product_attention`` (float64:
-within 1e-12), and so does the output's memory layout: the query's, as the CPU kernel's (with
-transformers' (batch, sequence, heads, dim) projections the model's ``transpose(1, 2).contiguous()``
-after attention is then a view).
+matrix implementation. A value head size other than the query / key one (DeepSeek-V3's MLA) runs the
+fused kernel on zero-padded heads (one head size for q, k and v: no score or statistic changes) and
+drops the padded columns of the output and gradients. Values match one process's
+``scaled_dot_product_attention`` (float64: within 1e-12), and so does the output's memory layout:
+the query's, as the CPU kernel's (with transformers' (batch, sequence, heads, dim) projections the
+model's ``transpose(1, 2).contiguous()`` after attention is then a view).
 """
 from __future__ import annotations
 
@@ -59,6 +61,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if query.dim() != 4 or key.dim() != 4:
         raise CommError(f"ring attention takes (batch, heads, sequence, head_dim) tensors, got query "
                         f"{tuple(query.shape)} and key {tuple(key.shape)}")
+    if key.shape[-1] != query.shape[-1] or value.shape[:-1] != key.shape[:-1]:
+        raise CommError(f"ring attention: key {tuple(key.shape)} must have the query's head size "
+                        f"({query.shape[-1]}) and value {tuple(value.shape)} the key's batch, heads and sequence")
     if query.shape[1] % key.shape[1]:
         raise CommError(f"ring attention: {query.shape[1]} query heads are not a multiple of {key.shape[1]} kv heads")
     rs = resolve(ranks, "ring_attention.attention")
@@ -186,9 +191,10 @@ def _block_forward(q, k, v, mask, diag: bool, scale: float):
     float32. Elsewhere the scores, the softmax and the product run in float32."""
     acc = _acc_dtype(q.dtype)
     if q.device.type == "cpu" and FUSED_CPU_KERNEL:
+        d = max(q.shape[-1], v.shape[-1])  # the kernel wants one head size: zeros change no score, no row
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, diag, attn_mask=mask, scale=scale)
-        out, lse = out.to(acc), lse.to(acc)
+            _pad(q, d), _pad(k, d), _pad(v, d), 0.0, diag, attn_mask=mask, scale=scale)
+        out, lse = out[..., :v.shape[-1]].to(acc), lse.to(acc)
     else:
         s = _scores(q.to(acc), k.to(acc), mask, diag, scale)
         lse = torch.logsumexp(s, dim=-1)
@@ -200,6 +206,13 @@ def _block_forward(q, k, v, mask, diag: bool, scale: float):
     return out, lse
 
 
+def _pad(t: torch.Tensor, d: int) -> torch.Tensor:
+    """`t` with zero columns appended up to head size `d` (itself when it has `d`): the fused CPU
+    kernel takes one head size for q, k and v, DeepSeek-V3's MLA has a value head size
+    (v_head_dim) other than the query / key one (qk_nope_head_dim + qk_rope_head_dim)."""
+    return t if t.shape[-1] == d else torch.nn.functional.pad(t, (0, d - t.shape[-1]))
+
+
 def _seen(mask):
     """Rows of a block mask with at least one visible key."""
     return mask.any(dim=-1) if mask.dtype == torch.bool else torch.isfinite(mask).any(dim=-1)
@@ -209,8 +222,12 @@ def _block_backward(dout, q, k, v, out, lse, mask, diag: bool, scale: float):
     """(dq, dk, dv) of one block, given the merged `out` and `lse` of the rows (their global softmax);
     off the fused CPU kernel computed in float32 for low-precision inputs."""
     if q.device.type == "cpu" and FUSED_CPU_KERNEL:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, diag, attn_mask=mask, scale=scale)
+        dqk, dv = q.shape[-1], v.shape[-1]
+        d = max(dqk, dv)  # as `_block_forward`: the padded columns' gradients are dropped
+        dq, dk, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _pad(dout, d), _pad(q, d), _pad(k, d), _pad(v, d), _pad(out, d), lse, 0.0, diag, attn_mask=mask,
+            scale=scale)
+        return dq[..., :dqk], dk[..., :dqk], dv_[..., :dv]
     acc = _acc_dtype(q.dtype)
     q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
     p = torch.exp(_scores(q, k, mask, diag, scale) - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)
@@ -256,7 +273,7 @@ class _Ring(Function):
                 WORK["pairs"] += q_parts[i].shape[-2] * k_parts[j].shape[-2] // (2 if kind == DIAG else 1)
                 acc[i] = _merge(acc[i], o, lse)
             block = _finish(pending, rs) if pending is not None else block
-        outs, lses = zip(*[_final(a, p) for a, p in zip(acc, q_parts)])
+        outs, lses = zip(*[_final(a, p, v.shape[-1]) for a, p in zip(acc, q_parts)])
         out, lse = _cat_like(outs, q, -2), torch.cat(lses, dim=-1)  # out in q's layout, as the fused kernel
         # saved: q, k, v (in the ring's row order), the log-sum-exp, the output unless the caller's
         # reordered one stands in for it (`holder`), the general mask or the intervals (two ints a row)
@@ -345,11 +362,12 @@ def _merge(acc, o, lse):
     return out * keep.unsqueeze(-1) + o * take.unsqueeze(-1), new
 
 
-def _final(acc, q_part):
-    """Rows no key reached: output 0 and log-sum-exp 0 (as the fused kernel reports them)."""
+def _final(acc, q_part, dv: int):
+    """Rows no key reached: output 0 (value head size `dv`) and log-sum-exp 0 (as the fused kernel
+    reports them)."""
     if acc is None:
         shape = q_part.shape
-        return q_part.new_zeros(shape), q_part.new_zeros(shape[:-1], dtype=_acc_dtype(q_part.dtype))
+        return q_part.new_zeros(*shape[:-1], dv), q_part.new_zeros(shape[:-1], dtype=_acc_dtype(q_part.dtype))
     out, lse = acc
     return out.to(q_part.dtype), torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
