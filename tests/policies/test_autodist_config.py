@@ -64,6 +64,8 @@ GOOD = {
                     {"zero3_units": ["h.0", "h.1"], "zero_stage": 3}),
     "zero3_reshard_after_forward": ({"zero3_reshard_after_forward": {"h.*": False}}, {"use_zero": 3, "runtime_ngpus": 4},
                                     {"zero3_reshard_after_forward": {"h.*": False}}),
+    "zero3_mixed_precision": ({"zero3_mixed_precision": {"param_dtype": "bf16"}}, {"use_zero": 3, "runtime_ngpus": 4},
+                              {"zero3_mixed_precision": {"param_dtype": "bf16"}}),
 }
 
 
@@ -151,6 +153,7 @@ BAD = [
     ({"zero3_units": ["h.0", 3]}, {}, "zero3_units", "module classes, path globs or module paths"),
     ({"zero3_units": " , "}, {}, "zero3_units", "module classes, path globs or module paths"),
     ({"zero3_reshard_after_forward": "yes"}, {}, "zero3_reshard_after_forward", "not a string"),
+    ({"zero3_mixed_precision": {"param_dtype": "int8"}}, {}, "zero3_mixed_precision", "give a floating dtype by name"),
     ({"zero3_reshard_after_forward": 3}, {"use_zero": 3, "runtime_ngpus": 4, "plan_ngpus": 1},
      "zero3_reshard_after_forward", "does not divide the zero group size 4"),
 ]

@@ -40,6 +40,7 @@ from nnscaler.ir import as_compute_config
 from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file, reshard_sizes, root_modules, smaller_sizes
 from nnscaler.ir.contracts import unit_names
 from nnscaler.ir.contracts import WEIGHTS_FILE
+from nnscaler.ir.contracts.shard_precision import mixed_precision
 from nnscaler.ir import map_tensors
 
 from . import failures
@@ -164,8 +165,11 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         edges = root_modules(full, shapes, units, tied)
         groups = make_zero_groups(self.grid, cfg.zero_ngroups)
         keep, smaller = self._resharded_after_forward(set(unit_names(full, [*units, *edges]).values()), groups.size)
-        return FullyShardedParams(params, groups, [*units, *edges], shared,
-                                  edges=edges, keep=keep, smaller=smaller)
+        sharded = FullyShardedParams(params, groups, [*units, *edges], shared,
+                                     edges=edges, keep=keep, smaller=smaller)
+        # FSDP2's MixedPrecisionPolicy: the dtypes each unit is gathered and reduced in (the code was traced in them)
+        sharded.set_precision(mixed_precision(cfg.pas_config.get("zero3_mixed_precision"), cfg.zero_stage))
+        return sharded
 
     def _resharded_after_forward(self, units, group_size: int):
         """FSDP2's ``reshard_after_forward`` (``pas_config["zero3_reshard_after_forward"]``): the units kept

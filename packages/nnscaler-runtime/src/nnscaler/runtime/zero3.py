@@ -44,6 +44,13 @@ gradient buffers for the units meanwhile). A plain loop without ``no_sync`` redu
 micro-batch instead (shard-size gradients only). One flag per tensor travels with the gradients,
 so a tensor no rank gave a gradient keeps a None gradient, as in single-device training.
 
+Mixed precision (FSDP2's ``MixedPrecisionPolicy``, ``pas_config["zero3_mixed_precision"]``,
+`contracts.mixed_precision`, per unit): a unit is gathered (forward, backward, recomputation) in its
+``param_dtype`` (the shard cast before the all-gather: half the bytes for bf16 from fp32) and its
+gradients reduce-scattered in its ``reduce_dtype``, the result cast to the shard's dtype; the shards
+(the optimizer's masters) keep theirs, as do `unsharded` and a read outside forward (the values).
+The code was traced in ``param_dtype`` (runtime/driver/traced_precision.py).
+
 Buffers are not sharded (they are small and read in place). Collectives are recorded in the comm
 stats as ``zero3_all_gather``, ``zero3_reduce_scatter`` and ``zero_all_reduce``. (One file over 400
 lines: the gather, prefetch, free and reduce-scatter of a unit share its state through one cycle;
@@ -65,6 +72,7 @@ from .zero import flat_layout, reduce_rows, row_segments
 from .zero_groups import ZeroGroups
 from .zero3_reshard import SmallerReshard
 from nnscaler.ir.contracts import ROOT_UNIT, unit_names
+from nnscaler.ir.contracts.shard_precision import MixedPrecision, UnitPrecision
 
 __all__ = ["FullyShardedParams", "ShardUnit", "Zero3Stats", "unit_names", "ROOT_UNIT"]
 
@@ -80,6 +88,7 @@ class Zero3Stats:
     max_gathered_blocks: int = 0  # the most repeated blocks gathered or in flight at once (not the root)
     dropped: int = 0  # prefetches waited for but not used (a block other than the predicted one came next)
     reads: int = 0  # of which for a parameter read outside forward and backward (kept by nothing)
+    max_gathered_bytes: int = 0  # the most bytes gathered at once (in the units' gather dtype: param_dtype)
 
 
 class ShardUnit:
@@ -99,6 +108,7 @@ class ShardUnit:
         self.pending: Optional[torch.Tensor] = None  # the send buffer summed under no_sync
         self.used: Optional[torch.Tensor] = None  # per tensor: a rank gave it a gradient this step (on the device)
         self.cross: Optional[Tuple[tuple, object]] = None  # several pipeline stages hold it: (holders, group)
+        self.precision = UnitPrecision()  # FSDP2's MixedPrecisionPolicy for this unit (contracts.mixed_precision)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,6 +121,11 @@ class ShardUnit:
     @property
     def is_root(self) -> bool:
         return self.name == ROOT_UNIT
+
+    def compute_shard(self) -> torch.Tensor:
+        """The shard as it is gathered for forward and backward: in the unit's ``param_dtype``."""
+        shard = self.shard.detach()
+        return shard.to(self.precision.gather_dtype(shard.dtype))
 
     def flat_views(self, full: torch.Tensor) -> List[torch.Tensor]:
         return [full[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
@@ -200,6 +215,12 @@ class FullyShardedParams(Pausable):
         self._smaller = smaller if smaller is not None else SmallerReshard({}, {})  # reshard_after_forward=k
         self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
         pausable(self)
+
+    def set_precision(self, policy: MixedPrecision) -> None:
+        """Each unit's dtypes from `policy` (FSDP2's ``MixedPrecisionPolicy``): gathered and computed in
+        ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``; the shards keep theirs."""
+        for u in self.units:
+            u.precision = policy.for_unit(u.name)
 
     # -- sharding -------------------------------------------------------------------------------
     def shard(self, device: Optional[torch.device] = None) -> None:
@@ -291,7 +312,7 @@ class FullyShardedParams(Pausable):
         if u is None or g.size == 1 or u.full is not None or self._inflight is not None:
             return
         started = (self._smaller.start(u) if self._smaller.holds(u) else
-                   start_all_gather_flat(u.shard.detach(), g.group, g.size, label="zero3_all_gather"))
+                   start_all_gather_flat(u.compute_shard(), g.group, g.size, label="zero3_all_gather"))
         if started is not None:
             self._inflight = (u, *started)
             self._count()
@@ -355,13 +376,14 @@ class FullyShardedParams(Pausable):
         u.full = None
         u.views = None
 
-    def _gather(self, u: ShardUnit) -> torch.Tensor:
-        """All-gather `u` into `u.full` (a fresh contiguous buffer); COLLECTIVE over the zero group."""
+    def _gather(self, u: ShardUnit, whole: bool = False) -> torch.Tensor:
+        """All-gather `u` into `u.full` (a fresh contiguous buffer, in its ``param_dtype``; `whole`: in the
+        shard's dtype, the values themselves, for `unsharded`); COLLECTIVE over the zero group."""
         g = self.groups
         self._land(u)  # a prefetch in flight: for `u`, or for another unit, then held for later
         if u.full is not None:
             return u.full
-        shard = u.shard.detach()
+        shard = u.shard.detach() if whole else u.compute_shard()
         if self._smaller.holds(u):  # resharded to a smaller group after forward: gathered from the parts there
             full = self._smaller.gather(u)
         else:
@@ -391,6 +413,7 @@ class FullyShardedParams(Pausable):
         if self._unsharded:
             return
         st.max_gathered_numel = max(st.max_gathered_numel, sum(x.numel for x in self.units if x.full is not None))
+        st.max_gathered_bytes = max(st.max_gathered_bytes, sum(x.full.nbytes for x in self.units if x.full is not None))
         blocks = {id(x) for x in self.units if x.full is not None and not x.is_root}
         if self._inflight is not None:
             blocks.add(id(self._inflight[0]))
@@ -445,7 +468,7 @@ class FullyShardedParams(Pausable):
         width, n = u.shard_numel, len(u.params)
         send, u.pending = u.pending, None
         if send is None:
-            send = torch.zeros(self.groups.size, width + n, dtype=u.dtype, device=u.device)
+            send = torch.zeros(self.groups.size, width + n, dtype=u.precision.reduce_in(u.dtype), device=u.device)
         flags = send[:, width:]
         for j, (grad, off, numel) in enumerate(zip(grads, u.offsets, u.numels)):
             if grad is None:
@@ -462,7 +485,7 @@ class FullyShardedParams(Pausable):
                           what="the fully sharded gradient reduce-scatter")
         self.stats.reduce_scatters += 1
         u.used |= out[width:] > 0  # on the device: read once per step (used_flags), no host sync here
-        return out[:width]
+        return out[:width].to(u.dtype)  # reduced in reduce_dtype, accumulated in the shard's dtype
 
     def finish_grads(self) -> None:
         """Reduce-scatter what was accumulated under no_sync and not reduced by a synchronising
@@ -513,7 +536,7 @@ class FullyShardedParams(Pausable):
         fulls: List[torch.Tensor] = []
         try:
             for u in self.units:
-                fulls.append(self._gather(u))
+                fulls.append(self._gather(u, whole=True))
                 for p, view in zip(u.params, u.flat_views(fulls[-1])):
                     p.data = view
             yield

@@ -11,6 +11,7 @@ no runtime import needed).
 - `HeldTensor` (`HeldRange`, `flat_blocks`): the parts of a local tensor a rank holds (``use_zero=3``);
 - `OptimizerAttrs`: what an optimizer ``build_optimizer`` returned declares (``zero_layout``);
 - `unit_names`: how ``use_zero=3`` groups parameters into gathered units;
+- `MixedPrecision` (`UnitPrecision`, `mixed_precision`): the dtypes ``use_zero=3`` gathers and reduces in;
 - `PlanReport` (`ModuleReport`, `OpSplit`, `Collective`, `UnannotatedOp`): what a plan split and the
   collectives it runs, written by codegen beside the code and read by the runtime.
 """
@@ -20,6 +21,7 @@ from .full_map import FullMapEntry
 from .held_tensors import HeldRange, HeldTensor, flat_blocks
 from .generated_module import GENERATED_ATTR_NAMES, GENERATED_ATTRS, GeneratedAttr, GeneratedAttrs
 from .piece import Piece
+from .shard_precision import MixedPrecision, UnitPrecision, mixed_precision
 from .shard_units import (ROOT_UNIT, kept_after_forward, reshard_sizes, resolve_unit_modules, root_modules,
                           smaller_sizes, unit_names)
 from .pipeline_meta import PipelineMeta
@@ -33,4 +35,4 @@ __all__ = ["files", "CONSTANTS_FILE", "GRAPH_FILE", "MANIFEST", "WEIGHTS_FILE", 
            "PipelineMeta", "REPLICATED_WARN_FRACTION", "REPORT_JSON", "REPORT_TEXT", "Collective", "ModuleReport", "OpSplit",
            "PlanReport", "UnannotatedOp", "ROOT_UNIT", "unit_names", "root_modules", "kept_after_forward", "reshard_sizes", "smaller_sizes",
            "resolve_unit_modules", "LAYOUT_VERSION", "ZeroBucket", "ZeroGeometry", "ZeroPiece", "ZeroShardLayout",
-           "OptimizerAttrs", "HeldRange", "HeldTensor", "flat_blocks"]
+           "OptimizerAttrs", "HeldRange", "HeldTensor", "flat_blocks", "MixedPrecision", "UnitPrecision", "mixed_precision"]

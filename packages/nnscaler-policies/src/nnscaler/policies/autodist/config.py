@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from nnscaler.ir import ConfigError
 from nnscaler.ir.contracts import kept_after_forward
+from nnscaler.ir.contracts.shard_precision import mixed_precision
 
 __all__ = ["AutodistConfig", "KEYS"]
 
@@ -38,6 +39,9 @@ KEYS: Dict[str, Tuple[str, Any]] = {
     "parallel_profile": ("bool", True),
     "max_partition_degree": ("int >= 1 (default plan_ngpus)", None),
     "transient_mem_coef": ("number >= 0", 2.0),
+    "zero3_mixed_precision": ("{'param_dtype': ..., 'reduce_dtype': ..., 'units': {glob: {...}}} (ZeRO-3's gather / "
+                              "compute and gradient reduce dtypes, FSDP2's MixedPrecisionPolicy; read by the "
+                              "trace and the runtime)", None),
     "zero3_units": ("module classes, path globs or module paths, a list or comma-separated (ZeRO-3's gathered "
                     "units; read by the code generator too)", []),
     "zero3_reshard_after_forward": ("True, False, an int dividing the zero group size, or a mapping of unit "
@@ -82,6 +86,7 @@ class AutodistConfig:
     optimizer_states: int = 2  # fp32 tensors of optimizer state per parameter (Adam: exp_avg, exp_avg_sq)
     zero3_units: List[str] = field(default_factory=list)  # module paths gathered as one unit under ZeRO-3
     zero3_reshard_after_forward: Any = True  # read by the runtime (contracts.kept_after_forward); not priced
+    zero3_mixed_precision: Any = None  # read by the trace and the runtime (contracts.mixed_precision); not priced
 
     @property
     def zero_stage(self) -> int:
@@ -137,6 +142,9 @@ class AutodistConfig:
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"pas_config[{key!r}] = {path!r}: no such file; give the path of an existing "
                                   f"{'plan JSON (written by save_plan_path)' if key == 'load_plan_path' else 'constraints YAML'}")
+        if "zero3_mixed_precision" in pas:
+            mixed_precision(pas["zero3_mixed_precision"])  # its check (use_zero=3: checked by parallelize)
+            out.zero3_mixed_precision = pas["zero3_mixed_precision"]
         if pas.get("zero3_units"):
             out.zero3_units = _name_list("zero3_units", pas["zero3_units"])
         if "zero3_reshard_after_forward" in pas:

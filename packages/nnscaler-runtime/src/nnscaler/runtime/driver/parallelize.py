@@ -29,6 +29,7 @@ from .gen_dir import (ReuseDecision, Identity, ReuseType, decide, generator_iden
                       swap_in, write_manifest)
 from .model_sources import collect_sources
 from .meta_init import check_initializable, fill_from_init, has_meta_tensors, write_full
+from .traced_precision import check_mixed_precision, record_stored_dtypes, trace_precision, traced_in
 
 
 def parallelize(
@@ -112,6 +113,7 @@ def _parallelize(module_or_module_class, dummy_forward_args, pas_policy, compute
                                       or "/" in instance_name or instance_name in (".", "..")):
         raise ValueError(f"instance_name must be a non-empty name without '/', got {instance_name!r}")
     _check_policy_argument(pas_policy)
+    check_mixed_precision(compute_config)  # pas_config['zero3_mixed_precision']: its keys, dtypes, use_zero=3
     on_meta = not is_class and has_meta_tensors(module_or_module_class)
     if on_meta:  # refused here, on every rank, before anything is generated
         check_initializable(module_or_module_class, buffers_only=not init_module_params)
@@ -199,8 +201,11 @@ def _generate_if_needed(module_or_class, module_fn, dummy_args, pas_policy, cfg,
             if isinstance(module_or_class, type):
                 module = module_fn() if module_fn is not None else module_or_class()
             on_meta = has_meta_tensors(module)  # built on the meta device: only a meta trace can run it
-            graph = trace(module, dummy_args, constant_folding=cfg.constant_folding,
-                          trace_strategy="meta" if on_meta else cfg.trace_strategy)
+            precision = trace_precision(module, cfg)  # use_zero=3's param_dtype: traced in it (traced_precision.py)
+            with traced_in(module, precision):
+                graph = trace(module, dummy_args, constant_folding=cfg.constant_folding,
+                              trace_strategy="meta" if on_meta else cfg.trace_strategy)
+            record_stored_dtypes(graph, module, precision)
             _write_json(staging / GRAPH_FILE, graph.to_json())
             _save_tensors(staging / CONSTANTS_FILE,
                           {name: getattr(spec, "tensor", None) for name, spec in graph.constants.items()})
