@@ -6,7 +6,8 @@ docs/compatibility.md.
     python tools/matrix.py --model llama --plan cp # a filter (any axis: --zero 3 --precision fp64 ...)
     python tools/matrix.py --jobs 2                # cases in parallel (each is 2 or 4 processes)
     python tools/matrix.py --list                  # the cases a filter selects, without running
-    python tools/matrix.py --ci                    # CI's fixed sample (tests/tools/test_matrix.py)
+    python tools/matrix.py --ci                    # CI's fixed sample (matrix_sample.py), batched
+    python tools/matrix.py --batched --model gpt2  # many cases per process launch (matrix_batch.py)
     python tools/matrix.py --docs                  # docs/compatibility.md from matrix.json
 
 Each finished case is written to the results file at once (atomically), so an interrupted run
@@ -80,14 +81,58 @@ def _bar(done: int, total: int, width: int = 30) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
 
 
-def run(cases, path: str, jobs: int = 1, rerun: bool = False, runner=None, out=sys.stdout) -> dict:
-    """Run the pending `cases`, `jobs` at a time, recording each into `path` as it ends."""
-    if runner is None:
-        from matrix_run import run_case as runner
+def _open(path: str) -> dict:
     results = load_results(path)
     if results.get("seed", matrix_cases.SEED) != matrix_cases.SEED:
         raise SystemExit(f"{path} was made with seed {results['seed']}, the cases now use {matrix_cases.SEED}: "
                          f"move it away or pass another --results")
+    return results
+
+
+def _store(path: str, results: dict, case: dict, record: dict) -> None:
+    record["case"] = {a: case[a] for a in matrix_cases.AXES}
+    if case.get("base_of"):
+        record["base_of"] = case["base_of"]
+    results.setdefault("cases", {})[case["id"]] = record
+    record.setdefault("commit", commit())
+    if uncommitted():
+        record.setdefault("uncommitted", uncommitted())
+    results.update(seed=matrix_cases.SEED, commit=commit(),
+                   date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    write_results(path, results)
+
+
+def _line(done: int, total: int, start: float, case: dict, record: dict) -> str:
+    eta = (time.monotonic() - start) / done * (total - done)
+    return (f"{_bar(done, total)} eta {eta / 60:.0f} min  {record['state']:8s} {case['id']}"
+            + (f"  -- {record.get('error', '')[:120]}" if record["state"] != "parity" else ""))
+
+
+def run_batched(cases, path: str, rerun: bool = False, out=sys.stdout) -> dict:
+    """Run the pending `cases` many per process launch (`matrix_batch.run_batch`), recording each
+    into `path` as its launch ends. No baseline rerun of a refused option here (`run` does it)."""
+    from matrix_batch import run_batch
+    results = _open(path)
+    todo = pending(cases, results, rerun)
+    total, done, start = len(todo), 0, time.monotonic()
+    print(f"{len(cases)} case(s) selected, {total} to run ({len(cases) - total} already recorded), "
+          f"batched", file=out)
+
+    def on_record(case, record):
+        nonlocal done
+        done += 1
+        _store(path, results, case, record)
+        print(_line(done, total, start, case, record), file=out, flush=True)
+    run_batch(todo, on_record)
+    print(f"ran {total} case(s) in {time.monotonic() - start:.0f} s", file=out)
+    return results
+
+
+def run(cases, path: str, jobs: int = 1, rerun: bool = False, runner=None, out=sys.stdout) -> dict:
+    """Run the pending `cases`, `jobs` at a time, recording each into `path` as it ends."""
+    if runner is None:
+        from matrix_run import run_case as runner
+    results = _open(path)
     todo = pending(cases, results, rerun)
     lock = threading.Lock()
     total, done, start = len(todo), 0, time.monotonic()
@@ -108,20 +153,8 @@ def run(cases, path: str, jobs: int = 1, rerun: bool = False, runner=None, out=s
                 total += 1
             with lock:
                 done += 1
-                record["case"] = {a: case[a] for a in matrix_cases.AXES}
-                if case.get("base_of"):
-                    record["base_of"] = case["base_of"]
-                results.setdefault("cases", {})[case["id"]] = record
-                record.setdefault("commit", commit())
-                if uncommitted():
-                    record.setdefault("uncommitted", uncommitted())
-                results.update(seed=matrix_cases.SEED, commit=commit(),
-                               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-                write_results(path, results)
-                eta = (time.monotonic() - start) / done * (total - done)
-                print(f"{_bar(done, total)} eta {eta / 60:.0f} min  {record['state']:8s} {case['id']}"
-                      + (f"  -- {record.get('error', '')[:120]}" if record["state"] != "parity" else ""),
-                      file=out, flush=True)
+                _store(path, results, case, record)
+                print(_line(done, total, start, case, record), file=out, flush=True)
     return results
 
 
@@ -133,7 +166,9 @@ def parse(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1; each is 2 or 4 processes)")
     p.add_argument("--rerun", action="store_true", help="also run cases that already have a record")
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
-    p.add_argument("--ci", action="store_true", help="only CI's fixed sample (matrix_cases.ci_sample)")
+    p.add_argument("--ci", action="store_true",
+                   help="only CI's fixed sample (matrix_sample.ci_sample, from the default results file), batched")
+    p.add_argument("--batched", action="store_true", help="run many cases per process launch (matrix_batch.py)")
     p.add_argument("--docs", action="store_true", help="only generate docs/compatibility.md from the results")
     p.add_argument("--results", default=RESULTS, help=f"results file (default {os.path.relpath(RESULTS, ROOT)})")
     p.add_argument("--docs-path", default=DOCS, help=argparse.SUPPRESS)
@@ -151,7 +186,10 @@ def main(argv=None) -> int:
     filters = {a: [v for item in getattr(args, a) for v in item.split(",") if v] for a in matrix_cases.AXES}
     try:
         everything = matrix_cases.generate()
-        cases = matrix_cases.select(matrix_cases.ci_sample(everything) if args.ci else everything, filters)
+        if args.ci:
+            import matrix_sample
+            everything = matrix_sample.ci_sample(load_results(RESULTS).get("cases", {}), everything)
+        cases = matrix_cases.select(everything, filters)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -159,7 +197,10 @@ def main(argv=None) -> int:
         for case in cases:
             print(case["id"])
         return 0
-    results = run(cases, args.results, jobs=args.jobs, rerun=args.rerun)
+    if args.ci or args.batched:
+        results = run_batched(cases, args.results, rerun=args.rerun)
+    else:
+        results = run(cases, args.results, jobs=args.jobs, rerun=args.rerun)
     states = {}
     for case in cases:
         state = results["cases"][case["id"]]["state"]

@@ -49,7 +49,17 @@ FOOTER = """
     python tools/matrix.py --model llama --plan cp --jobs 2
     python tools/matrix.py --docs               # regenerate this page from matrix.json
 
-`--rerun` runs cases again that already have a state; `--list` prints the cases a filter selects.
+`--rerun` runs cases again that already have a state; `--list` prints the cases a filter selects;
+`--batched` runs many cases per process launch.
+
+CI runs a fixed, seeded sample of these cases (`python tools/matrix.py --ci`, `tools/matrix_sample.py`;
+`tests/tools/test_matrix_sample.py`) with two-way coverage: every *valid* pair of values of any two
+axes (model, plan, zero, recompute and the options) is in at least one sample case, a pair being
+valid when some case of the full matrix holding it trains (parity here, or not run yet). A pair
+that only refused cases hold (a model with a plan it refuses, say) is a refusal listed above, not a
+pair to cover; a pair only failing cases hold is a failure listed above. The sample runs many cases
+per process launch (one launch per world size, `tools/matrix_batch.py`) and must end in parity
+(or refused, for a case this file has no record of yet).
 """
 
 

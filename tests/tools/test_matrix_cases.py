@@ -1,5 +1,5 @@
 """tools/matrix_cases.py: the full table, the pairwise covering design (it really covers every
-valid pair, and only valid cases are made), seeded and stable, filters, CI's sample."""
+valid pair, and only valid cases are made), seeded and stable, filters (CI's sample: test_matrix_sample.py)."""
 from __future__ import annotations
 
 import itertools
@@ -51,13 +51,3 @@ def test_filters(cases):
         mc.select(cases, {"model": ["lama"]})
     with pytest.raises(ValueError, match="unknown matrix axis 'modle'"):
         mc.select(cases, {"modle": ["llama"]})
-
-
-def test_ci_sample_covers_its_pairs_and_every_model_and_plan(cases):
-    ci = mc.ci_sample(cases)
-    assert ci == mc.ci_sample(cases)  # fixed
-    want = set().union(*(mc.pairs_of(c, mc.CI_PAIRS) for c in cases))
-    assert want <= set().union(*(mc.pairs_of(c, mc.CI_PAIRS) for c in ci))
-    for axis in mc.CI_SINGLES:
-        assert {c[axis] for c in ci} == set(mc.AXES[axis])
-    assert len(ci) <= 30  # CI's budget: about 4 minutes of processes on 2 cores
