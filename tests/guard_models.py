@@ -116,8 +116,8 @@ class AssertMask(nn.Module):
 
 
 class PipeGuard(nn.Module):
-    """Four layers (a pipeline splits them) and a decision on the data in the second half, both
-    of whose branches trace (a pipelined plan keeps the traced one, guarded)."""
+    """Four layers (a pipeline splits them) and a check of the data in the second half whose other
+    branch cannot run (so it stays a guard)."""
 
     def __init__(self):
         super().__init__()
@@ -127,8 +127,37 @@ class PipeGuard(nn.Module):
         h = x
         for i, layer in enumerate(self.layers):
             h = torch.tanh(layer(h))
-            if i == 2 and not (mask == 1).all():  # pipelined guard line
-                h = h * mask
+            if i == 2:
+                assert (mask == 1).all(), "this model takes unmasked batches only"  # pipelined guard line
+        return h.sum()
+
+
+class MaskPrep(nn.Module):
+    """The decision on the data, and a mask made on one branch only (HF's create_causal_mask; its own
+    module, so a recompute group can hold it)."""
+
+    def forward(self, mask):
+        if (mask == 1).all():  # pipelined decision line
+            return None
+        return mask * 0.5 + 0.5
+
+
+class PipeMask(nn.Module):
+    """Four layers (a pipeline splits them), each reading the mask that only the padded branch of a
+    decision taken before the first one makes: the later stages need the decision and the mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.prep = MaskPrep()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, mask):
+        m = self.prep(mask)
+        h = x
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+            if m is not None:
+                h = h * m
         return h.sum()
 
 

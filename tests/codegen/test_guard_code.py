@@ -5,16 +5,18 @@ import inspect
 import re
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from nnscaler.codegen import generate
 from nnscaler.codegen.emit import emit_rank
+from nnscaler.codegen.stages import stage_io
 from nnscaler.ir import ComputeConfig, trace
 from nnscaler.policies import apply_policy
 
-from guard_models import HFMaskAttention, MaskBranch, mask_batch
+from guard_models import HFMaskAttention, MaskBranch, PipeMask, mask_batch
 
 
 class MaskOrCausal(nn.Module):
@@ -101,30 +103,34 @@ def test_tensor_parallel_conversions_of_a_branch_value_stay_inside_its_branch():
     assert "attn_mask=" in text and f"if {decision} else" in text
 
 
-def test_a_pipelined_plan_keeps_the_traced_branch_guarded(tmp_path):
-    class Deep(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
-
-        def forward(self, x, mask):
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            if not (mask == 1).all():
-                x = x * mask
-            return x.sum()
-
-    config = ComputeConfig(2, 2, trace_strategy="cpu", use_end2end=True,
-                           pas_config={"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b"})
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_pipelined_plan_generates_both_branches_and_sends_the_decision(tmp_path, recompute):
+    """The decision is taken in stage 0 (inside a recompute group too) and sent to stage 1 as an int;
+    the mask only the padded branch makes crosses as a placeholder when the branch was not taken."""
+    pas = {"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b"}
+    if recompute:
+        pas["recompute_modules"] = "MaskPrep"
+    config = ComputeConfig(2, 2, trace_strategy="cpu", use_end2end=True, pas_config=pas)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        graph = trace(Deep(), {"x": torch.randn(2, 4), "mask": torch.ones(2, 4)})
-    assert any(n.branch is not None for n in graph.nodes)
-    paths = generate(apply_policy(graph, config, "pp"), config, tmp_path, policy="pp")
-    text = "".join(p.read_text() for p in paths)
-    assert "= bool(" not in text and "if _branch_" not in text and "* mask" not in text
-    (call,) = [line.strip() for line in text.splitlines() if "nr.guards.check(" in line]
-    assert "'bool', True" in call and call.endswith("agree=False)")  # the executor's failure notice
+        graph = trace(PipeMask(), {"x": torch.randn(2, 8), "mask": torch.ones(2, 8)})
+    graph = apply_policy(graph, config, "pp")
+    io = stage_io(graph)
+    ((vid, gid),) = io.decisions.items()
+    assert io.producer[vid] == 0 and io.consumers[vid] == [1] and io.kinds[vid] == "int"
+    assert vid in io.outputs[0] and vid in io.inputs[1] and vid not in graph.values
+    stages = [p.read_text() for p in generate(graph, config, tmp_path, policy="pp")]
+    decision = f"_branch_{gid}"
+    first = stages[0][stages[0].index("def _stage_0"):]
+    ret = [line.strip() for line in first.splitlines() if line.startswith(" " * 8 + "return (")][-1]
+    assert ret.endswith(f", {decision})") and f"if not {decision} else torch.empty(0, device=self.device))" in ret
+    if recompute:
+        assert re.search(rf"\(.*\b{decision}\) = torch.utils.checkpoint.checkpoint", first), first
+    second = stages[1][stages[1].index("def _stage_1"):]
+    unpack = second.splitlines()[1].strip()
+    assert unpack.endswith(f", {decision}) = _acts"), unpack
+    assert f"if not {decision}:" in second and "nr.guards.check(" not in second
+    assert "nr.guards.check(" not in first and f"{decision} = bool(" in first
 
 
 def test_a_guard_inside_a_branch_is_checked_on_every_rank_outside_its_if():

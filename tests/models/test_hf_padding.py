@@ -16,8 +16,16 @@ from `attention_mask`'s values, whether to build an attention mask; without a ma
 - Llama, Mistral (and GPT-2 under megatron) fed packed documents (`position_ids` restarting, no
   mask), traced unpacked: training matches one process (each document attends to itself only).
 
+- Pipelined, traced unpadded, fed micro-batches that take different branches in one step (one
+  padded or packed, the other not; the data-parallel replicas differ too): every stage follows the
+  branch its micro-batch took (the decision is sent on with the activations) and training matches
+  one process, under pp 2 x dp 2 (1F1B: Qwen2, GPT-2 packed; interleaved 1F1B: Llama) and pp 4
+  alone (1F1B, Qwen2). Before, a pipelined plan kept the traced branch, and the first padded
+  micro-batch raised GuardError (the compatibility matrix's `pp x dp` crashes).
+
 Under dp, megatron and tp (2 processes) and tp 2 x dp 2 with ZeRO-1 (4 processes), float64,
-3 Adam steps, the bars of test_hf_parity. One launch per plan, looping over the models.
+3 Adam steps, the bars of test_hf_parity. One launch per plan, looping over the models (the
+pipelined cases share one launch of 4 processes).
 """
 from __future__ import annotations
 
@@ -90,4 +98,25 @@ def test_padded_batches_tp2_dp2_zero1(tmp_path):
     cases = [dict(mp.tp(use_zero=True), model="llama64", label="llama64-tp2-dp2-zero1-trace-unpadded",
                   trace_pad=False, pad=UNPADDED_THEN_PADDED)]
     results = run_workers(mp.run_plans, 4, cases, str(tmp_path / "gen"), timeout=600)
+    _check(results, cases)
+
+
+# micro-batches of one sample under pp 2 x dp 2 (two under pp 4): True pads (packs) every odd sample, so
+# each step's first micro-batch is unpadded and its second padded; "last" pads one replica's second only
+MIXED_MICROS = [True, "last", "left"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_pipelined_micro_batches_taking_different_branches(tmp_path):
+    interleaved = mp.pp()
+    interleaved["cfg"] = dict(interleaved["cfg"], pas_config=dict(interleaved["cfg"]["pas_config"],
+                                                                   pipeline_scheduler="1f1b_interleaved"))
+    pp4 = mp.plan("pp4", "pp", 4, use_end2end=True, pas_config=mp.pp()["cfg"]["pas_config"])
+    cases = [dict(mp.pp(), model="qwen2", label="qwen2-pp2-dp2-mixed", trace_pad=False, pad=MIXED_MICROS),
+             dict(mp.pp(), model="gpt2_packed", label="gpt2-packed-pp2-dp2-mixed", trace_pad=False,
+                  pad=[True, True, False]),
+             dict(interleaved, model="llama64", label="llama64-pp2i-dp2-mixed", trace_pad=False, pad=MIXED_MICROS),
+             dict(pp4, model="qwen2", label="qwen2-pp4-mixed", trace_pad=False, pad=MIXED_MICROS)]
+    results = run_workers(mp.run_plans, 4, cases, str(tmp_path / "gen"), timeout=900)
     _check(results, cases)

@@ -26,9 +26,6 @@ def generate(graph, compute_config, outdir, policy: str = "?", fingerprint: str 
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
-    if graph.pipeline is not None:  # stages cannot share a decision: the traced branch, guarded
-        from nnscaler.ir import keep_traced_branch
-        keep_traced_branch(graph)
     unit = plan_unit(graph, cfg.plan_ngpus)
     for rank in range(cfg.runtime_ngpus):
         text = emit_rank(graph, cfg, rank, policy, fingerprint or graph.fingerprint(), unit=unit)

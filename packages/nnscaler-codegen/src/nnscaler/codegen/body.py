@@ -33,7 +33,7 @@ class BodyEmitter:
     """Emits the ops of one body (the forward, or one stage) for the ranks `adapter` serves."""
 
     def __init__(self, graph: IRGraph, naming: Naming, adapter: Adapter, unit: UnitPlan, keep: set,
-                 rnd: Optional[RandomOps] = None, sbn: Optional[SyncBatchNorm] = None):
+                 rnd: Optional[RandomOps] = None, sbn: Optional[SyncBatchNorm] = None, decisions_out=()):
         self.graph, self.naming, self.adapter, self.unit = graph, naming, adapter, unit
         self.names = naming.names
         self.keep = set(keep)  # values never deleted (the body's outputs)
@@ -43,6 +43,7 @@ class BodyEmitter:
         self.defined: set = set()  # variables the body has defined so far
         self.last_use: Dict[int, List[int]] = {}
         self.conditions: Dict[str, tuple] = {}  # variable -> (decision id, side): assigned on that branch only
+        self.decisions_out = set(decisions_out)  # decisions the body returns (sent to later pipeline stages)
 
     def emit(self, nodes: List[Node], head: List[str], head_values=()) -> Lines:
         """`head` lines, then `nodes` in order (recompute groups as checkpointed functions)."""

@@ -23,6 +23,11 @@ def decision_var(guard_id: int) -> str:
     return f"_branch_{guard_id}"
 
 
+def decisions_tested(node: Node) -> set:
+    """The decisions whose variable `node`'s statement tests."""
+    return ({node.branch[0]} if node.branch is not None else set()) | {gid for _, _, gid, _, _ in node.branch_args}
+
+
 def keep_alive(graph: IRGraph) -> set:
     """Value ids the generated code must not `del` early (see the module docstring)."""
     inside = {r.id for n in graph.nodes if n.branch is not None for r in n.output_refs()}

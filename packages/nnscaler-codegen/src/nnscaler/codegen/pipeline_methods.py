@@ -6,6 +6,10 @@ Instead of ``_forward_impl`` a pipelined module has, for each stage this rank ho
 (`PipelineMeta.outputs` order; a forward output made whole for the caller). Every rank also has
 ``_pipeline_output(self, _vals)``, which builds the forward's result from the final values by id,
 and ``_check_sample``, the argument checks run once per sample before the step's first message.
+
+Both branches of a decision (codegen/branches.py) are generated in every stage: the stage holding
+the decision's guard takes it and sends it to the later stages that test it (stages.py); a value
+assigned on one branch only goes as a placeholder when the micro-batch took the other (`_sent`).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from nnscaler.ir.contracts import PipelineMeta
 
 from .arguments import forward_signature, untraced_checks
 from .body import BodyEmitter
+from .branches import decision_var
 from .conversions import Adapter
 from .errors import GenerationError
 from .layouts import UnitPlan
@@ -41,6 +46,7 @@ def pipeline_methods(graph: IRGraph, naming: Naming, unit: UnitPlan, rank: int, 
                               f"them in place instead (self.name.copy_(new), self.name.mul_(...))")
     pipe, names = graph.pipeline, naming.names
     io = stage_io(graph)
+    names.update((vid, decision_var(gid)) for vid, gid in io.decisions.items())  # decisions cross as ints
     signature = forward_signature(graph)
     unit_start = rank - device
     final = {r.id for r in iter_refs(graph.output)}
@@ -54,14 +60,15 @@ def pipeline_methods(graph: IRGraph, naming: Naming, unit: UnitPlan, rank: int, 
         head = list(naming.arg_lines)  # the arguments were checked once per step (_check_sample)
         if received:
             head.append(unpack_target(received, adapt.renderer_for(None)) + " = _acts")
-        emitter = BodyEmitter(graph, naming, adapt, unit, set(io.outputs[stage]), **rewrites)
+        sent = {io.decisions[v] for v in io.outputs[stage] if v in io.decisions}
+        emitter = BodyEmitter(graph, naming, adapt, unit, set(io.outputs[stage]), decisions_out=sent, **rewrites)
         body = emitter.emit([nd for nd in graph.nodes if nd.stage == stage], head, received)
         outs = []
         for vid in io.outputs[stage]:
             lines: List[str] = []
-            var = adapt.convert(vid, R, False, lines) if graph.values[vid].is_tensor and vid in final else None
+            var = adapt.convert(vid, R, False, lines) if vid in final and graph.values[vid].is_tensor else None
             body.extend(lines)
-            outs.append(var or names[vid])
+            outs.append(_sent(var or names[vid], emitter.conditions, io.kinds[vid]))
         body.append("return (" + ", ".join(outs) + ("," if len(outs) == 1 else "") + ")")
         methods.append(Method(f"_stage_{stage}", "_acts" + (", " + signature if signature else ""), body))
     loose = [r.id for r in iter_refs(graph.output) if r.id not in io.producer]
@@ -76,6 +83,17 @@ def pipeline_methods(graph: IRGraph, naming: Naming, unit: UnitPlan, rank: int, 
     # ranks at once instead of leaving the other stages waiting for a message
     methods.append(Method("_check_sample", signature, Lines(untraced_checks(graph) + ["return None"])))
     return methods, pipeline_meta(graph, io)
+
+
+def _sent(var: str, conditions: dict, kind: str) -> str:
+    """What a stage sends for `var`: a variable that only one branch of a decision assigns is sent
+    as a placeholder (an empty tensor, or 0) when the micro-batch took the other branch; the
+    receiving stage reads it only on that branch too."""
+    if var not in conditions:
+        return var
+    gid, side = conditions[var]
+    absent = "torch.empty(0, device=self.device)" if kind == "tensor" else "0"
+    return f"({var} if {'' if side else 'not '}{decision_var(gid)} else {absent})"
 
 
 def pipeline_meta(graph: IRGraph, io: StageIO = None) -> PipelineMeta:

@@ -11,7 +11,8 @@ it: later consumers convert again.
 Both branches of a decision (codegen/branches.py): a variable assigned on one branch only (Hugging
 Face's attention mask, made only when the batch is padded) is unbound on the other, so the call
 passes it, and the function returns it, as ``(x if _branch_N else None)``: inside, only that branch
-reads it. A decision taken inside the segment that later ops test is returned as well.
+reads it. A decision taken inside the segment that later ops (or later pipeline stages) test is
+returned as well.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Dict, List, Protocol, Tuple
 
 from nnscaler.ir import Node, is_guard, iter_refs
 
-from .branches import decision_var
+from .branches import decision_var, decisions_tested
 from .conversions import Adapter
 from .lines import Lines
 from .naming import Naming
@@ -38,6 +39,7 @@ class BodyState(Protocol):
     defined: set
     last_use: Dict[int, List[int]]
     conditions: Dict[str, Tuple[int, bool]]
+    decisions_out: set  # decisions the body returns (a pipeline stage sends them on)
 
     def node_lines(self, idx: int, node: Node, out: Lines, with_dels: bool) -> None: ...
 
@@ -45,11 +47,6 @@ class BodyState(Protocol):
 def read_refs(node: Node) -> list:
     """The values an op's generated statement may read: its inputs and its branch arguments."""
     return node.input_refs() + list(iter_refs([(t, f) for _, _, _, t, f in node.branch_args]))
-
-
-def _decisions_tested(node: Node) -> set:
-    """The decisions whose variable `node`'s statement tests."""
-    return ({node.branch[0]} if node.branch is not None else set()) | {gid for _, _, gid, _, _ in node.branch_args}
 
 
 def _bound(name: str, conditions: Dict[str, Tuple[int, bool]]) -> str:
@@ -75,7 +72,7 @@ def emit_recompute(ctx: BodyState, nodes: List[Node], start: int, end: int, body
     seg_ids = {r.id for n in nodes[start:end] for r in n.output_refs()}
     later = {r.id for n in nodes[end:] for r in n.input_refs()} | ctx.keep
     outputs = [names[v] for v in sorted(seg_ids & later)]
-    tested_later = set().union(*(_decisions_tested(n) for n in nodes[end:]))
+    tested_later = set().union(ctx.decisions_out, *(decisions_tested(n) for n in nodes[end:]))
     outputs += [decision_var(n.id) for n in nodes[start:end]
                 if is_guard(n) and n.kwargs.get("branches") and n.id in tested_later]
     args = sorted(reads & outer)

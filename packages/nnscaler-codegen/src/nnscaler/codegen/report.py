@@ -159,7 +159,7 @@ def _collectives(graph: IRGraph, unit: UnitPlan) -> "_Counter":
             received = set(io.inputs[stage]) & final
             counter.run([nd for nd in graph.nodes if nd.stage == stage], received)
             for vid in io.outputs[stage]:
-                if graph.values[vid].is_tensor and vid in final:
+                if vid in final and graph.values[vid].is_tensor:
                     counter.convert(vid, R, False, False)
     return counter
 

@@ -5,14 +5,20 @@ A stage reads the forward's arguments directly (every rank gets the micro-batch)
 parameters; everything else it reads from ops of another stage arrives as a message. Values that
 cross are replicated over the stage's devices (the producer converts to R before sending; the
 consumer starts from R), so the ``i``-th device of one stage talks to the ``i``-th of the other.
+
+A decision both of whose branches are generated (codegen/branches.py) is taken once, by the stage
+that holds its guard; a later stage whose ops test it receives it as an int message (a value id of
+its own past the graph's, `StageIO.decisions`), so every stage of a micro-batch follows the branch
+its data took.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from nnscaler.ir import IRGraph, iter_refs
+from nnscaler.ir import IRGraph, is_guard, iter_refs
 
+from .branches import decisions_tested
 from .errors import GenerationError
 
 __all__ = ["StageIO", "stage_io", "shared_holders", "holding_groups", "loss_value"]
@@ -27,6 +33,7 @@ class StageIO:
     producer: Dict[int, int] = field(default_factory=dict)  # crossing value id -> stage
     consumers: Dict[int, List[int]] = field(default_factory=dict)  # crossing value id -> stages
     kinds: Dict[int, str] = field(default_factory=dict)  # crossing value id -> 'tensor' | 'int'
+    decisions: Dict[int, int] = field(default_factory=dict)  # crossing decision's value id -> its guard's id
 
 
 def stage_io(graph: IRGraph) -> StageIO:
@@ -51,6 +58,7 @@ def stage_io(graph: IRGraph) -> StageIO:
             if node.stage not in io.consumers[ref.id]:
                 io.consumers[ref.id].append(node.stage)
                 io.inputs[node.stage].append(ref.id)
+    _decisions(graph, io)
     for ref in iter_refs(graph.output):
         if ref.id in made and ref.id not in io.producer:
             io.producer[ref.id] = made[ref.id]
@@ -62,6 +70,27 @@ def stage_io(graph: IRGraph) -> StageIO:
         io.outputs[s].sort()
         io.inputs[s].sort()
     return io
+
+
+def _decisions(graph: IRGraph, io: StageIO) -> None:
+    """The decisions that ops of a later stage than their guard's test cross as ints."""
+    guards = {n.id: n for n in graph.nodes if is_guard(n) and n.kwargs.get("branches")}
+    next_id = max(graph.values, default=-1) + 1
+    vid_of: Dict[int, int] = {}
+    for node in graph.nodes:
+        for gid in sorted(decisions_tested(node)):
+            src = guards[gid].stage
+            if src == node.stage:
+                continue
+            if gid not in vid_of:
+                vid_of[gid] = next_id
+                io.decisions[next_id] = gid
+                io.producer[next_id], io.kinds[next_id], io.consumers[next_id] = src, "int", []
+                next_id += 1
+            vid = vid_of[gid]
+            if node.stage not in io.consumers[vid]:
+                io.consumers[vid].append(node.stage)
+                io.inputs[node.stage].append(vid)
 
 
 def shared_holders(graph: IRGraph) -> Dict[str, List[Tuple[int, ...]]]:

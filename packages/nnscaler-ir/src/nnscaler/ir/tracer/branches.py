@@ -21,8 +21,9 @@ or overlaps a branch merged before) the decision stays a guard (nnscaler.ir.trac
 later decisions, and decisions inside a merged branch, are guarded only.
 
 Limits: ops of the other branch carry the traced mode's constants (a Dropout only in the other
-branch keeps ``training`` of the traced mode); a pipelined plan keeps the traced branch only
-(`keep_traced_branch`, its guard checks it).
+branch keeps ``training`` of the traced mode). A pipelined plan keeps both branches too: codegen
+sends the decision from the stage that takes it to the later stages that test it
+(nnscaler.codegen.stages).
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def branch_refs(graph: IRGraph) -> set:
 
 def keep_traced_branch(graph: IRGraph) -> None:
     """Undo the merges: keep the ops and arguments of the traced branch (the decision becomes a
-    guard again). Used for pipelined plans, whose stages cannot share a decision."""
+    guard again), as ``trace(..., both_branches=False)`` would have traced it."""
     guards = {n.id: n for n in graph.nodes if is_guard(n)}
     kept = []
     for node in graph.nodes:
