@@ -147,6 +147,7 @@ def test_kept_after_forward_follows_reshard_after_forward():
     assert kept_after_forward(units, {"lm_head": True, "model.layers.*": False, "": False}) == [
         "", "model.layers.0", "model.layers.1"]
     assert kept_after_forward(units, 1) == sorted(units)  # the int 1: a group of one rank, kept gathered
+    assert kept_after_forward(units, True, 1) == [] and kept_after_forward(units, False, 1) == sorted(units)
     assert kept_after_forward(units, {"model.layers.*": 1, "": 2}, 4) == ["model.layers.0", "model.layers.1"]
     for bad in ("no", 0, {"model.layers.*": "2"}, {"model.layers.*": None}):
         with pytest.raises(ConfigError, match=r"zero3_reshard_after_forward'\](\[.*\])? is .*give"):

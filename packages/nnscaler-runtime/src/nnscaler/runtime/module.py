@@ -38,7 +38,7 @@ import torch
 
 from nnscaler.ir import as_compute_config
 from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file, reshard_sizes, root_modules, smaller_sizes
-from nnscaler.ir.contracts import unit_names
+from nnscaler.ir.contracts import kept_after_forward, unit_names
 from nnscaler.ir.contracts import WEIGHTS_FILE
 from nnscaler.ir.contracts.shard_precision import mixed_precision
 from nnscaler.ir import map_tensors
@@ -180,7 +180,7 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         sizes = reshard_sizes(units, setting, group_size)
         groups = make_smaller_groups(self.grid, cfg.zero_ngroups, smaller_sizes(setting, group_size))
         smaller = SmallerReshard({u: k for u, k in sizes.items() if 1 < k < group_size}, groups)
-        return sorted(u for u, k in sizes.items() if k == 1), smaller
+        return kept_after_forward(units, setting, group_size), smaller
 
     def __getattr__(self, name: str):
         value = super().__getattr__(name)

@@ -112,6 +112,19 @@ def _check_size(where: str, value: Any, group_size: Optional[int]) -> None:
                           f"the smaller groups of that many ranks holds a whole unit after forward; give {fix}")
 
 
+def _settings(units: Collection[str], setting: Any, group_size: Optional[int]) -> Dict[str, Any]:
+    """unit name -> its value (True, False or an int) in a checked `setting`."""
+    if isinstance(setting, Mapping):
+        if not all(isinstance(k, str) for k in setting):
+            raise ConfigError(f"{_KEY} is {setting!r}: a mapping's keys are unit names or globs (strings, "
+                             f"e.g. 'model.layers.*'; '' is the root)")
+        for k, v in setting.items():
+            _check_size(f"{_KEY}[{k!r}]", v, group_size)
+        return {u: next((v for k, v in setting.items() if fnmatch.fnmatchcase(u, k)), True) for u in units}
+    _check_size(_KEY, setting, group_size)
+    return dict.fromkeys(units, setting)
+
+
 def reshard_sizes(units: Collection[str], setting: Any, group_size: Optional[int]) -> Dict[str, int]:
     """unit name -> the size k of the group it is resharded to after forward, from
     ``pas_config["zero3_reshard_after_forward"]`` (FSDP2's ``reshard_after_forward``), `group_size`
@@ -123,26 +136,8 @@ def reshard_sizes(units: Collection[str], setting: Any, group_size: Optional[int
     names or globs (``"model.layers.*"``; ``""`` is the root) to those, the first matching entry
     deciding (units no entry matches: True). With `group_size` None every k is only checked to be an
     int >= 1 and True maps to 0 ("the whole group"). Raises ConfigError for another value."""
-    if isinstance(setting, Mapping):
-        if not all(isinstance(k, str) for k in setting):
-            raise ConfigError(f"{_KEY} is {setting!r}: a mapping's keys are unit names or globs (strings, "
-                             f"e.g. 'model.layers.*'; '' is the root)")
-        for k, v in setting.items():
-            _check_size(f"{_KEY}[{k!r}]", v, group_size)
-    else:
-        _check_size(_KEY, setting, group_size)
-
-    def size(value: Any) -> int:
-        if value is True:
-            return group_size or 0
-        return 1 if value is False else int(value)
-
-    out = {}
-    for unit in units:
-        hit = setting if not isinstance(setting, Mapping) else next(
-            (v for k, v in setting.items() if fnmatch.fnmatchcase(unit, k)), True)
-        out[unit] = size(hit)
-    return out
+    return {u: (group_size or 0) if v is True else 1 if v is False else int(v)
+            for u, v in _settings(units, setting, group_size).items()}
 
 
 def smaller_sizes(setting: Any, group_size: int) -> List[int]:
@@ -153,7 +148,7 @@ def smaller_sizes(setting: Any, group_size: int) -> List[int]:
 
 
 def kept_after_forward(units: Collection[str], setting: Any, group_size: Optional[int] = None) -> List[str]:
-    """The units (by name, `unit_names`' values) not freed after forward (resharded to a group of one
-    rank: `reshard_sizes` gives them 1, from False or the int 1). Raises ConfigError for a bad
-    ``pas_config["zero3_reshard_after_forward"]``."""
-    return sorted(u for u, k in reshard_sizes(units, setting, group_size).items() if k == 1)
+    """The units (by name, `unit_names`' values) not freed after forward: False or the int 1 (a group
+    of one rank; True is never kept, even when the zero group has one rank). Raises ConfigError for a
+    bad ``pas_config["zero3_reshard_after_forward"]``."""
+    return sorted(u for u, v in _settings(units, setting, group_size).items() if v is False or v is not True and v == 1)
