@@ -1,7 +1,11 @@
 """Long context: nnscaler's `cp` policy (ring attention) on N ranks against one process, on a tiny Llama.
 
     python bench/long_context.py [--nproc 2] [--lengths 4096 8192 16384] [--budget-at 8192] [--budget-probes 1]
-    python bench/long_context.py --nproc 4 --out bench/results/long_context_cp4.json
+    python bench/long_context.py --nproc 2 4 --budget-probes 0 --census-at 4096 8192
+
+`--nproc 2 4`: both cp sizes in one run against the same one-process runs (cp 1); the first size
+writes `--out` (bench/results/long_context.json), each other n the same name with `_cp<n>`
+(bench/results/long_context_cp4.json).
 
 The model is transformers' `LlamaForCausalLM` built from a config in code (nothing downloaded;
 seed-0 weights, float32, `attn_implementation="sdpa"`: one `scaled_dot_product_attention` per
@@ -434,7 +438,9 @@ def _budget_search(case: str, runs: List[dict], budget: int, a: dict, tmp: str, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
-    p.add_argument("--nproc", type=int, default=2, help="the cp size (ranks of the cp case)")
+    p.add_argument("--nproc", type=int, nargs="+", default=[2],
+                   help="the cp sizes (ranks of the cp case): several in one run share the one-process runs; "
+                        "the first writes --out, each other n writes --out with the suffix _cp<n>")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
@@ -468,47 +474,70 @@ def main() -> None:
                                   "head_dim": 8, "vocab": 64, "trace_seq": 32, "warmup_seq": 32, "budget_at": 64,
                                   "budget_probes": 1, "budget_step": 16,
                                   "same_process": True}, "long_context.json")
-    n = args.nproc
+    nprocs = list(dict.fromkeys(args.nproc))
     lengths = sorted(set(args.lengths))
-    bad = [t for t in lengths + [args.trace_seq or lengths[0], args.warmup_seq or lengths[0], args.budget_step]
-           if t % (2 * n)]
-    if bad:
-        p.error(f"lengths, --trace-seq and --budget-step must be multiples of 2 x --nproc = {2 * n} "
-                f"(causal ring attention balances 2N chunks): {bad}")
+    for n in nprocs:
+        bad = [t for t in lengths + [args.trace_seq or lengths[0], args.warmup_seq or lengths[0], args.budget_step]
+               if t % (2 * n)]
+        if bad:
+            p.error(f"lengths, --trace-seq and --budget-step must be multiples of 2 x --nproc = {2 * n} "
+                    f"(causal ring attention balances 2N chunks): {bad}")
     if args.budget_mib is None and args.budget_at not in lengths:
         p.error(f"--budget-at {args.budget_at} must be one of --lengths {lengths}")
     census_at = set(args.census_at if args.census_at is not None else [args.budget_at])
     cores = _common.cpu_count()
-    labels = _labels(n, cores)
-    a = {k: getattr(args, k) for k in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim",
-                                       "lr", "trace_seq", "warmup_seq", "mem_warmup", "mem_steps", "nproc",
-                                       "failure_protocol", "loss")}
-    a["malloc_env"] = not args.no_malloc_env
+    base = {k: getattr(args, k) for k in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads",
+                                          "head_dim", "lr", "trace_seq", "warmup_seq", "mem_warmup", "mem_steps",
+                                          "failure_protocol", "loss")}
+    base["malloc_env"] = not args.no_malloc_env
     if args.failure_protocol == "auto":
-        a["failure_protocol"] = "on" if _p2p_safe_waits() else "off"
-    a["labels"] = labels
+        base["failure_protocol"] = "on" if _p2p_safe_waits() else "off"
+    per_n = {n: {**base, "nproc": n, "labels": _labels(n, cores)} for n in nprocs}
     t_start = time.perf_counter()
     load_before = _common.loadavg()
     print(f"Llama {args.layers} x {args.hidden} (heads {args.heads} x {args.head_dim}, kv {args.kv_heads}, MLP "
-          f"{args.intermediate}, vocab {args.vocab}); lengths {lengths}; {labels['one']} vs {labels['cp']}",
-          flush=True)
-    runs: Dict[str, Dict[int, dict]] = {c: {} for c in CASES}
-    facts = None
+          f"{args.intermediate}, vocab {args.vocab}); lengths {lengths}; {per_n[nprocs[0]]['labels']['one']} vs "
+          + ", ".join(per_n[n]["labels"]["cp"] for n in nprocs), flush=True)
+    one_runs: Dict[int, dict] = {}
+    cp_runs: Dict[int, Dict[int, dict]] = {n: {} for n in nprocs}
+    facts: Dict[int, Optional[dict]] = {n: None for n in nprocs}
     with tempfile.TemporaryDirectory() as tmp:
         groups = [lengths] if args.same_process else [[t] for t in lengths]
         for seqs in groups:
-            for c in CASES:
-                for r in _run(c, seqs, a, tmp, census_at=census_at):
-                    runs[c][r["seq"]] = r
-                    print(f"{c:>3} {r['seq']:>6} tokens: peak RSS {_mib(r['peak_rss'])} MiB (above baseline "
+            for c, n in [("one", nprocs[0])] + [("cp", n) for n in nprocs]:
+                for r in _run(c, seqs, per_n[n], tmp, census_at=census_at):
+                    (one_runs if c == "one" else cp_runs[n])[r["seq"]] = r
+                    name = "one" if c == "one" else f"cp{n}"
+                    print(f"{name:>4} {r['seq']:>6} tokens: peak RSS {_mib(r['peak_rss'])} MiB (above baseline "
                           f"{_mib(r['peak_above_baseline'])}), step {r['step_s']:.2f} s (spawn {r['spawn_s']:.0f} s)",
                           flush=True)
-                    if c == "cp" and facts is None:
-                        facts = _plan_facts(r["gen_dir"])
-        budget = int(args.budget_mib * MIB) if args.budget_mib is not None else runs["one"][args.budget_at]["peak_rss"]
+                    if c == "cp" and facts[n] is None:
+                        facts[n] = _plan_facts(r["gen_dir"])
+        budget = int(args.budget_mib * MIB) if args.budget_mib is not None else one_runs[args.budget_at]["peak_rss"]
         print(f"budget: {_mib(budget)} MiB per process", flush=True)
-        search = {c: _budget_search(c, list(runs[c].values()), budget, a, tmp, args.budget_probes, args.budget_step)
-                  for c in CASES}
+        one_search = _budget_search("one", list(one_runs.values()), budget, per_n[nprocs[0]], tmp,
+                                    args.budget_probes, args.budget_step)
+        searches = {n: {"one": one_search, "cp": _budget_search("cp", list(cp_runs[n].values()), budget, per_n[n], tmp,
+                                                                args.budget_probes, args.budget_step)}
+                    for n in nprocs}
+    for i, n in enumerate(nprocs):
+        out = args.out if i == 0 else _suffixed(args.out, n)
+        _report(args, n, per_n[n], {"one": one_runs, "cp": cp_runs[n]}, searches[n], facts[n], budget, census_at,
+                lengths, cores, t_start, load_before, out, nprocs)
+
+
+def _suffixed(out: str, n: int) -> str:
+    """`out` with ``_cp<n>`` before its suffix (long_context.json -> long_context_cp4.json)."""
+    path = Path(out)
+    return str(path.with_name(f"{path.stem}_cp{n}{path.suffix}"))
+
+
+def _report(args, n: int, a: dict, runs: Dict[str, Dict[int, dict]], search: dict, facts: Optional[dict], budget: int,
+            census_at: set, lengths: List[int], cores: int, t_start: float, load_before, out: str,
+            nprocs: List[int]) -> None:
+    """Print cp `n`'s table, target, fits, census, plan and budget against the one process; write `out`."""
+    labels = a["labels"]
+    print(f"\n==== cp {n} ====")
 
     # -- report ------------------------------------------------------------------------------------
     rows, per_length, loss_diffs = [], {}, {}
@@ -610,7 +639,8 @@ def main() -> None:
     elapsed = time.perf_counter() - t_start
     print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
     data = {**_common.run_header(),
-            "config": {**vars(args), "lengths": lengths, "cores": cores, "threads": {"one": cores,
+            "config": {**vars(args), "nproc": n, "nprocs_in_this_run": nprocs, "out": out, "lengths": lengths,
+                       "cores": cores, "threads": {"one": cores,
                        "cp": _common.threads_per_rank(n)}, "labels": labels, "dtype": "float32",
                        "malloc_env": None if args.no_malloc_env else _rss.MALLOC_ENV, "batch": 1,
                        "failure_protocol_used": a["failure_protocol"],
@@ -627,7 +657,7 @@ def main() -> None:
                        "one": search["one"], "cp": search["cp"], "longest_fitting_cp_over_one": budget_ratio},
             "cp_plan": facts,
             "loadavg_before": load_before, "loadavg_after": _common.loadavg(), "seconds": elapsed}
-    _common.save_results(args.out, data)
+    _common.save_results(out, data)
 
 
 if __name__ == "__main__":
