@@ -114,6 +114,36 @@ def _same_dtype_rms_norm(model):
 _SAME_DTYPE = {}
 
 
+_SOFTMAX_ROUTERS = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+
+
+def _same_dtype_router(model):
+    """Mixtral's and Qwen-MoE's routers take their softmax in float32 whatever the model's dtype, so
+    float64 runs carry float32 rounding that depends on the plan's summation order (a qwen3_moe
+    hybrid case differed from one process by 1.2e-9). The same formula in the input's dtype keeps
+    float64 parity element-wise, as `_same_dtype_rms_norm` does for RMSNorm."""
+    for module in model.modules():
+        if type(module).__name__ in _SOFTMAX_ROUTERS:
+            cls = type(module)
+            if cls not in _SAME_DTYPE:
+                _SAME_DTYPE[cls] = type(f"SameDtype{cls.__name__}", (cls,),
+                                        {"forward": _softmax_router_forward, "__module__": __name__})
+            module.__class__ = _SAME_DTYPE[cls]
+    return model
+
+
+def _softmax_router_forward(self, hidden_states):
+    """transformers' top-k softmax router (Mixtral, Qwen2/3-MoE) with the softmax in the input's dtype."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    top_value, top_index = torch.topk(torch.softmax(router_logits, dim=-1), self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    return router_logits, top_value, top_index
+
+
+
+
 def _same_dtype_class(cls):
     if cls not in _SAME_DTYPE:
         def forward(self, hidden_states):
@@ -162,7 +192,7 @@ def mixtral(experts_implementation="eager"):
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=SEQ, attention_dropout=0.0, router_aux_loss_coef=0.02,
                         attn_implementation="sdpa", experts_implementation=experts_implementation, use_cache=False)
-    return _same_dtype_rms_norm(MoeCausalLM(MixtralForCausalLM(cfg)))
+    return _same_dtype_router(_same_dtype_rms_norm(MoeCausalLM(MixtralForCausalLM(cfg))))
 
 
 def qwen2_moe(experts_implementation="eager"):
@@ -173,7 +203,7 @@ def qwen2_moe(experts_implementation="eager"):
                          num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
                          max_position_embeddings=SEQ, attention_dropout=0.0, router_aux_loss_coef=0.02,
                          attn_implementation="sdpa", experts_implementation=experts_implementation, use_cache=False)
-    return _same_dtype_rms_norm(MoeCausalLM(Qwen2MoeForCausalLM(cfg)))
+    return _same_dtype_router(_same_dtype_rms_norm(MoeCausalLM(Qwen2MoeForCausalLM(cfg))))
 
 
 def qwen3_moe(experts_implementation="eager"):
@@ -184,7 +214,7 @@ def qwen3_moe(experts_implementation="eager"):
                          num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=SEQ,
                          attention_dropout=0.0, router_aux_loss_coef=0.02, attn_implementation="sdpa",
                          experts_implementation=experts_implementation, use_cache=False)
-    return _same_dtype_rms_norm(MoeCausalLM(Qwen3MoeForCausalLM(cfg)))
+    return _same_dtype_router(_same_dtype_rms_norm(MoeCausalLM(Qwen3MoeForCausalLM(cfg))))
 
 
 def deepseek_v3(experts_implementation="eager"):
