@@ -238,6 +238,54 @@ def test_cut_stages_bad_nstages(tiny, bad):
         cut_stages(tiny, bad)
 
 
+class Filled(nn.Module):
+    """A tensor filled in place through views of a new one (DeepSeek-V3's attention key) and one
+    written in place directly, between plain ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        key = h.new_empty(h.shape)
+        key[:, :4].copy_(h[:, :4])
+        key[:, 4:].copy_(torch.sigmoid(h[:, 4:]))
+        y = F.relu(self.b(key))
+        y.mul_(2.0)
+        return torch.exp(y).sum()
+
+
+@pytest.fixture(scope="module")
+def filled_json():
+    torch.manual_seed(0)
+    return trace(Filled(), {"x": torch.randn(4, 8)}).to_json()
+
+
+def test_write_spans_and_no_cut_inside_them(filled_json):
+    """A stage never starts between an in-place write and the producer of what it writes (through
+    views): the next stage would write into a received copy (autograd refuses an in-place op on a
+    received leaf; through a view the write would be lost). `cut_stages` keeps the min-max optimum
+    over the other boundaries; `stage` refuses such a lead, naming the write."""
+    from nnscaler.policies.inplace_writes import write_spans
+    graph = IRGraph.from_json(filled_json)
+    names = [n.short_name for n in graph.nodes]
+    spans = [(first, last, names[first], w.short_name) for first, last, w in write_spans(graph)]
+    assert [(f, w) for _, _, f, w in spans] == [("new_empty", "copy_"), ("new_empty", "copy_"), ("relu", "mul_")], spans
+    inside = {c for first, last, *_ in spans for c in range(first + 1, last + 1)}
+    allowed = set(range(1, len(graph.nodes))) - inside
+    for nstages in range(2, len(allowed) + 2):
+        stages = cut_stages(IRGraph.from_json(filled_json), nstages)
+        leads = [sum(len(s) for s in stages[:k]) for k in range(1, nstages)]
+        assert not set(leads) & inside, (nstages, leads)
+        assert max(stage_weights(graph, leads)) == pytest.approx(best_max_weight(graph, nstages, allowed))
+    first, last = spans[1][:2]
+    with pytest.raises(PlanError, match=rf"a stage would start at op {last} .*between op {first} "
+                                        rf".*new_empty.*op {last}: torch.Tensor.copy_.*Cut at op {first} or before"):
+        stage(IRGraph.from_json(filled_json), [last])
+
+
 # -- schedule / stage_devices ----------------------------------------------------------------
 
 def test_schedule_stores_the_plan(gpt):

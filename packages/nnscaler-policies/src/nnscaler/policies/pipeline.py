@@ -8,6 +8,8 @@
 
 A stage is a contiguous run of ops in program order (``Node.stage``); values that one stage
 produces and a later one reads cross on point-to-point messages (codegen and runtime do that).
+A stage never starts between an in-place write and the op producing the tensor it writes (through
+views: `inplace_writes.write_spans`): `cut_stages` skips those boundaries, `stage` refuses them.
 `schedule` stores a `nnscaler.ir.pipeline_plan.PipelinePlan` on ``graph.pipeline``; it validates
 the schedule against the plan, so a schedule that cannot apply is refused here.
 """
@@ -20,6 +22,7 @@ from nnscaler.ir import ConfigError
 from nnscaler.ir import IRGraph, Node
 from nnscaler.ir import PipelinePlan
 
+from .inplace_writes import write_spans
 from .plan import PlanError
 
 __all__ = ["pivot_leads", "stage", "cut_stages", "schedule", "stage_devices", "op_weight"]
@@ -92,6 +95,14 @@ def stage(graph: IRGraph, leads: Sequence[Union[int, Node]]) -> List[List[Node]]
         cuts.append(i)
     if cuts != sorted(set(cuts)):
         raise PlanError(f"stage leads must be strictly increasing op indices, got {cuts}")
+    for first, last, write in write_spans(graph):
+        inside = [c for c in cuts if first < c <= last]
+        if inside:
+            raise PlanError(
+                f"a stage would start at op {inside[0]} ({graph.nodes[inside[0]].target}), between op {first} "
+                f"({graph.nodes[first].target}) and the in-place write that fills what it produced, op {last}: "
+                f"{write.describe()}; the next stage would write into a received copy. Cut at op {first} or "
+                f"before, or after op {last}")
     bounds = [0, *cuts, len(graph.nodes)]
     stages = []
     for s in range(len(bounds) - 1):
@@ -116,7 +127,8 @@ def cut_stages(graph: IRGraph, nstages: int, candidates: Optional[Sequence[int]]
     if isinstance(nstages, bool) or not isinstance(nstages, int) or nstages < 1:
         raise ConfigError(f"pipeline_nstages must be a positive integer, got {nstages!r}")
     n = len(graph.nodes)
-    cand = sorted({c for c in (range(1, n) if candidates is None else candidates) if 0 < c < n})
+    inside = {c for first, last, _ in write_spans(graph) for c in range(first + 1, last + 1)}
+    cand = sorted({c for c in (range(1, n) if candidates is None else candidates) if 0 < c < n} - inside)
     if len(cand) < nstages - 1:
         where = "op boundaries" if candidates is None else "pivot module starts after the first op"
         raise ConfigError(f"cannot cut {graph.module_class} into pipeline_nstages={nstages} stages: it has only "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ..inplace_writes import VIEW_OPS, written_through_views  # noqa: F401  (tp, cp import them from here)
 from ..plan import tensor_inputs
 from ..primitives import assign, bind_annotation, partition, replicate
 
@@ -62,33 +63,3 @@ def dim_of_input_axis(graph, node, input_index: int, axis: int) -> Optional[str]
         return None
     name = names[axis]
     return name[1:-1].split()[0] if name.startswith("(") else name
-
-
-# Ops whose result may share its input's storage (a write into the result writes into the input).
-VIEW_OPS = frozenset(f"torch.Tensor.{m}" for m in (
-    "__getitem__", "view", "view_as", "reshape", "transpose", "permute", "narrow", "select", "unsqueeze",
-    "squeeze", "expand", "expand_as", "t", "as_strided", "diagonal", "split", "chunk", "unbind", "flatten",
-    "unflatten", "detach", "movedim")) | {"torch.reshape", "torch.transpose", "torch.narrow", "torch.split",
-                                           "torch.chunk", "torch.unbind", "torch.flatten", "torch.movedim"}
-
-
-def written_through_views(graph) -> set:
-    """Ids of the ops of an in-place write through a view (DeepSeek-V3's attention fills
-    ``key = k_pass.new_empty(...); key[..., :8].copy_(k_pass)``): the write, the views its target was
-    made by, and their base. Split along a random dim, a view's piece is taken of a converted copy
-    of the base (or only part of the base is written), so later readers of the base see memory
-    nobody wrote; replicated, the write reaches the base whole."""
-    producers = graph.producers()
-    out = set()
-    for node in graph.nodes:
-        ins = node.input_refs() if node.inplace else []
-        src = producers.get(ins[0].id) if ins else None
-        if src is None or src.target not in VIEW_OPS:
-            continue
-        out.add(node.id)
-        while src is not None:
-            out.add(src.id)
-            base = src.input_refs() if src.target in VIEW_OPS else []
-            src = producers.get(base[0].id) if base else None
-    return out
-
