@@ -1,8 +1,11 @@
 """The multi-process halves of the Fabric tests: the same hand-written loop with Fabric's
-DDPStrategy and with nnscaler's Fabric strategy (dp2, tp2, dp2 fully sharded), then a save / load
-round trip."""
+DDPStrategy and with nnscaler's Fabric strategy (dp2, tp2, dp2 fully sharded, and tp2 and dp2
+fully sharded with the model built on the meta device by ``fabric.init_module(empty_init=True)``),
+then a save / load round trip; the meta-built models also take weights by ``fabric.load_raw`` from
+the dp2 checkpoint and from a Hugging Face-style directory."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -24,13 +27,17 @@ class Net(torch.nn.Module):
         return self.net(x)
 
 
-def _loop(strategy, batch_size, steps_out):
+def _loop(strategy, batch_size, steps_out, meta=False, after_setup=None):
     import lightning.fabric as lf
     fabric = lf.Fabric(strategy=strategy, accelerator="cpu", devices=dist.get_world_size())
     fabric.launch()
-    model = Net()
+    with fabric.init_module(empty_init=True) if meta else contextlib.nullcontext():
+        model = Net()
+    assert all(p.is_meta for p in model.parameters()) == meta
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = fabric.setup(model, opt)
+    if after_setup is not None:
+        after_setup(model)
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=batch_size, shuffle=False))
     for epoch in range(2):
         for i, (x, y) in enumerate(loader):
@@ -47,7 +54,21 @@ def _loop(strategy, batch_size, steps_out):
 
 
 PLANS = (("dp2", 1, "dp", {}), ("tp2", 2, "tp", {}),
-         ("dp2-zero3", 1, "dp", {"use_zero": 3}))  # fully sharded: parameters, gradients, optimizer state
+         ("dp2-zero3", 1, "dp", {"use_zero": 3}),  # fully sharded: parameters, gradients, optimizer state
+         ("tp2-meta", 2, "tp", {}), ("dp2-zero3-meta", 1, "dp", {"use_zero": 3}))  # built on meta
+
+
+class Holder(torch.nn.Module):  # full_weights looks for the parallel module here
+    def __init__(self, model):
+        super().__init__()
+        self.nnscaler_pmodule = getattr(model, "_forward_module", model)
+
+
+def _held(model):
+    """The elements this rank allocated for the model's parameters (under use_zero=3: its shards)."""
+    pm = model._forward_module
+    fs = pm.fully_sharded
+    return sum(p.numel() for p in pm.parameters()) + (sum(u.shard.numel() for u in fs.units) if fs else 0)
 
 
 def parity(rank, world, root):
@@ -59,17 +80,22 @@ def parity(rank, world, root):
     losses = []
     _, model, _ = _loop(DDPStrategy(), 8, losses)
     out["ddp"] = (torch.stack(losses), {k: v.detach().clone() for k, v in model.module.state_dict().items()})
+    if rank == 0:  # a Hugging Face-style directory of the CPU-built weights (load_raw's other source)
+        from safetensors.torch import save_file
+        os.makedirs(os.path.join(root, "hf"))
+        with torch.random.fork_rng(devices=[]):  # Net() seeds: the ranks' generators stay alike
+            weights = Net().state_dict()
+        save_file({k: v.contiguous() for k, v in weights.items()},
+                  os.path.join(root, "hf", "model.safetensors"))
+    dist.barrier()
     for name, plan, policy, config in PLANS:
-        losses = []
+        losses, meta, initial = [], name.endswith("-meta"), {}
         strategy = NnScalerStrategy(compute_config=ComputeConfig(plan, world, **config), pas_policy=policy,
                                     gen_savedir=os.path.join(root, "gen"), instance_name=name,
                                     dummy_forward_args={"x": torch.randn(8 * plan, FEATURES)})
-        fabric, model, opt = _loop(strategy, 8 * plan, losses)
-
-        class Holder(torch.nn.Module):  # full_weights looks for the parallel module here
-            pass
-        holder = Holder()
-        holder.nnscaler_pmodule = model._forward_module
+        hook = (lambda m: initial.update(held=_held(m), weights=full_weights(Holder(m)))) if meta else None
+        fabric, model, opt = _loop(strategy, 8 * plan, losses, meta, hook)
+        holder = Holder(model)
         weights = full_weights(holder)
         path = os.path.join(root, f"{name}.ckpt")
         fabric.save(path, {"model": model, "optimizer": opt, "step": 7, "pair": (1, 2)})
@@ -81,6 +107,12 @@ def parity(rank, world, root):
         state = {"model": model, "optimizer": opt, "step": 0, "pair": None}
         left = fabric.load(path, state)
         after = opt.optimizer.state_dict()["state"][0]
-        out[name] = (torch.stack(losses), weights, full_weights(holder), state["step"], state["pair"], left,
-                     all(torch.equal(before[k], after[k]) for k in before))
+        reloaded = full_weights(holder)
+        if meta:  # weights from an nnscaler checkpoint of another plan and from a Hugging Face directory
+            fabric.load_raw(os.path.join(root, "dp2.ckpt"), model)
+            initial["dp2"] = full_weights(holder)
+            fabric.load_raw(os.path.join(root, "hf"), model)
+            initial["hf"] = full_weights(holder)
+        out[name] = (torch.stack(losses), weights, reloaded, state["step"], state["pair"], left,
+                     all(torch.equal(before[k], after[k]) for k in before), initial)
     return out if rank == 0 else None

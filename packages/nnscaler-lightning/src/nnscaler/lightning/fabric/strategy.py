@@ -9,11 +9,18 @@ this rank's ParallelModule, whose outputs are whole on every rank. Gradients are
 `fabric.load` go through nnscaler.ckpt (a directory; modules and optimizers as tensors, the rest
 of the state and the precision's grad-scaler state as JSON with tensors). Precision: `Fabric(
 precision=...)` of a supported kind becomes `NnScalerPrecision` (fabric/precision.py).
+
+A model built on the meta device (``fabric.init_module(empty_init=True)``, or ``torch.device("meta")``)
+is never materialized whole: `parallelize` gives each rank only its local tensors (under
+``use_zero=3`` its shards), filled from the model's own initialisation (the values of building it
+on the CPU with the same seed, runtime/driver/meta_init.py); ``fabric.load_raw(path, model)``
+then fills them from an nnscaler checkpoint or a Hugging Face directory (nnscaler.ckpt.load: each
+rank reads only what it holds).
 """
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -29,6 +36,7 @@ from ..errors import NnScalerLightningError
 from ..internals import BackwardSyncControl, FabricScriptLauncher, FabricSpawnLauncher, sync_ddp_if_available
 from ..optimizers import check_optimizer, rebuild
 from ..precision import adopt_precision_plugin
+from ..mixed_precision import mixed_precision_config, mixed_precision_setting
 from ..sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, built_on_meta, example_rng,
                             offload_device, recompute_config, sharding_config, sharding_strategy_name,
                             wrap_config)
@@ -46,7 +54,7 @@ class _NoSync(BackwardSyncControl):
 class NnScalerStrategy(ProcessLayout, ParallelStrategy):
     """Fabric's `ParallelStrategy` arguments, `nnscaler.parallelize`'s, `state_dict_type`, and
     `dummy_forward_args` (used when the model has no such attribute); `sharding_strategy` as the
-    Trainer strategy's (FSDP's names -> use_zero). See docs/lightning.md."""
+    Trainer strategy's (FSDP's names -> use_zero), `mixed_precision` too. See docs/lightning.md."""
 
     def __init__(self, accelerator=None, parallel_devices: Optional[list] = None, cluster_environment=None,
                  precision=None, compute_config: Optional[ComputeConfig] = None,
@@ -56,11 +64,13 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                  dummy_forward_args: Optional[Dict[str, Any]] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
                  activation_checkpointing_policy: Optional[Any] = None, cpu_offload: bool = False,
-                 sharding_strategy: Optional[Any] = None, auto_wrap_policy: Optional[Any] = None) -> None:
+                 sharding_strategy: Optional[Any] = None, auto_wrap_policy: Optional[Any] = None,
+                 mixed_precision: Optional[Any] = None) -> None:
         check_strategy_args(compute_config, state_dict_type)
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
         self._wrap_types = checkpointing_types(auto_wrap_policy, "auto_wrap_policy")
         self._sharding = sharding_strategy_name(sharding_strategy)
+        self._mixed_precision = mixed_precision_setting(mixed_precision)  # ../mixed_precision.py
         check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -96,6 +106,7 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
                 f"{cfg.runtime_ngpus})) but Fabric runs {self.world_size} process(es): make them equal")
         self.precision.set_device(self.root_device.type)
         self.compute_config = cfg = sharding_config(cfg, self._sharding, self.num_nodes)
+        cfg = mixed_precision_config(cfg, self._mixed_precision)
         on_meta = built_on_meta(module)  # each rank fills only its shards (sharded_args.built_on_meta)
         cfg = wrap_config(recompute_config(cfg, self._checkpointing_types, module), self._wrap_types, module)
         with example_rng(on_meta):
@@ -131,8 +142,19 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
         raise NnScalerLightningError("NnScalerStrategy sets up the model and its optimizer together: call "
                                      "fabric.setup(model, optimizer) instead of fabric.setup_optimizers")
 
+    def module_init_context(self, empty_init: Optional[bool] = None):
+        """``fabric.init_module(empty_init=True)`` builds the model on the meta device (each rank then
+        allocates only what it holds, at `fabric.setup`); otherwise on the root device."""
+        if not empty_init:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
     def module_to_device(self, module) -> None:
-        module.to(self.root_device)
+        if not built_on_meta(module):  # a meta-built model: parallelize allocates each rank's part
+            module.to(self.root_device)
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         if float(norm_type) != 2.0:
@@ -164,6 +186,11 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> Dict[str, Any]:
         import nnscaler.ckpt as ckpt
+        if isinstance(state, (torch.nn.Module, torch.optim.Optimizer)):  # fabric.load_raw(path, obj)
+            return self._load_raw(path, state, strict)
+        if isinstance(path, (str, os.PathLike)) and ckpt.is_hf_directory(path):
+            raise NnScalerLightningError(f"fabric.load({os.fspath(path)!r}, state): a Hugging Face model directory "
+                                         f"holds only the model's weights: call fabric.load_raw(path, model)")
         if not isinstance(state, dict) or not state:
             raise NnScalerLightningError("fabric.load(path, state) with NnScalerStrategy needs the state dict "
                                          "holding the set-up model (and optimizer) to fill in place")
@@ -179,6 +206,20 @@ class NnScalerStrategy(ProcessLayout, ParallelStrategy):
             elif strict:
                 raise NnScalerLightningError(f"fabric.load: '{key}' is not in checkpoint {path} (strict=True)")
         return saved
+
+    def _load_raw(self, path, obj, strict: bool) -> Dict[str, Any]:
+        """``fabric.load_raw(path, model)``: the model's weights (any plan) from an nnscaler
+        checkpoint or a Hugging Face directory, each rank reading only what it holds."""
+        import nnscaler.ckpt as ckpt
+        if not isinstance(obj, torch.nn.Module):
+            raise NnScalerLightningError(f"fabric.load_raw(path, {type(obj).__name__}) with NnScalerStrategy: an "
+                                         f"optimizer's state is loaded with its model, by fabric.load(path, "
+                                         f"{{'model': model, 'optimizer': optimizer}})")
+        if not strict:
+            raise NnScalerLightningError("fabric.load_raw(path, model, strict=False) with NnScalerStrategy: the "
+                                         "checkpoint must hold every tensor of the model; leave strict=True")
+        ckpt.load(self.broadcast(os.fspath(path)), obj)
+        return {}
 
     def _split(self, state: Dict[str, Any]) -> Tuple[ParallelModule, Any, Dict[str, Any]]:
         pm, opt, rest, self._key, self._opt_key = None, None, {}, None, None
