@@ -1,5 +1,6 @@
-"""One plan's predicted step: per-layer times from the analytic costs, stages, the 1F1B schedule,
-the data-parallel sync, the optimizer, and the memory of the busiest GPU.
+"""One plan's predicted step: per-layer times from the analytic costs (`layer_times`), stages, the
+1F1B schedule, the data-parallel sync, the optimizer, and the memory of the busiest GPU. The
+records (`Plan`, `Workload`, `Estimate`) live in `plans` and are importable from here too.
 
 Ranks are laid out as Megatron-LM does: tensor parallel innermost (consecutive GPUs, inside a
 node), then data parallel, then pipeline stages outermost. A group whose members stay inside one
@@ -27,120 +28,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List
+from typing import List
 
 from nnscaler.ir import ConfigError
 
 from . import context, costs
 from .cluster import Cluster
+from .layer_times import all_to_all_time, group_link, head_times, layer_times
 from .model import ModelSpec
+from .plans import MOE_IMBALANCE, ZERO_STAGES, Estimate, Plan, Workload, zero_label
+
+_layer_times = layer_times  # its earlier name here (tests/policies/test_estimate_context.py)
 
 __all__ = ["MOE_IMBALANCE", "Plan", "Estimate", "Workload", "ZERO_STAGES", "estimate_plan", "gpu_layer_ids",
            "gpu_layers", "stage_layers", "zero_label", "zero_sync_times"]
-
-ZERO_STAGES = (0, 1, 3)
-# The busiest expert-parallel rank's routed tokens over the mean (router load imbalance left after
-# the auxiliary balancing loss): an assumption, not a measurement; `--moe-imbalance` changes it.
-MOE_IMBALANCE = 1.1
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    tp: int
-    pp: int
-    dp: int
-    # ZeRO stage (ComputeConfig.use_zero): 0 none; 1 optimizer state sharded over the zero group;
-    # 3 parameters, gradients and optimizer state sharded (fully sharded; no pipeline: pp must be 1)
-    zero: int
-    micro_batch: int  # sequences per micro-batch per data-parallel rank
-    recompute: bool  # every decoder layer recomputed in backward
-    virtual: int = 1  # pipeline stages per GPU: 1 is 1F1B, more is interleaved 1F1B
-    zero_ngroups: int = 1  # ComputeConfig.zero_ngroups: the dp ranks split into this many zero groups
-    ep: int = 1  # expert parallel: the routed experts split over ep of the dp ranks (mixture of experts)
-    cp: int = 1  # context parallel: every sequence split over cp ranks (ring attention); GPUs = tp·cp·pp·dp
-
-    def __post_init__(self):
-        if self.zero not in ZERO_STAGES:
-            raise ConfigError(f"Plan.zero must be one of {ZERO_STAGES} (ComputeConfig.use_zero's stages), "
-                              f"got {self.zero!r}")
-        if self.zero_ngroups < 1 or self.dp % self.zero_ngroups or (self.zero_ngroups > 1 and not self.zero):
-            raise ConfigError(f"Plan.zero_ngroups ({self.zero_ngroups}) must divide dp ({self.dp}), and needs "
-                              f"zero 1 or 3 when above 1")
-        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
-            raise ConfigError(f"Plan.cp must be a whole number >= 1 (the context-parallel degree), got {self.cp!r}")
-        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.ep_pool % self.ep:
-            pool = f"cp ({self.cp}): with context parallelism" if self.cp > 1 else f"dp ({self.dp}):"
-            raise ConfigError(f"Plan.ep ({self.ep!r}) must be a whole number >= 1 dividing {pool} the "
-                              f"expert-parallel ranks are carved out of the "
-                              f"{'context' if self.cp > 1 else 'data'}-parallel ones")
-
-    @property
-    def ep_pool(self) -> int:
-        """The ranks ep is carved out of: the cp ranks with context parallelism (the runtime's cp policy
-        splits the experts over its unit), else the dp ranks."""
-        return self.cp if self.cp > 1 else self.dp
-
-    @property
-    def zero_group(self) -> int:
-        """Ranks one ZeRO shard is spread over: dp·cp / zero_ngroups with ZeRO, else 1."""
-        return self.dp * self.cp // self.zero_ngroups if self.zero else 1
-
-    @property
-    def family(self) -> str:
-        return (f"tp{self.tp}" + (f" cp{self.cp}" if self.cp > 1 else "") + f" pp{self.pp} dp{self.dp}"
-                + (f" ep{self.ep}" if self.ep > 1 else ""))
-
-    def describe(self) -> str:
-        return (f"{self.family}" + (f" v{self.virtual}" if self.virtual > 1 else "")
-                + zero_label(self.zero, self.zero_ngroups)
-                + f" mb{self.micro_batch}" + (" recompute" if self.recompute else ""))
-
-
-def zero_label(zero: int, ngroups: int = 1) -> str:
-    """' zero1', ' zero3', ' zero3/g2' (two zero groups) or '' without ZeRO: a plan name's part."""
-    return (f" zero{zero}" + (f"/g{ngroups}" if ngroups > 1 else "")) if zero else ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    gpus: int
-    seq: int
-    global_batch_tokens: int
-    moe_imbalance: float = MOE_IMBALANCE  # mixture of experts: the busiest rank's expert compute over the mean
-
-    @property
-    def sequences(self) -> int:
-        return self.global_batch_tokens // self.seq
-
-
-@dataclasses.dataclass
-class Estimate:
-    plan: Plan
-    nmicros: int
-    step_s: float
-    compute_s: float  # nmicros x the slowest stage's compute (recomputation included)
-    bubble_s: float
-    tp_comm_s: float
-    pp_comm_s: float
-    dp_comm_s: float  # exposed data-parallel sync (+ ZeRO-1's all-gather after the step, ZeRO-3's gathers)
-    optimizer_s: float
-    memory_bytes: float
-    memory_parts: Dict[str, float]
-    fits: bool
-    model_flops: float
-    tokens_per_s: float
-    tflops_per_gpu: float
-    mfu: float
-    ep_comm_s: float = 0.0  # the MoE layers' dispatch and combine all-to-alls
-    cp_comm_s: float = 0.0  # the context-parallel ring's transfers that attention does not hide
-
-    @property
-    def comm_s(self) -> float:
-        return self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.ep_comm_s + self.cp_comm_s
-
-    @property
-    def memory_gb(self) -> float:
-        return self.memory_bytes / costs.GiB
 
 
 def stage_layers(layers: int, pp: int) -> List[int]:
@@ -158,77 +59,6 @@ def stage_layers(layers: int, pp: int) -> List[int]:
             deficit -= 1
         i += 1
     return out
-
-
-def _group_link(cluster: Cluster, span: int):
-    """The link a group uses whose members lie within `span` consecutive ranks."""
-    return cluster.intra_node if span <= cluster.gpus_per_node else cluster.inter_node
-
-
-def _layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, moe: tuple = (), cp: int = 1):
-    """(forward s, backward s, tp comm s per forward pass, (forward, backward) exposed ring s) of one
-    decoder layer on one micro-batch's s/cp tokens; `moe`: (ep, imbalance) for an MoE layer."""
-    m = b * seq / cp
-    h, hd = spec.hidden, spec.head_dim
-    mats = [(1, m, h, (spec.heads + 2 * spec.kv_heads) * hd / tp),  # q, k, v
-            (1, m, spec.heads * hd / tp, h)]  # attention output projection
-    if moe:
-        mlp_mats, mlp_elements = _moe_mlp(spec, m, tp, *moe)
-    else:
-        mlp_mats = [(1, m, h, (2 if spec.gated else 1) * spec.ffn / tp),  # up (and gate)
-                    (1, m, spec.ffn / tp, h)]  # down
-        mlp_elements = (3 if spec.gated else 2) * spec.ffn
-    mm = sum(costs.matmul_time(*shape, cluster, groups=n) for n, *shape in mats + mlp_mats)  # n: a grouped GEMM
-    if cluster.fused_attention:  # the causal attention balanced over cp (zigzag): 1/cp of it a rank
-        att = costs.attention_time(b, seq, spec.heads / tp, hd, cluster) / cp
-        att_b = costs.ATTENTION_BACKWARD * att
-    else:  # the rank's s/cp query rows against all s keys; backward twice the forward
-        att = costs.unfused_attention_time(b, seq, spec.heads / tp, hd, cluster, rows=seq / cp)
-        att_b = 2 * att
-    merge_f, merge_b = context.merge_times(spec, b, seq, tp, cp, cluster)  # the ring steps' merges (0 without cp)
-    att, att_b = att + merge_f, att_b + merge_b
-    # norms, residual adds, rotary on q and k, the MLP activation: elements read + written per token
-    elementwise = 10 * h + 2 * (spec.heads + spec.kv_heads) * hd + mlp_elements
-    ew = costs.memory_bound_time(m * elementwise / tp * cluster.gpu.dtype_bytes, cluster)
-    fwd = mm + att + ew
-    bwd = 2 * mm + att_b + 2 * ew
-    # Megatron TP (sequence parallel): 2 all-gathers + 2 reduce-scatters of b·s·h a pass (= 2 all-reduces)
-    comm = 2 * costs.ring_all_reduce_time(m * h * cluster.gpu.dtype_bytes, tp, cluster.intra_node)
-    return fwd, bwd, comm, context.ring_times(spec, b, seq, tp, cp, att, att_b, cluster)
-
-
-def _moe_mlp(spec: ModelSpec, m: int, tp: int, ep: int, imbalance: float):
-    """An MoE layer's MLP on one rank of m tokens: ([(groups, m, k, n) matmuls], elementwise elements a
-    token). The router; E / ep local experts as one grouped GEMM per projection, each expert on m·k·ep / E
-    tokens (x imbalance on the busiest rank), their width split over tp (the shapes price what small
-    and thin GEMMs lose: `costs.gemm_shape_efficiency`); the shared experts on every token; the
-    activation's elements; the router's softmax, top-k and weights over E (read and written, 4 passes);
-    the dispatch's permute and the combine's un-permute (a read and a write of k copies of the token,
-    twice)."""
-    h, f, s, w = spec.hidden, spec.expert_ffn, spec.shared_ffn, 2 if spec.gated else 1
-    local, per_expert = spec.experts // ep, m * spec.top_k * ep / spec.experts * imbalance
-    mats = [(1, m / tp, h, spec.experts),  # router (on the sequence-parallel shard)
-            (local, per_expert, h, w * f / tp), (local, per_expert, f / tp, h)]
-    if s:
-        mats += [(1, m, h, w * s / tp), (1, m, s / tp, h)]
-    act = (w + 1) * (spec.top_k * f * imbalance + s)
-    return mats, act + 4 * spec.top_k * h + 4 * spec.experts
-
-
-def _all_to_all_time(spec: ModelSpec, b: int, seq: int, tp: int, ep: int, cluster: Cluster, cp: int = 1) -> float:
-    """Dispatch + combine of one forward pass of an MoE layer: two all-to-alls over ep ranks, each of the
-    rank's b·s/(cp·tp) tokens (sequence parallel) x top_k copies x hidden, on the link an ep group of
-    tp·ep consecutive ranks needs (ep consecutive dp ranks, or cp ranks with context parallelism)."""
-    nbytes = b * seq / cp / tp * spec.top_k * spec.hidden * cluster.gpu.dtype_bytes
-    return 2 * costs.all_to_all_time(nbytes, ep, _group_link(cluster, tp * ep))
-
-
-def _head_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, cp: int = 1):
-    """(forward s, backward s) of the output projection and the loss over fp32 logits (vocab split over tp)."""
-    m = b * seq / cp
-    mm = costs.matmul_time(m, spec.hidden, spec.vocab / tp, cluster)
-    loss = costs.memory_bound_time(m * spec.vocab / tp * 4 * 4, cluster)  # cast, softmax, grad: ~4 fp32 passes
-    return mm + loss / 2, 2 * mm + loss / 2
 
 
 def gpu_layers(layers: int, pp: int, virtual: int = 1) -> List[int]:
@@ -256,7 +86,7 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     seq, nbytes = work.seq, cluster.gpu.dtype_bytes
     nmicros = work.sequences // (dp * b)
     overhead = costs.OPS_PER_LAYER * cluster.op_overhead_us * 1e-6
-    fwd, bwd, tp_comm, (ring_f, ring_b) = _layer_times(spec, b, seq, tp, cluster, cp=cp)
+    fwd, bwd, tp_comm, (ring_f, ring_b) = layer_times(spec, b, seq, tp, cluster, cp=cp)
     fwd, bwd = fwd + overhead, bwd + 2 * overhead
     if plan.recompute:
         bwd += fwd
@@ -265,13 +95,13 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     # an MoE layer: the same with its MLP, and the dispatch and combine all-to-alls in every pass
     fwd_m = bwd_m = layer_comm_m = a2a = 0.0
     if spec.is_moe:
-        fwd_m, bwd_m, tp_comm_m, _ = _layer_times(spec, b, seq, tp, cluster, moe=(ep, work.moe_imbalance), cp=cp)
+        fwd_m, bwd_m, tp_comm_m, _ = layer_times(spec, b, seq, tp, cluster, moe=(ep, work.moe_imbalance), cp=cp)
         fwd_m, bwd_m = fwd_m + overhead, bwd_m + 2 * overhead
         if plan.recompute:
             bwd_m += fwd_m
         layer_comm_m = tp_comm_m * (3 if plan.recompute else 2)
-        a2a = _all_to_all_time(spec, b, seq, tp, ep, cluster, cp) * (3 if plan.recompute else 2)
-    head_f, head_b = _head_times(spec, b, seq, tp, cluster, cp)
+        a2a = all_to_all_time(spec, b, seq, tp, ep, cluster, cp) * (3 if plan.recompute else 2)
+    head_f, head_b = head_times(spec, b, seq, tp, cluster, cp)
     tokens = b * seq / cp  # a rank's tokens of a micro-batch
     emb = costs.memory_bound_time(3 * tokens * spec.hidden / tp * nbytes, cluster)  # lookup + its gradient
     ids = gpu_layer_ids(spec.layers, pp, v)
@@ -281,7 +111,7 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     nd = [c - n for c, n in zip(counts, nm)]  # dense layers
     # pipeline messages: the boundary activation (sequence-parallel: 1/tp of it) forward and its gradient
     # back, once per stage a GPU holds
-    pp_link = _group_link(cluster, tp * cp * dp + 1)  # neighbouring stages are tp·cp·dp ranks apart
+    pp_link = group_link(cluster, tp * cp * dp + 1)  # neighbouring stages are tp·cp·dp ranks apart
     p2p = 2 * v * costs.p2p_time(tokens * spec.hidden / tp * nbytes, pp_link) if pp > 1 else 0.0
 
     def gpu_time(i):
@@ -395,10 +225,10 @@ def zero_sync_times(grads: float, plan: Plan, nmicros: int, cluster: Cluster, st
     its span needs (intra-node inside a node, else inter-node). `stride`: the group's ranks are that
     many dp ranks apart (the experts' dp / ep ranks, `stride = ep`), widening the spans as much."""
     tp, dp, z, g = plan.tp, plan.dp, plan.zero_group, plan.zero_ngroups
-    dp_link = _group_link(cluster, tp * dp * stride)
+    dp_link = group_link(cluster, tp * dp * stride)
     if not plan.zero:
         return costs.ring_all_reduce_time(grads, dp, dp_link), 0.0
-    zero_link = _group_link(cluster, tp * z * stride)
+    zero_link = group_link(cluster, tp * z * stride)
     reduce = costs.ring_all_gather_time(grads, z, zero_link)  # a reduce-scatter moves what an all-gather does
     reduce += costs.ring_all_reduce_time(grads / z, g, dp_link)
     if plan.zero == 3 and plan.pp > 1:
