@@ -170,14 +170,18 @@ def configure_model(rank, world, root):
     trainer(DDPStrategy(), os.path.join(root, "llama-ddp")).fit(model)
     out["llama-ddp"] = (global_losses(model.step_losses),
                         {f"llama.{k}": v.detach().clone() for k, v in model.llama.named_parameters()})
+    from torch.distributed.fsdp import MixedPrecision
+    bf16 = {"sharding_strategy": "FULL_SHARD",  # FSDPStrategy's mixed_precision: bf16 gathers from fp32 shards
+            "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     for label, plan, policy, kwargs in (("llama-tp2", 2, "tp", {}), ("llama-zero3", 1, "dp",
                                                                      {"sharding_strategy": "FULL_SHARD"}),
-                                        ("llama-cpu-dp2", 1, "dp", {})):
+                                        ("llama-cpu-dp2", 1, "dp", {}), ("llama-zero3-bf16", 1, "dp", bf16)):
         # llama-cpu-dp2: built by from_pretrained on the CPU, as the reference (its example input is
         # one tensor for input_ids and labels: traced as two inputs, ir/tracer/trace.py)
         model = MetaLlama(hf_dir, meta=label != "llama-cpu-dp2", batch_size=8 * plan)
         _fit(model, _strategy(root, label, plan, policy, **kwargs), root, label)
-        out[label] = (global_losses(model.step_losses), full_weights(model), model.built_on, model.llama, None)
+        out[label] = (global_losses(model.step_losses), full_weights(model), model.built_on, model.llama,
+                      {str(loss.dtype) for loss in model.step_losses})
     # activation checkpointing of the decoder layers (issue 43 §1), under dp2
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     model = MetaLlama(hf_dir, meta=True, batch_size=8)

@@ -57,10 +57,20 @@ def test_configure_model_and_cpu_offload_match_ddp(tmp_path):
         assert built_on == ("cpu" if label == "llama-cpu-dp2" else "meta") and llama is None, label
         if label == "llama-dp2-ckpt":  # activation_checkpointing_policy={LlamaDecoderLayer}: both layers
             assert calls == [2, 2], calls
+        assert calls == {"torch.float32"} or label == "llama-dp2-ckpt", (label, calls)  # the losses' dtypes
         torch.testing.assert_close(losses, ref_losses, atol=1e-6, rtol=TOL, msg=lambda m: f"{label} losses: {m}")
         assert set(ref_weights) <= set(weights), label  # and the rotary buffers
         for key, ref in ref_weights.items():
             assert ((weights[key] - ref).norm() / ref.norm()).item() <= TOL, (label, key)
+    # mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=fp32) under FULL_SHARD: computed in bf16
+    # (bf16 losses, close to DDP's fp32 ones, not equal), fp32 weights (the shards) close to DDP's
+    losses, weights, built_on, llama, dtypes = out["llama-zero3-bf16"]
+    assert built_on == "meta" and llama is None and dtypes == {"torch.bfloat16"}, (built_on, dtypes)
+    losses = losses.float()
+    assert not torch.equal(losses, ref_losses)
+    torch.testing.assert_close(losses, ref_losses, atol=0, rtol=2e-2, msg=lambda m: f"bf16 losses: {m}")
+    for key, ref in ref_weights.items():
+        assert weights[key].dtype == torch.float32 and ((weights[key] - ref).norm() / ref.norm()).item() <= 1e-2, key
 
 
 def test_sharded_arguments_are_checked():

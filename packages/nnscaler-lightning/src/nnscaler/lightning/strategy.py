@@ -38,6 +38,7 @@ from .errors import NnScalerLightningError
 from .internals import TrainerScriptLauncher, TrainerSpawnLauncher, sync_ddp_if_available
 from .model_setup import Conversion, convert, dummy_forward_args, removed_module_hint
 from .optimizers import rebuild, user_optimizer
+from .mixed_precision import mixed_precision_config, mixed_precision_setting
 from .precision import NnScalerPrecision, adopt_precision_plugin
 from .process_layout import ProcessLayout
 from .sharded_args import (check_cpu_offload, check_strategy_args, checkpointing_types, built_on_meta, example_rng,
@@ -62,6 +63,8 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
     sharding_strategy: as FSDPStrategy's (a name or torch's ``ShardingStrategy``): FULL_SHARD ->
         ``use_zero=3``, SHARD_GRAD_OP -> ``use_zero=True``, NO_SHARD -> ``use_zero=False``,
         HYBRID_SHARD -> ``use_zero=3`` with ``zero_ngroups`` = the number of nodes (sharded_args.py).
+    mixed_precision: as FSDPStrategy's (torch's ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy`` or a
+        mapping): ``use_zero=3``'s ``pas_config["zero3_mixed_precision"]`` (mixed_precision.py).
     process_group_backend, timeout, start_method: as Lightning's `DDPStrategy` (``"popen"`` runs
         the script again per device, ``"spawn"`` / ``"fork"`` start processes from this one).
     """
@@ -89,6 +92,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         cpu_offload: bool = False,
         sharding_strategy: Optional[Any] = None,
         auto_wrap_policy: Optional[Any] = None,
+        mixed_precision: Optional[Any] = None,
     ) -> None:
         check_strategy_args(compute_config, state_dict_type, " (merge later with NnScalerStrategy.merge_checkpoint)")
         if checkpoint_io is not None:
@@ -97,6 +101,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
         self._checkpointing_types = checkpointing_types(activation_checkpointing_policy)
         self._wrap_types = checkpointing_types(auto_wrap_policy, "auto_wrap_policy")
         self._sharding = sharding_strategy_name(sharding_strategy)
+        self._mixed_precision = mixed_precision_setting(mixed_precision)
         check_cpu_offload(cpu_offload)
         self.cpu_offload = cpu_offload
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -173,6 +178,7 @@ class NnScalerStrategy(CheckpointHooks, ProcessLayout, ParallelStrategy):
                 f"runtime_ngpus={cfg.runtime_ngpus})) but the Trainer runs {self.world_size} process(es) "
                 f"(devices x num_nodes): make them equal")
         self.compute_config = cfg = sharding_config(cfg, self._sharding, self.num_nodes)
+        cfg = mixed_precision_config(cfg, self._mixed_precision)
         cfg = wrap_config(recompute_config(cfg, self._checkpointing_types, module), self._wrap_types, module)
         with example_rng(on_meta):  # the initialisation on the ranks replays the generator from here
             dummy = self.precision_plugin.convert_input(dummy_forward_args(module, trainer, self))
