@@ -67,7 +67,7 @@ def _case(rank, gen_dir, label, pas):
                      instance_name=f"reshard_{label.replace('-', '_')}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
     fs = pm.fully_sharded
-    smaller = fs._smaller
+    smaller = fs.smaller
     resharded = [u for u in fs.units if u.name in smaller.group_of]
     out = {"losses": [], "held": [], "gathered_after_forward": [], "left": [], "backward": [],
            "resharded": sorted({u.name for u in resharded}), "kept": sorted(fs._keep),

@@ -33,7 +33,10 @@ Backward. A freed block is gathered again when backward first unpacks one of its
 recomputation reads it again; entering it frees every other block, and the block forward used
 before it (whose backward comes next) starts gathering then (backward prefetch). So at most two
 blocks and the root are gathered, in forward, backward and recomputation. The end of backward,
-and the optimizer's `sync_grads` before the step, drop everything gathered or in flight. When
+and the optimizer's `sync_grads` before the step, drop everything gathered or in flight. With
+``pas_config["zero3_reshard_after_forward"]`` a unit stays gathered from forward to its backward
+(False), or each rank keeps its 1/k part of it and backward gathers it over k ranks (an int k:
+`zero3_reshard`). When
 every gradient of a unit's gathered tensors is known, `_GatherUnit.backward`
 reduce-scatters them in the zero group (pre-divided by the data-parallel size, then summed: the
 mean over replicas; plus an all-reduce over the cross group when ``zero_ngroups > 1``), and the
@@ -212,7 +215,8 @@ class FullyShardedParams(Pausable):
         self._prev: Dict[int, ShardUnit] = {}  # id(block) -> the block forward used before it
         self._edges = set(edges)  # units backward does not prefetch (contracts.root_modules: embeddings, head)
         self._keep = set(keep)  # units kept gathered from forward to their backward (reshard_after_forward=False)
-        self._smaller = smaller if smaller is not None else SmallerReshard({}, {})  # reshard_after_forward=k
+        # the units resharded to a smaller group after forward (reshard_after_forward=k): their parts, `stats`
+        self.smaller = smaller if smaller is not None else SmallerReshard({}, {})
         self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
         pausable(self)
 
@@ -311,7 +315,7 @@ class FullyShardedParams(Pausable):
         g = self.groups
         if u is None or g.size == 1 or u.full is not None or self._inflight is not None:
             return
-        started = (self._smaller.start(u) if self._smaller.holds(u) else
+        started = (self.smaller.start(u) if self.smaller.holds(u) else
                    start_all_gather_flat(u.compute_shard(), g.group, g.size, label="zero3_all_gather"))
         if started is not None:
             self._inflight = (u, *started)
@@ -350,7 +354,7 @@ class FullyShardedParams(Pausable):
 
     def _after_forward(self) -> None:
         """Free every unit but those kept for backward (`keep`: only when a backward will come)."""
-        if not (self._keep or self._smaller) or not torch.is_grad_enabled():
+        if not (self._keep or self.smaller) or not torch.is_grad_enabled():
             self.free_all()
             return
         self._land(None)
@@ -368,9 +372,9 @@ class FullyShardedParams(Pausable):
         """Drop `u`'s gathered buffer; with `reshard` (forward leaving it) a unit resharded to a smaller
         group keeps its part, otherwise the part goes too."""
         if reshard and u.full is not None:
-            self._smaller.keep(u, u.full)
+            self.smaller.keep(u, u.full)
         elif not reshard:
-            self._smaller.drop(u)
+            self.smaller.drop(u)
         if u.full is not None:
             self._live.pop(u.full.untyped_storage().data_ptr(), None)
         u.full = None
@@ -384,8 +388,8 @@ class FullyShardedParams(Pausable):
         if u.full is not None:
             return u.full
         shard = u.shard.detach() if whole else u.compute_shard()
-        if self._smaller.holds(u):  # resharded to a smaller group after forward: gathered from the parts there
-            full = self._smaller.gather(u)
+        if self.smaller.holds(u):  # resharded to a smaller group after forward: gathered from the parts there
+            full = self.smaller.gather(u)
         else:
             full = all_gather_flat(shard, g.group, g.size, label="zero3_all_gather",
                                    what="the fully sharded parameter all-gather") if g.size > 1 else shard.clone()

@@ -69,7 +69,7 @@ class ReshardStats:
 
 
 class SmallerReshard:
-    """The parts of the units resharded to a smaller group (`FullyShardedParams._smaller`)."""
+    """The parts of the units resharded to a smaller group (`FullyShardedParams.smaller`)."""
 
     def __init__(self, sizes: Mapping[str, int], groups: Mapping[int, SmallerGroup]):
         """`sizes`: unit name -> k (only the units with 1 < k < z); `groups`: k -> this rank's group."""
