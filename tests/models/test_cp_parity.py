@@ -13,6 +13,9 @@ steps within 1e-10 of single-process training on the global batch.
   code calls ring attention and the experts' exchange), the next-token and load-balancing losses
   exact (per replica under dp, as ``ep``); with ``pas_config={"ep_size": 1}`` every expert whole on
   each rank.
+- DeepSeek-V3 under ``cp`` 2: multi-head latent attention (a value head size other than the
+  query's; the key filled in place through views of a ``new_empty``, kept whole for the write) and
+  group-limited routing over experts split as under ``ep``.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from test_hf_parity import _check
 CP2 = [dict(mp.plan("cp2", "cp", 2), model="llama64"), dict(mp.plan("q-cp2", "cp", 2), model="qwen2"),
        dict(mp.plan("cp2-pad", "cp", 2, pad=True), model="llama64"),
        dict(mp.plan("m-cp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2", "cp", 2), model="qwen3_moe"),
-       dict(mp.plan("m-cp2-ep1", "cp", 2, pas_config={"ep_size": 1}), model="mixtral")]
+       dict(mp.plan("m-cp2-ep1", "cp", 2, pas_config={"ep_size": 1}), model="mixtral"),
+       dict(mp.plan("d-cp2", "cp", 2), model="deepseek_v3")]  # MLA: value head size != query's, key filled in place
 WORLD4 = [dict(mp.plan("cp4", "cp", 4), model="llama64"), dict(mp.plan("cp2-dp2", "cp", 2), model="qwen2"),
           dict(mp.plan("cp2-dp2-zero3", "cp", 2, use_zero=3), model="llama64"),
           dict(mp.plan("m-cp2-dp2", "cp", 2), model="mixtral"), dict(mp.plan("q3-cp2-dp2", "cp", 2), model="qwen3_moe"),
@@ -61,12 +65,13 @@ def test_cp2(tmp_path):
     results = run_workers(mp.run_plans, 2, CP2, str(tmp_path / "gen"), timeout=300)
     _check(results, CP2)
     assert _activations_split(results, "cp2")
-    for label in ("cp2", "q-cp2", "cp2-pad") + MOE[:2]:  # attention runs as ring attention on both ranks
+    for label in ("cp2", "q-cp2", "cp2-pad", "d-cp2") + MOE[:2]:  # attention runs as ring attention on both ranks
         code = _generated(tmp_path, label)
         assert len(code) == 2 and all(c.count("nr.ring_attention.attention(") >= 2 for c in code), label
-    for label in MOE[:2]:  # the experts exchange their tokens as under ep
+    for label in MOE[:2] + ("d-cp2",):  # the experts exchange their tokens as under ep
         assert _experts_split(results, label), label
-        assert all(c.count("nr.moe.expert_parallel(") == 2 for c in _generated(tmp_path, label)), label
+        layers = 1 if label == "d-cp2" else 2  # DeepSeek-V3's first layer is dense
+        assert all(c.count("nr.moe.expert_parallel(") == layers for c in _generated(tmp_path, label)), label
     assert _activations_split(results, "m-cp2-ep1")  # ep_size 1: every expert whole on each rank
     assert not any("nr.moe.expert_parallel(" in c for c in _generated(tmp_path, "m-cp2-ep1"))
 
