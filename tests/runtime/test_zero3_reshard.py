@@ -168,6 +168,20 @@ def test_parts_are_kept_once_and_dropped():
     assert not r.holds(other) and bool(r) and not SmallerReshard({}, {})
 
 
+def test_smaller_groups_cut_each_zero_group_into_consecutive_ranks():
+    from nnscaler.runtime.zero3_reshard import smaller_rank_sets
+    assert smaller_rank_sets(1, 4, 1, 2) == [(0, 1), (2, 3)]  # dp 4: the test above
+    # tp 2 x dp 8, two zero groups of 4 per plan device: pairs inside each zero group
+    assert smaller_rank_sets(2, 16, 2, 2) == [(0, 2), (4, 6), (8, 10), (12, 14), (1, 3), (5, 7), (9, 11), (13, 15)]
+    assert smaller_rank_sets(1, 8, 1, 4) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    for plan, world, ngroups, k in ((1, 4, 1, 2), (2, 16, 2, 2), (2, 16, 1, 4), (4, 32, 2, 2)):
+        sets = smaller_rank_sets(plan, world, ngroups, k)
+        assert sorted(r for s in sets for r in s) == list(range(world)) and {len(s) for s in sets} == {k}
+        z = world // plan // ngroups
+        for s in sets:  # each inside one zero group: the same plan device, the same zero group
+            assert len({r % plan for r in s}) == 1 and len({(r // plan) // z for r in s}) == 1, s
+
+
 def test_bad_values_are_refused_naming_the_key():
     from nnscaler import ComputeConfig
     from nnscaler.ir import ConfigError

@@ -19,13 +19,13 @@ gathered buffer, so they have its dtype whatever the shards'.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
 from .comm.flat import all_gather_flat, start_all_gather_flat
 
-__all__ = ["SmallerGroup", "SmallerReshard", "ReshardStats", "make_smaller_groups"]
+__all__ = ["SmallerGroup", "SmallerReshard", "ReshardStats", "make_smaller_groups", "smaller_rank_sets"]
 
 
 @dataclass(frozen=True)
@@ -38,22 +38,29 @@ class SmallerGroup:
     group: Any = None
 
 
+def smaller_rank_sets(plan_ngpus: int, runtime_ngpus: int, ngroups: int, k: int) -> List[Tuple[int, ...]]:
+    """Every smaller group of k ranks, in creation order: each plan device's zero groups (its sync ranks
+    ``d, d + plan_ngpus, ...`` cut `ngroups` ways) cut in order into groups of k consecutive ranks."""
+    z = runtime_ngpus // plan_ngpus // ngroups
+    out = []
+    for d in range(plan_ngpus):
+        ranks = tuple(range(d, runtime_ngpus, plan_ngpus))
+        for g in range(ngroups):
+            zero = ranks[g * z:(g + 1) * z]
+            out += [zero[a * k:(a + 1) * k] for a in range(z // k)]
+    return out
+
+
 def make_smaller_groups(grid, ngroups: int, sizes: Sequence[int]) -> Dict[int, SmallerGroup]:
     """k -> this rank's `SmallerGroup` of k ranks, for every k in `sizes` (each dividing the zero group
     size ``dp // ngroups``: checked by `contracts.reshard_sizes`). COLLECTIVE the first time: every rank
-    creates every group in the same order (by k, then plan device, zero group and position)."""
-    z = grid.dp_size // ngroups
+    creates every group in the same order (by k, then `smaller_rank_sets`' order)."""
     out = {}
     for k in sorted(set(sizes)):
-        for d in range(grid.plan_ngpus):
-            ranks = grid.sync_ranks_of(d)
-            for g in range(ngroups):
-                zero = ranks[g * z:(g + 1) * z]
-                for a in range(z // k):
-                    sub = tuple(zero[a * k:(a + 1) * k])
-                    group = grid.group(sub)
-                    if grid.rank in sub:
-                        out[k] = SmallerGroup(k, sub.index(grid.rank), sub, group)
+        for sub in smaller_rank_sets(grid.plan_ngpus, grid.runtime_ngpus, ngroups, k):
+            group = grid.group(sub)
+            if grid.rank in sub:
+                out[k] = SmallerGroup(k, sub.index(grid.rank), sub, group)
     return out
 
 
