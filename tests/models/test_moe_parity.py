@@ -13,19 +13,30 @@ within 1e-10 of single-process training on the global batch.
   Megatron-style over the same ranks (``tp_modules``).
 - DeepSeek-V3 (sigmoid scores, group-limited top-2 with ``e_score_correction_bias``, a shared
   expert, latent attention) and gpt-oss (attention sinks, biased transposed experts, clamped
-  SwiGLU) under ``ep`` 2 and ``ep`` 4 (DeepSeek-V3 under ``tp`` 2 too): DeepSeek-V3's groups keep each token on one half of the
-  experts, so under ``ep`` 2 a rank's experts often receive no row (it hung before the fix).
+  SwiGLU) under ``ep`` 2 and ``ep`` 4 (DeepSeek-V3 under ``tp`` 2 and an interleaved pipeline of 4
+  stages on 2 ranks too: no stage starts inside its attention's in-place key fill): DeepSeek-V3's
+  groups keep each token on one half of the experts, so under ``ep`` 2 a rank's experts often
+  receive no row (it hung before the fix).
 - ``dp`` and ``tp`` on the same models: the experts op splits along the tokens under tp (held to
   the float32 bar, 1e-5 relative: tp also splits HF's float32 router softmax and load-balancing
   sums, whose rounding then depends on the layout).
 """
 from __future__ import annotations
 
+import glob
+
 import pytest
 
 import model_plans as mp
 from launch import run_workers
 from test_hf_parity import _check
+
+
+def _interleaved():
+    case = mp.pp()
+    case["cfg"] = dict(case["cfg"], pas_config=dict(case["cfg"]["pas_config"], pipeline_scheduler="1f1b_interleaved"))
+    return case
+
 
 FP32_TOL = 1e-5  # tp splits the router's float32 softmax (HF computes it in float32)
 BALANCE = 0.01  # DeepSeek-V3's auxiliary-loss-free balancing: the router bias step
@@ -35,7 +46,8 @@ EP2 = [dict(mp.plan("ep2", "ep", 2), model="mixtral"), dict(mp.plan("ep2", "ep",
        dict(mp.plan("ep2-attn-tp", "ep", 2, pas_config={"tp_modules": ["*.self_attn"]}), model="mixtral"),
        dict(mp.plan("d-ep2", "ep", 2), model="deepseek_v3"), dict(mp.plan("g-ep2", "ep", 2), model="gpt_oss"),
        dict(mp.plan("d-ep2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE),
-       dict(mp.tp(), model="deepseek_v3", label="d-tp")]  # tp keeps the attention's in-place key writes whole
+       dict(mp.tp(), model="deepseek_v3", label="d-tp"),  # tp keeps the attention's in-place key writes whole
+       dict(_interleaved(), model="deepseek_v3", label="d-pp2i")]  # 4 stages, none starting inside the key's fill
 EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
            dict(mp.plan("d-ep4", "ep", 4), model="deepseek_v3"), dict(mp.plan("g-ep4", "ep", 4), model="gpt_oss"),
            dict(mp.plan("d-ep2-dp2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE),
@@ -62,6 +74,8 @@ def test_moe_ep2(tmp_path):
     attention = {n: (tuple(full), tuple(v.shape)) for n, full, _, v in results[0]["ep2-attn-tp"][1]
                  if ".self_attn." in n and n.endswith("_proj.weight")}
     assert len(attention) == 8 and all(full != local for full, local in attention.values()), attention
+    code = [open(p).read() for p in glob.glob(str(tmp_path / "gen" / "d-pp2i" / "**" / "gencode*.py"), recursive=True)]
+    assert len(code) == 2 and all(c.count("def _stage_") == 2 for c in code)  # 2 stages on each of the 2 ranks
 
 
 @pytest.mark.multiprocess
