@@ -17,7 +17,8 @@ _CAPS: Dict[str, Tuple[bool, bool]] = {}  # name -> (pipelines, whole_model)
 # pas_config keys every policy accepts: apply_policy reads them itself
 # read by every plan: recompute_modules (activation recomputation), zero3_units (use_zero=3's
 # gather units, read by the runtime: nnscaler.runtime.zero3), zero3_reshard_after_forward (which
-# units stay gathered from forward to backward, read by the runtime: contracts.kept_after_forward),
+# units stay gathered, or held by a smaller group, from forward to backward, read by the runtime:
+# contracts.reshard_sizes),
 # zero3_mixed_precision (FSDP2's MixedPrecisionPolicy: the dtypes units are gathered and reduced in,
 # read by parallelize's trace and the runtime: contracts.mixed_precision)
 COMMON_KEYS = frozenset({"recompute_modules", "zero3_units", "zero3_reshard_after_forward", "zero3_mixed_precision"})
