@@ -18,7 +18,7 @@ from typing import Dict, Iterator, Tuple
 
 import torch
 
-from ..errors import TraceError
+from ..errors import ConfigError, TraceError
 from ..ops.moe import ACTIVATIONS, ExpertMLP, routed_experts
 
 __all__ = ["is_transformers_experts", "experts_recorded_whole", "experts_spec", "set_capacity_factor",
@@ -69,7 +69,13 @@ def experts_spec(path: str, module: torch.nn.Module) -> Dict:
 def set_capacity_factor(root: torch.nn.Module, capacity_factor) -> int:
     """Every transformers experts module under `root` drops tokens beyond `capacity_factor` (the
     `routed_experts` argument; None: dropless) when traced, or run inside `experts_recorded_whole`.
-    Returns the number of experts modules (0: `root` has none)."""
+    Returns the number of experts modules (0: `root` has none). A factor that is not a number > 0
+    is refused here, naming the call, not later when the model is traced."""
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or
+                                        not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0):
+        raise ConfigError(f"nnscaler.ir.set_capacity_factor(model, {capacity_factor!r}): the capacity factor must be "
+                          f"a number > 0 (each expert keeps at most ceil(capacity_factor * tokens * top-k / "
+                          f"experts) token slots; e.g. 1.25), or None for dropless routing")
     found = [m for _, m in _found(root)]
     for module in found:
         setattr(module, _CAPACITY, capacity_factor)
