@@ -7,7 +7,9 @@ every parameter 1e-5 per tensor ||a - b|| / ||b||). The one-process reference it
 document: its packed logits equal each document run alone (float64, 1e-10). Each rank's loss covers
 its own tokens (``nr.sequence_loss.cross_entropy``; nothing of the logits' size gathered: the
 all-gathers of a step carry less than one logits tensor), and the packed mask reaches ring attention
-as key intervals. One launch of 4 ranks."""
+as key intervals. The same documents given as ``cu_seqlens`` (flash attention's boundaries, turned into
+positions by hf.CausalLM's `position_ids_from_cu_seqlens`) under cp 4: the same parity. One launch of
+4 ranks."""
 from __future__ import annotations
 
 import glob
@@ -33,22 +35,35 @@ class OwnLoss(torch.nn.Module):
         return self.model(input_ids=input_ids, labels=labels, position_ids=position_ids).loss
 
 
-def _llama():
+class CuSeqlensLoss(OwnLoss):
+    """The same, the documents given as ``cu_seqlens`` (hf.CausalLM's conversion to positions)."""
+
+    def forward(self, input_ids, labels, cu_seqlens):
+        from nnscaler.trainer.hf.packed import position_ids_from_cu_seqlens
+        positions = position_ids_from_cu_seqlens(cu_seqlens, tuple(input_ids.shape))
+        return self.model(input_ids=input_ids, labels=labels, position_ids=positions).loss
+
+
+def _llama(wrap=OwnLoss):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                       attention_dropout=0.0, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
-    return OwnLoss(LlamaForCausalLM(cfg)).double()
+    return wrap(LlamaForCausalLM(cfg)).double()
 
 
-def _sample(step, i):
+def _sample(step, i, cu=False):
     docs = DOCS[step][i]
     g = torch.Generator().manual_seed(100 * step + i)
     labels = torch.randint(0, VOCAB, (1, SEQ), generator=g)
     labels[0, :3] = -100  # ignored positions
-    return {"input_ids": torch.randint(0, VOCAB, (1, SEQ), generator=g), "labels": labels,
-            "position_ids": torch.cat([torch.arange(d) for d in docs])[None]}
+    out = {"input_ids": torch.randint(0, VOCAB, (1, SEQ), generator=g), "labels": labels}
+    if cu:  # the same documents as flash attention's cumulative lengths
+        out["cu_seqlens"] = torch.tensor([0] + torch.tensor(docs).cumsum(0).tolist(), dtype=torch.int32)
+    else:
+        out["position_ids"] = torch.cat([torch.arange(d) for d in docs])[None]
+    return out
 
 
 def _reference(samples):
@@ -68,19 +83,19 @@ def _reference(samples):
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def _train(rank, world, plan, gen):
+def _train(rank, world, plan, gen, cu=False):
     import torch.distributed as dist
     from nnscaler import ComputeConfig, build_optimizer, parallelize
     from nnscaler.runtime.comm import count_collectives
     unit = rank // plan
-    pm = parallelize(_llama(), _sample(0, 0), "cp", ComputeConfig(plan, world), gen_savedir=gen,
-                     instance_name=f"packed_cp{plan}")
+    pm = parallelize(_llama(CuSeqlensLoss if cu else OwnLoss), _sample(0, 0, cu), "cp", ComputeConfig(plan, world),
+                     gen_savedir=gen, instance_name=f"packed_cp{plan}{'_cu' if cu else ''}")
     opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
     losses, gathered = [], []
     for step in range(STEPS):
         opt.zero_grad()
         with count_collectives() as stats:
-            loss = pm(**_sample(step, unit))
+            loss = pm(**_sample(step, unit, cu))
             loss.backward()
         gathered.append(stats.snapshot().get("all_gather", {}).get("bytes", 0))
         opt.step()
@@ -96,6 +111,7 @@ def _train(rank, world, plan, gen):
 def _job(rank, world, gen_root):
     out = {"cp4": _train(rank, world, 4, os.path.join(gen_root, "cp4"))}
     out["cp2-dp2"] = _train(rank, world, 2, os.path.join(gen_root, "cp2-dp2"))
+    out["cp4-cu_seqlens"] = _train(rank, world, 4, os.path.join(gen_root, "cp4-cu_seqlens"), cu=True)
     return out
 
 
@@ -120,7 +136,7 @@ def test_packed_reference_attends_per_document():
 def test_own_loss_and_packed_documents_cp4_and_cp2_dp2(tmp_path):
     results = run_workers(_job, 4, str(tmp_path), timeout=400)
     logits_bytes = SEQ * VOCAB * 4 // 4  # one cp 4 rank's share of the float32 logits
-    for label, samples in (("cp4", [0]), ("cp2-dp2", [0, 1])):
+    for label, samples in (("cp4", [0]), ("cp2-dp2", [0, 1]), ("cp4-cu_seqlens", [0])):
         ref_losses, ref_params = _reference(samples)
         losses, params, gathered = results[0][label]
         for got, want in zip(losses, ref_losses):

@@ -39,6 +39,7 @@ from ..hooks import TrainHook
 from ..meta_build import MetaBuilt
 from ..moe import MoEModel
 from .config_keys import check_train_only_randomness, warn_unread_config_keys
+from .packed import check_cu_seqlens, cu_seqlens_of, position_ids_from_cu_seqlens
 from .plan_checks import (Experts, _check_cp, _check_ep, _model_args, attention_dropouts, check_experts, cp_size,
                           experts_of, import_transformers)
 
@@ -263,6 +264,11 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
         if labels is None:
             labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, -100)
         positions = batch.get("position_ids")  # packed documents (TokenizedText pack: true): restarting per document
+        cu_seqlens = cu_seqlens_of(batch)  # packed documents as flash attention's boundaries (packed.py)
+        if positions is None and cu_seqlens is not None:
+            positions = position_ids_from_cu_seqlens(cu_seqlens, tuple(input_ids.shape))
+        if positions is not None and batch.get("labels") is None:  # no document's last token predicts the next one's first
+            labels = labels.masked_fill(positions == 0, -100)
         if self.aux_loss_output is None:
             return self.model(input_ids=input_ids, attention_mask=mask, labels=labels, position_ids=positions).loss
         # transformers adds router_aux_loss_coef * aux_loss to the loss when labels are given
@@ -282,6 +288,18 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
             files = self._tokenizer_files
         return HFRecord(config=self._config_json, prefix="model.", tied=self._tied,
                         generation_config=self._generation_config, tokenizer=files)
+
+    def on_train_step_start(self, trainer, batches) -> None:
+        """Packed documents given as ``cu_seqlens`` (or ``cu_seq_lens_q``) are checked before the step
+        (`packed.check_cu_seqlens`: forward only computes with them)."""
+        for i, batch in enumerate(batches):
+            if isinstance(batch, Mapping):
+                check_cu_seqlens(batch, f"train micro-batch {i}")
+
+    def on_val_step_start(self, trainer, batches) -> None:
+        for i, batch in enumerate(batches):
+            if isinstance(batch, Mapping):
+                check_cu_seqlens(batch, f"validation micro-batch {i}")
 
     def on_save_checkpoint(self, trainer, checkpoint: Dict[str, Any]) -> None:
         checkpoint[HF_EXTRA_KEY] = self.hf_record(trainer, trainer.rank == 0).to_extra()
