@@ -10,7 +10,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLE = os.path.join(ROOT, "examples", "trainer", "hf_llama.yaml")
 TOKENIZER = os.path.join(ROOT, "examples", "trainer", "hf_llama")
 PLANS = {"dp2": ["--pas_policy", "dp"], "tp2": ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"],
-         "dp2-zero3": ["--pas_policy", "dp", "--compute_config.use_zero", "3"]}
+         "dp2-zero3": ["--pas_policy", "dp", "--compute_config.use_zero", "3"],
+         # FSDP2's MixedPrecisionPolicy: bf16 gathers and compute from fp32 shards, fp32 gradient reduction
+         "dp2-zero3-bf16": ["--pas_policy", "dp", "--compute_config.use_zero", "3",
+                            "--compute_config.pas_config.zero3_mixed_precision.param_dtype", "bfloat16",
+                            "--compute_config.pas_config.zero3_mixed_precision.reduce_dtype", "float32"]}
 
 
 def write_configs(folder):
