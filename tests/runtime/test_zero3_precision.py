@@ -15,7 +15,11 @@ One launch of 2 gloo ranks trains a tiny float32 Hugging Face Llama for 3 Adam s
   The shards and their gradients stay fp32, the gathers are bf16: half the all-gather bytes and
   half the most bytes gathered at once (comm and Zero3Stats counters), the same reduce-scatter bytes;
 - ``param_dtype="bfloat16"`` alone: reduced in bf16 too (FSDP2's default), half the reduce-scatter
-  bytes, against the same reference reducing in bf16.
+  bytes, against the same reference reducing in bf16;
+- per unit, the output head in fp32 (its input cast to fp32, FSDP2's cast_forward_inputs), against
+  the reference doing that;
+- bf16 / fp32 with the units kept gathered from forward to backward (``zero3_reshard_after_forward``
+  False): the bf16 run exactly, with no gather in backward.
 
 A read of a parameter outside forward gives its fp32 value (the master), not the bf16 copy.
 """
@@ -40,7 +44,8 @@ LR = 1e-2
 BF16_FP32 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 HEAD_FP32 = {**BF16_FP32, "units": {"model.lm_head": {"param_dtype": "float32"}}}  # the output head in fp32
 CASES = {"plain": None, "fp32": {"param_dtype": "float32"}, "bf16": BF16_FP32, "bf16-bf16": {"param_dtype": "bf16"},
-         "head-fp32": HEAD_FP32}
+         "head-fp32": HEAD_FP32, "bf16-kept": BF16_FP32}
+KEPT = {"zero3_reshard_after_forward": False}  # "bf16-kept": the units stay gathered (in bf16) into backward
 
 
 def _batch(step: int):
@@ -84,8 +89,8 @@ def _case(rank, world, gen_dir, name, policy):
     from nnscaler import ComputeConfig, build_optimizer, parallelize
     from nnscaler.runtime.comm import stats as comm_stats
     model = hf_models.make("llama", dtype=torch.float32)
-    cfg = ComputeConfig(1, world, trace_strategy="cpu", use_zero=3,
-                        pas_config={"zero3_mixed_precision": policy} if policy is not None else {})
+    pas = {"zero3_mixed_precision": policy} if policy is not None else {}
+    cfg = ComputeConfig(1, world, trace_strategy="cpu", use_zero=3, pas_config={**pas, **(KEPT if "kept" in name else {})})
     per = GLOBAL_BATCH // world
     pm = parallelize(model, {k: v[:per] for k, v in _batch(0).items()}, "dp", cfg, gen_savedir=gen_dir,
                      instance_name=f"precision_{name.replace('-', '_')}")
@@ -112,7 +117,8 @@ def _case(rank, world, gen_dir, name, policy):
            "gather_bytes": comm["zero3_all_gather"]["bytes"], "reduce_bytes": comm["zero3_reduce_scatter"]["bytes"],
            "max_gathered_bytes": fs.stats.max_gathered_bytes, "max_gathered_numel": fs.stats.max_gathered_numel,
            "read_dtype": str(getattr(pm, head).dtype),  # a read outside forward: the master's dtype
-           "policies": {u.name: (str(u.precision.param_dtype), str(u.precision.reduce_dtype)) for u in fs.units}}
+           "policies": {u.name: (str(u.precision.param_dtype), str(u.precision.reduce_dtype)) for u in fs.units},
+           "backward_gathers": fs.stats.backward_gathers}
     with pm.unsharded():
         out["params"] = {pm.fullmap[local].full_name: p.detach().clone() for local, p in pm.named_parameters()}
     return out
@@ -157,6 +163,12 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
                 ref = ref_params[n]
                 assert value.dtype == torch.float32, (where, n)
                 assert ((value - ref).norm() / ref.norm()).item() <= 1e-5, f"{where}: {n}"
+        # kept gathered from forward to backward (reshard_after_forward=False): the same run, no gather in backward
+        kept, bf16 = got["bf16-kept"], got["bf16"]
+        assert kept["losses"] == bf16["losses"], rank
+        assert all(torch.equal(kept["params"][n], v) for n, v in bf16["params"].items()), rank
+        assert kept["backward_gathers"] == 0 < bf16["backward_gathers"], rank
+        assert kept["gather_bytes"] < bf16["gather_bytes"] and kept["reduce_bytes"] == bf16["reduce_bytes"], rank
         # fp32 training (the reference with fp32 everywhere) is not bf16's: close, not equal
         assert plain["losses"] == pytest.approx(refs["fp32"][0], rel=1e-5), rank
         assert got["bf16"]["losses"] != plain["losses"], rank
