@@ -58,7 +58,7 @@ axes (model, plan, zero, recompute and the options) is in at least one sample ca
 valid when some case of the full matrix holding it trains (parity here, or not run yet). A pair
 that only refused cases hold (a model with a plan it refuses, say) is a refusal listed above, not a
 pair to cover; a pair only failing cases hold is a failure listed above. The sample runs many cases
-per process launch (one launch per world size, `tools/matrix_batch.py`) and must end in parity
+per process launch (one launch per world size and model, `tools/matrix_batch.py`) and must end in parity
 (or refused, for a case this file has no record of yet).
 """
 

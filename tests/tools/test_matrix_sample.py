@@ -3,7 +3,7 @@ here from the cases and bench/results/matrix.json: every valid pair of values of
 in a sample case; *valid* = some case of the full matrix holding it trains, the pairs only refused
 cases hold are refusals, not pairs to cover), is fixed, and holds only training cases; and
 (multiprocess) the sample, run many cases per launch (tools/matrix_batch.py), ends in parity (or
-refused, for a case the full matrix has not run yet), in one launch per world size."""
+refused, for a case the full matrix has not run yet), in one launch per world size and model."""
 from __future__ import annotations
 
 import os
@@ -81,16 +81,18 @@ def test_cli_ci_list(capsys):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ci_sample_trains_to_parity(records):
-    """The sample for real, in one launch per world size. A case that crashes in the middle of a
-    launch (a model the harness does not know: KeyError on every rank) is recorded as a crash and
-    the cases after it run in a fresh launch."""
+    """The sample for real, one launch per world size and model. A case that crashes in the
+    middle of a launch (a precision the harness does not know: KeyError on every rank) is recorded
+    as a crash and the cases after it run in a fresh launch."""
     import matrix_batch
     sample = ms.ci_sample(records)
     two = [c for c in sample if mc.PLANS[c["plan"]][2] == 2]
-    bad = dict(two[0], model="no-such-model", id="no-such-model/dp")
-    order = two[:2] + [bad] + [c for c in sample if c not in two[:2]]
+    model = max({c["model"] for c in two}, key=lambda m: sum(c["model"] == m for c in two))
+    first = next(c for c in two if c["model"] == model)
+    bad = dict(first, precision="fp7", id=first["id"] + "/fp7")
+    order = [first, bad] + [c for c in sample if c is not first]
     got = matrix_batch.run_batch(order)
-    assert got[bad["id"]]["state"] == "crash" and "no-such-model" in got[bad["id"]]["error"]
+    assert got[bad["id"]]["state"] == "crash" and "fp7" in got[bad["id"]]["error"], got[bad["id"]]
     wrong = []
     for case in sample:
         recorded = records.get(case["id"], {}).get("state")
