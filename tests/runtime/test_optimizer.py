@@ -106,6 +106,25 @@ def test_clip_gnorm_matches_torch_and_scale_grads():
     assert opt.clip_gnorm().item() == 0.0
 
 
+def test_clip_gnorm_of_float64_gradients_is_float64_exact():
+    """The norm is summed in float64: clipping float64 gradients matches torch's to 1e-15, not to
+    float32's 1e-7 (which put float64 matrix cases with clipping 1e-9 off one process after Adam)."""
+    state = initial_state()
+    pm, ref = GenMLP().double(), MLP().double()
+    pm.load_full_state({k: v.double() for k, v in state.items()})
+    ref.load_state_dict({k: v.double() for k, v in state.items()})
+    opt = build_optimizer(pm, torch.optim.SGD, lr=0.1)
+    pm.zero_grad(), ref.zero_grad()
+    pm(**{k: v.double() for k, v in batch(0).items()}).backward()
+    ref(**{k: v.double() for k, v in batch(0).items()}).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.01)
+    norm = opt.clip_gnorm(0.01)
+    assert norm.dtype == torch.float64
+    assert abs(norm.item() - expected.item()) <= 1e-15 * expected.item()
+    for n, p in ref.named_parameters():
+        assert (getattr(pm, local_name(n)).grad - p.grad).abs().max().item() <= 1e-17
+
+
 def test_container_optimizes_all_parameters():
     model = Container(GenBody)
     opt = build_optimizer(model, torch.optim.Adam, lr=LR)

@@ -101,17 +101,20 @@ class NnScalerOptimizerMixin(OptimizerAttrs):
             group = grid.unit_group if grid.plan_ngpus > 1 else None
         params = [p for group_ in self.param_groups for p in group_["params"] if p.grad is not None]
         device = params[0].grad.device if params else _device_of(self)
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+        # Summed in float64 on every rank (one scalar: the all-reduce's dtype must not depend on
+        # what a rank holds): a float32 sum put float64 training's clip 1e-7 off one process.
+        squares = torch.zeros((), dtype=torch.float64, device=device)
         by_replicas: Dict[int, List[torch.Tensor]] = {}
         for p in params:
             by_replicas.setdefault(state.replicas.get(id(p), 1), []).append(p.grad)
         for replicas, grads in by_replicas.items():
             norms = torch._foreach_norm(grads)
-            total = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
+            total = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).square().sum()
             squares = squares + (total / replicas if replicas != 1 else total)
         if group is not None:
             failures.run(dist.all_reduce, squares, group=group, what="the gradient-norm all-reduce")
-        total_norm = squares.sqrt()
+        wide = any(p.grad.dtype == torch.float64 for p in params)
+        total_norm = squares.sqrt().to(torch.float64 if wide else torch.float32)
         if max_norm is not None:
             coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
             for grads in _by_device([p.grad for p in params]).values():
