@@ -18,6 +18,8 @@ One launch of 2 gloo ranks trains a tiny float32 Hugging Face Llama for 3 Adam s
   bytes, against the same reference reducing in bf16;
 - per unit, the output head in fp32 (its input cast to fp32, FSDP2's cast_forward_inputs), against
   the reference doing that;
+- bf16 / fp32 with gradient accumulation (2 micro-batches a step, the first under ``no_sync``: the
+  units' bf16 gradients summed in the fp32 buffer, reduced once), against the reference doing that;
 - bf16 / fp32 with the units kept gathered from forward to backward (``zero3_reshard_after_forward``
   False): the bf16 run exactly, with no gather in backward.
 
@@ -25,6 +27,7 @@ A read of a parameter outside forward gives its fp32 value (the master), not the
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -44,7 +47,7 @@ LR = 1e-2
 BF16_FP32 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 HEAD_FP32 = {**BF16_FP32, "units": {"model.lm_head": {"param_dtype": "float32"}}}  # the output head in fp32
 CASES = {"plain": None, "fp32": {"param_dtype": "float32"}, "bf16": BF16_FP32, "bf16-bf16": {"param_dtype": "bf16"},
-         "head-fp32": HEAD_FP32, "bf16-kept": BF16_FP32}
+         "head-fp32": HEAD_FP32, "bf16-kept": BF16_FP32, "bf16-accum": BF16_FP32}
 KEPT = {"zero3_reshard_after_forward": False}  # "bf16-kept": the units stay gathered (in bf16) into backward
 
 
@@ -53,9 +56,16 @@ def _batch(step: int):
     return hf_models.batch("llama", step, GLOBAL_BATCH)
 
 
-def reference(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, head_fp32=False, world: int = 2):
+def _micro(step: int, m: int, rank: int, per: int):
+    """Rank `rank`'s micro-batch `m` of `step` (m > 0: gradient accumulation's further micro-batches)."""
+    return {k: v[rank * per:(rank + 1) * per] for k, v in _batch(step + 100 * m).items()}
+
+
+def reference(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, head_fp32=False, micro: int = 1,
+              world: int = 2):
     """One process doing the policy's arithmetic over `world` replicas: (losses, fp32 parameters).
-    `head_fp32`: the output head computes in fp32, its input cast to fp32 (FSDP2's cast_forward_inputs)."""
+    `head_fp32`: the output head computes in fp32, its input cast to fp32 (FSDP2's cast_forward_inputs).
+    `micro`: micro-batches per rank and step, their gradients summed in `reduce_dtype` (no_sync's buffer)."""
     import hf_models
     master = hf_models.make("llama", dtype=torch.float32)
     low = copy.deepcopy(master)
@@ -71,16 +81,20 @@ def reference(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, head_fp32=
         sums = [torch.zeros_like(m, dtype=reduce_dtype) for m in master.parameters()]
         step_losses = []
         for r in range(world):
-            low.zero_grad()
-            loss = low(**{k: v[r * per:(r + 1) * per] for k, v in _batch(step).items()})
-            loss.backward()
-            step_losses.append(loss.float().item())
-            for s, p in zip(sums, low.parameters()):
-                s.add_(p.grad.to(reduce_dtype) / world)
+            acc = [torch.zeros_like(m, dtype=reduce_dtype) for m in master.parameters()]
+            for m in range(micro):
+                low.zero_grad()
+                loss = low(**_micro(step, m, r, per)) / micro
+                loss.backward()
+                step_losses.append(loss.float().item())
+                for a, p in zip(acc, low.parameters()):
+                    a.add_(p.grad)
+            for s, a in zip(sums, acc):
+                s.add_(a / world)
         for m, s in zip(master.parameters(), sums):
             m.grad = s.to(m.dtype)
         opt.step()
-        losses.append(sum(step_losses) / world)
+        losses.append(sum(step_losses) / world)  # the per-rank sums of the micro-batches' losses, averaged
     return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
 
 
@@ -98,12 +112,17 @@ def _case(rank, world, gen_dir, name, policy):
     comm_stats.enable_stats()
     comm_stats.reset_stats()
     losses = []
+    micro = 2 if "accum" in name else 1
     for step in range(STEPS):
         opt.zero_grad()
-        loss = pm(**{k: v[rank * per:(rank + 1) * per] for k, v in _batch(step).items()})
-        loss.backward()
+        total = 0.0
+        for m in range(micro):  # gradient accumulation: all but the last micro-batch inside no_sync
+            with pm.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                loss = pm(**_micro(step, m, rank, per)) / micro
+                loss.backward()
+            total += loss.detach().float()
         opt.step()
-        t = loss.detach().float().reshape(1).clone()
+        t = total.reshape(1).clone()
         torch.distributed.all_reduce(t)
         losses.append(t.item() / world)
     comm = comm_stats.stats_snapshot()
@@ -132,7 +151,8 @@ def _job(rank, world, gen_dir):
 def test_zero3_mixed_precision_against_one_process(tmp_path):
     results = run_workers(_job, 2, str(tmp_path / "gen"), timeout=600)
     refs = {"bf16": reference(torch.bfloat16, torch.float32), "bf16-bf16": reference(torch.bfloat16, torch.bfloat16),
-            "fp32": reference(torch.float32, torch.float32), "head-fp32": reference(head_fp32=True)}
+            "fp32": reference(torch.float32, torch.float32), "head-fp32": reference(head_fp32=True),
+            "bf16-accum": reference(micro=2)}
     for rank, got in enumerate(results):
         plain, fp32 = got["plain"], got["fp32"]
         # param_dtype float32 is the existing path, exactly
@@ -141,7 +161,7 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
         for key in ("gather_bytes", "reduce_bytes", "max_gathered_bytes", "loss_dtype"):
             assert fp32[key] == plain[key], (rank, key)
         assert plain["max_gathered_bytes"] == 4 * plain["max_gathered_numel"], rank
-        for name in ("bf16", "bf16-bf16", "head-fp32"):
+        for name in ("bf16", "bf16-bf16", "head-fp32", "bf16-accum"):
             case, (ref_losses, ref_params) = got[name], refs[name]
             where = f"{name} rank {rank}"
             assert case["loss_dtype"] == ("torch.float32" if name == "head-fp32" else "torch.bfloat16"), where
@@ -153,6 +173,8 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
                 assert set(case["policies"].values()) == {("torch.bfloat16", "torch.float32")}, where
                 assert got["bf16"]["gather_bytes"] < case["gather_bytes"] < plain["gather_bytes"], where
                 assert case["reduce_bytes"] == plain["reduce_bytes"], where
+            elif name == "bf16-accum":  # 2 micro-batches a step, the first under no_sync: one reduction a step
+                assert case["reduce_bytes"] == plain["reduce_bytes"] and case["gather_bytes"] > got["bf16"]["gather_bytes"]
             else:
                 assert case["gather_bytes"] * 2 == plain["gather_bytes"], where
                 assert case["max_gathered_bytes"] == 2 * case["max_gathered_numel"] == plain["max_gathered_bytes"] // 2
