@@ -20,6 +20,7 @@ One launch of 2 gloo ranks trains a tiny float32 Hugging Face Llama for 3 Adam s
   the reference doing that;
 - bf16 / fp32 with gradient accumulation (2 micro-batches a step, the first under ``no_sync``: the
   units' bf16 gradients summed in the fp32 buffer, reduced once), against the reference doing that;
+- tp 2 with bf16 / fp32: the losses of one process doing the arithmetic, to bf16's step;
 - bf16 / fp32 with the units kept gathered from forward to backward (``zero3_reshard_after_forward``
   False): the bf16 run exactly, with no gather in backward.
 
@@ -143,8 +144,32 @@ def _case(rank, world, gen_dir, name, policy):
     return out
 
 
+def _tp_case(rank, world, gen_dir):
+    """tp 2 (a unit of both ranks: zero groups of one) with bf16 / fp32: the losses and dtypes."""
+    import hf_models
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+    cfg = ComputeConfig(2, world, trace_strategy="cpu", use_zero=3, pas_config={"zero3_mixed_precision": BF16_FP32})
+    pm = parallelize(hf_models.make("llama", dtype=torch.float32), _batch(0), "tp", cfg, gen_savedir=gen_dir,
+                     instance_name="precision_tp2")
+    opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = pm(**_batch(step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.float().item())
+    return {"losses": losses, "loss_dtype": str(loss.dtype),
+            "shard_dtypes": sorted({str(u.shard.dtype) for u in pm.fully_sharded.units})}
+
+
 def _job(rank, world, gen_dir):
-    return {name: _case(rank, world, gen_dir, name, policy) for name, policy in CASES.items()}
+    out = {name: _case(rank, world, gen_dir, name, policy) for name, policy in CASES.items()}
+    import warnings
+    with warnings.catch_warnings():  # the plan report's: tp splits little of this tiny model
+        warnings.simplefilter("ignore")
+        out["tp2"] = _tp_case(rank, world, gen_dir)
+    return out
 
 
 @pytest.mark.multiprocess
@@ -152,7 +177,7 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
     results = run_workers(_job, 2, str(tmp_path / "gen"), timeout=600)
     refs = {"bf16": reference(torch.bfloat16, torch.float32), "bf16-bf16": reference(torch.bfloat16, torch.bfloat16),
             "fp32": reference(torch.float32, torch.float32), "head-fp32": reference(head_fp32=True),
-            "bf16-accum": reference(micro=2)}
+            "bf16-accum": reference(micro=2), "tp2": reference(world=1)}
     for rank, got in enumerate(results):
         plain, fp32 = got["plain"], got["fp32"]
         # param_dtype float32 is the existing path, exactly
@@ -185,6 +210,11 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
                 ref = ref_params[n]
                 assert value.dtype == torch.float32, (where, n)
                 assert ((value - ref).norm() / ref.norm()).item() <= 1e-5, f"{where}: {n}"
+        # tensor parallel: traced in bf16 with the tp plan's communication; one process's bf16 losses to a bf16
+        # step (tp sums partial products in bf16 where one process's matmul accumulates in fp32)
+        tp = got["tp2"]
+        assert tp["loss_dtype"] == "torch.bfloat16" and tp["shard_dtypes"] == ["torch.float32"], rank
+        assert tp["losses"] == pytest.approx(refs["tp2"][0], rel=8e-3, abs=0), (rank, tp["losses"], refs["tp2"][0])
         # kept gathered from forward to backward (reshard_after_forward=False): the same run, no gather in backward
         kept, bf16 = got["bf16-kept"], got["bf16"]
         assert kept["losses"] == bf16["losses"], rank
