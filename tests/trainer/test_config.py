@@ -192,6 +192,23 @@ def test_use_zero_3_reaches_compute_config_as_the_int_3(tmp_path):
                                   "compute_config.runtime_ngpus": 4})).validate()
 
 
+def test_pas_config_values_from_the_command_line_are_read_as_values(tmp_path):
+    """``--compute_config.pas_config.k V`` arrives as a string: it is read as YAML would read V
+    (an int, a bool, a list), so `zero3_reshard_after_forward 2` is the int 2; names stay names."""
+    import yaml
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(base(**{"compute_config.use_zero": 3, "compute_config.runtime_ngpus": 4})))
+    argv = ["-f", str(path), "--compute_config.pas_config.zero3_reshard_after_forward", "2",
+            "--compute_config.pas_config.recompute_modules", "LlamaDecoderLayer",
+            "--compute_config.pas_config.zero3_units", "['model.layers.*']"]
+    pas = TrainerArgs.from_argv(argv).compute_config.pas_config
+    assert pas == {"zero3_reshard_after_forward": 2, "recompute_modules": "LlamaDecoderLayer",
+                   "zero3_units": ["model.layers.*"]}, pas
+    pas = TrainerArgs.from_argv(["-f", str(path), "--compute_config.pas_config.zero3_reshard_after_forward",
+                                 "false"]).compute_config.pas_config
+    assert pas["zero3_reshard_after_forward"] is False
+
+
 @pytest.mark.parametrize("over, key, words", [
     # a typo: refused before any worker starts, naming the closest valid argument
     ({"model.args": {"nlayr": 3}}, "model.args.nlayr", "MLP has no argument 'nlayr'; did you mean 'nlayers'?"),

@@ -101,8 +101,8 @@ def _check_size(where: str, value: Any, group_size: Optional[int]) -> None:
     if isinstance(value, str):
         raise ConfigError(f"{where} is the string {value!r}: give the bool or the int itself, not a string: {fix} "
                           f"(the int 1 keeps the unit gathered like False; True reshards to the whole group). In "
-                          f"YAML write it unquoted; on the command line give the whole mapping, e.g. "
-                          f"--compute_config.pas_config '{{\"zero3_reshard_after_forward\": 2}}'")
+                          f"YAML write it unquoted (the Trainer's command line reads "
+                          f"--compute_config.pas_config.zero3_reshard_after_forward 2 as the int)")
     if not isinstance(value, int):
         raise ConfigError(f"{where} is {value!r}: give {fix}, or a mapping of unit names or globs to those "
                           f"(e.g. {{'model.layers.*': 2}})")

@@ -180,6 +180,8 @@ def _compute_config(cls: type, value: Any, key: str) -> Any:
             raise unknown_key_error(key, str(name), fields)
         if isinstance(item, str) and hints[name] is not str and typing.get_args(hints[name]) != (str, _NONE):
             item = guess_value(item)
+        if name in ("pas_config", "user_config") and isinstance(item, dict):
+            item = _read_leaves(item)  # `--compute_config.pas_config.k 2` gives the string '2'
         kwargs[name] = item
     if cls is ComputeConfig:
         missing = [n for n in ("plan_ngpus", "runtime_ngpus") if n not in kwargs]
@@ -190,6 +192,16 @@ def _compute_config(cls: type, value: Any, key: str) -> Any:
         return cls(**kwargs)
     except ConfigError as e:
         raise TrainerConfigError(key, str(e).replace("ComputeConfig.", "")) from None
+
+
+def _read_leaves(value: Any) -> Any:
+    """A mapping's strings read as the command line means them ('2' -> 2, 'false' -> False,
+    '[1, 2]' -> [1, 2]); a string that reads as nothing else stays itself."""
+    if isinstance(value, dict):
+        return {k: _read_leaves(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_read_leaves(v) for v in value]
+    return guess_value(value) if isinstance(value, str) else value
 
 
 def to_data(obj: Any) -> Any:
