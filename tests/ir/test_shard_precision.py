@@ -52,3 +52,12 @@ def test_a_policy_needs_use_zero_3_for_training():
         with pytest.raises(ConfigError, match=r"needs ComputeConfig\(use_zero=3\) for training.*precision"):
             mixed_precision({"param_dtype": "bf16"}, stage, inference)
     mixed_precision({"param_dtype": None}, 0)  # no policy: nothing to refuse
+
+
+def test_compute_config_checks_the_setting():
+    from nnscaler.ir import ComputeConfig
+    ComputeConfig(1, 2, use_zero=3, pas_config={"zero3_mixed_precision": {"param_dtype": "bf16"}})
+    with pytest.raises(ConfigError, match=r"needs ComputeConfig\(use_zero=3\) for training"):
+        ComputeConfig(1, 2, use_zero=True, pas_config={"zero3_mixed_precision": {"param_dtype": "bf16"}})
+    with pytest.raises(ConfigError, match=r"\['reduce_dtype'\] is 'float8'"):
+        ComputeConfig(1, 2, use_zero=3, pas_config={"zero3_mixed_precision": {"reduce_dtype": "float8"}})

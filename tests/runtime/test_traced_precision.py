@@ -1,7 +1,7 @@
 """`runtime/driver/traced_precision.py`: under ``pas_config["zero3_mixed_precision"]`` generation
 traces the forward with the parameters in their unit's ``param_dtype`` and declares them in the
-dtype they are stored in; the module is left as it was; bad settings are refused at `parallelize`
-(one process, no launch: ``load_module=False`` only generates)."""
+dtype they are stored in; the module is left as it was; bad settings are refused before anything
+is generated (one process, no launch: ``load_module=False`` only generates)."""
 from __future__ import annotations
 
 import json
@@ -76,7 +76,8 @@ def test_generation_traces_in_param_dtype_and_stores_in_the_modules(tmp_path):
     ({"param_dtype": "bf8"}, 3, {}, r"\['param_dtype'\] is 'bf8': give a floating dtype by name"),
     ({"reduce": "fp32"}, 3, {}, r"unknown key\(s\) 'reduce'"),
 ])
-def test_bad_settings_refused_by_parallelize(tmp_path, policy, use_zero, kw, match):
+def test_bad_settings_refused_before_generation(tmp_path, policy, use_zero, kw, match):
+    """By ComputeConfig (so the Trainer refuses them before any worker starts), and by parallelize."""
     with pytest.raises(ConfigError, match=match):
         parallelize(hf_models.make("llama", dtype=torch.float32), _dummy(), "dp", _cfg(policy, use_zero, **kw),
                     gen_savedir=tmp_path, load_module=False)

@@ -147,6 +147,9 @@ class ComputeConfig:
             from .contracts.shard_units import reshard_sizes
             reshard_sizes((), self.pas_config["zero3_reshard_after_forward"],
                           self.dp_size // self.zero_ngroups if self.zero_stage == 3 else None)
+        if "zero3_mixed_precision" in self.pas_config:  # its keys and dtypes; a policy needs use_zero=3 training
+            from .contracts.shard_precision import mixed_precision
+            mixed_precision(self.pas_config["zero3_mixed_precision"], self.zero_stage, self.inference_only)
 
     # -- derived values ------------------------------------------------------------------------
     @property
