@@ -365,6 +365,21 @@ def test_validate_refuses_ops_on_wrong_devices(gpt):
         validate_plan(gpt, 2, "mine")
 
 
+def test_validate_refuses_a_write_in_another_stage_than_its_target(filled_json):
+    """Stages set by hand (not through `stage`): an in-place write apart from its target's producer."""
+    from nnscaler.policies.inplace_writes import write_spans
+    graph = IRGraph.from_json(filled_json)
+    cut_stages(graph, 2)
+    schedule(graph, 2, "1f1b", pp_size=2)
+    first, last, write = write_spans(graph)[1]
+    for i, node in enumerate(graph.nodes):  # stage 1 starts right after the key's new_empty
+        node.stage = 0 if i <= first else 1
+    place_on_stages(graph)
+    with pytest.raises(PlanError, match=r"policy 'mine': the in-place write torch.Tensor.copy_ .* runs in stage 1, "
+                                        r"but torch.Tensor.new_empty .* in stage 0: .* Put them in one stage"):
+        validate_plan(graph, 2, "mine")
+
+
 def test_validate_refuses_an_op_on_too_few_stage_devices(gpt):
     two_stage_plan(gpt, tp_size=2)
     assign(replicate(gpt, gpt.nodes[0], 1)[0], 0)

@@ -10,8 +10,8 @@ see memory nobody wrote.
 - `write_spans`: per in-place op, the program-order span from the producer of the tensor it
   writes (through views) to the write; a pipeline stage boundary inside it would send the base
   before the write (or a view apart from its base), and the receiving stage would write into a
-  received leaf (autograd refuses that) or a copy. `cut_stages` does not cut there and `stage`
-  refuses to.
+  received leaf (autograd refuses that) or a copy. `cut_stages` does not cut there, `stage`
+  refuses to, and `validate_plan` refuses stages set by hand that do.
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ from nnscaler.ir.contracts import Piece
 from nnscaler.ir import NnScalerError
 from nnscaler.ir import IRGraph, Node
 
+from .inplace_writes import write_spans
+
 __all__ = ["Piece", "PlanError", "tensor_inputs", "tensor_outputs", "validate_plan"]
 
 
@@ -61,4 +63,9 @@ def _validate_pipeline(graph: IRGraph, plan_ngpus: int, policy_name: str) -> Non
         if devices != list(home):
             raise PlanError(f"policy {policy_name!r}: op {node.describe()} of stage {node.stage} runs on plan devices "
                             f"{devices}; a stage's ops run on its devices {list(home)} (stage_devices())")
+    for first, _, write in write_spans(graph):  # what `stage` refuses, for stages set by hand
+        if graph.nodes[first].stage != write.stage:
+            raise PlanError(f"policy {policy_name!r}: the in-place write {write.describe()} runs in stage {write.stage}, "
+                            f"but {graph.nodes[first].describe()}, which produced what it writes, in stage "
+                            f"{graph.nodes[first].stage}: the write would land in a received copy. Put them in one stage")
 
