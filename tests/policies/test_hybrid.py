@@ -237,6 +237,15 @@ def test_zero_combines_with_a_pipeline(run, policy):
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "pp"])
+def test_takes_the_keys_every_plan_reads(run, policy):
+    """use_zero=3's units, resharding and mixed precision (registry.COMMON_KEYS), read by the runtime."""
+    graph = run(policy, plan=2, runtime=4, zero=3, pipeline_nmicros=4, pipeline_pivots="Block",
+                zero3_units=["h.0"], zero3_reshard_after_forward=False,
+                zero3_mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    assert graph.pipeline is not None and graph.pipeline.nstages == 2
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "pp"])
 def test_refuses_unknown_keys(run, policy):
     with pytest.raises(ConfigError, match=rf"pas_policy '{policy}' does not know pas_config key\(s\) "
                                           r"'pipeline_stages', 'seed'; its keys are .*pipeline_nstages.*"

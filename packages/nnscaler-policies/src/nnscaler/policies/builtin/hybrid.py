@@ -30,7 +30,7 @@ from nnscaler.ir import ConfigError
 from nnscaler.ir.schedules import INFERENCE_SCHEDULES, SCHEDULES, TRAINING_SCHEDULES
 
 from ..pipeline import cut_stages, pivot_leads, schedule
-from ..registry import register_policy
+from ..registry import COMMON_KEYS as EVERY_POLICY_KEYS, register_policy
 from ._spread import split_batch_or_replicate
 
 COMMON_KEYS = {"pipeline_nmicros", "pipeline_scheduler", "pipeline_nstages", "pipeline_pivots", "pp_size",
@@ -44,10 +44,11 @@ def _int(name: str, value, minimum: int = 1) -> int:
 
 
 def _check_keys(policy: str, pas: dict) -> None:
-    unknown = sorted(k for k in pas if not str(k).startswith("_") and k not in COMMON_KEYS)
+    known = COMMON_KEYS | EVERY_POLICY_KEYS  # and what every plan reads (use_zero=3's units, resharding, precision)
+    unknown = sorted(k for k in pas if not str(k).startswith("_") and k not in known)
     if unknown:
         raise ConfigError(f"pas_policy {policy!r} does not know pas_config key(s) {', '.join(map(repr, unknown))}; "
-                          f"its keys are {', '.join(sorted(COMMON_KEYS))} (prefix your own keys with '_')")
+                          f"its keys are {', '.join(sorted(known))} (prefix your own keys with '_')")
 
 
 def _scheduler(policy: str, cfg, pas: dict) -> str:
