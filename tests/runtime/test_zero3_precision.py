@@ -20,7 +20,8 @@ One launch of 2 gloo ranks trains a tiny float32 Hugging Face Llama for 3 Adam s
   the reference doing that;
 - bf16 / fp32 with gradient accumulation (2 micro-batches a step, the first under ``no_sync``: the
   units' bf16 gradients summed in the fp32 buffer, reduced once), against the reference doing that;
-- tp 2 with bf16 / fp32: the losses of one process doing the arithmetic, to bf16's step;
+- tp 2, and pp 2 (2 micro-batches a step), with bf16 / fp32: the losses of one process doing the
+  arithmetic, to bf16's step;
 - bf16 / fp32 with the units kept gathered from forward to backward (``zero3_reshard_after_forward``
   False): the bf16 run exactly, with no gather in backward.
 
@@ -163,12 +164,32 @@ def _tp_case(rank, world, gen_dir):
             "shard_dtypes": sorted({str(u.shard.dtype) for u in pm.fully_sharded.units})}
 
 
+def _pp_case(rank, world, gen_dir):
+    """pp 2 (a stage per rank, zero groups of one) with bf16 / fp32, 2 micro-batches a step: losses, dtypes."""
+    import hf_models
+    from nnscaler import ComputeConfig, build_optimizer, parallelize
+    pas = {"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b", "zero3_mixed_precision": BF16_FP32}
+    cfg = ComputeConfig(2, world, trace_strategy="cpu", use_zero=3, use_end2end=True, pas_config=pas)
+    pm = parallelize(hf_models.make("llama", dtype=torch.float32), _micro(0, 0, 0, GLOBAL_BATCH), "pp", cfg,
+                     gen_savedir=gen_dir, instance_name="precision_pp2")
+    opt = build_optimizer(pm, torch.optim.Adam, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        outputs = pm.train_step([_micro(step, m, 0, GLOBAL_BATCH) for m in range(2)])
+        opt.scale_grads(0.5)
+        opt.step()
+        losses.append(torch.stack([o.detach().float().reshape(()) for o in outputs]).mean().item())
+    return {"losses": losses, "shard_dtypes": sorted({str(u.shard.dtype) for u in pm.fully_sharded.units})}
+
+
 def _job(rank, world, gen_dir):
     out = {name: _case(rank, world, gen_dir, name, policy) for name, policy in CASES.items()}
     import warnings
     with warnings.catch_warnings():  # the plan report's: tp splits little of this tiny model
         warnings.simplefilter("ignore")
         out["tp2"] = _tp_case(rank, world, gen_dir)
+        out["pp2"] = _pp_case(rank, world, gen_dir)
     return out
 
 
@@ -177,7 +198,7 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
     results = run_workers(_job, 2, str(tmp_path / "gen"), timeout=600)
     refs = {"bf16": reference(torch.bfloat16, torch.float32), "bf16-bf16": reference(torch.bfloat16, torch.bfloat16),
             "fp32": reference(torch.float32, torch.float32), "head-fp32": reference(head_fp32=True),
-            "bf16-accum": reference(micro=2), "tp2": reference(world=1)}
+            "bf16-accum": reference(micro=2), "tp2": reference(world=1), "pp2": reference(world=1, micro=2)}
     for rank, got in enumerate(results):
         plain, fp32 = got["plain"], got["fp32"]
         # param_dtype float32 is the existing path, exactly
@@ -215,6 +236,10 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
         tp = got["tp2"]
         assert tp["loss_dtype"] == "torch.bfloat16" and tp["shard_dtypes"] == ["torch.float32"], rank
         assert tp["losses"] == pytest.approx(refs["tp2"][0], rel=8e-3, abs=0), (rank, tp["losses"], refs["tp2"][0])
+        # pipelined: each stage traced in bf16, the activations crossing stages bf16; micro-batch gradients summed
+        pp = got["pp2"]
+        assert pp["shard_dtypes"] == ["torch.float32"], rank
+        assert pp["losses"] == pytest.approx(refs["pp2"][0], rel=8e-3, abs=0), (rank, pp["losses"], refs["pp2"][0])
         # kept gathered from forward to backward (reshard_after_forward=False): the same run, no gather in backward
         kept, bf16 = got["bf16-kept"], got["bf16"]
         assert kept["losses"] == bf16["losses"], rank
