@@ -60,6 +60,12 @@ that only refused cases hold (a model with a plan it refuses, say) is a refusal 
 pair to cover; a pair only failing cases hold is a failure listed above. The sample runs many cases
 per process launch (one launch per world size and model, `tools/matrix_batch.py`) and must end in parity
 (or refused, for a case this file has no record of yet).
+
+Through the other entry points, CI also runs a handful of cases against one process:
+`nnscaler train` on a YAML (`tools/matrix_trainer.py`: Llama dp2 + ZeRO-3 + recomputation, tp2,
+pp2), the Lightning strategy (`tools/matrix_lightning.py`: dp2 + ZeRO-3 + recomputation, tp2), and
+the user action "resume on another plan" (`tools/matrix_resume.py`: save under one plan, load
+under another, continue; parity with an uninterrupted run).
 """
 
 
