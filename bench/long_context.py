@@ -355,7 +355,7 @@ def _plan_facts(gen_dir: str) -> dict:
     if code:
         lines = Path(code[0]).read_text().splitlines()
         facts["ring_attention_calls"] = sum("nr.ring_attention.attention(" in ln for ln in lines)
-        # a replicated weight enters each op through grad_all_reduce (forward: a copy; backward: the
+        # a replicated weight enters each op through grad_all_reduce (forward: the parameter as a view; backward: the
         # all-reduce of its partial gradient); split: a whole tensor cut to this rank's rows
         facts["grad_all_reduce_calls"] = sum("nr.comm.grad_all_reduce(" in ln for ln in lines)
         facts["split_calls"] = sum("nr.comm.split(" in ln for ln in lines)
@@ -619,8 +619,8 @@ def _report(args, n: int, a: dict, runs: Dict[str, Dict[int, dict]], search: dic
     if facts:
         print("\ncp plan: " + "; ".join((facts["plan_report"] or [])[2:6]).replace("  ", " "))
         print(f"rank 0's code: {facts['ring_attention_calls']} ring attention calls (both branches of the packed-"
-              f"sequence check), {facts['grad_all_reduce_calls']} grad_all_reduce (a copy of each replicated weight "
-              f"a step), {facts['split_calls']} split; collectives that make tensors whole or move them:")
+              f"sequence check), {facts['grad_all_reduce_calls']} grad_all_reduce (each replicated weight as a view of "
+              f"itself: no copy), {facts['split_calls']} split; collectives that make tensors whole or move them:")
         for g in facts["all_gathers"]:
             if g["collective"] != "all_reduce":
                 print(f"  {g['out']} = {g['collective']}({g['of']})  <- {g['source']}")
