@@ -1,8 +1,9 @@
 """`CausalLM`: a transformers ``AutoModelForCausalLM`` as the Trainer's end2end model.
 
 ``forward(batch)`` returns the model's own causal-LM loss (transformers' shift and cross-entropy)
-of ``{input_ids, attention_mask?, labels?}``; labels default to the inputs with padding
-(``attention_mask == 0``) ignored. As a TrainHook it stores an ``nnscaler.ckpt.HFRecord`` in
+of ``{input_ids, attention_mask?, labels?, position_ids?, cu_seqlens?}``; labels default to the
+inputs with padding (``attention_mask == 0``) and each packed document's first token ignored. Packed
+documents as ``cu_seqlens`` (or transformers' ``cu_seq_lens_q``) become ``position_ids`` (packed.py). As a TrainHook it stores an ``nnscaler.ckpt.HFRecord`` in
 every checkpoint (config.json, the ``model.`` prefix, the tied names, the tokenizer's files on
 rank 0), from which ``nnscaler ckpt merge SRC DST --hf`` writes a ``from_pretrained`` directory.
 Nothing is downloaded: paths are local.
