@@ -21,7 +21,7 @@ One launch of 2 gloo ranks trains a tiny float32 Hugging Face Llama for 3 Adam s
 - bf16 / fp32 with gradient accumulation (2 micro-batches a step, the first under ``no_sync``: the
   units' bf16 gradients summed in the fp32 buffer, reduced once), against the reference doing that;
 - tp 2, and pp 2 (2 micro-batches a step), with bf16 / fp32: the losses of one process doing the
-  arithmetic, to bf16's step;
+  arithmetic, to bf16's step; per-unit entries under pp are refused on every rank;
 - bf16 / fp32 with the units kept gathered from forward to backward (``zero3_reshard_after_forward``
   False): the bf16 run exactly, with no gather in backward.
 
@@ -180,7 +180,16 @@ def _pp_case(rank, world, gen_dir):
         opt.scale_grads(0.5)
         opt.step()
         losses.append(torch.stack([o.detach().float().reshape(()) for o in outputs]).mean().item())
-    return {"losses": losses, "shard_dtypes": sorted({str(u.shard.dtype) for u in pm.fully_sharded.units})}
+    out = {"losses": losses, "shard_dtypes": sorted({str(u.shard.dtype) for u in pm.fully_sharded.units})}
+    # per-unit entries are refused under a pipeline (a stage names its units from what it holds), on every rank
+    per_unit = ComputeConfig(2, world, trace_strategy="cpu", use_zero=3, use_end2end=True,
+                             pas_config={**pas, "zero3_mixed_precision": HEAD_FP32})
+    try:
+        parallelize(hf_models.make("llama", dtype=torch.float32), _micro(0, 0, 0, GLOBAL_BATCH), "pp", per_unit,
+                    gen_savedir=gen_dir, instance_name="precision_pp2_units")
+    except Exception as e:  # noqa: BLE001 - the parent checks the type and message
+        out["per_unit"] = f"{type(e).__name__}: {e}"
+    return out
 
 
 def _job(rank, world, gen_dir):
@@ -240,6 +249,8 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
         pp = got["pp2"]
         assert pp["shard_dtypes"] == ["torch.float32"], rank
         assert pp["losses"] == pytest.approx(refs["pp2"][0], rel=8e-3, abs=0), (rank, pp["losses"], refs["pp2"][0])
+        assert pp.get("per_unit", "").startswith("ConfigError: pas_config['zero3_mixed_precision']['units'] "
+                                                 "(model.lm_head) is not supported under a pipeline"), (rank, pp)
         # kept gathered from forward to backward (reshard_after_forward=False): the same run, no gather in backward
         kept, bf16 = got["bf16-kept"], got["bf16"]
         assert kept["losses"] == bf16["losses"], rank

@@ -168,7 +168,8 @@ class ParallelModule(GeneratedAttrs, FullMapMixin, WeightLoadingMixin, RandomStr
         sharded = FullyShardedParams(params, groups, [*units, *edges], shared,
                                      edges=edges, keep=keep, smaller=smaller)
         # FSDP2's MixedPrecisionPolicy: the dtypes each unit is gathered and reduced in (the code was traced in them)
-        sharded.set_precision(mixed_precision(cfg.pas_config.get("zero3_mixed_precision"), cfg.zero_stage))
+        sharded.set_precision(mixed_precision(cfg.pas_config.get("zero3_mixed_precision"), cfg.zero_stage),
+                              pipelined=self.PIPELINE is not None)
         return sharded
 
     def _resharded_after_forward(self, units, group_size: int):

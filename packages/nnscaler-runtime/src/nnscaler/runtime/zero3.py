@@ -220,9 +220,16 @@ class FullyShardedParams(Pausable):
         self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
         pausable(self)
 
-    def set_precision(self, policy: MixedPrecision) -> None:
+    def set_precision(self, policy: MixedPrecision, pipelined: bool = False) -> None:
         """Each unit's dtypes from `policy` (FSDP2's ``MixedPrecisionPolicy``): gathered and computed in
-        ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``; the shards keep theirs."""
+        ``param_dtype``, gradients reduce-scattered in ``reduce_dtype``; the shards keep theirs. Per-unit
+        entries are refused for a pipeline stage (`pipelined`): a stage names its units from the
+        parameters it holds, not as the trace did (the whole model), so an entry could miss."""
+        if pipelined and policy.units:
+            from nnscaler.ir.errors import ConfigError
+            raise ConfigError(f"pas_config['zero3_mixed_precision']['units'] ({', '.join(g for g, _ in policy.units)}) "
+                              f"is not supported under a pipeline: a stage's units are named from the parameters "
+                              f"it holds; give one policy for every unit (param_dtype / reduce_dtype only)")
         for u in self.units:
             u.precision = policy.for_unit(u.name)
 
