@@ -174,6 +174,9 @@ def _helper_loop(jobs: "queue.SimpleQueue") -> None:
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             errors.append(exc)
         done.set()
+        # an idle thread holds nothing: the finished work keeps its tensors alive (gloo's reduce-scatter:
+        # the whole gradient it was sent, e.g. an embedding's) until the next job would replace it
+        work = errors = done = exc = None
         _IDLE.put(jobs)
 
 
