@@ -82,3 +82,19 @@ def test_bad_settings_refused_before_generation(tmp_path, policy, use_zero, kw, 
         parallelize(hf_models.make("llama", dtype=torch.float32), _dummy(), "dp", _cfg(policy, use_zero, **kw),
                     gen_savedir=tmp_path, load_module=False)
     assert not list(tmp_path.rglob(gencode_file(0)))  # refused before anything is generated
+
+
+def test_reuse_graph_keeps_no_graph_traced_in_another_dtype(tmp_path):
+    """reuse='graph' keeps graph.json when what shapes the graph is unchanged: the mixed precision
+    setting is part of that (the graph's dtypes), so adding or dropping it traces again."""
+    def traced_dtypes(policy):
+        cfg = _cfg(policy) if policy is not None else ComputeConfig(1, 2, trace_strategy="cpu", use_zero=3)
+        parallelize(hf_models.make("llama", dtype=torch.float32), _dummy(), "dp", cfg, gen_savedir=tmp_path,
+                    reuse="graph", instance_name="one", load_module=False)
+        graph = json.loads(next(tmp_path.rglob(GRAPH_FILE)).read_text())
+        values = {v[0]: v[4] for v in graph["values"]}
+        return {values[s["value"]] for s in graph["params"]}
+    assert traced_dtypes(None) == {"float32"}
+    assert traced_dtypes(BF16) == {"bfloat16"}  # traced again, in bf16
+    assert traced_dtypes({**BF16, "reduce_dtype": "bfloat16"}) == {"bfloat16"}
+    assert traced_dtypes(None) == {"float32"}  # and back

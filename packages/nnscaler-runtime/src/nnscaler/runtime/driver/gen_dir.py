@@ -85,7 +85,16 @@ class Identity:
     def graph_part(self) -> dict:
         cfg = self.compute_config
         return {"module_class": self.module_class, "input_schema": self.input_schema,
-                "constant_folding": cfg["constant_folding"], "user_config": cfg["user_config"]}
+                "constant_folding": cfg["constant_folding"], "user_config": cfg["user_config"],
+                **traced_precision(cfg)}
+
+
+def traced_precision(compute_config: dict) -> dict:
+    """What of ``use_zero=3``'s mixed precision shapes the traced graph (its dtypes: driver/traced_precision.py):
+    the setting and, for its per-unit entries, the units; nothing without one (older manifests compare alike)."""
+    pas = compute_config.get("pas_config") or {}
+    setting = pas.get("zero3_mixed_precision")
+    return {} if setting is None else {"zero3_mixed_precision": setting, "zero3_units": pas.get("zero3_units")}
 
 
 def read_manifest(directory: Path) -> Optional[dict]:
@@ -273,7 +282,8 @@ def decide(directory: Path, reuse: ReuseType, identity: Identity, module=None) -
     # GRAPH: keep the traced graph when everything that shapes the graph is unchanged.
     old_graph_part = {"module_class": manifest.get("module_class"), "input_schema": manifest.get("input_schema"),
                       "constant_folding": manifest["compute_config"].get("constant_folding"),
-                      "user_config": manifest["compute_config"].get("user_config")}
+                      "user_config": manifest["compute_config"].get("user_config"),
+                      **traced_precision(manifest["compute_config"])}
     graph_files = [n for n in (GRAPH_FILE, CONSTANTS_FILE, WEIGHTS_FILE) if n in manifest["files"]]
     held = {GRAPH_FILE, WEIGHTS_FILE} <= set(graph_files)  # a copy received without them (broadcast.py)
     if held and old_graph_part == identity.graph_part() and not stale_state(manifest, identity) \
