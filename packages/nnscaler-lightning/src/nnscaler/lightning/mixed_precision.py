@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, Optional
 
 from nnscaler.ir import ComputeConfig, ConfigError
-from nnscaler.ir.contracts.shard_precision import mixed_precision
+from nnscaler.ir.contracts import mixed_precision
 
 from .errors import NnScalerLightningError
 

@@ -40,7 +40,7 @@ from nnscaler.ir import as_compute_config
 from nnscaler.ir.contracts import FullMapEntry, GeneratedAttrs, gencode_file, reshard_sizes, root_modules, smaller_sizes
 from nnscaler.ir.contracts import kept_after_forward, unit_names
 from nnscaler.ir.contracts import WEIGHTS_FILE
-from nnscaler.ir.contracts.shard_precision import mixed_precision
+from nnscaler.ir.contracts import mixed_precision
 from nnscaler.ir import map_tensors
 
 from . import failures

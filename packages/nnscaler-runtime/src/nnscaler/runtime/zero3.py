@@ -75,7 +75,7 @@ from .zero import flat_layout, reduce_rows, row_segments
 from .zero_groups import ZeroGroups
 from .zero3_reshard import SmallerReshard
 from nnscaler.ir.contracts import ROOT_UNIT, unit_names
-from nnscaler.ir.contracts.shard_precision import MixedPrecision, UnitPrecision
+from nnscaler.ir.contracts import MixedPrecision, UnitPrecision
 
 __all__ = ["FullyShardedParams", "ShardUnit", "Zero3Stats", "unit_names", "ROOT_UNIT"]
 
@@ -226,7 +226,7 @@ class FullyShardedParams(Pausable):
         entries are refused for a pipeline stage (`pipelined`): a stage names its units from the
         parameters it holds, not as the trace did (the whole model), so an entry could miss."""
         if pipelined and policy.units:
-            from nnscaler.ir.errors import ConfigError
+            from nnscaler.ir import ConfigError
             raise ConfigError(f"pas_config['zero3_mixed_precision']['units'] ({', '.join(g for g, _ in policy.units)}) "
                               f"is not supported under a pipeline: a stage's units are named from the parameters "
                               f"it holds; give one policy for every unit (param_dtype / reduce_dtype only)")

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from nnscaler.ir import ConfigError
 from nnscaler.ir.contracts import kept_after_forward
-from nnscaler.ir.contracts.shard_precision import mixed_precision
+from nnscaler.ir.contracts import mixed_precision
 
 __all__ = ["AutodistConfig", "KEYS"]
 

@@ -19,7 +19,7 @@ from typing import Dict, Iterator
 import torch
 
 from nnscaler.ir.contracts import ROOT_UNIT, resolve_unit_modules, root_modules, unit_names
-from nnscaler.ir.contracts.shard_precision import mixed_precision
+from nnscaler.ir.contracts import mixed_precision
 
 __all__ = ["TracePrecision", "check_mixed_precision", "trace_precision", "traced_in", "record_stored_dtypes"]
 
