@@ -109,7 +109,8 @@ def case_id(case: Dict[str, str]) -> str:
 # An option nnscaler refuses on its own (the refusal names it): the cell is then run again with
 # that option at its baseline, so that the table shows the cell's own state; both are recorded.
 OPTION_REFUSALS = {"rng_mode": ("dropout", "off"), "zero_ngroups": ("zero_ngroups", "1"),
-                   "with_master_weights": ("precision", "fp32")}
+                   "with_master_weights": ("precision", "fp32"),
+                   "which ring attention does not": ("dropout", "off")}  # cp: attention dropout
 
 
 def baseline_for(case: Dict[str, str], refusal: str) -> Optional[Dict[str, str]]:
