@@ -77,7 +77,17 @@ every parameter trainable and with the first `--frozen-blocks` (half the layers)
 (``requires_grad_(False)``, as in partial fine-tuning): the memory the frozen tensors' missing
 gradients and Adam state save, in the same run.
 
-`--parts time memory budget accum ckpt frozen` picks the parts (default all six). Writes bench/results/fsdp.json.
+**7. Whole life** (`--parts life`, `_fsdp_life.py`): build on the meta device, load from a Hugging
+Face directory, `--life-steps` (3) steps and save, on `--life-nproc` (4) `use_zero=3` ranks, against
+one process doing the same from a CPU build (a ~99M-parameter transformers Llama): the worst rank's
+peak RSS above its baseline against the one process's, per phase too. Target <= 0.35.
+
+**8. What a user sees** (`--parts train`, `_fsdp_train.py`): `nnscaler train` of the example
+`hf_llama.yaml` with a ~32M-parameter Llama on `--train-nproc` (2) processes, unsharded and
+`use_zero: 3`, with the launcher's malloc thresholds and with glibc's defaults: each worker's peak
+RSS, at set-up and in training.
+
+`--parts time memory budget accum ckpt frozen life train` picks the parts (default all eight). Writes bench/results/fsdp.json.
 """
 from __future__ import annotations
 
@@ -94,6 +104,8 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 import _fsdp_ckpt  # noqa: E402
+import _fsdp_life  # noqa: E402
+import _fsdp_train  # noqa: E402
 import _rss  # noqa: E402
 from _common import MIB, fmt_mib  # noqa: E402
 
@@ -297,6 +309,23 @@ def _mem_summary(case: str, ranks: list, spawn_s: float) -> dict:
     return _rss.mem_summary(case, LABELS[case], ranks, spawn_s, rank0_keys=("params", "over_budget_at_step"))
 
 
+def _life(args, tmp: str) -> dict:
+    """Part 7: the Hugging Face directory, then the use_zero=3 ranks and the one process."""
+    c = _fsdp_life.config(args)
+    hf_dir = os.path.join(tmp, "life_hf")
+    n_params = _fsdp_life.write_hf_directory(c, hf_dir)
+    _rss.release()
+    out, gen = os.path.join(tmp, "life_ckpt"), os.path.join(tmp, "life_gen")
+    os.makedirs(out, exist_ok=True)
+    malloc = not args.no_malloc_env
+    zero3, s3 = _rss.spawn(_fsdp_life.zero3_case, (c, hf_dir, gen, out), c["nproc"], os.path.join(tmp, "life3.json"),
+                           malloc)
+    print(f"part 7 (whole life) use_zero=3 x {c['nproc']}: {s3:.1f} s", flush=True)
+    single, s1 = _rss.spawn(_fsdp_life.single_case, (c, hf_dir, out), 1, os.path.join(tmp, "life1.json"), malloc)
+    print(f"part 7 (whole life) one process: {s1:.1f} s", flush=True)
+    return _fsdp_life.summary(zero3, single[0], {"zero3": s3, "single": s1}, n_params, args.loss_rtol)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
@@ -309,9 +338,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--lr", type=float, default=1e-3)
     _rss.add_protocol_args(p, warmup=1, rounds=5, block=1)
-    p.add_argument("--parts", nargs="*", default=["time", "memory", "budget", "accum", "ckpt", "frozen"],
-                   choices=["time", "memory", "budget", "accum", "ckpt", "frozen"],
-                   help="which parts to run (1: time, 2: memory, 3: budget, 4: accum, 5: ckpt, 6: frozen)")
+    parts = ["time", "memory", "budget", "accum", "ckpt", "frozen", "life", "train"]
+    p.add_argument("--parts", nargs="*", default=parts, choices=parts,
+                   help="which parts to run (1: time, 2: memory, 3: budget, 4: accum, 5: ckpt, 6: frozen, 7: life, 8: train)")
     p.add_argument("--frozen-blocks", type=int, default=None, help="part 6: blocks frozen (default: half)")
     p.add_argument("--frozen-cases", nargs="*", default=["zero3", "zero1"], choices=["zero3", "zero1"])
     p.add_argument("--accum-micros", type=int, default=4, help="part 4: micro-batches a step")
@@ -320,13 +349,17 @@ def main() -> None:
     p.add_argument("--demo-layers", type=int, default=10)
     p.add_argument("--demo-embd", type=int, default=768)
     p.add_argument("--budget-steps", type=int, default=3)
+    _fsdp_life.add_args(p)
+    _fsdp_train.add_args(p)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "fsdp.json"))
     args = _common.parse_args(p, {"layers": 2, "embd": 64, "heads": 2, "block_size": 16, "warmup": 1, "rounds": 1,
                                   "mem_steps": 1, "demo_layers": 2, "demo_embd": 64, "budget_steps": 1,
                                   "accum_micros": 2,
                                   # every code path once, in few process launches (the test suite's time)
-                                  "cases": ["ddp", "fsdp2", "zero3"], "parts": ["time", "budget", "accum", "ckpt", "frozen"], "frozen_cases": ["zero3"],
-                                  "budget_cases": ["zero3"]},
+                                  "cases": ["ddp", "fsdp2", "zero3"], "parts": ["time", "budget", "accum", "ckpt", "frozen", "life",
+                                                                          "train"],
+                                  "frozen_cases": ["zero3"], "budget_cases": ["zero3"], **_fsdp_life.SMOKE,
+                                  **_fsdp_train.SMOKE},
                               "fsdp.json")
     t_start = time.perf_counter()
     load_before = _common.loadavg()
@@ -382,6 +415,8 @@ def main() -> None:
                 frozen_runs[f"{c} frozen {k}"] = dict(_mem_summary(c, ranks, s), frozen_blocks=k)
                 print(f"part 6 (frozen) {c}, {k} blocks frozen: peak RSS "
                       f"{fmt_mib(frozen_runs[f'{c} frozen {k}']['peak_rss'])} MiB ({s:.1f} s)", flush=True)
+        life = _life(args, tmp) if "life" in args.parts else None
+        train = _fsdp_train.run(args, tmp) if "train" in args.parts else None
 
     # -- report ------------------------------------------------------------------------------------
     r0 = timing[0] if timing else None
@@ -503,6 +538,16 @@ def main() -> None:
         print(f"\n== checkpoints of use_zero=3 (GPT {args.layers} x {args.embd}, Adam): RSS a rank adds, per "
               f"operation its larger rank; checks {ckpt_run['checks']} ==")
         print(_fsdp_ckpt.report(ckpt_run, _common.table, fmt_mib))
+    if life:
+        print(f"\n== whole life (build on meta, load from a Hugging Face directory, {args.life_steps} steps, save): "
+              f"{life['params']:,}-parameter Llama, use_zero=3 on {args.life_nproc} ranks against one process; worst "
+              f"rank's peak RSS above its baseline / the one process's = {life['ratio']:.3f} (target <= "
+              f"{_fsdp_life.TARGET}: {'met' if life['met'] else 'NOT met'}); loss rel diff {life['loss_rel_diff']:.1e} ==")
+        print(_fsdp_life.report(life, _common.table, fmt_mib))
+    if train:
+        print(f"\n== nnscaler train, examples/trainer/hf_llama.yaml with a {train['params']:,}-parameter Llama, "
+              f"{train['nproc']} processes, {train['steps']} steps ==")
+        print(_fsdp_train.report(train, _common.table, fmt_mib))
     elapsed = time.perf_counter() - t_start
     print(f"\ntotal {elapsed:.0f} s; load average before {load_before}, after {_common.loadavg()}")
     data = {**_common.run_header(),
@@ -524,6 +569,7 @@ def main() -> None:
                                      "reduce-scatters the sum; each: every micro-batch reduce-scatters"},
             "checkpoint": ckpt_run,
             "frozen": {"blocks": n_frozen if frozen_runs else None, "runs": frozen_runs},
+            "life": life, "train": train,
             "loadavg_before": load_before, "loadavg_after": _common.loadavg(), "seconds": elapsed}
     _common.save_results(args.out, data)
 
