@@ -1,13 +1,15 @@
 """Many matrix cases per process launch (issue 45 §2, CI's sample): one `run_workers` launch per
 world size and model runs that model's cases in sequence, instead of one launch per case.
 
-Why per model, not one launch per world size: in a launch of 70 cases of every model, five float64
-MoE cases (Mixtral, Qwen3-MoE; parity when run alone) ended 2e-9 to 9e-8 off one process, past
-the 1e-9 bound, and were parity again run alone or in a launch of their model's cases only. Some
-process state that the earlier models' cases leave changes the rounding of later ones (not found
-yet: not the thread count, not the one-process reference); a launch per model keeps what a case
-inherits to its own model's earlier cases. The launches are forked from the fork server, each in
-well under a second.
+Why per model, not one launch per world size: in a first run of CI's sample as one launch per
+world size (141 cases, load average 20 to 29 on the 2 cores), five float64 MoE cases (Mixtral,
+Qwen3-MoE; parity in matrix.json) and two float64 ViT cases ended 2e-9 to 9e-8 off one process,
+past the 1e-9 bound; run alone, or in a launch of their model's cases, they were parity, and so
+was Mixtral's case again after the same 29 cases of other models in one launch (load 8 to 10). So
+what caused it is not established: it may be process state a case inherits, or timing under
+load (an order of summation that depends on it). A launch per model keeps what a case can
+inherit to its own model's earlier cases, at little cost: the launches are forked from the fork
+server, each in well under a second.
 
 On every rank, each case runs as `matrix_run._train` runs it alone (its own generated code under
 its own directory, its own model, optimizer and data), then the ranks meet at a barrier before
