@@ -2,10 +2,11 @@
 world size and model runs that model's cases in sequence, instead of one launch per case.
 
 Why per model, not one launch per world size: in a first run of CI's sample as one launch per
-world size (141 cases, load average 20 to 29 on the 2 cores), five float64 MoE cases (Mixtral,
-Qwen3-MoE; parity in matrix.json) and two float64 ViT cases ended 2e-9 to 9e-8 off one process,
-past the 1e-9 bound; run alone, or in a launch of their model's cases, they were parity, and so
-was Mixtral's case again after the same 29 cases of other models in one launch (load 8 to 10). So
+world size (141 cases, load average 20 to 29 on the 2 cores), eight float64 cases (Mixtral,
+Qwen3-MoE, gpt-oss, ViT) ended 2e-9 to 9e-8 off one process, past the 1e-9 bound, all parity in
+the full matrix's runs (a launch per case); Mixtral's and Qwen3-MoE's were parity again alone and
+in a launch of their model's cases, and Mixtral's after the same 29 cases of other models in one
+launch (load 8 to 10). So
 what caused it is not established: it may be process state a case inherits, or timing under
 load (an order of summation that depends on it). A launch per model keeps what a case can
 inherit to its own model's earlier cases, at little cost: the launches are forked from the fork
