@@ -356,8 +356,8 @@ def main() -> None:
                                   "mem_steps": 1, "demo_layers": 2, "demo_embd": 64, "budget_steps": 1,
                                   "accum_micros": 2,
                                   # every code path once, in few process launches (the test suite's time)
-                                  "cases": ["ddp", "fsdp2", "zero3"], "parts": ["time", "budget", "accum", "ckpt", "frozen", "life",
-                                                                          "train"],
+                                  "cases": ["ddp", "fsdp2", "zero3"],
+                                  "parts": ["time", "budget", "accum", "ckpt", "frozen", "life", "train"],
                                   "frozen_cases": ["zero3"], "budget_cases": ["zero3"], **_fsdp_life.SMOKE,
                                   **_fsdp_train.SMOKE},
                               "fsdp.json")
