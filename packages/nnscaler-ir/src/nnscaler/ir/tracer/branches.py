@@ -102,7 +102,13 @@ def branch_refs(graph: IRGraph) -> set:
 
 def keep_traced_branch(graph: IRGraph) -> None:
     """Undo the merges: keep the ops and arguments of the traced branch (the decision becomes a
-    guard again), as ``trace(..., both_branches=False)`` would have traced it."""
+    guard again), as ``trace(..., both_branches=False)`` would have traced it. A graph a policy has
+    placed is refused: an op's input placements count both branches' arguments."""
+    placed = next((n for n in graph.nodes if n.branch_args and n.pieces), None)
+    if placed is not None:  # dropping a branch argument would leave its placement behind
+        raise ValueError(f"keep_traced_branch runs before the policy: op {placed.describe()} already has the "
+                         f"placements of its inputs, both branches' arguments included; call it on the traced "
+                         f"graph, then apply the policy")
     guards = {n.id: n for n in graph.nodes if is_guard(n)}
     kept = []
     for node in graph.nodes:
