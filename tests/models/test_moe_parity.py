@@ -14,7 +14,8 @@ within 1e-10 of single-process training on the global batch.
 - DeepSeek-V3 (sigmoid scores, group-limited top-2 with ``e_score_correction_bias``, a shared
   expert, latent attention) and gpt-oss (attention sinks, biased transposed experts, clamped
   SwiGLU) under ``ep`` 2 and ``ep`` 4 (DeepSeek-V3 under ``tp`` 2 and an interleaved pipeline of 4
-  stages on 2 ranks too: no stage starts inside its attention's in-place key fill): DeepSeek-V3's
+  stages on 2 ranks too: no stage starts inside its attention's in-place key fill; and under pp 2 x
+  ep 2 and ``hybrid`` pp 2 x 2 on 4 ranks, whose SDPA mask is a both-branch argument): DeepSeek-V3's
   groups keep each token on one half of the experts, so under ``ep`` 2 a rank's experts often
   receive no row (it hung before the fix).
 - ``dp`` and ``tp`` on the same models: the experts op splits along the tokens under tp (held to
@@ -53,7 +54,13 @@ EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
            dict(mp.plan("d-ep2-dp2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE),
            dict(mp.plan("ep2-dp2-zero3", "ep", 2, use_zero=3), model="qwen2_moe"),
            dict(mp.plan("pp2-ep2", "ep", 4, use_end2end=True,
-                        pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}), model="mixtral")]
+                        pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}), model="mixtral"),
+           # DeepSeek-V3's SDPA mask is a both-branch argument (a tensor or None): placed and generated alike
+           dict(mp.plan("d-pp2-ep2", "ep", 4, use_end2end=True,
+                        pas_config={"pp_size": 2, "pipeline_nmicros": mp.NMICROS}), model="deepseek_v3"),
+           dict(mp.plan("d-hybrid", "hybrid", 4, use_end2end=True,
+                        pas_config={"pp_size": 2, "pipeline_nstages": 2, "pipeline_pivots": "DeepseekV3DecoderLayer",
+                                    "pipeline_nmicros": mp.NMICROS}), model="deepseek_v3")]
 
 
 def _expert_shapes(results, label):
@@ -83,7 +90,12 @@ def test_moe_ep2(tmp_path):
 def test_moe_ep2_dp2(tmp_path):
     results = run_workers(mp.run_plans, 4, EP2_DP2, str(tmp_path / "gen"), timeout=400)
     # per replica (dp) or per micro-batch (the pipeline): the load-balancing loss of each half batch
-    _check(results, EP2_DP2, halves_for=("ep2-dp2", "ep2-dp2-zero3", "pp2-ep2", "d-ep2-dp2-balanced"))
+    _check(results, EP2_DP2, halves_for=("ep2-dp2", "ep2-dp2-zero3", "pp2-ep2", "d-ep2-dp2-balanced",
+                                           "d-pp2-ep2", "d-hybrid"))
     for label, n in (("ep2-dp2", 2), ("pp2-ep2", 2), ("d-ep4", 4), ("g-ep4", 4)):  # rank 0's share of every expert weight
         shapes = _expert_shapes(results, label)
         assert shapes and all(local[0] * n == full[0] for full, local in shapes.values()), (label, shapes)
+    # DeepSeek-V3's one MoE layer is in the second stage (ranks 2, 3): each holds half its experts
+    shapes = [(tuple(shape), tuple(value.shape)) for r in (2, 3) for name, shape, _, value in results[r]["d-pp2-ep2"][1]
+              if ".experts." in name]
+    assert shapes and all(local[0] * 2 == full[0] for full, local in shapes), shapes
