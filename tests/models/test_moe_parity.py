@@ -96,6 +96,6 @@ def test_moe_ep2_dp2(tmp_path):
         shapes = _expert_shapes(results, label)
         assert shapes and all(local[0] * n == full[0] for full, local in shapes.values()), (label, shapes)
     # DeepSeek-V3's one MoE layer is in the second stage (ranks 2, 3): each holds half its experts
-    shapes = [(tuple(shape), tuple(value.shape)) for r in (2, 3) for name, shape, _, value in results[r]["d-pp2-ep2"][1]
-              if ".experts." in name]
+    shapes = [(tuple(shape), tuple(value.shape)) for r in (2, 3)
+              for name, shape, _, value in results[r]["d-pp2-ep2"][1] if ".experts." in name]
     assert shapes and all(local[0] * 2 == full[0] for full, local in shapes), shapes
