@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import nnscaler.ckpt as ckpt
 from nnscaler.runtime import PrecisionPlugin, RankGrid
+from nnscaler.runtime.driver.meta_init import has_meta_tensors
 
 from . import setup as build
 from .checkpoints import CheckpointManager
@@ -80,8 +81,12 @@ class RunSetup:
             self.model = original
         else:
             weights = original.weights_to_load if isinstance(original, MetaBuilt) else None
-            self.model = build.parallelize_model(args, original, build.dummy_batch(args, self.train_dataset), True,
-                                                 init_module_params=weights is None)
+            replay = weights is None and has_meta_tensors(original)  # initialized on the ranks from the seed
+            with torch.random.fork_rng(devices=[], enabled=replay):  # the dummy loader draws a seed: not before the init
+                dummy = build.dummy_batch(args, self.train_dataset)
+            self.model = build.parallelize_model(args, original, dummy, True, init_module_params=weights is None)
+            if replay:  # the generator where the CPU build leaves it: past the init, then the dummy loader's draw
+                build.dummy_batch(args, self.train_dataset)
             if weights is not None:  # built on meta: each rank reads only the regions it holds
                 ckpt.load(weights, self.model)
             self.model = self.precision.setup_module(self.model)

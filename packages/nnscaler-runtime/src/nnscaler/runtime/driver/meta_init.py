@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 
-__all__ = ["has_meta_tensors", "check_initializable", "fill_from_init", "write_full"]
+__all__ = ["has_meta_tensors", "check_initializable", "fill_from_init", "initial_values", "write_full"]
 
 
 def has_meta_tensors(module: torch.nn.Module) -> bool:
@@ -128,6 +128,14 @@ def fill_from_init(pm, root: torch.nn.Module, rng_state: torch.Tensor, buffers_o
     canonical = {e.full_name for e in pm.fullmap.values()}  # a tied tensor takes its first name's value
     if not buffers_only:
         torch.set_rng_state(_rank0_rng_state(rng_state))
+    for values in initial_values(root, buffers_only):
+        write_full(pm, {n: t for n, t in values.items() if n in canonical})
+
+
+def initial_values(root: torch.nn.Module, buffers_only: bool = False) -> Iterator[Dict[str, torch.Tensor]]:
+    """`root`'s meta tensors' initial values, one module's own at a time ({full name: CPU tensor},
+    valid until the next one), drawn from torch's generator as it is now, in the order building
+    `root` on the CPU draws them. `fill_from_init` writes them into a ParallelModule."""
     for path, m, owner in _steps(root):
         names = _own_meta(m, buffers_only)
         if not names:  # nothing of it on the meta device (a real tensor of the user's is left alone)
@@ -137,8 +145,7 @@ def fill_from_init(pm, root: torch.nn.Module, rng_state: torch.Tensor, buffers_o
                 m.reset_parameters()
             else:
                 owner._init_weights(m)
-            values = {f"{path}.{n}" if path else n: t for n, t in made.items()}
-            write_full(pm, {n: t for n, t in values.items() if n in canonical})
+            yield {f"{path}.{n}" if path else n: t for n, t in made.items()}
 
 
 def write_full(pm, values: Dict[str, torch.Tensor]) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import tempfile
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -37,12 +38,14 @@ from nnscaler.ckpt import HF_EXTRA_KEY, HFRecord, is_hf_directory
 
 from ..errors import TrainerConfigError
 from ..hooks import TrainHook
-from ..meta_build import MetaBuilt
+from ..meta_build import MetaBuilt, cpu_init_needed
 from ..moe import MoEModel
 from .config_keys import check_train_only_randomness, warn_unread_config_keys
 from .packed import check_cu_seqlens, cu_seqlens_of, position_ids_from_cu_seqlens
 from .plan_checks import (Experts, _check_cp, _check_ep, _model_args, attention_dropouts, check_experts, cp_size,
                           experts_of, import_transformers)
+
+_logger = logging.getLogger(__name__)
 
 __all__ = ["CausalLM", "Experts", "attention_dropouts", "cp_size", "experts_of", "import_transformers",
            "load_hf_config", "tokenizer_files"]
@@ -216,6 +219,15 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
                     from_pretrained, config=hf_config, dtype=torch_dtype, **kwargs)
             except (OSError, ValueError) as e:
                 raise TrainerConfigError(key, f"transformers cannot load {from_pretrained!r}: {e}") from None
+        elif on_meta:  # initialized on each rank after parallelize (runtime/driver/meta_init.py)
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, **kwargs)
+            why = cpu_init_needed(model, torch_dtype)
+            if why is not None:  # replaying its initialisation on the ranks would give other values
+                _logger.warning("nnscaler: building %s on the CPU of every rank, not on the meta device: %s",
+                                type(model).__name__, why)
+                with torch.device("cpu"):
+                    model = transformers.AutoModelForCausalLM.from_config(hf_config, **kwargs)
+            self.model = model.to(torch_dtype)
         else:
             self.model = transformers.AutoModelForCausalLM.from_config(hf_config, **kwargs).to(torch_dtype)
         recorded["architectures"] = [type(self.model).__name__]
@@ -233,11 +245,13 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
 
     @classmethod
     def builds_on_meta(cls, args) -> bool:
-        """With pretrained weights, under a plan that shards parameters (tensor or pipeline
-        parallel, ``use_zero: 3``) of the whole model: build on meta, load each rank's shards."""
+        """Under a plan that shards parameters (tensor or pipeline parallel, ``use_zero: 3``) of the
+        whole model: build on meta, then each rank loads its shards of `pretrained`, or without it
+        initializes them (the CPU build's values; not with ``tracing_from_weights``)."""
         margs = _model_args(args)
         cc = args.compute_config
-        return (margs.get("pretrained") or margs.get("from_pretrained")) is not None and \
+        pretrained = (margs.get("pretrained") or margs.get("from_pretrained")) is not None
+        return (pretrained or args.tracing_from_weights is None) and \
             not args.uses_parallel_modules and (cc.plan_ngpus > 1 or cc.zero_stage == 3)
 
     @classmethod
