@@ -14,6 +14,7 @@ prefetch used, nothing gathered or in flight after backward.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from parity import assemble_full
 from test_module import LR as UNIT_LR, MLP as UnitMLP, batch as unit_batch, gen_class, initial_state, local_name
 from test_zero import GLOBAL_BATCH, GPT_CFG, LR, STEPS, TOL, CLIP, _assemble_state, _batch, _make, _tensors, reference
 from nnscaler.ir import ComputeConfig
-from nnscaler.runtime.errors import ConfigError
+from nnscaler.runtime.errors import ConfigError, NnScalerError
 from nnscaler.runtime.optimizer import build_optimizer
 
 
@@ -195,6 +196,10 @@ def test_errors():
     container = _Two(gen_class(use_zero=3)(), torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match=r"trainable parameters outside its parallelized modules \(b.weight, b.bias\)"):
         build_optimizer(container, torch.optim.Adam)
+    pm = gen_class(use_zero=3)()  # higher-order gradients: the saved tensors have no history under use_zero=3
+    loss = pm(**unit_batch(0))
+    with pytest.raises(NnScalerError, match=r"create_graph=True.*use_zero=3.*use_zero=0 or 1"):
+        torch.autograd.grad(loss, [u.shard for u in pm.fully_sharded.units], create_graph=True)
 
 
 # -- multi-process parity ---------------------------------------------------------------------------
@@ -410,15 +415,27 @@ def gather_limits(rank, world, gen_dir):
                 reads += [getattr(pm, local[n]).norm().item() for n in READS[1:]]  # after the step
                 left.append(engine._inflight is not None or any(u.full is not None for u in engine.units))
                 losses.append(loss.item())
+            held = []  # forwards with gradients enabled and no backward (a loss discarded): nothing stays
+            for _ in range(4):
+                pm(**batch)
+                held.append(_held_bytes())
+            left.append(engine._inflight is not None or any(u.full is not None for u in engine.units))
             blocks = [u.numel for u in engine.units if u.name.startswith("h.")]
             others = [u.numel for u in engine.units if not u.is_root]  # the blocks, and units beside them
             root = sum(u.numel for u in engine.units if u.is_root)
             with pm.unsharded():
                 params = {n: p.detach().clone() for n, p in pm.named_parameters()}
-            out[label] = dict(stats=dict(vars(engine.stats)), left=left, losses=losses, reads=reads, params=params,
+            out[label] = dict(stats=dict(vars(engine.stats)), left=left, held=held, losses=losses, reads=reads, params=params,
                               limit=root + 2 * max(others), nblocks=len(blocks),
                               code=open(__import__("sys").modules[type(pm).__module__].__file__).read())
     return out
+
+
+def _held_bytes() -> int:
+    """Bytes of the storages of every tensor Python can reach (after a collection)."""
+    gc.collect()
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
+                if issubclass(type(t), torch.Tensor) and not t.is_meta}.values())
 
 
 def _check_gather_limits(results):
@@ -447,6 +464,8 @@ def _check_gather_limits(results):
             assert stats["reads"] == 3 * LIMIT_STEPS, (label, stats)
             # the position embedding (a one-tensor unit) is reduce-scattered from its gradient itself
             assert stats["unstaged"] == LIMIT_STEPS, (label, stats)
+            # forwards without backward leave nothing held: the same tensors after each (no graph kept)
+            assert len(set(out["held"])) == 1, (label, out["held"])
 
 
 def run_cases(rank, world, gen_dir):

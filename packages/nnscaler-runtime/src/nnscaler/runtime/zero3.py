@@ -26,7 +26,9 @@ autograd function `_GatherUnit`) and returns the gathered tensor; entering a rep
 every other block and starts the all-gather of the block the first forward used after it
 (prefetch: it runs while this block computes), and the end of forward frees all. The gathered
 tensors that autograd saves for backward are stored as references to the unit (saved-tensor
-hooks), not as tensors, so freeing really frees them. Outside forward and backward, a read is a
+hooks), not as tensors, so freeing really frees them; every other saved tensor with a history as a
+detached alias (no cycle keeps the graph of a forward no backward follows; hence no
+``create_graph=True`` backward). Outside forward and backward, a read is a
 fresh all-gather nothing keeps (the current value; no stale unit for a later forward).
 
 Backward. A freed block is gathered again when backward first unpacks one of its tensors, or when
@@ -161,6 +163,10 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            from nnscaler.ir import NnScalerError
+            raise NnScalerError("backward(create_graph=True) (higher-order gradients) through a use_zero=3 module is "
+                                "not supported: its saved tensors are kept without their history; use use_zero=0 or 1")
         return ctx.engine._reduce(ctx.unit, grads), None, None, None
 
 
@@ -440,11 +446,15 @@ class FullyShardedParams(Pausable):
         st.max_gathered_blocks = max(st.max_gathered_blocks, len(blocks))
 
     def _pack(self, t: torch.Tensor):
-        if not self._live or not isinstance(t, torch.Tensor) or t.is_meta:
+        """A gathered tensor as a `_Saved` reference; any other tensor with a history as a detached alias:
+        a hook's packed object is held strongly by its node, so an op's output saved as itself (exp,
+        softmax, ...) would be a cycle through C++ (tensor -> node -> tensor) that no collector breaks,
+        keeping the whole graph of a forward no backward ever runs (a forward not under no_grad)."""
+        if not isinstance(t, torch.Tensor) or t.is_meta:
             return t
-        u = self._live.get(t.untyped_storage().data_ptr())
+        u = self._live.get(t.untyped_storage().data_ptr()) if self._live else None
         if u is None:
-            return t
+            return t.detach() if t.grad_fn is not None else t
         return _Saved(u, t.size(), t.stride(), t.storage_offset())
 
     def _unpack(self, saved):
