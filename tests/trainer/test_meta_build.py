@@ -40,6 +40,12 @@ def test_the_trainer_builds_on_meta_when_the_plan_shards_parameters(tmp_path, pl
     assert builds_on_meta(CausalLM, args) is want
 
 
+def test_a_mixture_of_experts_without_pretrained_is_built_on_the_cpu():
+    # transformers' router counts run histc in int32 on meta, which the CPU cannot: not traced on meta
+    args = example_args("hf_moe.yaml", "--compute_config.runtime_ngpus", "2", "--compute_config.use_zero", "3")
+    assert builds_on_meta(CausalLM, args) is False
+
+
 def _initial(config, dtype=torch.float32):
     """(the CPU build's state, `cpu_init_needed` of the meta build, the values replayed into it cast to
     `dtype`) from seed 3."""
