@@ -28,6 +28,21 @@ def train_steps(pm, opt, batch_fn, *, steps, global_batch, dp_rank, dp, end2end=
     return losses
 
 
+def one_process_adam(model, batch_fn, *, steps, lr):
+    """The one-process reference: `steps` Adam steps of `model` on `batch_fn(step)` (its trainable
+    parameters); returns (losses, every parameter's value after the last step)."""
+    import torch
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(**batch_fn(step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def assemble_full(shards, label):
     """Full tensors from `shards`: an iterable of (rank, [(full name, full shape, slices, value), ...]).
     Every element must be held by some rank (checked by the caller through NaNs) and ranks holding

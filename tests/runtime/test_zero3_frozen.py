@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from launch import run_workers
+from parity import one_process_adam
 
 _MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 if _MODELS not in sys.path:  # tests/models' Hugging Face builders (here and in the workers)
@@ -60,16 +61,7 @@ def _batch(step: int):
 
 def reference(kind: str):
     """One process: (losses, parameters after STEPS steps)."""
-    model = _model(kind)
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = model(**_batch(step))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return one_process_adam(_model(kind), _batch, steps=STEPS, lr=LR)
 
 
 def _case(rank, world, gen_dir, kind, zero):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from launch import run_workers
+from parity import one_process_adam
 
 _MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 if _MODELS not in sys.path:  # tests/models' Hugging Face builders (here and in the workers)
@@ -45,16 +46,7 @@ def _batch(step: int, n: int = GLOBAL_BATCH):
 def reference():
     """One process: (losses, parameters after STEPS steps)."""
     import hf_models
-    model = hf_models.make("llama64")
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = model(**_batch(step))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return one_process_adam(hf_models.make("llama64"), _batch, steps=STEPS, lr=LR)
 
 
 def _case(rank, gen_dir, label, pas):
