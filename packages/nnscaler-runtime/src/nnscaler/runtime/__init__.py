@@ -29,6 +29,7 @@ from .optimizer_state import ModuleState, OptimizerState, module_state, optimize
 from .zero3 import FullyShardedParams  # use_zero=3 (pm.fully_sharded)
 from .offload import OffloadedOptimizer, offload_optimizer, step_gradients  # optimizer state on another device
 from .driver.parallelize import load_generated_class, parallelize
+from .driver.meta_init import has_meta_tensors
 from .driver.plan_report import PlanWarning
 from .driver.model_sources import SourceChangedWarning  # reuse='match' of code from an edited model
 from .precision import (GradScaler, MixedPrecisionOptimizer, PrecisionConfig, PrecisionPlugin, apply_precision,
@@ -42,7 +43,7 @@ __all__ = [
     "parse_precision", "with_master_weights",
     "ZeroShardLayout", "comm", "ConfigError", "GenerationError", "GuardError", "guards", "NnScalerError", "ParallelModule", "PlanMismatchError", "RankGrid",
     "Reducer", "ReuseError", "ReuseType", "build_optimizer", "default_backend", "default_device",
-    "load_generated_class", "parallelize", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm", "moe", "ring_attention", "sequence_loss", "failures",
+    "load_generated_class", "parallelize", "has_meta_tensors", "sync_grad_when", "PlanWarning", "SourceChangedWarning", "sync_batchnorm", "moe", "ring_attention", "sequence_loss", "failures",
     "PeerFailedError", "StepRefusedError", "CollectiveTimeoutError", "ForwardArgumentError",
     "OffloadedOptimizer", "offload_optimizer", "step_gradients",
     "plain_trainables", "OptimizerState", "ModuleState", "optimizer_state", "module_state", "FullyShardedParams",

@@ -10,8 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 import nnscaler.ckpt as ckpt
-from nnscaler.runtime import PrecisionPlugin, RankGrid
-from nnscaler.runtime.driver.meta_init import has_meta_tensors
+from nnscaler.runtime import PrecisionPlugin, RankGrid, has_meta_tensors
 
 from . import setup as build
 from .checkpoints import CheckpointManager
