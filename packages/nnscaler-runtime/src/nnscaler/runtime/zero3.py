@@ -173,8 +173,11 @@ class _GatherUnit(torch.autograd.Function):
 def _sole(t: torch.Tensor) -> bool:
     """Whether nothing but this tensor holds `t` and its storage (another node's gradient may be the same
     tensor: an add's backward hands one gradient to both inputs), so it may be overwritten."""
+    use_count, storage_use_count = getattr(t, "_use_count", None), getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or storage_use_count is None:  # private torch API gone: copy, which is always safe
+        return False
     storage = t.untyped_storage()  # the storage object made here holds it once more
-    return t._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2
+    return use_count() == 1 and storage_use_count(storage._cdata) == 2
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
