@@ -42,8 +42,8 @@ and the optimizer's `sync_grads` before the step, drop everything gathered or in
 every gradient of a unit's gathered tensors is known, `_GatherUnit.backward`
 reduce-scatters them in the zero group (pre-divided by the data-parallel size, then summed: the
 mean over replicas; plus an all-reduce over the cross group when ``zero_ngroups > 1``), and the
-shard's gradient accumulates the result; the unit is freed (a one-tensor unit without padding, a
-head: its gradient reduce-scattered itself, no send copy; `_reduce_scatter_alone`). Inside ``no_sync()`` (gradient
+shard's gradient accumulates the result; the unit is freed (a one-tensor unit, an embedding or a head:
+its gradient reduce-scattered in chunks, a send copy of an eighth of it at most; `_reduce_scatter_alone`). Inside ``no_sync()`` (gradient
 accumulation) the unit's full gradients are kept, summed, until the next synchronising backward
 reduce-scatters them with its own (FSDP's ``no_sync``: one reduction per step, full-size
 gradient buffers for the units meanwhile). A plain loop without ``no_sync`` reduce-scatters each
@@ -90,7 +90,7 @@ class Zero3Stats:
     prefetched: int = 0  # of which started early, while the previous block computed
     backward_gathers: int = 0  # of which in backward (a unit freed after forward, gathered again)
     reduce_scatters: int = 0  # unit gradient reductions
-    unstaged: int = 0  # of which from the gradient itself, no send copy (a one-tensor unit: `_reduce_scatter_alone`)
+    max_send_numel: int = 0  # the largest reduce-scatter send buffer of a one-tensor unit (`_reduce_scatter_alone`)
     max_gathered_numel: int = 0  # the most elements gathered at once (all units; not in unsharded())
     max_gathered_blocks: int = 0  # the most repeated blocks gathered or in flight at once (not the root)
     dropped: int = 0  # prefetches waited for but not used (a block other than the predicted one came next)
@@ -170,14 +170,16 @@ class _GatherUnit(torch.autograd.Function):
         return ctx.engine._reduce(ctx.unit, grads), None, None, None
 
 
-def _sole(t: torch.Tensor) -> bool:
-    """Whether nothing but this tensor holds `t` and its storage (another node's gradient may be the same
-    tensor: an add's backward hands one gradient to both inputs), so it may be overwritten."""
-    use_count, storage_use_count = getattr(t, "_use_count", None), getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None or storage_use_count is None:  # private torch API gone: copy, which is always safe
-        return False
-    storage = t.untyped_storage()  # the storage object made here holds it once more
-    return use_count() == 1 and storage_use_count(storage._cdata) == 2
+def _column_chunks(z: int, width: int) -> List[Tuple[int, int]]:
+    """The column ranges a one-tensor unit's gradient is reduce-scattered in: by the layout alone (the
+    same calls on every rank), at most `_MAX_CHUNKS`, none under `_MIN_CHUNK_NUMEL` elements (z rows)."""
+    n = max(1, min(_MAX_CHUNKS, (z * width) // _MIN_CHUNK_NUMEL))
+    step = -(-width // n)
+    return [(c0, min(c0 + step, width)) for c0 in range(0, width, step)]
+
+
+_MAX_CHUNKS = 8
+_MIN_CHUNK_NUMEL = 1 << 20
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -488,7 +490,7 @@ class FullyShardedParams(Pausable):
         sync = self._pass.enter()  # decided once per backward pass, as the Reducer's (grad_ready.py)
         if not u.trainable:
             return None
-        if sync and u.pending is None and len(u.params) == 1 and u.numel == u.padded:
+        if sync and u.pending is None and len(u.params) == 1:
             return self._reduce_scatter_alone(u, grads[0])
         send = self._accumulate(u, grads)
         if not sync:
@@ -497,24 +499,27 @@ class FullyShardedParams(Pausable):
         return self._reduce_scatter(u, send)
 
     def _reduce_scatter_alone(self, u: ShardUnit, grad: Optional[torch.Tensor]) -> torch.Tensor:
-        """A one-tensor unit without padding (an output head): its gradient, already in the rows' layout,
-        is reduce-scattered itself (overwritten: gloo's fallback all-reduces it in place) when nothing else
-        holds it, with no send copy beside it (one gradient's size less at the head's backward); its
-        "has a gradient" flag goes in a one-element reduction of its own. The same collectives on every
-        rank (the choice is by the unit's layout; a gradient the rank cannot overwrite is copied first)."""
+        """A one-tensor unit (an embedding, an output head): its gradient is reduce-scattered in column
+        chunks (`_column_chunks`, each rank's shard a column range of the rows' layout), each copied
+        into a send buffer of its own, so the send copy beside the full gradient is at most an eighth
+        of it (FSDP2 copies it whole); its "has a gradient" flag goes in a one-element reduction of
+        its own. The same collectives on every rank (the chunks are the unit's layout's)."""
         z, width, dtype = self.groups.size, u.shard_numel, u.precision.reduce_in(u.dtype)
-        if grad is not None and grad.dtype == dtype and grad.is_contiguous() and _sole(grad):
-            send = grad.view(z, width)  # autograd's buffer, handed to this unit only: no copy
-            self.stats.unstaged += 1
-        else:
-            send = torch.zeros(z, width, dtype=dtype, device=u.device)
-            if grad is not None:
-                send.view(-1).copy_(grad.reshape(-1))
-        flag = torch.full((z, 1), float(grad is not None), dtype=dtype, device=u.device)
-        out = reduce_rows(send, self.groups, label="zero3_reduce_scatter",
-                          what="the fully sharded gradient reduce-scatter")
-        del send
+        flat = None if grad is None else grad.reshape(-1)
+        out = torch.empty(width, dtype=dtype, device=u.device)
+        for c0, c1 in _column_chunks(z, width):
+            send = torch.zeros(z, c1 - c0, dtype=dtype, device=u.device)
+            if flat is not None:
+                for row in range(z):  # the padding past the unit's elements stays zero
+                    lo, hi = row * width + c0, min(row * width + c1, u.numel)
+                    if hi > lo:
+                        send[row, :hi - lo].copy_(flat[lo:hi])
+            self.stats.max_send_numel = max(self.stats.max_send_numel, send.numel())
+            out[c0:c1] = reduce_rows(send, self.groups, label="zero3_reduce_scatter",
+                                     what="the fully sharded gradient reduce-scatter")
+            del send
         self.stats.reduce_scatters += 1
+        flag = torch.full((z, 1), float(grad is not None), dtype=dtype, device=u.device)
         u.used |= reduce_rows(flag, self.groups, label="zero3_reduce_scatter",  # the same bytes in two calls
                               what="the fully sharded gradient flags' reduction") > 0
         return out.to(u.dtype)
