@@ -261,7 +261,7 @@ class FullyShardedParams(Pausable):
         shards afterwards (runtime/driver/meta_init.py, nnscaler.ckpt.load)."""
         if self.sharded:
             return
-        i, size = self.groups.group_index, self.groups.size
+        i = self.groups.group_index
         with torch.no_grad():
             for u in self.units:
                 if u.params[0].is_meta:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
