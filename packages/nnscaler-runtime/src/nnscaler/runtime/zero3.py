@@ -43,7 +43,7 @@ every gradient of a unit's gathered tensors is known, `_GatherUnit.backward`
 reduce-scatters them in the zero group (pre-divided by the data-parallel size, then summed: the
 mean over replicas; plus an all-reduce over the cross group when ``zero_ngroups > 1``), and the
 shard's gradient accumulates the result; the unit is freed (a one-tensor unit, an embedding or a head:
-its gradient reduce-scattered in chunks, a send copy of an eighth of it at most; `_reduce_scatter_alone`). Inside ``no_sync()`` (gradient
+its gradient reduce-scattered in chunks, a send copy of a sixteenth of it at most; `_reduce_scatter_alone`). Inside ``no_sync()`` (gradient
 accumulation) the unit's full gradients are kept, summed, until the next synchronising backward
 reduce-scatters them with its own (FSDP's ``no_sync``: one reduction per step, full-size
 gradient buffers for the units meanwhile). A plain loop without ``no_sync`` reduce-scatters each
@@ -178,7 +178,7 @@ def _column_chunks(z: int, width: int) -> List[Tuple[int, int]]:
     return [(c0, min(c0 + step, width)) for c0 in range(0, width, step)]
 
 
-_MAX_CHUNKS = 8
+_MAX_CHUNKS = 16
 _MIN_CHUNK_NUMEL = 1 << 20
 
 
@@ -501,7 +501,7 @@ class FullyShardedParams(Pausable):
     def _reduce_scatter_alone(self, u: ShardUnit, grad: Optional[torch.Tensor]) -> torch.Tensor:
         """A one-tensor unit (an embedding, an output head): its gradient is reduce-scattered in column
         chunks (`_column_chunks`, each rank's shard a column range of the rows' layout), each copied
-        into a send buffer of its own, so the send copy beside the full gradient is at most an eighth
+        into a send buffer of its own, so the send copy beside the full gradient is at most a sixteenth
         of it (FSDP2 copies it whole); its "has a gradient" flag goes in a one-element reduction of
         its own. The same collectives on every rank (the chunks are the unit's layout's)."""
         z, width, dtype = self.groups.size, u.shard_numel, u.precision.reduce_in(u.dtype)
