@@ -31,8 +31,10 @@ GenerationError, PlanError; the reason is listed), ❌ a failure found (a crash,
 full record with the ranks' stacks is in matrix.json), · not run yet. The options each cell ran
 with (precision, batch, dropout, user action, zero_ngroups) are chosen by a seeded pairwise
 covering design: see `tools/matrix_cases.py` and [tools/matrix.py](#running-it). "Llama" is HF
-Llama with RMSNorm in the input's dtype; the vision model is transformers' ViT (timm could not be
-installed here: its torchvision dependency replaces the CPU torch).
+Llama with RMSNorm in the input's dtype; the vision model is transformers' ViT: timm
+imports torchvision, and the only torchvision for torch 2.13 this machine's package index has
+(0.28.0) is a CUDA build, which fails to import beside the CPU torch (`operator torchvision::nms
+does not exist`).
 
 For the MoE models with an auxiliary load-balancing loss (Mixtral, Qwen3-MoE, gpt-oss) the
 one-process reference takes that loss per data-parallel replica and micro-batch, the documented

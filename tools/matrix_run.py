@@ -23,8 +23,9 @@ gpt-oss) the reference takes that loss per data-parallel replica's micro-batch a
 `_per_replica_loss`.
 
 The model "llama" is HF Llama with RMSNorm in the input's dtype (`hf_models.llama64`: HF computes
-it in float32 whatever the model's dtype); the vision model is transformers' ViT (timm is not
-installed: its torchvision dependency would replace this machine's CPU torch).
+it in float32 whatever the model's dtype); the vision model is transformers' ViT (timm imports
+torchvision, whose only build for torch 2.13 here is a CUDA one that fails to import beside the CPU
+torch).
 """
 from __future__ import annotations
 
