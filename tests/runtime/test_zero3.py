@@ -479,9 +479,66 @@ def _check_gather_limits(results):
             assert len(set(out["held"])) == 1, (label, out["held"])
 
 
+HEAD_CFG = dict(GPT_CFG, vocab_size=512)  # an untied head (512 x 16) larger than a block (about 3.2K)
+
+
+def _untied_gpt():
+    from gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**HEAD_CFG))
+    model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
+    return model
+
+
+def untied_head(rank, world, gen_dir):
+    """The GPT with an untied head larger than a block over dp 2 (float64): the losses and the gather
+    statistics (the block before the head is gathered once the head's gradient is reduced)."""
+    from gpt import GPTConfig, random_batch
+    from nnscaler import parallelize
+    cfg, per = GPTConfig(**HEAD_CFG), GLOBAL_BATCH // world
+    with float64():
+        pm = parallelize(_untied_gpt(), random_batch(0, per, cfg), "dp", ComputeConfig(1, world, trace_strategy="cpu",
+                         use_zero=3), gen_savedir=gen_dir, instance_name="untied_head")
+        opt, losses = build_optimizer(pm, torch.optim.Adam, lr=LR), []
+        for step in range(LIMIT_STEPS):
+            batch = {k: v[rank * per:(rank + 1) * per] for k, v in random_batch(step, GLOBAL_BATCH, cfg).items()}
+            opt.zero_grad()
+            loss = pm(**batch)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        units = {u.name: u.numel for u in pm.fully_sharded.units}
+    return dict(losses=losses, units=units, stats=dict(vars(pm.fully_sharded.stats)))
+
+
+def _check_untied_head(results):
+    from gpt import GPTConfig, random_batch
+    cfg = GPTConfig(**HEAD_CFG)
+    with float64():
+        model = _untied_gpt()
+        opt, want = torch.optim.Adam(model.parameters(), lr=LR), []
+        for step in range(LIMIT_STEPS):
+            opt.zero_grad()
+            loss = model(**random_batch(step, GLOBAL_BATCH, cfg))
+            loss.backward()
+            opt.step()
+            want.append(loss.item())
+    got = [sum(r["untied_head"]["losses"][s] for r in results) / len(results) for s in range(LIMIT_STEPS)]
+    assert got == pytest.approx(want, rel=1e-10, abs=0)
+    for r in results:
+        units, stats = r["untied_head"]["units"], r["untied_head"]["stats"]
+        block, head, root = units["h.1"], units["lm_head"], units[""]
+        assert head > block
+        # in backward never the head and a block at once: the block before the head is prefetched after the
+        # head's reduction (in forward the head is prefetched while the last block computes)
+        assert stats["max_backward_gathered_numel"] <= root + max(head, 2 * block), (units, stats)
+        assert stats["dropped"] == 0 and stats["prefetched"] >= LIMIT_STEPS, stats
+
+
 def run_cases(rank, world, gen_dir):
     out = {name: train(rank, world, name, gen_dir) for name in CASES[world]}
     if world == 2:
+        out["untied_head"] = untied_head(rank, world, gen_dir)
         out["limits"] = gather_limits(rank, world, gen_dir)
         out["masters"] = train_masters(rank, world)
         out["async"] = async_round_trip(rank, world, gen_dir)
@@ -533,6 +590,7 @@ def test_zero3_parity(world, tmp_path):
         _check(world, results)
     if world == 2:
         _check_gather_limits([r["limits"] for r in results])
+        _check_untied_head(results)
         assert [r["async"] for r in results] == [True, True]  # async_save of use_zero=3, loaded into ZeRO-1
         with float64():
             ref_losses, ref_norms, _, _ = reference("gpt", True)

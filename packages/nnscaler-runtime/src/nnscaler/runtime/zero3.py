@@ -96,6 +96,7 @@ class Zero3Stats:
     dropped: int = 0  # prefetches waited for but not used (a block other than the predicted one came next)
     reads: int = 0  # of which for a parameter read outside forward and backward (kept by nothing)
     max_gathered_bytes: int = 0  # the most bytes gathered at once (in the units' gather dtype: param_dtype)
+    max_backward_gathered_numel: int = 0  # the most elements gathered or in flight at once inside backward
 
 
 class ShardUnit:
@@ -235,6 +236,7 @@ class FullyShardedParams(Pausable):
         self._prev: Dict[int, ShardUnit] = {}  # id(block) -> the block forward used before it
         self._edges = set(edges)  # units backward does not prefetch (contracts.root_modules: embeddings, head)
         self._keep = set(keep)  # units kept gathered from forward to their backward (reshard_after_forward=False)
+        self._deferred: Optional[Tuple[ShardUnit, ShardUnit]] = None  # (unit, the prefetch its reduction starts)
         # the units resharded to a smaller group after forward (reshard_after_forward=k): their parts, `stats`
         self.smaller = smaller if smaller is not None else SmallerReshard({}, {})
         self._inflight: Optional[Tuple[ShardUnit, object, torch.Tensor]] = None  # a prefetch
@@ -320,7 +322,7 @@ class FullyShardedParams(Pausable):
             u.views = dict(zip(u.local_names, _GatherUnit.apply(u.shard, self, u)))
             self.stats.backward_gathers += backward
             if not u.is_root:
-                self._prefetch(self._before(u) if backward else self._next.get(id(u)))
+                self._prefetch_in_backward(u) if backward else self._prefetch(self._next.get(id(u)))
         return u.views[name]
 
     def _enter(self, u: ShardUnit) -> None:
@@ -347,6 +349,17 @@ class FullyShardedParams(Pausable):
         if started is not None:
             self._inflight = (u, *started)
             self._count()
+
+    def _prefetch_in_backward(self, u: ShardUnit) -> None:
+        """Start gathering the block before `u` (backward runs it next) now, or, when `u` is larger than
+        that block (an output head), once `u`'s gradient is reduce-scattered (`_reduce`): the head's
+        gathered weight and full gradient are a step's largest transient, and a block gathered beside
+        them would add to the step's peak (one block's gather a step is then not overlapped)."""
+        before = self._before(u)
+        if before is not None and u.numel > before.numel:
+            self._deferred = (u, before)
+        else:
+            self._prefetch(before)
 
     def _land(self, u: Optional[ShardUnit]) -> Optional[torch.Tensor]:
         """Wait for the prefetch in flight; it is held if it was for `u` or `u` is the root (the block
@@ -391,6 +404,7 @@ class FullyShardedParams(Pausable):
 
     def free_all(self) -> None:
         """Drop every gathered unit and a prefetch still in flight (waited for: nothing crosses)."""
+        self._deferred = None
         self._land(None)
         for u in self.units:
             self._free(u)
@@ -445,6 +459,10 @@ class FullyShardedParams(Pausable):
             return
         st.max_gathered_numel = max(st.max_gathered_numel, sum(x.numel for x in self.units if x.full is not None))
         st.max_gathered_bytes = max(st.max_gathered_bytes, sum(x.full.nbytes for x in self.units if x.full is not None))
+        if graph_task_id() != -1:
+            held = sum(x.numel for x in self.units if x.full is not None)
+            flying = self._inflight[0].numel if self._inflight is not None else 0
+            st.max_backward_gathered_numel = max(st.max_backward_gathered_numel, held + flying)
         blocks = {id(x) for x in self.units if x.full is not None and not x.is_root}
         if self._inflight is not None:
             blocks.add(id(self._inflight[0]))
@@ -476,7 +494,7 @@ class FullyShardedParams(Pausable):
             self._gather(u)
             self.stats.backward_gathers += 1
             if not u.is_root:  # backward runs the blocks in reverse: start the one before
-                self._prefetch(self._before(u))
+                self._prefetch_in_backward(u)
         return u.full.as_strided(saved.size, saved.stride, saved.offset)
 
     def _end_of_backward(self, sync: bool, reduce: bool) -> None:
@@ -485,7 +503,15 @@ class FullyShardedParams(Pausable):
 
     # -- backward -------------------------------------------------------------------------------
     def _reduce(self, u: ShardUnit, grads) -> Optional[torch.Tensor]:
-        """The shard gradient of `u` from its gathered tensors' gradients (None under no_sync)."""
+        """The shard gradient of `u` from its gathered tensors' gradients (None under no_sync); then the
+        prefetch `_prefetch_in_backward` deferred to it."""
+        grad = self._reduce_grads(u, grads)
+        if self._deferred is not None and self._deferred[0] is u:
+            before, self._deferred = self._deferred[1], None
+            self._prefetch(before)
+        return grad
+
+    def _reduce_grads(self, u: ShardUnit, grads) -> Optional[torch.Tensor]:
         self._free(u)  # a later use in this backward gathers it again
         sync = self._pass.enter()  # decided once per backward pass, as the Reducer's (grad_ready.py)
         if not u.trainable:
