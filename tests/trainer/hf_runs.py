@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLE = os.path.join(ROOT, "examples", "trainer", "hf_llama.yaml")
 TOKENIZER = os.path.join(ROOT, "examples", "trainer", "hf_llama")
 PLANS = {"dp2": ["--pas_policy", "dp"], "tp2": ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"],
+         "pp2": ["--pas_policy", "pp", "--compute_config.plan_ngpus", "2", "--compute_config.pas_config.pipeline_nmicros", "2"],
          "dp2-zero3": ["--pas_policy", "dp", "--compute_config.use_zero", "3"],
          # FSDP2's MixedPrecisionPolicy: bf16 gathers and compute from fp32 shards, fp32 gradient reduction
          "dp2-zero3-bf16": ["--pas_policy", "dp", "--compute_config.use_zero", "3",
@@ -62,7 +63,9 @@ def worker(rank, world, runs):
         trainer.run()
         batch = trainer.train_dataset.blocks[:4]
         trainer.model.eval()
-        [loss] = trainer.model.infer_step([({"input_ids": batch},)])
+        n = trainer.train_args.compute_config.pas_config.get("pipeline_nmicros", 1)  # a pipeline takes n samples
+        losses = trainer.model.infer_step([({"input_ids": part},) for part in batch.chunk(n)])
+        loss = sum(float(x) for x in losses) / n  # equal token counts: the mean of the parts' means
         on_meta = all(p.is_meta for p in trainer.original_model.parameters())
         out[label] = (float(loss), batch, full_weights(trainer.model), on_meta)
     return out

@@ -1,11 +1,11 @@
 """Hugging Face in and out, on real gloo processes: a tiny Llama and GPT-2 trained 2 steps from
 examples/trainer/hf_llama.yaml under dp 2 and tp 2, and the Llama under fully sharded dp 2
 (`--compute_config.use_zero 3`), and the Llama from pretrained weights (`--model.args.pretrained`,
-a save_pretrained directory) under dp 2 (transformers' from_pretrained on every rank), tp 2 and
+a save_pretrained directory) under dp 2 (transformers' from_pretrained on every rank), tp 2, pp 2 and
 fully sharded dp 2 (built on the meta device, each rank loading its shards: the same weights and
 loss as dp 2), and fully sharded with `zero3_mixed_precision` bf16 / fp32 from the command line
-(computed in bf16: within 2% of the fp32 run) (one spawn runs the nine); without pretrained weights
-the sharded Llama runs (tp 2, fully sharded) are built on meta too and initialized on the ranks: the
+(computed in bf16: within 2% of the fp32 run) (one spawn runs the eleven); without pretrained weights
+the sharded Llama runs (tp 2, pp 2, fully sharded) are built on meta too and initialized on the ranks: the
 dp 2 run's weights and loss (GPT-2 is built on the CPU: Conv1D's init cannot be replayed); each checkpoint
 merged with `--hf`, loaded by `AutoModelForCausalLM.from_pretrained`: its weights are the parallel
 model's (assembled from the ranks' shards, logits equal) and its loss on the same batch equals the
@@ -34,7 +34,8 @@ def test_llama_and_gpt2_dp2_tp2_merge_hf_from_pretrained(tmp_path):
     runs = {f"{model}-{plan}": overrides(str(tmp_path / f"{model}-{plan}"), configs[model], plan, str(text))
             for model, plan in cases}
     pretrained = write_pretrained(configs["llama"], str(tmp_path / "pretrained"))
-    for plan in ("dp2", "tp2", "dp2-zero3"):
+    runs["llama-pp2"] = overrides(str(tmp_path / "llama-pp2"), configs["llama"], "pp2", str(text))
+    for plan in ("dp2", "tp2", "pp2", "dp2-zero3"):
         runs[f"llama-{plan}-pretrained"] = overrides(str(tmp_path / f"llama-{plan}-pretrained"), configs["llama"], plan,
                                                      str(text)) + ["--model.args.pretrained", pretrained]
     results = run_workers(worker, 2, runs, timeout=600)
@@ -58,7 +59,7 @@ def test_llama_and_gpt2_dp2_tp2_merge_hf_from_pretrained(tmp_path):
         assert hf_loss == pytest.approx(loss, rel=2e-2 if label.endswith("bf16") else 1e-5), label
     # built on meta and loaded shard by shard: what transformers' from_pretrained gives under dp
     want = assemble_full(((r, res["llama-dp2-pretrained"][2]) for r, res in enumerate(results)), "dp2")
-    for label in ("llama-tp2-pretrained", "llama-dp2-zero3-pretrained"):
+    for label in ("llama-tp2-pretrained", "llama-pp2-pretrained", "llama-dp2-zero3-pretrained"):
         assert results[0][label][0] == pytest.approx(results[0]["llama-dp2-pretrained"][0], rel=1e-5), label
         got = assemble_full(((r, res[label][2]) for r, res in enumerate(results)), label)
         for name, value in want.items():
@@ -72,7 +73,7 @@ def test_llama_and_gpt2_dp2_tp2_merge_hf_from_pretrained(tmp_path):
         assert bf16[name].dtype == torch.float32 and ((bf16[name] - value).norm() / value.norm()).item() <= 5e-2, name
     seeded = assemble_full(((r, res["llama-dp2"][2]) for r, res in enumerate(results)), "llama-dp2")
     # built on meta and initialized on the ranks: the values of the CPU build under dp (the same seed)
-    for label in ("llama-tp2", "llama-dp2-zero3"):
+    for label in ("llama-tp2", "llama-pp2", "llama-dp2-zero3"):
         assert results[0][label][0] == pytest.approx(results[0]["llama-dp2"][0], rel=1e-6), label
         got = assemble_full(((r, res[label][2]) for r, res in enumerate(results)), label)
         # tp's split sums round otherwise, and Adam's first steps move an element by about lr whatever its
