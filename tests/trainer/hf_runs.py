@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLE = os.path.join(ROOT, "examples", "trainer", "hf_llama.yaml")
 TOKENIZER = os.path.join(ROOT, "examples", "trainer", "hf_llama")
 PLANS = {"dp2": ["--pas_policy", "dp"], "tp2": ["--pas_policy", "tp", "--compute_config.plan_ngpus", "2"],
-         "pp2": ["--pas_policy", "pp", "--compute_config.plan_ngpus", "2", "--compute_config.pas_config.pipeline_nmicros", "2"],
+         "pp2": ["--pas_policy", "pp", "--compute_config.plan_ngpus", "2"],  # pipeline_nmicros: the step's 2
          "dp2-zero3": ["--pas_policy", "dp", "--compute_config.use_zero", "3"],
          # FSDP2's MixedPrecisionPolicy: bf16 gathers and compute from fp32 shards, fp32 gradient reduction
          "dp2-zero3-bf16": ["--pas_policy", "dp", "--compute_config.use_zero", "3",

@@ -192,6 +192,20 @@ def test_use_zero_3_reaches_compute_config_as_the_int_3(tmp_path):
                                   "compute_config.runtime_ngpus": 4})).validate()
 
 
+@pytest.mark.parametrize("over, want", [
+    ({"pas_policy": "pp", "compute_config.plan_ngpus": 2, "grad_accumulation_steps": 3}, 3),
+    ({"pas_policy": "cp", "compute_config.plan_ngpus": 2, "compute_config.pas_config": {"pp_size": 2}}, 1),
+    ({"pas_policy": "cp", "compute_config.plan_ngpus": 2}, None),  # no pipeline: nothing to set
+    ({"pas_policy": "tp", "compute_config.plan_ngpus": 2}, None),
+    ({"pas_policy": "dp"}, None),
+])
+def test_a_pipeline_runs_the_steps_micro_batches_unless_told(over, want):
+    """Without pas_config.pipeline_nmicros a pipelining plan runs the step's micro-batches
+    (grad_accumulation_steps), which is the only value the Trainer accepts."""
+    a = TrainerArgs.from_dict(base(**{"compute_config.runtime_ngpus": 2, **over}))
+    assert a.compute_config.pas_config.get("pipeline_nmicros") == want
+
+
 def test_pas_config_values_from_the_command_line_are_read_as_values(tmp_path):
     """``--compute_config.pas_config.k V`` arrives as a string: it is read as YAML would read V
     (an int, a bool, a list), so `zero3_reshard_after_forward 2` is the int 2; names stay names."""

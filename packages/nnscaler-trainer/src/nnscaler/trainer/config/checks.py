@@ -53,6 +53,10 @@ def ignored_args(args: Dict[str, Any], auto: Tuple[str, ...]) -> list:
     return [k for k in auto if k in (args or {})]
 
 
+def _int_or_one(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
 def validate(args) -> None:
     """Raise TrainerConfigError for the first rule `args` (TrainerArgs) breaks."""
     cc = args.compute_config
@@ -69,7 +73,10 @@ def validate(args) -> None:
     _check_precision("precision", args.precision)
     _check_batches(args)
     nmicros = args.compute_config.pas_config.get("pipeline_nmicros")
-    if policy.pipelines and nmicros is not None and nmicros != args.update_freq:
+    pipelined = policy.whole_model or _int_or_one(args.compute_config.pas_config.get("pp_size")) > 1
+    if policy.pipelines and nmicros is None and pipelined:  # a pipeline runs the step's micro-batches
+        args.compute_config.pas_config["pipeline_nmicros"] = args.update_freq
+    elif policy.pipelines and nmicros is not None and nmicros != args.update_freq:
         raise TrainerConfigError("compute_config.pas_config.pipeline_nmicros",
                                  f"is {nmicros} but a step has {args.update_freq} micro-batches per rank "
                                  f"(grad_accumulation_steps); make them equal")
