@@ -14,6 +14,7 @@ One launch of 2 gloo ranks trains a tiny float32 Hugging Face Llama for 3 Adam s
   could differ). Against true fp32 training the losses differ (bf16 rounding), by < 2%.
   The shards and their gradients stay fp32, the gathers are bf16: half the all-gather bytes and
   half the most bytes gathered at once (comm and Zero3Stats counters), the same reduce-scatter bytes;
+- ``param_dtype="float16", reduce_dtype="float32"``: the same against the reference in fp16;
 - ``param_dtype="bfloat16"`` alone: reduced in bf16 too (FSDP2's default), half the reduce-scatter
   bytes, against the same reference reducing in bf16;
 - per unit, the output head in fp32 (its input cast to fp32, FSDP2's cast_forward_inputs), against
@@ -49,7 +50,8 @@ LR = 1e-2
 BF16_FP32 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 HEAD_FP32 = {**BF16_FP32, "units": {"model.lm_head": {"param_dtype": "float32"}}}  # the output head in fp32
 CASES = {"plain": None, "fp32": {"param_dtype": "float32"}, "bf16": BF16_FP32, "bf16-bf16": {"param_dtype": "bf16"},
-         "head-fp32": HEAD_FP32, "bf16-kept": BF16_FP32, "bf16-accum": BF16_FP32}
+         "head-fp32": HEAD_FP32, "bf16-kept": BF16_FP32, "bf16-accum": BF16_FP32,
+         "fp16": {"param_dtype": "float16", "reduce_dtype": "float32"}}
 KEPT = {"zero3_reshard_after_forward": False}  # "bf16-kept": the units stay gathered (in bf16) into backward
 
 
@@ -207,7 +209,9 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
     results = run_workers(_job, 2, str(tmp_path / "gen"), timeout=600)
     refs = {"bf16": reference(torch.bfloat16, torch.float32), "bf16-bf16": reference(torch.bfloat16, torch.bfloat16),
             "fp32": reference(torch.float32, torch.float32), "head-fp32": reference(head_fp32=True),
-            "bf16-accum": reference(micro=2), "tp2": reference(world=1), "pp2": reference(world=1, micro=2)}
+            "bf16-accum": reference(micro=2), "tp2": reference(world=1), "pp2": reference(world=1, micro=2),
+            "fp16": reference(torch.float16, torch.float32)}
+    loss_dtypes = {"head-fp32": "torch.float32", "fp16": "torch.float16"}
     for rank, got in enumerate(results):
         plain, fp32 = got["plain"], got["fp32"]
         # param_dtype float32 is the existing path, exactly
@@ -216,10 +220,10 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
         for key in ("gather_bytes", "reduce_bytes", "max_gathered_bytes", "loss_dtype"):
             assert fp32[key] == plain[key], (rank, key)
         assert plain["max_gathered_bytes"] == 4 * plain["max_gathered_numel"], rank
-        for name in ("bf16", "bf16-bf16", "head-fp32", "bf16-accum"):
+        for name in ("bf16", "bf16-bf16", "head-fp32", "bf16-accum", "fp16"):
             case, (ref_losses, ref_params) = got[name], refs[name]
             where = f"{name} rank {rank}"
-            assert case["loss_dtype"] == ("torch.float32" if name == "head-fp32" else "torch.bfloat16"), where
+            assert case["loss_dtype"] == loss_dtypes.get(name, "torch.bfloat16"), where
             # fp32 master shards, gradients and optimizer; bf16 gathers; a read outside forward is fp32
             assert case["shard_dtypes"] == case["grad_dtypes"] == case["optimizer_dtypes"] == ["torch.float32"], where
             assert case["read_dtype"] == "torch.float32", where
@@ -233,7 +237,7 @@ def test_zero3_mixed_precision_against_one_process(tmp_path):
             else:
                 assert case["gather_bytes"] * 2 == plain["gather_bytes"], where
                 assert case["max_gathered_bytes"] == 2 * case["max_gathered_numel"] == plain["max_gathered_bytes"] // 2
-                want_reduce = plain["reduce_bytes"] if name == "bf16" else plain["reduce_bytes"] // 2
+                want_reduce = plain["reduce_bytes"] if name in ("bf16", "fp16") else plain["reduce_bytes"] // 2
                 assert case["reduce_bytes"] == want_reduce, where
             assert case["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=0), (where, case["losses"], ref_losses)
             for n, value in case["params"].items():
