@@ -214,8 +214,6 @@ class Tracer:
             if attr == "data" and self._results is not None:  # writes through .data bump no version
                 self._results.forget(args[0])
             real = self.device.run(func, args, kwargs)
-            if attr == "device":
-                return self.device.reported_device(real)
             if attr == "shape" and not self.constant_folding:
                 return self._record_size(args[0], real, "getattr", (args[0], "shape"))
             if isinstance(real, torch.Tensor):

@@ -6,11 +6,7 @@
   inputs (shapes only, no compute); a function of the example inputs, constants and buffers alone
   runs on their real values (and so does a factory, ``torch.arange(n, device=x.device)``, sized by
   the example batch), so what the forward reads from the example batch in Python (an attention
-  mask's ``.all()``, a position's ``.item()``) has a value to record a guard with. A tensor's
-  ``.device`` reads as the CPU (`reported_device`), not ``meta``, which is never where the program
-  runs: a branch on the device type (transformers' router counts: histc in float32 on the CPU, in
-  int32 elsewhere) takes the CPU's way, as under ``cpu``; a function of meta twins given the CPU as a
-  device argument gets the trace's device instead.
+  mask's ``.all()``, a position's ``.item()``) has a value to record a guard with.
 - ``cuda``: weights and intermediates on the GPU.
 - ``cuda_run_cpu_offload``: run on the GPU, retry a function on the CPU when it runs out of memory.
 - ``reuse_cache``: like ``cuda_run_cpu_offload``, and a function called again with inputs of the
@@ -109,16 +105,10 @@ class ExecutionDevice:
             return {k: self._move(v, device) for k, v in obj.items()}
         return obj
 
-    def reported_device(self, device: torch.device) -> torch.device:
-        """What ``tensor.device`` reads as in the traced forward: under ``meta``, the CPU."""
-        return torch.device("cpu") if self.device.type == "meta" and device.type == "meta" else device
-
     # -- execution -------------------------------------------------------------------------------
     def run(self, func, args, kwargs, mode_off: bool = False):
         if self._real_on_meta(args, kwargs):  # "meta" is the trace's device: a move there stays real
             return _call(func, _meta_to_cpu(tuple(args)), _meta_to_cpu(dict(kwargs)), mode_off)
-        if self.device.type == "meta":  # the CPU `reported_device` gave the forward: the trace's device
-            args, kwargs = _cpu_to_meta(tuple(args)), _cpu_to_meta(dict(kwargs))
         args, kwargs = self._move(tuple(args)), self._move(dict(kwargs))
         key = self._cache_key(func, args, kwargs) if self.cache is not None else None
         if key is not None and key in self.cache:
@@ -173,17 +163,6 @@ def _meta_to_cpu(obj):
         return tuple(_meta_to_cpu(x) for x in obj)
     if isinstance(obj, dict):
         return {k: _meta_to_cpu(v) for k, v in obj.items()}
-    return obj
-
-
-def _cpu_to_meta(obj):
-    """Device arguments naming the CPU replaced by ``meta`` (a function of meta twins stays there)."""
-    if isinstance(obj, torch.device) and obj.type == "cpu" or obj == "cpu":
-        return torch.device("meta")
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_cpu_to_meta(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _cpu_to_meta(v) for k, v in obj.items()}
     return obj
 
 

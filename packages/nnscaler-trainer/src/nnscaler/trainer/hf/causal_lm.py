@@ -247,15 +247,18 @@ class CausalLM(torch.nn.Module, TrainHook, MoEModel, MetaBuilt):
     def builds_on_meta(cls, args) -> bool:
         """Under a plan that shards parameters (tensor or pipeline parallel, ``use_zero: 3``) of the
         whole model: build on meta, then each rank loads its shards of `pretrained`, or without it
-        initializes them (the CPU build's values; not with ``tracing_from_weights``, which loads
-        into a CPU build)."""
+        initializes them (the CPU build's values; not with ``tracing_from_weights``, nor for a
+        mixture of experts: transformers' router counts pick histc's dtype by device, int32 on meta,
+        which the CPU cannot run)."""
         margs = _model_args(args)
         cc = args.compute_config
         if args.uses_parallel_modules or not (cc.plan_ngpus > 1 or cc.zero_stage == 3):
             return False
         if (margs.get("pretrained") or margs.get("from_pretrained")) is not None:
             return True
-        return args.tracing_from_weights is None and margs.get("config") is not None
+        config = margs.get("config")
+        return args.tracing_from_weights is None and config is not None and \
+            check_experts(load_hf_config(config)) is None
 
     @classmethod
     def validate_trainer_args(cls, args) -> None:
