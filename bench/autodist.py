@@ -589,7 +589,7 @@ def search_depth(args) -> dict:
             t0 = time.perf_counter()
             graph = trace(model, b, constant_folding=False, trace_strategy="cpu")
             t1 = time.perf_counter()
-            graph = apply_policy(graph, ComputeConfig(4, 4, pas_config={}), "autodist")
+            graph = apply_policy(graph, ComputeConfig(args.depth_ngpus, args.depth_ngpus, pas_config={}), "autodist")
             t2 = time.perf_counter()
             est = graph.autodist_plan.estimate
             row[attempt] = {"trace_s": t1 - t0, "policy_s": t2 - t1, "search_s": est["search_s"],
@@ -602,7 +602,8 @@ def search_depth(args) -> dict:
         rows.append(row)
     sec = [r["second"]["search_s"] for r in rows]
     lay = [r["layers"] for r in rows]
-    out = {"rows": rows, "config": "GPT n_embd 64, 4 heads, T 32, vocab 256, batch 2, ComputeConfig(4, 4)"}
+    out = {"rows": rows, "config": f"GPT n_embd 64, 4 heads, T 32, vocab 256, batch 2, "
+                                   f"ComputeConfig({args.depth_ngpus}, {args.depth_ngpus})"}
     if len(rows) >= 2:
         k = math.log(sec[-1] / sec[0]) / math.log(lay[-1] / lay[0])
         out["search_exponent_k"] = k
@@ -636,11 +637,14 @@ def main() -> None:
                    help="untimed steps of a plan before its timed one in each round (training runs one plan back to back)")
     p.add_argument("--depths", nargs="*", type=int, default=[4, 8, 16, 32, 64])
     p.add_argument("--search-repeats", type=int, default=3, help="timed runs per depth after the first (best kept)")
+    p.add_argument("--depth-ngpus", type=int, default=4, help="(3) the devices the depth search plans for")
     p.add_argument("--cache-dir", default=None, help="NNSCALER_CACHE_DIR (default: a fresh temporary directory)")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "autodist.json"))
     args = _common.parse_args(p, {"models": ["gpt"], "ranks": [2], "layers": 2, "embd": 32, "seq": 16, "micro_batch": 4,
                                   "rounds": 1, "warmup": 1, "settle": 0, "depths": [2, 4], "search_repeats": 1,
-                                  "pipe_embd": 32, "pipe_seq": 8}, "autodist.json")
+                                  "pipe_embd": 32, "pipe_seq": 8,
+                                  "depth_ngpus": 2},  # fewer partitions to profile (the test suite's time)
+                              "autodist.json")
     start = time.perf_counter()
     cache = args.cache_dir or tempfile.mkdtemp(prefix="nnscaler_bench_autodist_")
     os.environ["NNSCALER_CACHE_DIR"] = cache
@@ -737,7 +741,7 @@ def _print_depth(d: dict) -> None:
     rows = [[r["layers"], r["second"]["nodes"], f"{r['second']['trace_s']:.3f}", f"{r['second']['search_s']:.3f}",
              f"{r['second']['solver_s']:.3f}", r["second"]["cached_ops"], r["second"]["profiled_ops"],
              f"{r['first']['search_s']:.3f}"] for r in d["rows"]]
-    print("\n== search time against depth (GPT, ComputeConfig(4, 4), second run)")
+    print(f"\n== search time against depth ({d['config']}, second run)")
     print(_common.table(["layers", "nodes", "trace s", "search s", "solver s", "cached", "profiled", "first search s"], rows))
     if "search_exponent_k" in d:
         print(f"exponent k = {d['search_exponent_k']:.2f}; 32 layers: {d.get('search_s_32')}")
