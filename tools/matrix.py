@@ -110,7 +110,8 @@ def _line(done: int, total: int, start: float, case: dict, record: dict) -> str:
 
 def run_batched(cases, path: str, rerun: bool = False, out=sys.stdout) -> dict:
     """Run the pending `cases` many per process launch (`matrix_batch.run_batch`), recording each
-    into `path` as its launch ends. No baseline rerun of a refused option here (`run` does it)."""
+    into `path` as its launch ends. No baseline rerun of a refused option here (`run` does it); a refused
+    option's record keeps the link to its baseline's record when that is there."""
     from matrix_batch import run_batch
     results = _open(path)
     todo = pending(cases, results, rerun)
@@ -121,6 +122,9 @@ def run_batched(cases, path: str, rerun: bool = False, out=sys.stdout) -> dict:
     def on_record(case, record):
         nonlocal done
         done += 1
+        base = matrix_cases.baseline_for(case, record.get("error", "")) if record["state"] == "refused" else None
+        if base is not None and base["id"] in results.get("cases", {}):
+            record["baseline"] = base["id"]
         _store(path, results, case, record)
         print(_line(done, total, start, case, record), file=out, flush=True)
     run_batch(todo, on_record)

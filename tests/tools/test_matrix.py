@@ -71,6 +71,25 @@ def test_an_option_refused_on_its_own_reruns_the_cell_at_its_baseline(tmp_path):
     assert mc.baseline_for(case, "ConfigError: something else") is None
 
 
+def test_a_batched_rerun_keeps_a_refused_options_link_to_its_baseline(tmp_path, monkeypatch):
+    """`run_batched` reruns no baseline, but a refused option's new record keeps the link to the baseline
+    record already there (without it the page counts that cell as refused)."""
+    import matrix_batch
+    path = str(tmp_path / "m.json")
+    case = next(c for c in mc.generate() if c["dropout"] == "exact" and c["model"] == "llama" and c["plan"] == "dp")
+    refused = {"state": "refused", "error": "GenerationError: ComputeConfig.rng_mode='exact' cannot ..."}
+    matrix.run([case], path, runner=lambda c: dict(refused) if c["dropout"] == "exact" else {"state": "parity"},
+               out=io.StringIO())
+    base = json.load(open(path))["cases"][case["id"]]["baseline"]
+
+    def run_batch(cases, on_record):
+        for c in cases:
+            on_record(c, dict(refused))
+    monkeypatch.setattr(matrix_batch, "run_batch", run_batch)
+    results = matrix.run_batched([case], path, rerun=True, out=io.StringIO())
+    assert results["cases"][case["id"]]["baseline"] == base and results["cases"][base]["state"] == "parity"
+
+
 def test_refuses_results_of_another_seed(tmp_path):
     path = tmp_path / "m.json"
     path.write_text(json.dumps({"seed": mc.SEED + 1, "cases": {}}))
