@@ -457,10 +457,10 @@ class FullyShardedParams(Pausable):
         st = self.stats
         if self._unsharded:
             return
-        st.max_gathered_numel = max(st.max_gathered_numel, sum(x.numel for x in self.units if x.full is not None))
+        held = sum(x.numel for x in self.units if x.full is not None)
+        st.max_gathered_numel = max(st.max_gathered_numel, held)
         st.max_gathered_bytes = max(st.max_gathered_bytes, sum(x.full.nbytes for x in self.units if x.full is not None))
         if graph_task_id() != -1:
-            held = sum(x.numel for x in self.units if x.full is not None)
             flying = self._inflight[0].numel if self._inflight is not None else 0
             st.max_backward_gathered_numel = max(st.max_backward_gathered_numel, held + flying)
         blocks = {id(x) for x in self.units if x.full is not None and not x.is_root}
