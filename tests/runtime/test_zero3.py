@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from launch import run_workers
-from parity import assemble_full
+from parity import assemble_full, one_process_adam
 from test_module import LR as UNIT_LR, MLP as UnitMLP, batch as unit_batch, gen_class, initial_state, local_name
 from test_zero import GLOBAL_BATCH, GPT_CFG, LR, STEPS, TOL, CLIP, _assemble_state, _batch, _make, _tensors, reference
 from nnscaler.ir import ComputeConfig
@@ -515,14 +515,8 @@ def _check_untied_head(results):
     from gpt import GPTConfig, random_batch
     cfg = GPTConfig(**HEAD_CFG)
     with float64():
-        model = _untied_gpt()
-        opt, want = torch.optim.Adam(model.parameters(), lr=LR), []
-        for step in range(LIMIT_STEPS):
-            opt.zero_grad()
-            loss = model(**random_batch(step, GLOBAL_BATCH, cfg))
-            loss.backward()
-            opt.step()
-            want.append(loss.item())
+        want, _ = one_process_adam(_untied_gpt(), lambda step: random_batch(step, GLOBAL_BATCH, cfg),
+                                   steps=LIMIT_STEPS, lr=LR)
     got = [sum(r["untied_head"]["losses"][s] for r in results) / len(results) for s in range(LIMIT_STEPS)]
     assert got == pytest.approx(want, rel=1e-10, abs=0)
     for r in results:
