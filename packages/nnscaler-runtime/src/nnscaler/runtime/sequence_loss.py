@@ -11,13 +11,16 @@ each rank's gradient of its own sum, over the global denominator (the all-reduce
 identity), so nothing of the vocabulary's size crosses the ranks either way.
 
 Memory: with class indices over ``(tokens, classes)`` logits and no label smoothing (transformers'
-loss), each rank's sum is `_SumCrossEntropy`: forward keeps the log-probabilities only, and backward
-turns them into the gradient in place (``softmax - one_hot``, times the token's weight), so the loss
-holds two logits-sized tensors at its peak (the logits and their log-probabilities, in forward)
-where ``F.cross_entropy`` holds three (its saved log-probabilities, their gradient and the logits'
-gradient, in backward). The logits are the largest activation of a language model (vocabulary x
-tokens). A second backward through the same graph (``retain_graph=True``) is refused by autograd's
-saved-tensor check (the log-probabilities were modified in place).
+loss), each rank's sum is `_SumCrossEntropy`: forward saves the logits themselves (which the model's
+output holds anyway) and each token's log-sum-exp, not the log-probabilities, and backward builds the
+gradient in one new tensor (``exp(logits - lse) - one_hot``, times the token's weight). So nothing
+logits-sized is kept from forward to backward beyond the logits, and the loss holds two logits-sized
+tensors at its peak (the logits and their log-probabilities in forward, the logits and their gradient
+in backward; a bfloat16 / float16 chunk of rows is upcast to float32 at a time, which keeps the
+softmax and the log-sum-exp exact) where ``F.cross_entropy`` holds three (its saved log-probabilities, their gradient and the
+logits' gradient, in backward). The logits are the largest activation of a language model (vocabulary
+x tokens). Nothing saved is modified, so a second backward through the same graph
+(``retain_graph=True``) works.
 """
 from __future__ import annotations
 
@@ -61,27 +64,39 @@ def _sum(input, target, weight, ignore_index, label_smoothing) -> torch.Tensor:
 
 
 class _SumCrossEntropy(Function):
-    """The summed cross-entropy of (N, C) logits against N class indices; saves the log-probabilities
-    (and per-token weights), and backward overwrites them with the gradient (see the module docstring)."""
+    """The summed cross-entropy of (N, C) logits against N class indices; saves the logits, the
+    per-token log-sum-exp and weights (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, input, target, weight, ignore_index):
-        logp = torch.log_softmax(input, dim=1)
+        acc = torch.promote_types(input.dtype, torch.float32)
+        lse = torch.cat([torch.logsumexp(rows.to(acc), dim=1) for rows in _row_chunks(input)])
         keep = target != ignore_index
         t = torch.where(keep, target, 0)
-        w = keep.to(logp.dtype) if weight is None else torch.where(keep, weight[t].to(logp.dtype), 0)
-        total = -(logp.gather(1, t.unsqueeze(1)).squeeze(1) * w).sum()
-        ctx.save_for_backward(logp, t, w)
-        return total
+        w = keep.to(acc) if weight is None else torch.where(keep, weight[t].to(acc), 0)
+        total = ((lse - input.gather(1, t.unsqueeze(1)).squeeze(1).to(acc)) * w).sum()
+        ctx.save_for_backward(input, lse, t, w)
+        return total.to(input.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        logp, t, w = ctx.saved_tensors
-        g = logp.exp_()  # softmax, in the log-probabilities' memory
-        g[torch.arange(g.shape[0], device=g.device), t] -= 1
-        g.mul_((w * grad).unsqueeze(1))
+        input, lse, t, w = ctx.saved_tensors
+        g = torch.empty_like(input, memory_format=torch.contiguous_format)
+        start = 0
+        for rows in _row_chunks(input):  # softmax - one_hot, times the weight, in the accumulation dtype
+            end = start + rows.shape[0]
+            p = torch.sub(rows.to(lse.dtype), lse[start:end].unsqueeze(1)).exp_()
+            p[torch.arange(end - start, device=p.device), t[start:end]] -= 1
+            g[start:end] = p.mul_((w[start:end] * grad.to(lse.dtype)).unsqueeze(1))
+            start = end
         return g, None, None, None
+
+
+def _row_chunks(x, elements: int = 1 << 24):
+    """`x`'s rows in chunks of about `elements` values: a low-precision chunk upcast to float32 stays
+    small beside the logits."""
+    return x.split(max(1, elements // max(1, x.shape[1])))
 
 
 def _denominator(input, target, weight, ignore_index) -> torch.Tensor:
