@@ -289,3 +289,34 @@ def test_layout_conversions_stay_outside_no_grad_blocks(tmp_path):
         if "nr.comm." in line:  # a conversion is never the body of a `with` block
             assert not lines[i - 1].strip().startswith("with "), lines[i - 1:i + 1]
             assert len(line) - len(line.lstrip()) == 8, line
+
+
+def test_a_replicated_weight_read_by_a_split_op_is_passed_as_a_view():
+    """A weight the op reads whole while its input is split (data parallel inside the unit) enters
+    through ``grad_all_reduce(..., weight=True)`` (a view, no copy a step; under ZeRO-3 the gathered
+    tensor's view); an activation's ``grad_all_reduce`` has no such flag (a copy: in-place safe)."""
+    graph = trace(WithOptional(), {"x": torch.ones(2, 4)}, trace_strategy="cpu")
+    for node in graph.nodes:
+        for device, piece in enumerate(replicate(graph, node, 2)):
+            assign(piece, device)
+    fc = select(graph, op="linear")[0]
+    for i, piece in enumerate(partition(graph, fc, "n", 2)):  # column-parallel: the input x whole
+        assign(piece, i)
+    forward = method(emit_rank(graph, ComputeConfig(2, 2).to_dict(), 0, "x", "f"), "_forward_impl")
+    (linear,) = calls(forward, "torch.nn.functional.linear")
+    fed = producer(forward, dotted(linear.args[0]))
+    assert dotted(fed.func) == "nr.comm.grad_all_reduce" and dotted(fed.args[0]) == "x"
+    assert [k.arg for k in fed.keywords] == ["ranks"]  # an activation: copied
+    graph = trace(WithOptional(), {"x": torch.ones(2, 4)}, trace_strategy="cpu")
+    for node in graph.nodes:
+        for device, piece in enumerate(replicate(graph, node, 2)):
+            assign(piece, device)
+    fc = select(graph, op="linear")[0]
+    for i, piece in enumerate(partition(graph, fc, "b0", 2)):  # the batch: the weights whole
+        assign(piece, i)
+    forward = method(emit_rank(graph, ComputeConfig(2, 2).to_dict(), 0, "x", "f"), "_forward_impl")
+    (linear,) = calls(forward, "torch.nn.functional.linear")
+    for arg in linear.args[1:3]:  # the weight and the bias
+        fed = producer(forward, dotted(arg))
+        assert dotted(fed.func) == "nr.comm.grad_all_reduce" and dotted(fed.args[0]).startswith("self.fc_")
+        assert {k.arg: ast.literal_eval(k.value) for k in fed.keywords}.get("weight") is True

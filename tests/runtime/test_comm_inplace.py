@@ -5,8 +5,9 @@ _AllToAll is a view and is being modified inplace"), and an output sharing memor
 would let the in-place op corrupt the input. Every collective (native and fallback) is followed
 by ``mul_``/``add_``/``relu_`` on 2 gloo ranks: the output and the input's gradient equal the
 single-process computation (the table of `test_comm._expected`), the outputs and the backward's
-results are not views, the input is unchanged; `grad_all_reduce` of a parameter is the parameter's
-view (no copy) and its gradient the all-reduced one. The ResNet-18-style model with
+results are not views, the input is unchanged; `grad_all_reduce` of a parameter, or of any weight
+passed with ``weight=True`` (ZeRO-3's gathered tensors), is the weight's view (no copy) and its
+gradient the all-reduced one. The ResNet-18-style model with
 ``ReLU(inplace=True)`` runs under `tp` 2 in eval and training mode (and traced in eval, then
 trained) and matches one process.
 """
@@ -73,6 +74,12 @@ def _inplace_job(rank, world):
         w = comm.grad_all_reduce(p, ranks=ranks)
         (w * g * (k + 1)).sum().backward()
         out[forced, "parameter"] = (w.untyped_storage().data_ptr() == p.untyped_storage().data_ptr(), p.grad)
+        # a weight that is no parameter (ZeRO-3's gathered tensor: a function's output), weight=True
+        leaf = x.clone().requires_grad_(True)
+        gathered = leaf * 1.0
+        w = comm.grad_all_reduce(gathered, ranks=ranks, weight=True)
+        (w * g * (k + 1)).sum().backward()
+        out[forced, "weight"] = (w.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr(), leaf.grad)
     return out
 
 
@@ -93,9 +100,10 @@ def test_every_collective_allows_inplace_ops_forward_and_backward():
                 torch.testing.assert_close(r, want_y.relu(), msg=where)
                 identity_backward = case in ("all_reduce", "to_partial")  # passes the grad on
                 assert identity_backward or not gz_view, f"{where}: the backward's result is a view"
-            shares, pgrad = res[forced, "parameter"]
-            assert shares, "grad_all_reduce copied a parameter (a view of it saves a copy a step)"
-            torch.testing.assert_close(pgrad, g * 3)  # ranks' partial gradients g and 2g, summed
+            for case in ("parameter", "weight"):
+                shares, pgrad = res[forced, case]
+                assert shares, f"grad_all_reduce copied a {case} (a view of it saves a copy a step)"
+                torch.testing.assert_close(pgrad, g * 3)  # ranks' partial gradients g and 2g, summed
 
 
 # -- a ResNet-18-style model with ReLU(inplace=True) under tp 2 -------------------------------------

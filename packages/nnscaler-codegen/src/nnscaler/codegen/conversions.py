@@ -48,6 +48,8 @@ class Adapter:
             for fname, kwargs in steps:
                 new = python_name(f"{var.replace('self.', '')}_{fname}", self.taken)
                 extra = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+                if fname == "grad_all_reduce" and ref_id in self.unit.params:
+                    extra += ", weight=True"  # a parameter: passed on as a view, not copied
                 lines.append(f"{new} = nr.comm.{fname}({var}{extra}, ranks={self.ranks!r})")
                 var = new
             self.converted[key] = var

@@ -39,6 +39,7 @@ class UnitPlan:
     produced: Dict[int, object] = field(default_factory=dict)  # value id -> placement
     needs: Dict[int, List[Need]] = field(default_factory=dict)  # node id -> tensor input needs
     stored: Dict[str, object] = field(default_factory=dict)  # param/buffer/constant name -> placement
+    params: set = field(default_factory=set)  # the value ids of the parameters
 
 
 def plan_unit(graph: IRGraph, plan_ngpus: int) -> UnitPlan:
@@ -49,7 +50,7 @@ def plan_unit(graph: IRGraph, plan_ngpus: int) -> UnitPlan:
             raise GenerationError(f"the pipeline plan has pp_size {pipe.pp_size} x tp_size {pipe.tp_size} devices, "
                                   f"but plan_ngpus is {plan_ngpus}")
         plan_ngpus = pipe.tp_size
-    plan = UnitPlan(plan_ngpus)
+    plan = UnitPlan(plan_ngpus, params={spec.value.id for spec in graph.params.values()})
     for spec in graph.inputs:
         for _, ref in spec.leaves:
             plan.produced[ref.id] = R

@@ -31,10 +31,13 @@ view and shares no memory with the input, so in-place ops (``relu_``, ``add_``, 
 produces a fresh buffer this costs nothing (`primitives.own` drops the view-ness of a reshaped
 receive buffer without a copy); the one copy is `grad_all_reduce`'s forward, whose result is
 the input's value: it is a clone (autograd refuses in-place ops on an input returned as is),
-except for a parameter (``nn.Parameter``: what a replicated weight is under cp, tp, ep), which it
-returns as a view of itself: an op that saves the weight for backward (a linear layer, the head of
-the vocabulary's size) then saves the parameter, not a copy a step; a parameter cannot be modified
-in place in forward anyway (autograd refuses it on a leaf that requires grad).
+except for a weight (``weight=True``, which generated code passes for a parameter: what a replicated
+weight is under cp, tp, ep; or an ``nn.Parameter``), which it returns as a view of itself: an op that
+saves the weight for backward (a linear layer, the head of the vocabulary's size) then saves the
+parameter, not a copy a step. Under ZeRO-3 the weight is the unit's gathered tensor, not a
+parameter, and the view shares its storage, so ZeRO-3 frees it after forward and gathers it again
+for backward as it does for any use of the weight. A weight is not modified in place in forward
+(autograd refuses it on a leaf that requires grad, and on a custom function's view).
 Backward identities (`all_reduce`, `to_partial`) pass the incoming gradient on, as autograd does.
 """
 from __future__ import annotations
@@ -77,6 +80,11 @@ def _copy(x, *args):
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def _alias(x, *args):
+    """A weight's view of itself (see the module docstring)."""
+    return x.view_as(x)
+
+
 def _keep_on_first(x, rs):
     if rs.index == 0:
         return x.clone(memory_format=torch.contiguous_format)
@@ -116,6 +124,7 @@ _AllToAll = _dual("_AllToAll", all_to_all_, _reverse_all_to_all)
 _ToPartial = _dual("_ToPartial", _keep_on_first, _identity)
 _ShardToPartial = _dual("_ShardToPartial", _pad_to_full, _own_chunk)
 _GradAllReduce = _dual("_GradAllReduce", _copy, all_reduce_)  # Megatron's f
+_GradAllReduceWeight = _dual("_GradAllReduceWeight", _alias, all_reduce_)
 _AllGatherRS = _dual("_AllGatherRS", all_gather_, reduce_scatter_)
 _AllReduceAR = _dual("_AllReduceAR", all_reduce_, all_reduce_)
 
@@ -172,9 +181,10 @@ def shard_to_partial(x: torch.Tensor, dim: int, ranks) -> torch.Tensor:
     return _apply(_ShardToPartial, "shard_to_partial", x, ranks, [("dim", dim)])
 
 
-def grad_all_reduce(x: torch.Tensor, ranks) -> torch.Tensor:
-    """R -> R*: identity forward; bwd all-reduces the partial gradients (Megatron's "f")."""
-    return _apply(_GradAllReduce, "grad_all_reduce", x, ranks)
+def grad_all_reduce(x: torch.Tensor, ranks, weight: bool = False) -> torch.Tensor:
+    """R -> R*: identity forward; bwd all-reduces the partial gradients (Megatron's "f"). `weight`:
+    `x` is a weight, passed on as a view of itself instead of a copy."""
+    return _apply(_GradAllReduceWeight if weight else _GradAllReduce, "grad_all_reduce", x, ranks)
 
 
 def all_gather_rs(x: torch.Tensor, dim: int, ranks) -> torch.Tensor:
