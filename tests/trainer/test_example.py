@@ -18,22 +18,6 @@ def losses(stdout):
     return [float(m.group(1)) for m in re.finditer(r"^epoch \d+ step \d+/\d+ \| loss ([0-9.]+)", stdout, re.M)]
 
 
-def test_gpt_char_example_trains_and_resumes(tmp_path):
-    r = nnscaler("train", "-f", EXAMPLE, "--nproc", "2", "--max_train_steps", "8", "--val_every_n_train_steps", "4",
-                 "--checkpoint.every_n_train_steps", "4", "--enable_progress_bar", "false", cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    first = losses(r.stdout)
-    assert len(first) == 8 and first[-1] < first[0]
-    assert r.stdout.count("val_loss") == 2
-    run = tmp_path / "runs" / "gpt_char"
-    assert os.readlink(run / "checkpoints" / "last") == "0000-0008"
-    assert list((run / "tensorboard" / "train").iterdir()) and list((run / "tensorboard" / "val").iterdir())
-    r = nnscaler("train", "-f", EXAMPLE, "--nproc", "2", "--max_train_steps", "10", "--checkpoint.resume_from", "last",
-                 "--enable_progress_bar", "false", cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "resumed from" in r.stdout and len(losses(r.stdout)) == 2
-
-
 def lrs(stdout):
     return [float(m.group(1)) for m in re.finditer(r"^epoch \d+ step \d+/\d+ \| .*\| lr ([0-9.e+-]+) \|", stdout, re.M)]
 
@@ -43,15 +27,20 @@ def files(root):
         sorted((str(p), os.readlink(p)) for p in root.rglob("*") if p.is_symlink())
 
 
-def test_readme_commands_rerun_and_train_on(tmp_path):
+def test_gpt_char_example_trains_reruns_and_resumes(tmp_path):
     # the README's first command twice, then its follow-up (examples/trainer/gpt_char.yaml: resume_from auto,
-    # T_max ${max_train_steps}), on a shorter run
+    # T_max ${max_train_steps}), on a shorter run; then a resume from `last` (one training run serves both)
     first = ["train", "-f", EXAMPLE, "--nproc", "2", "--max_train_steps", "8", "--val_every_n_train_steps", "4",
              "--checkpoint.every_n_train_steps", "4", "--enable_progress_bar", "false"]
     r = nnscaler(*first, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    lr_first = lrs(r.stdout)
-    ckpts = tmp_path / "runs" / "gpt_char" / "checkpoints"
+    losses_first, lr_first = losses(r.stdout), lrs(r.stdout)
+    assert len(losses_first) == 8 and losses_first[-1] < losses_first[0]
+    assert r.stdout.count("val_loss") == 2
+    run = tmp_path / "runs" / "gpt_char"
+    ckpts = run / "checkpoints"
+    assert os.readlink(ckpts / "last") == "0000-0008"
+    assert list((run / "tensorboard" / "train").iterdir()) and list((run / "tensorboard" / "val").iterdir())
     before = files(tmp_path / "runs")
     r = nnscaler(*first, cwd=tmp_path)  # trains nothing, writes nothing, starts no worker
     assert r.returncode == 0 and r.stdout.startswith("nothing to train: ./runs/gpt_char/checkpoints/0000-0008 is at step 8"), r.stderr
@@ -64,6 +53,10 @@ def test_readme_commands_rerun_and_train_on(tmp_path):
     assert "resumed from" in r.stdout and len(lrs(r.stdout)) == 4
     assert max(lrs(r.stdout)) <= min(lr_first)  # the cosine schedule does not climb back up
     assert os.readlink(ckpts / "last") == "0000-0012"
+    r = nnscaler("train", "-f", EXAMPLE, "--nproc", "2", "--max_train_steps", "14", "--checkpoint.resume_from", "last",
+                 "--enable_progress_bar", "false", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and len(losses(r.stdout)) == 2
 
 
 def test_seed_example_config_on_4_processes(tmp_path):

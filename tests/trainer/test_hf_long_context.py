@@ -19,7 +19,8 @@ import torch
 
 from nnscaler.trainer import TrainerArgs, TrainerConfigError
 from nnscaler.trainer.loggers.event_file import read_scalars
-from test_cli import HERE, nnscaler
+from cli_workers import train_in_workers
+from test_cli import HERE
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,7 +57,7 @@ def test_hf_long_context_example_trains_under_cp_with_ring_attention(tmp_path):
     argv = ["--vars.run_dir", str(run), "--vars.block_size", "512", "--max_train_steps", "4",
             "--val_every_n_train_steps", "2", "--checkpoint.every_n_train_steps", "4", "--enable_progress_bar",
             "false", *data]
-    r = nnscaler("train", "-f", EXAMPLE, "--nproc", "2", *argv, cwd=ROOT, timeout=300)
+    r = train_in_workers("-f", EXAMPLE, "--nproc", "2", *argv, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = [(int(s), float(loss)) for s, loss in LINE.findall(r.stdout)]
     assert [s for s, _ in steps] == [1, 2, 3, 4], r.stdout

@@ -20,7 +20,8 @@ from nnscaler.trainer import MoEMetrics, TrainStepMetrics
 from nnscaler.trainer.loggers.console import format_train_line
 from nnscaler.trainer.loggers.event_file import read_scalars
 from nnscaler.trainer.moe import MoEMeter
-from test_cli import HERE, nnscaler
+from cli_workers import train_in_workers
+from test_cli import HERE
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 EXAMPLE = os.path.join(ROOT, "examples", "trainer", "hf_moe.yaml")
@@ -65,7 +66,7 @@ def test_the_example_with_a_capacity_logs_dropped_tokens_and_tokens_per_expert(t
     argv = ["--vars.run_dir", str(run), "--max_train_steps", "2", "--val_every_n_train_steps", "10",
             "--checkpoint.every_n_train_steps", "2", "--enable_progress_bar", "false",
             "--model.args.capacity_factor", "0.5", *data]
-    r = nnscaler("train", "-f", EXAMPLE, "--nproc", "2", *argv, cwd=ROOT, timeout=300)
+    r = train_in_workers("-f", EXAMPLE, "--nproc", "2", *argv, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = LINE.findall(r.stdout)
     assert [int(s) for s, _, _ in lines] == [1, 2], r.stdout

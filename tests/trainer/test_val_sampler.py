@@ -31,28 +31,39 @@ def test_every_world_size_validates_the_same_batches_each_once(n, mbs, max_batch
         assert real == reference, dp  # the same batches, each once, whatever dp
 
 
+def _val_lines(rank, world, runs):
+    """Train each config of `runs` in turn (the same processes); per run, the validation lines rank
+    0 printed (``val_loss X (N batches)``)."""
+    import contextlib
+    import io
+    import re
+
+    from loop_helpers import run_trainer
+    lines = []
+    for data in runs:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):  # the console reporter writes to sys.stdout as it is built
+            run_trainer(data)
+        lines.append(re.findall(r"val_loss \S+ \(\d+ batches\)", out.getvalue()))
+    return lines
+
+
 @pytest.mark.multiprocess
 def test_validation_loss_and_batches_are_the_same_on_one_and_two_processes(tmp_path):
     # 12 validation samples, micro-batch 4: 3 batches; on 2 processes rank 1 runs one padding batch,
-    # and with max_val_steps 1 it runs only a padding batch (its aggregation adds nothing)
-    import re
-
-    import yaml
-
+    # and with max_val_steps 1 it runs only a padding batch (its aggregation adds nothing).
+    # The Trainer runs in this process and in one launch of 2 forked workers (nnscaler train's own
+    # launch is tested in test_cli.py)
+    from launch import run_workers
     from loop_helpers import config
-    from test_cli import nnscaler
 
-    def val_lines(n, **over):
-        run = tmp_path / f"{n}-{len(over)}"
-        run.mkdir()
-        data = config(run, max_train_steps=1, val_every_n_train_steps=1, **{
+    def runs(n):
+        return [config(tmp_path / f"{n}-{len(over)}", max_train_steps=1, val_every_n_train_steps=1, **{
             "compute_config.runtime_ngpus": n, "dataset.val_args": {"size": 12, "seed": 1}}, **over)
-        (run / "cfg.yaml").write_text(yaml.safe_dump(data))
-        r = nnscaler("train", "-f", str(run / "cfg.yaml"), "--nproc", str(n), cwd=run)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        return re.findall(r"val_loss \S+ \(\d+ batches\)", r.stdout)
+            for over in ({}, {"max_val_steps": 1})]
 
-    one = val_lines(1)
-    assert one and one == val_lines(2) and "(3 batches)" in one[0], one
-    capped = val_lines(2, max_val_steps=1)
-    assert capped and "(1 batches)" in capped[0] and capped == val_lines(1, max_val_steps=1), capped
+    one, capped_one = _val_lines(0, 1, runs(1))
+    (two, capped), quiet = run_workers(_val_lines, 2, runs(2), timeout=180)
+    assert quiet == [[], []]  # rank 0 alone prints
+    assert one and one == two and "(3 batches)" in one[0], (one, two)
+    assert capped and "(1 batches)" in capped[0] and capped == capped_one, (capped, capped_one)
