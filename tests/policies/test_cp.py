@@ -17,22 +17,16 @@ from cp_models import AttentionMoE
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, eager=False, dropout=0.0, causal=True, reduction="mean", packed=False, written=False):
+    def __init__(self, eager=False, dropout=0.0, causal=True, reduction="mean", packed=False):
         super().__init__()
         self.emb = torch.nn.Embedding(16, 8)
         self.qkv = torch.nn.Linear(8, 24)
         self.out = torch.nn.Linear(8, 16)
         self.eager, self.dropout, self.causal, self.reduction, self.packed = eager, dropout, causal, reduction, packed
-        self.written = written
 
     def forward(self, ids, labels):
         b, s = ids.shape
         q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        if self.written:  # the key filled through views of a new tensor, as DeepSeek-V3's attention
-            key = k.new_empty(k.shape)
-            key[..., :2].copy_(k[..., :2])
-            key[..., 2:].copy_(k[..., 2:] * 2)
-            k = key
         if self.packed:  # documents from positions restarting at 0, a causal mask per document (as transformers)
             pos = labels % 4
             doc = (torch.diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
@@ -61,21 +55,6 @@ def test_ops_follow_the_sequence_and_attention_rings():
     emb = next(n for n in graph.nodes if n.short_name == "embedding")
     assert emb.pieces[0].dim is not None and isinstance(emb.pieces[0].outputs[0], Shard) \
         and emb.pieces[0].outputs[0].dim == 1  # the embedding splits along the sequence
-
-
-def test_a_write_through_views_stays_whole_with_its_base():
-    """DeepSeek-V3's ``key = k.new_empty(...); key[..., :8].copy_(k_nope)``: split along the sequence,
-    each copy_ would write into a copy of the key's rows and be lost; the writes, their views and the
-    base are replicated (their inputs gathered), attention still rings."""
-    graph = apply_policy(_graph(Attention(written=True)), ComputeConfig(2, 2), "cp")
-    base = next(n for n in graph.nodes if n.short_name == "new_empty")
-    writes = [n for n in graph.nodes if n.short_name == "copy_"]
-    views = [n for n in graph.nodes if n.short_name == "__getitem__" and n.input_refs()[0].id == base.output_refs()[0].id]
-    assert len(writes) == 2 and len(views) == 2
-    for node in [base] + views + writes:
-        assert [p.dim for p in node.pieces] == [None, None], node.describe()
-        assert all(isinstance(o, Replicate) for p in node.pieces for o in p.outputs), node.describe()
-    assert [p.dim for p in next(n for n in graph.nodes if n.target == SDPA).pieces] == [RING_DIM, RING_DIM]
 
 
 def test_mean_loss_splits_its_tokens_and_is_whole_on_every_rank():

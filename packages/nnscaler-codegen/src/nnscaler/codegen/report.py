@@ -73,7 +73,7 @@ def build_report(graph: IRGraph, compute_config, policy: str = "?", unit: Option
     report.forward, report.backward, report.recompute = (
         [Collective(k, c, b) for k, (c, b) in sorted(table.items())] for table in (counter.fwd, counter.bwd, counter.rec))
     report.runtime_ops = dict(sorted(counter.runtime_ops.items()))
-    report.unannotated = _unannotated(graph)
+    report.unannotated = _unannotated(graph, unit)
     if graph.pipeline is not None:
         pipe = graph.pipeline
         stages: Dict[int, List[str]] = {}
@@ -262,11 +262,12 @@ def _add(table: Dict[str, Tuple[int, int]], kind: str, nbytes: float) -> None:
     table[kind] = (calls + 1, total + int(round(nbytes)))
 
 
-def _unannotated(graph: IRGraph) -> List[UnannotatedOp]:
-    """Ops reading tensors without a dimension annotation, by (target, user line)."""
+def _unannotated(graph: IRGraph, unit: UnitPlan) -> List[UnannotatedOp]:
+    """Ops reading tensors without a dimension annotation, by (target, user line); not those a policy
+    split anyway (`cp` splits a ``new_empty`` written through views along the sequence)."""
     found: Dict[Tuple[str, str], UnannotatedOp] = {}
     for node in graph.nodes:
-        if node.annotation is not None or is_shape_query(node) or is_guard(node):
+        if node.annotation is not None or is_shape_query(node) or is_guard(node) or unit.partitioned.get(node.id):
             continue
         if not any(graph.value(r).is_tensor for r in node.input_refs()):
             continue  # factories (torch.arange) and int arithmetic: nothing to split

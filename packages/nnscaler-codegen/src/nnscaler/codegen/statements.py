@@ -18,8 +18,10 @@ from .render import ModeChoice, RawExpr, Renderer
 
 __all__ = ["statement", "rescale_sizes", "unpack_target", "context_line", "describe_source"]
 
-# Ops whose arguments spell (part of) their output shape: a piece gets its local shape.
-_SHAPE_ARG_OPS = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
+# Ops whose arguments spell (part of) their output shape: a piece gets its local shape. The
+# factories are split by `cp` only (their written base, policies/builtin/_cp_writes.py).
+_SHAPE_ARG_OPS = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand",
+                  "torch.Tensor.new_empty", "torch.Tensor.new_zeros", "torch.Tensor.new_ones"}
 
 
 def statement(node: Node, renderer: Renderer, graph: IRGraph, unit: UnitPlan) -> List[str]:

@@ -24,10 +24,11 @@ its block (router, shared experts) split along the sequence where they can follo
 the batch as under `ep` (the flattened (B*S, H) tokens of a batch above 1), else whole.
 
 An in-place write through a view (DeepSeek-V3's attention fills ``key = k.new_empty(...);
-key[..., :8].copy_(k_nope)``), its views and their base stay whole on every device, as under `tp`
-(`written_through_views`): split, the write would land in a copy of the base's piece and be lost.
-Its sequence-split inputs are gathered for it (the key whole on each device until attention takes
-its rows).
+key[..., :8].copy_(k_nope)``), its views and their base are split along the sequence where every one
+of them can follow it (`_cp_writes.py`: each rank writes its own rows of its piece of the base, nothing
+gathered); otherwise they stay whole on every device, as under `tp` (`written_through_views`: split
+another way, the write would land in a copy of the base's piece and be lost), their sequence-split
+inputs gathered for them.
 
 Keys: ``sequence_dim``, ``ep_size``; pipelines (``pp_size`` ...) and ``tp_modules`` as `ep`
 (`_unit_plan.py`).
@@ -42,8 +43,9 @@ from nnscaler.ir import CROSS_ENTROPY, RING_DIM, ROUTED_EXPERTS, SDPA, SEQUENCE_
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
-from ._spread import replicate_over_unit, split_activation_batch_or_replicate, split_over_unit, written_through_views
+from ._spread import replicate_over_unit, split_activation_batch_or_replicate, split_over_unit
 from ._cp_rows import mask_row_splits
+from ._cp_writes import SequenceWrites
 from ._unit_plan import UNIT_KEYS, TensorParallelModules, devices_of, stage_if_asked
 from .ep import ep_size_of, moe_blocks, split_routed_experts
 from .megatron import follow_split
@@ -63,7 +65,7 @@ def cp(graph, cfg):
     ep_size = ep_size_of(pas, cfg.plan_ngpus // pp_size, "cp")
     blocks = moe_blocks(graph)  # mixture-of-experts modules: their tokens may split along the batch instead
     tp = TensorParallelModules(pas)
-    pinned = written_through_views(graph)  # an in-place write through a view: replicated with its views and base
+    writes = SequenceWrites(graph)  # in-place writes through views, with their views and base
     along: Dict[int, int] = {}  # value id -> the axis it is split along
     mask_rows: Dict[int, Dict[int, str]] = {}  # devices -> {node id: dim}: ops building a mask's rows
     for spec in graph.inputs:
@@ -83,8 +85,9 @@ def cp(graph, cfg):
             pass  # a mean loss over this rank's tokens, the sums all-reduced (no logits gathered)
         elif node.target == ROUTED_EXPERTS:
             split_routed_experts(graph, node, devices, ep_size)  # experts over the devices, as `ep`
-        elif node.id in pinned:  # split, the write would land in a copy of the base's piece (lost)
-            replicate_over_unit(graph, node, len(devices), devices)
+        elif node.id in writes:  # along the sequence where the whole write can follow it, else whole
+            if not writes.split(node, along, devices):
+                replicate_over_unit(graph, node, len(devices), devices)
         elif tp_dim is not None:
             tp.split(graph, node, tp_dim, devices)
         else:
