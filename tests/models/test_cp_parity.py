@@ -8,8 +8,8 @@ steps within 1e-10 of single-process training on the global batch.
   tokens (the reference: gradient accumulation over the two halves, each loss / 2).
 - mixture of experts (Mixtral, Qwen3-MoE) under ``cp`` 2, ``cp`` 2 x dp 2 (Qwen3-MoE also with
   use_zero=3), a pipeline of 2 stages each cp 2 (Mixtral, 4 processes) and cp 4 with ``ep_size`` 2
-  (Mixtral: two groups of 2 ranks each split the experts): the routed experts are
-  split over the unit as ``ep`` splits them (rank 0 holds half of every expert weight; the generated
+  (Mixtral: each rank stores 1/4 of the experts, the tokens exchanged inside groups of 2 ranks): the
+  routed experts are split over the unit as ``ep`` splits them (rank 0 holds half of every expert weight; the generated
   code calls ring attention and the experts' exchange), the next-token and load-balancing losses
   exact (per replica under dp, as ``ep``); with ``pas_config={"ep_size": 1}`` every expert whole on
   each rank.
@@ -47,12 +47,16 @@ def _activations_split(results, label):
     return all(tuple(v.shape) == tuple(shape) for _, shape, _, v in results[0][label][1])
 
 
-def _experts_split(results, label):
-    """Rank 0 holds half of every expert weight (as under ``ep`` 2) and every other weight whole."""
-    shapes = [(name, tuple(shape), tuple(v.shape)) for name, shape, _, v in results[0][label][1]]
-    experts = [(full, local) for name, full, local in shapes if ".experts." in name]
-    return (experts and all(local[0] * 2 == full[0] and local[1:] == full[1:] for full, local in experts)
-            and all(full == local for name, full, local in shapes if ".experts." not in name))
+def _experts_split(results, label, n=2, rank=0):
+    """`rank` holds its 1/n of every expert weight (piece `rank` % n, as under ``ep`` n) and every other
+    weight whole."""
+    shapes = [(name, tuple(shape), slices, tuple(v.shape)) for name, shape, slices, v in results[rank][label][1]]
+    experts = [(full, tuple(slices[0]), local) for name, full, slices, local in shapes if ".experts." in name]
+    piece = rank % n
+    return (experts and all(local[0] * n == full[0] and local[1:] == full[1:]
+                            and start == piece * local[0] and stop == (piece + 1) * local[0]
+                            for full, (start, stop), local in experts)
+            and all(full == local for name, full, _, local in shapes if ".experts." not in name))
 
 
 def _generated(tmp_path, label):
@@ -83,7 +87,7 @@ def test_cp4_and_cp2_dp2(tmp_path):
     # per replica (dp) or per micro-batch (the pipeline): the load-balancing loss of each half batch
     _check(results, WORLD4, halves_for=("cp2-dp2", "cp2-dp2-zero3", "q3-cp2-dp2-zero3") + MOE[2:])
     assert all(_experts_split(results, label) for label in MOE[2:])  # a pipeline stage's experts over its cp 2
-    # ep_size 2 of cp 4: two groups of 2 ranks each split the experts, their weights whole on every rank
-    assert _activations_split(results, "m-cp4-ep2")
+    # ep_size 2 of cp 4: each rank stores 1/4 of every expert weight (the tokens exchanged inside pairs)
+    assert all(_experts_split(results, "m-cp4-ep2", n=4, rank=r) for r in range(4))
     code = _generated(tmp_path, "m-cp4-ep2")
     assert len(code) == 4 and all(c.count("ep_size=2") == 2 for c in code)

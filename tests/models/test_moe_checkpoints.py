@@ -1,9 +1,10 @@
 """Checkpoints of mixture-of-experts training: a checkpoint saved under ``ep`` 2 x dp 2 (each rank
 holding half the experts) merges to the model's own names and layout, ``merge(hf=True)`` gives a
 directory ``from_pretrained`` loads, and the checkpoint loads under ``ep`` 4 (one expert per rank),
-``ep`` 1 and ``dp`` on 4 processes: every plan then computes the same loss on the same batch as the
+``ep`` 4 with ``ep_size`` 2, ``ep`` 1 and ``dp`` on 4 processes: every plan then computes the same loss on the same batch as the
 merged model in one process (float64, 1e-10), and the expert weights it holds are the slices of the
-merged ones. One spawn of 4 processes runs it all."""
+merged ones; loaded under ``ep`` 4 with ``ep_size`` 2 (each rank storing 1/4 of the experts) and saved
+again, it merges to the same weights. One spawn of 4 processes runs it all."""
 from __future__ import annotations
 
 import os
@@ -15,14 +16,16 @@ import hf_models
 from launch import run_workers
 
 TOL = 1e-10
-PLANS = [("ep4", "ep", 4), ("ep1", "ep", 1), ("dp", "dp", 1)]
+PLANS = [("ep4", "ep", 4), ("ep4-ep2", "ep", 4), ("ep1", "ep", 1), ("dp", "dp", 1)]
+PAS = {"ep4-ep2": {"ep_size": 2}}  # each rank stores 1/4 of the experts, tokens exchanged inside pairs
 
 
 def _parallel(name, policy, plan, world, root):
     from nnscaler import ComputeConfig, parallelize
     sample = hf_models.batch("mixtral", 0, 4 // (world // plan))
-    return parallelize(hf_models.make("mixtral"), sample, policy, ComputeConfig(plan, world, trace_strategy="cpu"),
-                       gen_savedir=os.path.join(root, "gen", name), instance_name=f"mixtral_{name}")
+    cfg = ComputeConfig(plan, world, trace_strategy="cpu", pas_config=PAS.get(name, {}))
+    return parallelize(hf_models.make("mixtral"), sample, policy, cfg,
+                       gen_savedir=os.path.join(root, "gen", name), instance_name=f"mixtral_{name}".replace("-", "_"))
 
 
 def _work(rank, world, root):
@@ -49,9 +52,13 @@ def _work(rank, world, root):
         experts = {other.fullmap[n].full_name: (other.fullmap[n].slices, p.detach().clone())
                    for n, p in other.named_parameters() if ".experts." in other.fullmap[n].full_name}
         losses[name + "-experts"] = experts
+        if name in PAS:  # saved again under ep_size 2: merges to the same weights
+            save(os.path.join(root, name), other)
     if rank == 0:
         merge(ck, os.path.join(root, "merged"), model_only=True)
         merge(ck, os.path.join(root, "hf"), hf=True)
+        for name in PAS:
+            merge(os.path.join(root, name), os.path.join(root, "merged-" + name), model_only=True)
     dist.barrier()
     return local, losses
 
@@ -71,6 +78,9 @@ def test_moe_checkpoint_round_trips(tmp_path):
                                                                experts_implementation="eager")  # grouped_mm: no float64
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, merged[f"model.{name}"]), name
+    for name in PAS:
+        again = load_file(str(tmp_path / f"merged-{name}" / "model.safetensors"))
+        assert set(again) == set(merged) and all(torch.equal(again[k], merged[k]) for k in merged), name
     model = hf_models._same_dtype_rms_norm(hf_models.MoeCausalLM(loaded))
     with torch.no_grad():
         want = float(model(**hf_models.batch("mixtral", 0, 4)))

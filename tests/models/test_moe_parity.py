@@ -15,7 +15,9 @@ within 1e-10 of single-process training on the global batch.
   expert, latent attention) and gpt-oss (attention sinks, biased transposed experts, clamped
   SwiGLU) under ``ep`` 2 and ``ep`` 4 (DeepSeek-V3 under ``tp`` 2 and an interleaved pipeline of 4
   stages on 2 ranks too: no stage starts inside its attention's in-place key fill; and under pp 2 x
-  ep 2 and ``hybrid`` pp 2 x 2 on 4 ranks, whose SDPA mask is a both-branch argument): DeepSeek-V3's
+  ep 2 and ``hybrid`` pp 2 x 2 on 4 ranks, whose SDPA mask is a both-branch argument; both under
+  ``ep`` 4 with ``ep_size`` 2, each rank storing 1/4 of the experts and exchanging tokens inside a
+  pair, DeepSeek-V3 with its bias balancing): DeepSeek-V3's
   groups keep each token on one half of the experts, so under ``ep`` 2 a rank's experts often
   receive no row (it hung before the fix).
 - ``dp`` and ``tp`` on the same models: the experts op splits along the tokens under tp (held to
@@ -51,6 +53,9 @@ EP2 = [dict(mp.plan("ep2", "ep", 2), model="mixtral"), dict(mp.plan("ep2", "ep",
        dict(_interleaved(), model="deepseek_v3", label="d-pp2i")]  # 4 stages, none starting inside the key's fill
 EP2_DP2 = [dict(mp.plan("ep2-dp2", "ep", 2), model="mixtral"),
            dict(mp.plan("d-ep4", "ep", 4), model="deepseek_v3"), dict(mp.plan("g-ep4", "ep", 4), model="gpt_oss"),
+           # ep_size 2 of 4: each rank stores 1/4 of the experts, the tokens exchanged inside pairs of ranks
+           dict(mp.plan("g-ep4-ep2", "ep", 4, pas_config={"ep_size": 2}), model="gpt_oss"),
+           dict(mp.plan("d-ep4-ep2-balanced", "ep", 4, pas_config={"ep_size": 2}), model="deepseek_v3", balance=BALANCE),
            dict(mp.plan("d-ep2-dp2-balanced", "ep", 2), model="deepseek_v3", balance=BALANCE),
            dict(mp.plan("ep2-dp2-zero3", "ep", 2, use_zero=3), model="qwen2_moe"),
            dict(mp.plan("pp2-ep2", "ep", 4, use_end2end=True,
@@ -95,6 +100,12 @@ def test_moe_ep2_dp2(tmp_path):
     for label, n in (("ep2-dp2", 2), ("pp2-ep2", 2), ("d-ep4", 4), ("g-ep4", 4)):  # rank 0's share of every expert weight
         shapes = _expert_shapes(results, label)
         assert shapes and all(local[0] * n == full[0] for full, local in shapes.values()), (label, shapes)
+    for label in ("g-ep4-ep2", "d-ep4-ep2-balanced"):  # ep_size 2: every rank stores its 1/4, as under ep 4
+        for rank in range(4):
+            held = [(tuple(full), tuple(slices[0]), tuple(v.shape)) for name, full, slices, v in results[rank][label][1]
+                    if ".experts." in name]
+            assert held and all(local[0] * 4 == full[0] and (start, stop) == (rank * local[0], (rank + 1) * local[0])
+                                for full, (start, stop), local in held), (label, rank, held)
     # DeepSeek-V3's one MoE layer is in the second stage (ranks 2, 3): each holds half its experts
     shapes = [(tuple(shape), tuple(value.shape)) for r in (2, 3)
               for name, shape, _, value in results[r]["d-pp2-ep2"][1] if ".experts." in name]

@@ -9,8 +9,10 @@ within 1e-9). Each launch has a deadline, so a hang fails the test.
 - 4 processes: ``ep`` 4, ``ep`` 2 x dp 2 with recomputation, ``pp`` 2 x ``ep`` 2 (2 micro-batches)
   with recomputation, and ``ep`` 2 x dp 2 with ``use_zero=3``, without and with recomputation.
 
-With a capacity factor (token dropping, ``ep`` 2, ``ep`` 4 with recomputation, and ``tp`` 2, which
-keeps the op's tokens whole) the parallel plans drop the pairs one process drops.
+With a capacity factor (token dropping, ``ep`` 2, ``ep`` 4 with recomputation, ``ep`` 4 with
+``ep_size`` 2 and recomputation (each rank storing 1/4 of the experts, the tokens exchanged inside
+pairs), and ``tp`` 2, which keeps the op's tokens whole) the parallel plans drop the pairs one
+process drops.
 
 Every rank of a unit (of a pipeline stage) runs the same collectives, as many of each kind, in
 every step; the expert-load record holds the step's load per layer (summed over its micro-batches:
@@ -34,7 +36,8 @@ PLANS4 = [("ep4", 4, {}), ("ep2-dp2-recompute", 2, {"pas_config": RECOMPUTE}),
           ("pp2-ep2-recompute", 4, {"use_end2end": True,
                                     "pas_config": {"pp_size": 2, "pipeline_nmicros": rm.NMICROS, **RECOMPUTE}}),
           ("ep2-dp2-zero3", 2, {"use_zero": 3}), ("ep2-dp2-zero3-recompute", 2, {"use_zero": 3, "pas_config": RECOMPUTE}),
-          ("ep4-capacity-recompute", 4, {"capacity": CAPACITY, "pas_config": RECOMPUTE})]
+          ("ep4-capacity-recompute", 4, {"capacity": CAPACITY, "pas_config": RECOMPUTE}),
+          ("ep4-ep2-capacity-recompute", 4, {"capacity": CAPACITY, "pas_config": {"ep_size": 2, **RECOMPUTE}})]
 
 
 def _forbidden(step):
@@ -97,3 +100,8 @@ def test_rigged_routers_on_2_processes(tmp_path):
 def test_rigged_routers_on_4_processes(tmp_path):
     results = run_workers(rm.train, 4, PLANS4, str(tmp_path / "gen"), timeout=120)
     _check(results, PLANS4, 4)
+    for rank in range(4):  # ep_size 2: each rank stores its 1/4 of the experts (2 of 8), as under ep 4
+        held = [(tuple(full), tuple(slices[0])) for name, full, slices, _ in results[rank]["ep4-ep2-capacity-recompute"][1]
+                if name.endswith(("gate_up", "down"))]
+        assert len(held) == 2 * rm.LAYERS and all(s == (rank * rm.EXPERTS // 4, (rank + 1) * rm.EXPERTS // 4)
+                                                  for _, s in held), (rank, held)

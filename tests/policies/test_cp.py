@@ -146,20 +146,22 @@ def test_experts_split_over_the_unit_as_ep():
     assert experts.pieces[0].dim != EXPERT_DIM and isinstance(experts.pieces[0].inputs[3], type(Replicate()))
 
 
-def test_ep_size_between_splits_the_experts_over_groups(tmp_path):
-    """ep_size 2 of 4 devices: each group of 2 consecutive devices splits the experts (dim "e:2"), their
-    weights whole on every device; codegen makes the groups' process groups and passes ep_size."""
+def test_ep_size_between_stores_the_experts_over_the_unit(tmp_path):
+    """ep_size 2 of 4 devices: the experts stored 1/4 per device (Shard(0), as full ep), the piece's dim
+    "e:2"; codegen makes the groups' and the replica sets' process groups and passes ep_size."""
     from nnscaler.codegen import generate
     from nnscaler.ir import ROUTED_EXPERTS, expert_group
     cfg = ComputeConfig(4, 4, pas_config={"ep_size": 2})
     graph = apply_policy(_graph(AttentionMoE()), cfg, "cp")
     experts = next(n for n in graph.nodes if n.target == ROUTED_EXPERTS)
     assert [expert_group(p.dim) for p in experts.pieces] == [(True, 2)] * 4
-    assert [type(p).__name__ for p in experts.pieces[0].inputs] == ["Shard"] * 3 + ["Replicate"] * 2
+    assert all(isinstance(p, Shard) and p.dim == 0 for p in experts.pieces[0].inputs)  # tokens and experts
     generate(graph, cfg, tmp_path / "gen")
     code = (tmp_path / "gen" / "gencode2.py").read_text()
     assert "nr.moe.expert_parallel(" in code and "ep_size=2" in code
-    assert "(0, 1, 2, 3), (0, 1), (2, 3))" in code  # the unit's group, then the two expert groups
+    # the unit's group, the two groups of 2, then the replica sets (group positions 0 and 1)
+    assert "(0, 1, 2, 3), (0, 1), (2, 3), (0, 2), (1, 3))" in code
+    assert "'up', full_shape=(4, 16, 8), slices=((2, 3), (0, 16), (0, 8))" in code  # device 2: expert 2 of 4
 
 
 @pytest.mark.parametrize("ep_size, words", [(3, r"must be a whole number dividing the 4 devices"),
@@ -170,8 +172,8 @@ def test_bad_ep_size(ep_size, words):
 
 
 def test_experts_that_do_not_split_over_ep_size():
-    with pytest.raises(PlanError, match=r"has 3 experts, which do not split over pas_config\['ep_size'\] \(2\): .*"
-                                        r"ep_size=1: every expert on every device"):
+    with pytest.raises(PlanError, match=r"has 3 experts, which do not split over the 4 devices that store them under "
+                                        r"pas_config\['ep_size'\] \(2\): .*ep_size=1: every expert on every device"):
         apply_policy(_graph(AttentionMoE(experts=3)), ComputeConfig(4, 4, pas_config={"ep_size": 2}), "cp")
 
 

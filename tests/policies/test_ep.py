@@ -68,6 +68,25 @@ def test_pipeline_stages_split_their_experts():
     assert [[p.device for p in n.pieces] for n in ops] == [[0, 1], [2, 3]]
 
 
+def test_ep_size_between_stores_the_experts_over_every_stage_device(tmp_path):
+    """ep_size 2 in stages of 4 devices (pp 2 of 8): the experts stored 1/4 per device (Shard(0), as full
+    ep), the piece's dim "e:2"; every rank creates each stage's groups of 2 and replica sets."""
+    from nnscaler.codegen import generate
+    from nnscaler.ir import expert_group
+    cfg = ComputeConfig(8, 8, use_end2end=True, pas_config={"pp_size": 2, "pipeline_nmicros": 2, "ep_size": 2})
+    graph = apply_policy(_graph(TinyMoE(experts=8), torch.randn(16, 2, 8)), cfg, "ep")
+    ops = [n for n in graph.nodes if n.target == ROUTED_EXPERTS]
+    assert [[p.device for p in n.pieces] for n in ops] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for node in ops:
+        assert [expert_group(p.dim) for p in node.pieces] == [(True, 2)] * 4
+        assert all(isinstance(pl, Shard) and pl.dim == 0 for pl in node.pieces[0].inputs)
+    generate(graph, cfg, tmp_path / "gen")
+    code = (tmp_path / "gen" / "gencode5.py").read_text()
+    assert "(0, 1), (2, 3), (4, 5), (6, 7), (0, 2), (1, 3), (4, 6), (5, 7))" in code
+    assert code.count("ep_size=2") == 1 and "ranks=(4, 5, 6, 7)" in code  # the stage's ranks, its groups inside
+    assert "full_shape=(8, 16, 8), slices=((2, 4), (0, 16), (0, 8))" in code  # device 5: experts 2, 3 of 8
+
+
 def test_experts_not_divisible_by_the_ep_size():
     with pytest.raises(PlanError, match=r"has 6 experts, which do not split over the expert-parallel size 4 .*"
                                         r"plan_ngpus=3"):

@@ -6,8 +6,10 @@ order, an expert that receives no token, a rank that sends none, and ranks whose
 no row at all (their backward still runs the exchanges: no hang), and with a capacity factor (the
 pairs dropped are those one process drops on the whole batch); the payload counted is the
 rows exchanged; `expert_load` records the tokens per expert of the unit, the rank's own tokens' and,
-with a capacity, the pairs the rank's tokens lost (summed over the ranks: one process's). One launch of 4 ranks
-runs every case."""
+with a capacity, the pairs the rank's tokens lost (summed over the ranks: one process's). With
+``ep_size`` 2 of 4 ranks (each rank storing 1/4 of the experts, the tokens exchanged inside groups of 2,
+ranks in order or not, with a capacity) the same holds, with one all-gather of the experts forward and
+one reduce-scatter of their gradients backward. One launch of 4 ranks runs every case."""
 from __future__ import annotations
 
 import pytest
@@ -52,9 +54,14 @@ def _job(rank, world, cases):
     from nnscaler.runtime import comm, moe
     from nnscaler.runtime.comm import group_for
     out = {}
-    for label, ranks, seed, skewed, fallback, *capacity in cases:
-        cf = capacity[0] if capacity else None
+    for label, ranks, seed, skewed, fallback, *extra in cases:
+        cf, ep = (extra + [None, None])[:2]
         group_for(sorted(ranks))
+        if ep:  # the groups of `ep` ranks and the replica sets, on every rank in the same order
+            for i in range(0, len(ranks), ep):
+                group_for(sorted(ranks[i:i + ep]))
+            for i in range(ep):
+                group_for(sorted(ranks[i::ep]))
         if rank not in ranks:
             continue
         n, piece = len(ranks), ranks.index(rank)
@@ -66,7 +73,7 @@ def _job(rank, world, cases):
 
         def parallel(h, i, w, u, d, ub, db):
             return moe.expert_parallel(h, i, w, u, d, ub, db, gate="clamped_swiglu", transposed=False, alpha=1.7,
-                                       limit=2.0, capacity_factor=cf, ranks=ranks)
+                                       limit=2.0, capacity_factor=cf, ranks=ranks, ep_size=ep)
         with (comm.force_fallback("all_to_all") if fallback else _nothing()), comm.count_collectives() as stats:
             got, grads = _grads(parallel, SEED_OF_OUT[tok], hidden[tok], index[tok], weights[tok], up[exp], down[exp], up_bias[exp],
                                 down_bias[exp])
@@ -80,7 +87,9 @@ def _job(rank, world, cases):
         load = moe.expert_load()
         out[label] = (diffs, stats.calls(name), stats.bytes(name), load.per_call[0].tolist(),
                       torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist(), list(load.own.values())[0].tolist(),
-                      torch.bincount(index[tok].reshape(-1), minlength=EXPERTS).tolist(), list(load.dropped.values()))
+                      torch.bincount(index[tok].reshape(-1), minlength=EXPERTS).tolist(), list(load.dropped.values()),
+                      [sum(stats.calls(f"{kind}{how}") for how in ("", "(fallback)"))
+                       for kind in ("all_gather", "reduce_scatter")])
     dist.barrier()
     return out
 
@@ -99,24 +108,31 @@ CASES = [("native", (0, 1, 2, 3), 1, False, False), ("fallback", (0, 1, 2, 3), 2
          ("empty-ranks", (0, 1, 2, 3), 5, "first", False), ("empty-rank-pair", (1, 0), 6, "first", True),
          # a capacity: the pairs dropped are those one process drops on the whole batch
          ("capacity", (0, 1, 2, 3), 8, False, False, 0.75), ("capacity-skewed", (0, 1, 2, 3), 9, "first", False, 1.0),
-         ("capacity-pair", (2, 0), 10, True, True, 0.5)]
+         ("capacity-pair", (2, 0), 10, True, True, 0.5),
+         # ep_size 2 of 4: each rank stores 1/4 of the experts, tokens exchanged inside groups of 2
+         ("ep-size-2", (0, 1, 2, 3), 11, False, False, None, 2),
+         ("ep-size-2-reordered", (3, 1, 0, 2), 12, True, True, None, 2),
+         ("ep-size-2-capacity", (0, 1, 2, 3), 13, "first", False, 0.75, 2)]
 
 
 @pytest.mark.multiprocess
 def test_expert_parallel_equals_one_process():
     results = run_workers(_job, 4, CASES, timeout=120)
     from nnscaler.ir.ops.moe import routed_experts
-    for label, ranks, seed, skewed, _, *capacity in CASES:
+    for label, ranks, seed, skewed, _, *extra in CASES:
+        capacity = [c for c in extra[:1] if c is not None]
         if capacity:  # the capacity drops pairs (the output differs from dropless routing)
             problem = _problem(seed, skewed)
             assert not torch.equal(routed_experts(*problem, capacity_factor=capacity[0]), routed_experts(*problem)), label
         dropped = []
         for rank in ranks:
-            diffs, calls, nbytes, load, want_load, own, want_own, rank_dropped = results[rank][label]
+            diffs, calls, nbytes, load, want_load, own, want_own, rank_dropped, gathers = results[rank][label]
             assert max(diffs) <= 1e-12, (label, rank, diffs)
-            assert calls == 4, (label, calls)  # dispatch and combine, forward and backward
+            assert calls == 4, (label, calls)  # dispatch and combine, forward and backward (inside the group)
             assert nbytes > 0 and load == want_load, (label, load, want_load)
             assert own == want_own, (label, rank, own, want_own)  # this rank's own tokens' choices
+            # ep_size: one all-gather of the stored experts (forward), one reduce-scatter (backward)
+            assert gathers == ([1, 1] if extra[1:] else [0, 0]), (label, rank, gathers)
             dropped += rank_dropped
         if capacity:  # the ranks' dropped pairs add up to those one process drops
             from nnscaler.ir.ops.moe import expert_capacity, kept_counts, slot_counts

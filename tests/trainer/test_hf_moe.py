@@ -28,6 +28,7 @@ from nnscaler.trainer import MoEMetrics, TrainerArgs, TrainStepMetrics
 from nnscaler.trainer.loggers.console import format_train_line
 from nnscaler.trainer.loggers.event_file import read_scalars
 from nnscaler.trainer.moe import MoEMeter
+from cli_workers import train_in_workers
 from test_cli import HERE, nnscaler, write
 
 transformers = pytest.importorskip("transformers")
@@ -61,7 +62,7 @@ def test_hf_moe_example_trains_under_ep_and_logs_aux_loss_and_expert_load(tmp_pa
             for key, value in (("files", "docs/trainer.md"), ("cache_dir", tmp_path / "datasets"))]
     argv = ["--vars.run_dir", str(run), "--max_train_steps", "4", "--val_every_n_train_steps", "2",
             "--checkpoint.every_n_train_steps", "4", "--enable_progress_bar", "false", *data]
-    r = nnscaler("train", "-f", EXAMPLE, "--nproc", "2", *argv, cwd=ROOT, timeout=300)
+    r = train_in_workers("-f", EXAMPLE, "--nproc", "2", *argv, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = [(int(s), float(loss), float(aux), float(imb)) for s, loss, aux, imb in LINE.findall(r.stdout)]
     assert [s[0] for s in steps] == [1, 2, 3, 4], r.stdout
@@ -110,6 +111,10 @@ def _example(*overrides):
       "set pas_config.ep_size to 1"]),
     (["--pas_policy", "cp", "--model.args.config.num_local_experts", "3", "--compute_config.pas_config.ep_size", "1"],
      None, []),  # every expert on every rank
+    (["--pas_policy", "cp", "--model.args.config.num_local_experts", "6", "--compute_config.plan_ngpus", "4",
+      "--compute_config.runtime_ngpus", "4", "--compute_config.pas_config.ep_size", "2"], "compute_config.pas_config.ep_size",
+     ["is 2: pas_policy 'cp' splits each layer's 6 experts (num_local_experts) over the 4 devices of a stage",
+      "set pas_config.ep_size to 1"]),  # ep_size 2 exchanges inside pairs, but stores the experts over all 4
 ])
 def test_bad_moe_config_is_refused_before_any_worker(overrides, key, says):
     from hf_runs import assert_config_verdict
@@ -257,13 +262,13 @@ def test_deepseek_v3_balances_and_drops_under_ep_in_the_trainer(tmp_path):
             "--checkpoint.every_n_train_steps", "2", "--enable_progress_bar", "false",
             *[f"--dataset.{split}_args.{key}={value}" for split in ("train", "val")
               for key, value in (("files", text), ("cache_dir", tmp_path / "datasets"))]]
-    r = nnscaler("train", "-f", str(path), "--nproc", "2", *argv, cwd=ROOT, timeout=300)
+    r = train_in_workers("-f", path, "--nproc", "2", *argv, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "expert_imbalance" in r.stdout
     gencode = glob.glob(str(run / "gen" / "**" / "gencode0.py"), recursive=True)
     assert gencode and "capacity_factor=1.5" in open(gencode[0]).read()
-    r = nnscaler("ckpt", "merge", str(run / "checkpoints" / "last"), str(tmp_path / "merged"), cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    from nnscaler.ckpt import merge
+    merge(run / "checkpoints" / "last", tmp_path / "merged")
     [bias] = [v for k, v in load_file(str(tmp_path / "merged" / "model.safetensors")).items()
               if k.endswith("e_score_correction_bias")]
     steps = bias / coeff  # initialised to 0: each step moved every expert by -1, 0 or +1

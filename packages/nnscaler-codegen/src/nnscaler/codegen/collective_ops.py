@@ -4,9 +4,9 @@ them in a way no annotation can express.
 - expert parallelism: a routed-experts op (``nnscaler.ir.ops.moe``) split along ``e``
   (`EXPERT_DIM`; piece i holds 1/n of the tokens and of the experts: the index holds global
   expert ids) calls ``nr.moe.expert_parallel``, which exchanges the tokens by all-to-all; split
-  along ``e:k`` (`expert_group_dim`: the weights whole on every device, the experts over groups of
-  k consecutive devices of the unit) it passes ``ep_size=k`` (the groups' process groups are made
-  with the unit's, `expert_groups`);
+  along ``e:k`` (`expert_group_dim`: stored as along ``e``, the tokens exchanged inside groups of
+  k consecutive devices of the unit) it passes ``ep_size=k`` (the process groups of the groups and
+  of their replica sets, the devices at one group position, are made with the unit's, `expert_groups`);
 - context parallelism: ``scaled_dot_product_attention`` split along `RING_DIM` (piece i holds 1/n
   of the sequence of q, k, v and the mask's rows) calls ``nr.ring_attention.attention``; a mean
   ``cross_entropy`` split along `SEQUENCE_LOSS_DIM` (piece i holds 1/n of the tokens, the mean is

@@ -87,10 +87,13 @@ def init_lines(graph: IRGraph, local: Dict[str, str], unit: UnitPlan, device: in
                    for u in range(cfg.dp_size) for g in range(pipe.pp_size)]
     if plan_n > 1:
         groups += [tuple(range(u * plan_n, (u + 1) * plan_n)) for u in range(cfg.dp_size)]
-    for k in sorted(expert_groups(graph.nodes)):  # experts over groups of k devices of the unit / stage
-        homes = [pipe.group_devices(g) for g in range(pipe.pp_size)] if pipe is not None else [range(plan_n)]
-        groups += [tuple(u * plan_n + d for d in list(home)[i:i + k]) for u in range(cfg.dp_size)
+    for k in sorted(expert_groups(graph.nodes)):  # experts exchanged inside groups of k devices of the unit / stage
+        homes = [list(pipe.group_devices(g)) for g in range(pipe.pp_size)] if pipe is not None else [range(plan_n)]
+        groups += [tuple(u * plan_n + d for d in home[i:i + k]) for u in range(cfg.dp_size)
                    for home in homes for i in range(0, len(home), k)]
+        # the replica sets: the devices at one group position, which gather each other's stored experts
+        groups += [tuple(u * plan_n + d for d in home[i::k]) for u in range(cfg.dp_size)
+                   for home in homes for i in range(k)]
     lines = []
     if groups:
         lines.append(f"for _ranks in {tuple(groups)!r}:")

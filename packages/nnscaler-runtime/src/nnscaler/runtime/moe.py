@@ -8,7 +8,9 @@ how many rows it sends to each of its experts (an all-gather of the per-expert c
 rows to their experts' ranks (all-to-all with variable counts: dropless, nothing padded), runs its
 experts' MLPs on what it received, sends the outputs back the same way, and combines them with the
 routing weights. Forward and backward are exactly `routed_experts` on the whole batch: the
-backward of each exchange is the exchange the other way.
+backward of each exchange is the exchange the other way. With ``ep_size`` k between 1 and n the
+storage is the same, the tokens travel inside groups of k ranks and each rank gathers the experts
+its group position computes (`nnscaler.runtime.expert_groups`).
 
 `expert_load()` holds what the step's training forwards routed (tokens per expert, per layer, summed
 over the unit; bounded: one tensor per layer); `comm.stats` counts the exchanged rows.
@@ -25,6 +27,7 @@ from nnscaler.ir import (ExpertMLP, combine_experts as combine, drop_over_capaci
                          experts_dispatch_order as dispatch_order, kept_counts, slot_counts, with_dropped)
 
 from .comm.exchange import exchange_rows
+from .expert_groups import expert_groups, gather_experts, group_expert_ids
 from .comm.flat import all_gather_flat
 from . import failures
 from .comm.primitives import CommError, as_ranks, resolve
@@ -102,23 +105,6 @@ def _training_forward() -> bool:
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
 
 
-def _expert_group(ranks, k: int, weights):
-    """(this rank's group of k consecutive `ranks`, its slice of each whole expert weight (or None)): the
-    j-th rank of a group holds experts [j * E/k, (j + 1) * E/k)."""
-    import torch.distributed as dist
-    me = ranks.index(dist.get_rank()) if dist.is_initialized() and dist.get_rank() in ranks else None
-    if k < 1 or len(ranks) % k or me is None:
-        raise CommError(f"nnscaler.runtime.moe.expert_parallel: ep_size={k} must divide the {len(ranks)} ranks "
-                        f"{ranks}, this rank among them")
-    first = me - me % k
-    num = weights[0].shape[0]
-    if num % k:
-        raise CommError(f"nnscaler.runtime.moe.expert_parallel: {num} experts do not split over ep_size={k}")
-    local = num // k
-    return ranks[first:first + k], tuple(None if w is None else w.narrow(0, (me - first) * local, local)
-                                         for w in weights)
-
-
 def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias=None, down_bias=None, *,
                     activation: str = "silu", gate: str = "glu", transposed: bool = False, alpha: float = 1.0,
                     limit: float = 0.0, capacity_factor: Optional[float] = None, ranks,
@@ -128,38 +114,49 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     same collectives in the same order whatever the routing, forward and backward. `layer` names the
     layer in `expert_load()`. With `capacity_factor`, the pairs dropped are those `routed_experts`
     drops on the unit's whole batch (the count exchange carries counts per slot and expert, from which
-    every rank derives every piece's kept pairs). With `ep_size` k below the ranks, the experts' weights
-    are whole on every rank and split over groups of k consecutive ranks (`_expert_group`): the
-    exchange runs inside this rank's group, with its group's tokens."""
+    every rank derives every piece's kept pairs). With `ep_size` k below the ranks, each rank still
+    stores 1/n of the experts, but the tokens are exchanged only inside its group of k consecutive
+    ranks, whose rank at position p gathers the E/k experts it computes from its replica set
+    (`nnscaler.runtime.expert_groups`); the load record and the dropped pairs stay the unit's, in the
+    original expert ids."""
     ranks = as_ranks(ranks)
-    if ep_size is not None and ep_size != len(ranks):
-        ranks, (gate_up, down, gate_up_bias, down_bias) = _expert_group(ranks, int(ep_size),
-                                                                        (gate_up, down, gate_up_bias, down_bias))
+    unit = resolve(ranks, "moe.expert_parallel")
+    num_experts = gate_up.shape[0] * unit.n  # every rank stores E/n experts
+    groups = None
+    if ep_size is not None and ep_size != unit.n:
+        groups = expert_groups(ranks, ep_size, unit.index)
+        gate_up, down, gate_up_bias, down_bias = gather_experts((gate_up, down, gate_up_bias, down_bias),
+                                                                groups.replicas)
     mlp = ExpertMLP(activation, gate, transposed, float(alpha), float(limit))
-    n, local = len(ranks), gate_up.shape[0]
-    num_experts = local * n
-    rs = resolve(ranks, "moe.expert_parallel")
     tokens, k = top_k_index.shape
     if top_k_index.numel() and int(top_k_index.max()) >= num_experts:
         raise CommError(f"nnscaler.runtime.moe.expert_parallel: an expert index is {int(top_k_index.max())}, "
-                        f"but the layer has {num_experts} experts ({local} on each of {n} ranks)")
-    # every rank's counts per slot and expert (E per rank when dropless), in piece order
+                        f"but the layer has {num_experts} experts ({num_experts // unit.n} on each of {unit.n} ranks)")
+    # every unit rank's counts per slot and expert (E per rank when dropless), in piece order, in the
+    # original expert ids: the load record and which pairs drop are the unit's, whatever the groups
     counts = slot_counts(top_k_index, num_experts) if capacity_factor is not None else \
         torch.bincount(top_k_index.reshape(-1), minlength=num_experts)[:num_experts].unsqueeze(0)
-    gathered = all_gather_flat(counts.reshape(-1).to(torch.int64), rs.group, n, label=None,
-                               what=f"the expert-parallel count exchange over ranks {ranks}").view(n, -1, num_experts)
-    if rs.to_piece is not None:  # group order -> piece order (piece p is group rank to_piece[p])
-        gathered = gathered[torch.as_tensor([int(g) for g in rs.to_piece], device=gathered.device)]
-    me = rs.index
+    gathered = all_gather_flat(counts.reshape(-1).to(torch.int64), unit.group, unit.n, label=None,
+                               what=f"the expert-parallel count exchange over ranks {ranks}").view(unit.n, -1, num_experts)
+    if unit.to_piece is not None:  # group order -> piece order (piece p is group rank to_piece[p])
+        gathered = gathered[torch.as_tensor([int(g) for g in unit.to_piece], device=gathered.device)]
+    me = unit.index
     recorded = gathered
     if capacity_factor is not None:
-        capacity = expert_capacity(tokens * n, k, num_experts, float(capacity_factor))
+        capacity = expert_capacity(tokens * unit.n, k, num_experts, float(capacity_factor))
         kept = kept_counts(gathered.cpu(), capacity)
         top_k_index = drop_over_capacity(top_k_index, kept[me].to(top_k_index.device), num_experts)
         gathered = kept
     if _training_forward():
         dropped = None if capacity_factor is None else int(recorded[me].sum()) - int(gathered[me].sum())
         _LOAD.add(recorded.sum((0, 1)), layer, own=recorded[me].sum(0), dropped=dropped)
+    rs, n = unit, unit.n
+    if groups is not None:  # from here on: the group's pieces and the group ids of the experts
+        ids = group_expert_ids(num_experts, unit.n, ep_size)
+        top_k_index = ids.to(top_k_index.device)[top_k_index]
+        gathered = gathered.cpu()[groups.first:groups.first + ep_size][..., torch.argsort(ids[:-1])]
+        rs, n, me = resolve(groups.group, "moe.expert_parallel"), ep_size, groups.position
+    local = num_experts // n
     matrix = gathered.sum(1).tolist()  # matrix[src piece][expert]: the rows it sends there
     order, _ = dispatch_order(top_k_index, num_experts)  # a dropped pair sorts last
     send = [sum(matrix[me][j * local:(j + 1) * local]) for j in range(n)]  # rows to piece j

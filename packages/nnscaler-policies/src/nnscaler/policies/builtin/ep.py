@@ -15,9 +15,11 @@ its experts are split; ``pipeline_nmicros``, ``pipeline_scheduler``, ``pipeline_
 
 ``ep_size`` (this policy and ``cp``): the devices of a unit (or stage) each expert layer is split
 over: all of them (the default); 1 (every expert on every device, the op split along its tokens,
-as ``tp`` splits it); or k in between (groups of k consecutive devices each split the experts and
-exchange their tokens among themselves; the weights are stored whole on every device, so this saves
-no memory over ep_size 1, only keeps each exchange inside k devices).
+as ``tp`` splits it); or k in between: each device still stores 1/n of the experts (weights,
+gradients, optimizer state), but the tokens are exchanged only inside groups of k consecutive
+devices; the device at group position p computes E/k experts, which it all-gathers at forward from
+the n/k devices at position p of every group (backward: a reduce-scatter of their gradients), and
+holds from the layer's forward to its backward (``nnscaler.runtime.expert_groups``).
 
 Tensor parallelism where asked: ``tp_modules`` (module path globs, e.g. ``["*.self_attn"]``) makes
 the ops inside those modules follow Megatron's rule over the same devices (column / row-parallel
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, ConfigError, Replicate, Shard, expert_group_dim
+from nnscaler.ir import EXPERT_DIM, ROUTED_EXPERTS, ConfigError, Shard, expert_group_dim
 
 from ..plan import Piece, PlanError, tensor_inputs, tensor_outputs
 from ..registry import register_policy
@@ -74,7 +76,7 @@ def ep_size_of(pas: dict, devices: int, policy: str) -> Optional[int]:
 def split_routed_experts(graph, node, devices: Sequence[int], ep_size: Optional[int]) -> None:
     """A routed-experts op over `devices`: its experts split over them (`split_experts`); with ``ep_size``
     1 every expert on every device and the op split along its tokens; with ``ep_size`` k in between the
-    experts split over groups of k consecutive devices, their weights whole on every device."""
+    experts stored split over all the devices, their tokens exchanged inside groups of k."""
     if ep_size == 1:
         split_batch_or_replicate(graph, node, devices)
     else:
@@ -82,12 +84,11 @@ def split_routed_experts(graph, node, devices: Sequence[int], ep_size: Optional[
 
 
 def split_experts(graph, node, devices: Sequence[int], group: Optional[int] = None) -> None:
-    """Piece i of routed-experts op `node` on ``devices[i]``: 1/n of its tokens and of its experts, or with
-    `group` k (1 < k < n) of its experts 1/k, over groups of k consecutive devices: the weights whole on
-    every device (the runtime slices its group's share; their gradients, partial, are summed over the
-    unit), the piece's dim `expert_group_dim(k)` (codegen passes ``ep_size=k``)."""
+    """Piece i of routed-experts op `node` on ``devices[i]``: 1/n of its tokens and of its experts. With
+    `group` k (1 < k < n) the storage is the same, but the piece's dim is `expert_group_dim(k)` (codegen
+    passes ``ep_size=k``): the tokens are exchanged inside groups of k consecutive devices, each device
+    gathering the experts of its group position from the devices at that position in every group."""
     n = len(devices)
-    split = group or n
     ins = tensor_inputs(graph, node)
     tokens, k = graph.value(ins[1]).shape
     num_experts = graph.value(ins[3]).shape[0]
@@ -95,24 +96,22 @@ def split_experts(graph, node, devices: Sequence[int], group: Optional[int] = No
     if k > num_experts:
         raise PlanError(f"{where} routes each token to top-k = {k} experts but has only {num_experts}: "
                         f"num_experts_per_tok must be at most the number of experts")
-    if num_experts % split:
-        how = f"pas_config['ep_size'] ({split})" if group else f"the expert-parallel size {n} (plan_ngpus / pp_size)"
-        raise PlanError(f"{where} has {num_experts} experts, which do not split over {how}: use an ep size that "
-                        f"divides {num_experts} (e.g. {'ep_size' if group else 'plan_ngpus'}="
-                        f"{_divisor(num_experts, split)}, or ep_size=1: every expert on every device), or a model "
-                        f"whose expert count it divides")
+    if num_experts % n and group:
+        raise PlanError(f"{where} has {num_experts} experts, which do not split over the {n} devices that store "
+                        f"them under pas_config['ep_size'] ({group}): each device stores 1/{n} of the experts, the "
+                        f"groups of {group} only exchange the tokens; use plan_ngpus / pp_size dividing {num_experts}, "
+                        f"or ep_size=1: every expert on every device")
+    if num_experts % n:
+        raise PlanError(f"{where} has {num_experts} experts, which do not split over the expert-parallel size {n} "
+                        f"(plan_ngpus / pp_size): use an ep size that divides {num_experts} (e.g. plan_ngpus="
+                        f"{_divisor(num_experts, n)}, or ep_size=1: every expert on every device), or a model whose "
+                        f"expert count it divides")
     if tokens % n:
         raise PlanError(f"{where} receives {tokens} tokens when traced (batch x sequence), which do not split "
                         f"into {n} equal parts: make the micro-batch size times the sequence length a multiple of {n}")
-    if group:
-        outs = [Shard(0)] * len(tensor_outputs(graph, node))
-        places = [Shard(0)] * 3 + [Replicate()] * (len(ins) - 3)  # tokens, index, weights split; experts whole
-        node.pieces = [Piece(i, n, list(places), list(outs), expert_group_dim(group), device)
-                       for i, device in enumerate(devices)]
-        return
     outs = [Shard(0)] * len(tensor_outputs(graph, node))
-    node.pieces = [Piece(i, n, [Shard(0)] * len(ins), list(outs), EXPERT_DIM, device)
-                   for i, device in enumerate(devices)]
+    dim = expert_group_dim(group) if group else EXPERT_DIM
+    node.pieces = [Piece(i, n, [Shard(0)] * len(ins), list(outs), dim, device) for i, device in enumerate(devices)]
 
 
 def moe_blocks(graph) -> set:

@@ -55,8 +55,8 @@ def check_experts(hf_config, key: str = "model.args.config") -> Optional[Experts
 def _check_ep(args, hf_config, experts: Optional[Experts]) -> None:
     """Under ``pas_policy: ep``: experts present and divisible by the expert-parallel size (the
     policy's own refusals, said before any worker starts). Under ``cp`` on a mixture-of-experts model:
-    the experts divisible by the devices ``cp`` splits them over (``pas_config['ep_size']``, default a
-    stage's devices)."""
+    the experts divisible by a stage's devices, over which ``cp`` stores them unless
+    ``pas_config['ep_size']`` is 1."""
     from nnscaler.policies import resolve_policy
     policy = resolve_policy(args.pas_policy).name
     if policy == "cp" and experts is not None:
@@ -88,14 +88,16 @@ def _check_cp_experts(args, experts: Experts) -> None:
     pas = cc.pas_config or {}
     pp = pas.get("pp_size", 1)
     pp = pp if isinstance(pp, int) and pp > 0 else 1
-    ep = pas.get("ep_size", cc.plan_ngpus // pp)
-    if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 and experts.count % ep:
-        fits = [n for n in range(2, ep + 1) if experts.count % n == 0 and (cc.plan_ngpus // pp) % n == 0]
+    devices = cc.plan_ngpus // pp
+    ep = pas.get("ep_size", devices)
+    # any ep_size above 1 stores the experts over all of a stage's devices (the groups only exchange tokens)
+    if isinstance(ep, int) and not isinstance(ep, bool) and ep > 1 and experts.count % devices:
         raise TrainerConfigError("compute_config.pas_config.ep_size",
                                  f"is {ep}{'' if 'ep_size' in pas else ' (a stage of plan_ngpus / pp_size devices)'}: "
                                  f"pas_policy 'cp' splits each layer's {experts.count} experts ({experts.key}) over "
-                                 f"{ep} devices, which does not divide {experts.count}: set pas_config.ep_size to "
-                                 + " or ".join(str(n) for n in fits + [1]) + " (1: every expert on every device)")
+                                 f"the {devices} devices of a stage, which does not divide {experts.count}: set "
+                                 f"pas_config.ep_size to 1 (every expert on every device), or use plan_ngpus / pp_size "
+                                 f"dividing {experts.count}")
 
 
 def cp_size(args) -> int:
