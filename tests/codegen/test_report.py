@@ -217,6 +217,23 @@ def test_cp_report_names_ring_attention_and_the_experts_exchanges():
     assert "ring_send x2" in text
 
 
+def test_ep_size_report_adds_the_experts_gather():
+    """cp 4 with ep_size 2: beside the exchanges, one all-gather of the rank's stored experts (1/4 of up and
+    down) forward and one reduce-scatter of its group position's half backward; nothing else changes."""
+    torch.manual_seed(0)
+    model, batch = AttentionMoE(), {"ids": torch.randint(0, 16, (4, 8)), "labels": torch.randint(0, 16, (4, 8))}
+    stored = (model.up.numel() + model.down.numel()) * 4 // 4  # float32 bytes, 1/4 on each rank
+    reports = {}
+    for ep in (None, 2):
+        cfg = ComputeConfig(4, 4, pas_config={} if ep is None else {"ep_size": ep})
+        reports[ep] = build_report(apply_policy(trace(AttentionMoE(), batch), cfg, "cp"), cfg, "cp")
+    for which, kind, nbytes in (("forward", "all_gather", stored), ("backward", "reduce_scatter", stored * 2)):
+        full, grouped = reports[None].collectives(which), reports[2].collectives(which)
+        calls, total = full.get(kind, (0, 0))
+        assert grouped[kind] == (calls + 1, total + nbytes), (which, full, grouped)
+        assert {k: v for k, v in grouped.items() if k != kind} == {k: v for k, v in full.items() if k != kind}
+
+
 def _measure_cp(rank, world, gen_dir):
     from nnscaler import parallelize
     from nnscaler.runtime.comm import count_collectives

@@ -11,7 +11,9 @@ Ops the runtime runs split (`collective_ops.runtime_call`) add their own exchang
 sizes: expert parallelism two all-to-alls forward (dispatch, combine: a rank's tokens x top-k rows of
 the hidden size each; the combine's rows are those the rank's experts received, which routing decides:
 the figure is the balanced one, exact summed over the unit) and two backward, the per-expert count
-exchange (E integers) not counted as the runtime does not count it; the sequence-split loss one
+exchange (E integers) not counted as the runtime does not count it; with ``ep_size`` k below the
+unit, also one all-gather of the rank's stored experts forward and one reduce-scatter of its group
+position's E/k experts' gradients backward; the sequence-split loss one
 all-reduce of its sum and denominator; ring attention with causal balance four all-to-alls forward (q, k, v
 to the balanced order, the output back) and five backward (their duals, and the output reordered
 again for the backward), and ``ring_send``: n - 1 steps sending a K and a V block forward, K, V
@@ -29,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import torch
 
 from nnscaler.ir import (CROSS_ENTROPY, ROUTED_EXPERTS, SDPA, as_compute_config, IRGraph, Node, Replicate, Shard, atomic_write,
-                         is_guard, iter_refs)
+                         expert_group, is_guard, iter_refs)
 from nnscaler.ir.contracts import (Collective, ModuleReport, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
                                    UnannotatedOp)
 
@@ -210,6 +212,12 @@ class _Counter:
             k = index.shape[1] if index.shape and len(index.shape) > 1 else 1
             rows = local(ins[0]) * k  # a rank's tokens, top-k copies of each
             fwd, bwd = [("all_to_all", rows)] * 2, [("all_to_all", rows)] * 2 if hidden.requires_grad else []
+            _, group = expert_group(node.pieces[0].dim)
+            if group:  # the group position's experts gathered from its replica set, their gradients reduce-scattered
+                stored = sum(local(ref) for ref in ins[3:])
+                fwd = fwd + [("all_gather", stored)]
+                if any(self.graph.value(ref).requires_grad for ref in ins[3:]):
+                    bwd = bwd + [("reduce_scatter", stored * n // group)]
         elif node.target == SDPA:
             kind = "ring_attention"
             q, kv = local(ins[0]), local(ins[1]) + local(ins[2])

@@ -37,8 +37,8 @@ EXPERT_DIM = "e"  # the annotation's experts dim: a piece split along it is expe
 
 
 def expert_group_dim(group: int) -> str:
-    """A piece's dim when the experts are split over groups of `group` of the unit's devices (the
-    weights whole on each device, the tokens exchanged inside a group): ``"e:2"``."""
+    """A piece's dim when the tokens of expert parallelism are exchanged inside groups of `group` of the
+    unit's devices (the experts stored split over the whole unit, as along `EXPERT_DIM`): ``"e:2"``."""
     return f"{EXPERT_DIM}:{int(group)}"
 
 
