@@ -14,12 +14,14 @@ steps within 1e-10 of single-process training on the global batch.
   exact (per replica under dp, as ``ep``); with ``pas_config={"ep_size": 1}`` every expert whole on
   each rank.
 - DeepSeek-V3 under ``cp`` 2: multi-head latent attention (a value head size other than the
-  query's; the key filled in place through views of a ``new_empty``, kept whole for the write) and
-  group-limited routing over experts split as under ``ep``.
+  query's; the key filled in place through head slices of a ``new_empty``, split along the sequence:
+  each rank writes its own rows, no all-gather in any attention layer) and group-limited routing over
+  experts split as under ``ep``.
 """
 from __future__ import annotations
 
 import glob
+import re
 
 import pytest
 
@@ -63,6 +65,20 @@ def _generated(tmp_path, label):
     return [open(p).read() for p in glob.glob(str(tmp_path / "gen" / label / "**" / "gencode*.py"), recursive=True)]
 
 
+def _attention_gathers(code):
+    """{attention module: all-gathers in the lines the generated code attributes to it (its own ops)}."""
+    module, gathers = None, {}
+    for line in code.splitlines():
+        source = re.match(r"\s*# \S+:\d+ in [\w.]+(?: \(([\w.]+)\))?: ", line)
+        if source:
+            module = source.group(1)
+            if module and module.endswith(".self_attn"):
+                gathers.setdefault(module, 0)
+        elif module in gathers and "nr.comm.all_gather(" in line:
+            gathers[module] += 1
+    return gathers
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cp2(tmp_path):
@@ -78,6 +94,11 @@ def test_cp2(tmp_path):
         assert all(c.count("nr.moe.expert_parallel(") == layers for c in _generated(tmp_path, label)), label
     assert _activations_split(results, "m-cp2-ep1")  # ep_size 1: every expert whole on each rank
     assert not any("nr.moe.expert_parallel(" in c for c in _generated(tmp_path, "m-cp2-ep1"))
+    # DeepSeek-V3's key written in place on each rank's rows: no all-gather in either attention layer (the
+    # key kept whole for its writes took 3 a layer: the like-tensor of new_empty and both written values)
+    for code in _generated(tmp_path, "d-cp2"):
+        gathers = _attention_gathers(code)
+        assert len(gathers) == 2 and set(gathers.values()) == {0}, gathers
 
 
 @pytest.mark.multiprocess
