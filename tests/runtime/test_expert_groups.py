@@ -58,6 +58,13 @@ def test_gather_packs_and_unpacks_every_weight():
     bias = torch.randn(3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     got = gather_experts((up, down, None, bias), (0,))
     assert got[2] is None and all(torch.equal(a, b) for a, b in zip(got[:2] + got[3:], (up, down, bias)))
+    # views of one packed buffer, each starting and striding (per expert) on 16 bytes, in bfloat16 too
+    for dtype in (torch.float64, torch.bfloat16):
+        half = gather_experts(tuple(w.detach().to(dtype) for w in (up, down, bias)), (0,))
+        size = half[0].element_size()
+        assert len({w.untyped_storage().data_ptr() for w in half}) == 1
+        assert all(w.storage_offset() * size % 16 == 0 and w.stride(0) * size % 16 == 0 and w[0].is_contiguous()
+                   for w in half), [(w.storage_offset(), w.stride()) for w in half]
     sum((w * (i + 1)).sum() for i, w in enumerate(x for x in got if x is not None)).backward()
     assert all(torch.equal(w.grad, torch.full_like(w, i + 1)) for i, w in enumerate((up, down, bias)))
     mixed = gather_experts((up.detach().float(), down.detach()), (0,))

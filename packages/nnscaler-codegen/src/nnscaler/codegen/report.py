@@ -13,7 +13,8 @@ the hidden size each; the combine's rows are those the rank's experts received, 
 the figure is the balanced one, exact summed over the unit) and two backward, the per-expert count
 exchange (E integers) not counted as the runtime does not count it; with ``ep_size`` k below the
 unit, also one all-gather of the rank's stored experts forward and one reduce-scatter of its group
-position's E/k experts' gradients backward; the sequence-split loss one
+position's E/k experts' gradients backward (packed rows, each weight's part padded:
+`packed_expert_width`); the sequence-split loss one
 all-reduce of its sum and denominator; ring attention with causal balance four all-to-alls forward (q, k, v
 to the balanced order, the output back) and five backward (their duals, and the output reordered
 again for the backward), and ``ring_send``: n - 1 steps sending a K and a V block forward, K, V
@@ -32,6 +33,7 @@ import torch
 
 from nnscaler.ir import (CROSS_ENTROPY, ROUTED_EXPERTS, SDPA, as_compute_config, IRGraph, Node, Replicate, Shard, atomic_write,
                          expert_group, is_guard, iter_refs)
+from nnscaler.ir.ops.moe import packed_expert_width
 from nnscaler.ir.contracts import (Collective, ModuleReport, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
                                    UnannotatedOp)
 
@@ -214,9 +216,11 @@ class _Counter:
             fwd, bwd = [("all_to_all", rows)] * 2, [("all_to_all", rows)] * 2 if hidden.requires_grad else []
             _, group = expert_group(node.pieces[0].dim)
             if group:  # the group position's experts gathered from its replica set, their gradients reduce-scattered
-                stored = sum(local(ref) for ref in ins[3:])
+                weights = [self.graph.value(ref) for ref in ins[3:]]
+                stored = sum(_nbytes((w.shape[0] // n, packed_expert_width(math.prod(w.shape[1:]))), w.dtype)
+                             for w in weights)  # the packed rows, padded
                 fwd = fwd + [("all_gather", stored)]
-                if any(self.graph.value(ref).requires_grad for ref in ins[3:]):
+                if any(w.requires_grad for w in weights):
                     bwd = bwd + [("reduce_scatter", stored * n // group)]
         elif node.target == SDPA:
             kind = "ring_attention"

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
+
+from nnscaler.ir.ops.moe import packed_expert_width
 
 from .comm.collectives import all_gather_rs
 from .comm.primitives import CommError
@@ -64,13 +67,17 @@ def group_expert_ids(num_experts: int, n: int, k: int) -> torch.Tensor:
 def gather_experts(weights: Sequence[Optional[torch.Tensor]], replicas: Tuple[int, ...]):
     """`weights` (each this rank's stored experts along dim 0, or None) with the experts of every rank of
     `replicas`, concatenated in their order. One all-gather (backward: one reduce-scatter) for all of them
-    when they share a dtype and device. COLLECTIVE over `replicas`."""
+    when they share a dtype and device: each expert's weights packed in one row, each weight's part
+    padded (`packed_expert_width`) so that every returned view starts and strides on 16 bytes (what
+    CUDA's grouped GEMM asks of its weights). COLLECTIVE over `replicas`."""
     present = [w for w in weights if w is not None]
     if len({(w.dtype, w.device) for w in present}) != 1:
         gathered = iter([all_gather_rs(w, 0, replicas) for w in present])
         return tuple(None if w is None else next(gathered) for w in weights)
     local = present[0].shape[0]
     widths = [w[0].numel() for w in present]
-    flat = all_gather_rs(torch.cat([w.reshape(local, -1) for w in present], dim=1), 0, replicas)
-    parts = iter(flat.split(widths, dim=1))
+    padded = [packed_expert_width(width) for width in widths]
+    rows = [F.pad(w.reshape(local, -1), (0, p - width)) for w, width, p in zip(present, widths, padded)]
+    flat = all_gather_rs(torch.cat(rows, dim=1), 0, replicas)
+    parts = iter(part[:, :width] for part, width in zip(flat.split(padded, dim=1), widths))
     return tuple(None if w is None else next(parts).reshape((flat.shape[0],) + tuple(w.shape[1:])) for w in weights)

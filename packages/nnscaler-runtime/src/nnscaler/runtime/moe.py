@@ -137,7 +137,8 @@ def expert_parallel(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_b
     counts = slot_counts(top_k_index, num_experts) if capacity_factor is not None else \
         torch.bincount(top_k_index.reshape(-1), minlength=num_experts)[:num_experts].unsqueeze(0)
     gathered = all_gather_flat(counts.reshape(-1).to(torch.int64), unit.group, unit.n, label=None,
-                               what=f"the expert-parallel count exchange over ranks {ranks}").view(unit.n, -1, num_experts)
+                               what=f"the expert-parallel count exchange over ranks {ranks}")
+    gathered = gathered.view(unit.n, -1, num_experts)
     if unit.to_piece is not None:  # group order -> piece order (piece p is group rank to_piece[p])
         gathered = gathered[torch.as_tensor([int(g) for g in unit.to_piece], device=gathered.device)]
     me = unit.index

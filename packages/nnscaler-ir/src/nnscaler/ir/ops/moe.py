@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..tracer.tracing_context import current_tracer
 
-__all__ = ["routed_experts", "ROUTED_EXPERTS", "EXPERT_DIM", "expert_group_dim", "expert_group", "ExpertMLP", "ACTIVATIONS", "GATES",
+__all__ = ["routed_experts", "ROUTED_EXPERTS", "EXPERT_DIM", "expert_group_dim", "expert_group", "packed_expert_width", "ExpertMLP", "ACTIVATIONS", "GATES",
            "dispatch_order", "expert_mlp", "combine", "routed_experts_annotation", "expert_capacity", "slot_counts",
            "kept_counts", "drop_over_capacity", "with_dropped"]
 
@@ -40,6 +40,13 @@ def expert_group_dim(group: int) -> str:
     """A piece's dim when the tokens of expert parallelism are exchanged inside groups of `group` of the
     unit's devices (the experts stored split over the whole unit, as along `EXPERT_DIM`): ``"e:2"``."""
     return f"{EXPERT_DIM}:{int(group)}"
+
+
+def packed_expert_width(numel: int) -> int:
+    """The elements one expert's weight (`numel` of them) takes in the packed row that expert
+    parallelism with groups (``e:k``) gathers: padded to 16 elements, so that each weight's view of
+    the gathered rows starts and strides on 16 bytes (nnscaler.runtime.expert_groups)."""
+    return -(-int(numel) // 16) * 16
 
 
 def expert_group(dim) -> "tuple":
