@@ -18,11 +18,14 @@ def write(tmp_path, text):
 
 
 def test_shipped_descriptions_load():
-    assert set(SHIPPED) == {"a100-80gb-sxm", "h100-sxm", "h200"}
-    a100, h100, h200 = (load_cluster(n) for n in ("a100-80gb-sxm", "h100-sxm", "h200"))
+    assert set(SHIPPED) == {"a100-80gb-sxm", "h100-sxm", "h200", "h800"}
+    a100, h100, h200, h800 = (load_cluster(n) for n in ("a100-80gb-sxm", "h100-sxm", "h200", "h800"))
     assert (a100.gpu.bf16_tflops, a100.gpu.memory_gb, a100.gpus_per_node) == (312, 80, 8)
     assert h100.gpu.peak_flops == 989e12 and h100.intra_node.bytes_per_s == 450e9 and h100.inter_node.latency_s == pytest.approx(1e-5)
     assert h200.gpu.memory_gb == 141 and h200.gpu.memory_gbps == 4800
+    # DeepSeek-V3's report: NVLink 160 GB/s, IB 50 GB/s a GPU; the H100's compute and memory
+    assert (h800.gpu.peak_flops, h800.gpu.memory_gb, h800.gpu.sms) == (989e12, 80, 132)
+    assert (h800.intra_node.gbps, h800.inter_node.gbps) == (160, 50)
 
 
 def test_the_issue_example_parses(tmp_path):

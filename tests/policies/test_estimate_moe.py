@@ -116,13 +116,26 @@ def test_expert_memory_is_divided_by_ep_and_sharded_over_dp_over_ep(h100):
 
 def test_all_to_all_volume_and_link(h100):
     s, k, h = 1024, 2, 1024
-    for tp, ep, gpus, link in ((1, 8, 8, h100.intra_node), (2, 4, 8, h100.intra_node), (2, 8, 16, h100.inter_node)):
+    nbytes = {tp: s / tp * k * h * 2 for tp in (1, 2)}  # dispatch or combine: a rank's b·s/tp tokens, k copies
+    across = 2 * costs.split_all_to_all_time(nbytes[2], 8, 4, h100.intra_node, h100.inter_node)
+    for tp, ep, gpus, per_pass in ((1, 8, 8, 2 * costs.all_to_all_time(nbytes[1], 8, h100.intra_node)),
+                                   (2, 4, 8, 2 * costs.all_to_all_time(nbytes[2], 4, h100.intra_node)),
+                                   (2, 8, 16, across)):  # 8 ranks over 2 nodes
         work = Workload(gpus=gpus, seq=s, global_batch_tokens=gpus // tp * s)  # one sequence a dp rank
         est = estimate_plan(SPEC, h100, work, Plan(tp, 1, gpus // tp, 0, 1, False, ep=ep))
-        per_pass = 2 * costs.all_to_all_time(s / tp * k * h * 2, ep, link)  # dispatch + combine, b·s/tp tokens
         assert est.ep_comm_s == pytest.approx(4 * 2 * per_pass)  # 4 MoE layers, forward + backward
     assert estimate_plan(SPEC, h100, WORK, Plan(1, 1, 8, 0, 1, False)).ep_comm_s == 0.0
     assert costs.all_to_all_time(8e6, 8, h100.intra_node) == pytest.approx(7 / 8 * 8e6 / 450e9 + 7 * 3e-6)
+    # across nodes: half of the 8 ranks in each node, so 4/8 of the bytes leave on the NIC (50 GB/s) while
+    # 3/8 go over NVLink (450 GB/s); 7 latencies of the inter-node link
+    assert costs.split_all_to_all_time(8e6, 8, 4, h100.intra_node, h100.inter_node) == \
+        pytest.approx(4 / 8 * 8e6 / 50e9 + 7 * 10e-6)
+    # DeepSeek-V3's EP64 over 8 nodes: 56/64 of the bytes cross nodes (the flat model sent 63/64 over IB)
+    assert costs.split_all_to_all_time(64e6, 64, 8, h100.intra_node, h100.inter_node) == \
+        pytest.approx(56 / 64 * 64e6 / 50e9 + 63 * 10e-6)
+    slow_nvlink = dataclasses.replace(h100.intra_node, gbps=1)  # the intra-node share can be the slower one
+    assert costs.split_all_to_all_time(8e6, 8, 4, slow_nvlink, h100.inter_node) == \
+        pytest.approx(3 / 8 * 8e6 / 1e9 + 7 * 10e-6)
 
 
 def test_expert_gradients_reduce_over_dp_over_ep(h100):

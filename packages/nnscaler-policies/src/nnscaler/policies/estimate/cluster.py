@@ -36,12 +36,14 @@ SHIPPED = tuple(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))  # plus "lo
 
 # Data-sheet numbers (dense bf16 tensor-core TFLOP/s, HBM GB and GB/s, streaming multiprocessors):
 # NVIDIA A100 datasheet (SXM4 80GB) and A100 whitepaper (108 SMs), NVIDIA H100 datasheet (SXM5) and
-# H100 whitepaper (132 SMs on SXM5), NVIDIA H200 datasheet (SXM; the H100's GH100 die, 132 SMs).
+# H100 whitepaper (132 SMs on SXM5), NVIDIA H200 datasheet (SXM; the H100's GH100 die, 132 SMs), the H800
+# (SXM: the H100 SXM5 with a narrower NVLink; its compute and memory the H100's).
 KNOWN_GPUS: Dict[str, dict] = {
     "A100-SXM-80GB": {"bf16_tflops": 312, "memory_gb": 80, "memory_gbps": 2039, "sms": 108},
     "A100-SXM-40GB": {"bf16_tflops": 312, "memory_gb": 40, "memory_gbps": 1555, "sms": 108},
     "H100-SXM-80GB": {"bf16_tflops": 989, "memory_gb": 80, "memory_gbps": 3350, "sms": 132},
     "H200-SXM-141GB": {"bf16_tflops": 989, "memory_gb": 141, "memory_gbps": 4800, "sms": 132},
+    "H800-SXM-80GB": {"bf16_tflops": 989, "memory_gb": 80, "memory_gbps": 3350, "sms": 132},
 }
 _DTYPES = {"bf16": 2, "fp32": 4}
 

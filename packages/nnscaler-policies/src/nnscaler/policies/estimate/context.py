@@ -62,9 +62,9 @@ def cp_options(seq: int, ranks: int) -> List[int]:
 
 
 def kv_block_bytes(spec: ModelSpec, b: int, seq: int, tp: int, cp: int, nbytes: int) -> float:
-    """One ring block: a rank's K and V, 2·b·(s/cp)·kv_local·head_dim elements (kv_local = the kv heads
-    a tp rank holds: kv_heads / tp, at least one)."""
-    return 2.0 * b * seq / cp * max(spec.kv_heads / tp, 1.0) * spec.head_dim * nbytes
+    """One ring block: a rank's K and V, b·(s/cp)·kv_local·(qk_dim + v_dim) elements (kv_local = the kv
+    heads a tp rank holds: kv_heads / tp, at least one)."""
+    return b * seq / cp * max(spec.kv_heads / tp, 1.0) * (spec.qk_dim + spec.v_dim) * nbytes
 
 
 def ring_link(cluster: Cluster, tp: int, cp: int):
@@ -77,7 +77,7 @@ def merge_times(spec: ModelSpec, b: int, seq: int, tp: int, cp: int, cluster: Cl
     (`MERGE_PASSES`) and `STEP_OPS` launches a step; 0 without cp."""
     if cp <= 1:
         return 0.0, 0.0
-    out = b * seq / cp * spec.heads / tp * spec.head_dim * 4  # the rank's output (and dQ) in fp32
+    out = b * seq / cp * spec.heads / tp * spec.v_dim * 4  # the rank's output (and dQ) in fp32
     kv = kv_block_bytes(spec, b, seq, tp, cp, 4)  # a K/V block's dK/dV in fp32
     launch = cluster.op_overhead_us * 1e-6
     fwd = cp * (MERGE_PASSES * costs.memory_bound_time(out, cluster) + STEP_OPS["forward"] * launch)

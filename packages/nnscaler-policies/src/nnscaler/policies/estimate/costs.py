@@ -12,7 +12,7 @@ from .cluster import Cluster, Link
 __all__ = ["EFFICIENCY", "USABLE_MEMORY", "GiB", "GEMM_TILE", "K_SPLIT_MIN", "efficiency", "gemm_shape_efficiency", "matmul_time",
            "memory_bound_time",
            "attention_time", "unfused_attention_time", "ring_all_reduce_time", "ring_all_gather_time",
-           "all_to_all_time", "p2p_time",
+           "all_to_all_time", "split_all_to_all_time", "p2p_time",
            "bubble_fraction",
            "interleaved_activation_factor",
            "optimizer_bytes_per_param", "model_flops", "attention_flops_per_token", "mfu"]
@@ -125,6 +125,18 @@ def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (n - 1) / n * nbytes / link.bytes_per_s + (n - 1) * link.latency_s
+
+
+def split_all_to_all_time(nbytes: float, n: int, per_node: int, intra: Link, inter: Link) -> float:
+    """All-to-all over `n` ranks spread over nodes, `per_node` of them in each: of a rank's `nbytes`, the
+    (n - per_node)/n bound for other nodes leave on the inter-node link while the (per_node - 1)/n for its
+    node's others go over the intra-node link at the same time (the slower of the two) + (n-1) latencies
+    of the inter-node link."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    per_node = max(1, min(per_node, n))
+    return max((n - per_node) / n * nbytes / inter.bytes_per_s, (per_node - 1) / n * nbytes / intra.bytes_per_s) \
+        + (n - 1) * inter.latency_s
 
 
 def p2p_time(nbytes: float, link: Link) -> float:

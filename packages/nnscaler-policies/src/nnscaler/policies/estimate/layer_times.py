@@ -21,9 +21,10 @@ def layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, mo
     """(forward s, backward s, tp comm s per forward pass, (forward, backward) exposed ring s) of one
     decoder layer on one micro-batch's s/cp tokens; `moe`: (ep, imbalance) for an MoE layer."""
     m = b * seq / cp
-    h, hd = spec.hidden, spec.head_dim
-    mats = [(1, m, h, (spec.heads + 2 * spec.kv_heads) * hd / tp),  # q, k, v
-            (1, m, spec.heads * hd / tp, h)]  # attention output projection
+    h, hd = spec.hidden, spec.attn_dim
+    # q, k, v (MLA: through the latents) split by heads, the output projection split on its input
+    mats = [(1, m, k / tp if split == "row" else k, n / tp if split == "col" else n)
+            for k, n, split in spec.attention_projections()]
     if moe:
         mlp_mats, mlp_elements = moe_mlp(spec, m, tp, *moe)
     else:
@@ -40,7 +41,7 @@ def layer_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, mo
     merge_f, merge_b = context.merge_times(spec, b, seq, tp, cp, cluster)  # the ring steps' merges (0 without cp)
     att, att_b = att + merge_f, att_b + merge_b
     # norms, residual adds, rotary on q and k, the MLP activation: elements read + written per token
-    elementwise = 10 * h + 2 * (spec.heads + spec.kv_heads) * hd + mlp_elements
+    elementwise = 10 * h + spec.rotary_elements + mlp_elements
     ew = costs.memory_bound_time(m * elementwise / tp * cluster.gpu.dtype_bytes, cluster)
     fwd = mm + att + ew
     bwd = 2 * mm + att_b + 2 * ew
@@ -69,10 +70,15 @@ def moe_mlp(spec: ModelSpec, m: int, tp: int, ep: int, imbalance: float):
 
 def all_to_all_time(spec: ModelSpec, b: int, seq: int, tp: int, ep: int, cluster: Cluster, cp: int = 1) -> float:
     """Dispatch + combine of one forward pass of an MoE layer: two all-to-alls over ep ranks, each of the
-    rank's b·s/(cp·tp) tokens (sequence parallel) x top_k copies x hidden, on the link an ep group of
-    tp·ep consecutive ranks needs (ep consecutive dp ranks, or cp ranks with context parallelism)."""
+    rank's b·s/(cp·tp) tokens (sequence parallel) x top_k copies x hidden. An ep group is tp·ep
+    consecutive ranks (ep consecutive dp ranks, or cp ranks with context parallelism): inside a node, the
+    intra-node link; across nodes, the share for other nodes on the inter-node link and the share for
+    the node's own gpus_per_node / tp ranks on the intra-node link, at once."""
     nbytes = b * seq / cp / tp * spec.top_k * spec.hidden * cluster.gpu.dtype_bytes
-    return 2 * costs.all_to_all_time(nbytes, ep, group_link(cluster, tp * ep))
+    if tp * ep <= cluster.gpus_per_node:
+        return 2 * costs.all_to_all_time(nbytes, ep, cluster.intra_node)
+    return 2 * costs.split_all_to_all_time(nbytes, ep, cluster.gpus_per_node // tp, cluster.intra_node,
+                                           cluster.inter_node)
 
 
 def head_times(spec: ModelSpec, b: int, seq: int, tp: int, cluster: Cluster, cp: int = 1):

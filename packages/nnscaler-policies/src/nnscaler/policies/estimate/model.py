@@ -6,6 +6,9 @@ its parameters exactly, to tell a gated (SwiGLU) MLP from a plain one, whether t
 embedding is tied, and the class of its decoder layer (the pipeline pivot of the saved plan).
 The search itself never walks the model: every cost comes from these numbers.
 
+Multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``): its projections through the latents and
+its q/k and v head widths, which attention's cost and the model FLOPs use.
+
 Mixture of experts: the routed experts E, top-k, one expert's ffn width, the shared experts' total
 width and which layers are MoE are read from the config (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
 gpt-oss field names); the routed experts' parameters are counted on the meta model (modules named
@@ -14,6 +17,7 @@ gpt-oss field names); the routed experts' parameters are counted on the meta mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Optional, Tuple
@@ -50,15 +54,68 @@ class ModelSpec:
     shared_ffn: int = 0
     moe_layer_ids: Optional[Tuple[int, ...]] = None  # None: every layer when experts > 0
     routed: Optional[int] = None  # routed experts' parameters counted on the meta model; None: analytic
+    # multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0: standard attention): q from a q_lora_rank
+    # latent (0: projected from the hidden state), every head's k and v from one kv_lora_rank latent, plus one
+    # rope_dim key shared by the heads; a head's q and k are qk_head_dim wide, its v v_head_dim (0: head_dim)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    qk_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         if self.moe_layer_ids is None:
             object.__setattr__(self, "moe_layer_ids", tuple(range(self.layers)) if self.experts else ())
 
-    # -------------------------------------------------------------- analytic counts
+    # -------------------------------------------------------------- attention's shape
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_dim(self) -> int:
+        return self.qk_head_dim or self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def attn_dim(self) -> float:
+        """The head width attention's FLOPs see: QKᵀ runs over qk_dim, PV over v_dim (their mean)."""
+        return (self.qk_dim + self.v_dim) / 2
+
+    def attention_projections(self):
+        """The attention's matrices as (in, out, split): split ``col`` (the output split over tp, by heads),
+        ``row`` (the input split) or ``none`` (MLA's down-projections to the latents: replicated over tp)."""
+        h, a, kv, dqk, dv = self.hidden, self.heads, self.kv_heads, self.qk_dim, self.v_dim
+        if not self.is_mla:
+            return [(h, (a + kv) * dqk + kv * dv, "col"), (a * dv, h, "row")]
+        q = [(h, self.q_lora_rank, "none"), (self.q_lora_rank, a * dqk, "col")] if self.q_lora_rank \
+            else [(h, a * dqk, "col")]
+        return q + [(h, self.kv_lora_rank + self.rope_dim, "none"),
+                    (self.kv_lora_rank, a * (dqk - self.rope_dim + dv), "col"), (a * dv, h, "row")]
+
+    @property
+    def attn_act_elements(self) -> int:
+        """Attention's elements kept for backward a token: q, k, v and the output (MLA: k and v a head's
+        each, and the two latents)."""
+        a, kv = self.heads, self.kv_heads
+        if self.is_mla:
+            return self.q_lora_rank + self.kv_lora_rank + self.rope_dim + 2 * a * (self.qk_dim + self.v_dim)
+        return (a + kv) * self.qk_dim + (kv + a) * self.v_dim
+
+    @property
+    def rotary_elements(self) -> int:
+        """Elements rotary embedding reads and writes a token: q and k (MLA: their rope_dim parts)."""
+        if self.is_mla:
+            return 2 * (self.heads + 1) * self.rope_dim
+        return 2 * (self.heads + self.kv_heads) * self.qk_dim
+
+    # -------------------------------------------------------------- analytic counts
+    @functools.cached_property  # read per plan priced: the search's inner loop
     def attn_params(self) -> int:
-        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return sum(i * o for i, o, _ in self.attention_projections())
 
     @property
     def mlp_params(self) -> int:
@@ -135,14 +192,13 @@ class ModelSpec:
         """Elements one layer keeps for backward per token (flash attention: no s x s scores): the
         two norms' inputs and outputs, q, k, v and the attention output, the MLP's inner tensors
         (gated: gate, up, act(gate), product; plain: fc1 output and the activation's output)."""
-        return 4 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.head_dim \
-            + (4 if self.gated else 2) * self.ffn
+        return 4 * self.hidden + self.attn_act_elements + (4 if self.gated else 2) * self.ffn
 
     def moe_act_elements_per_token(self, imbalance: float = 1.0) -> float:
         """The same for an MoE layer: the router's logits, the k dispatched copies of the token, the
         top-k experts' inner tensors (x `imbalance` on the busiest rank) and the shared experts'."""
         inner = 4 if self.gated else 2
-        return 4 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.head_dim + self.experts \
+        return 4 * self.hidden + self.attn_act_elements + self.experts \
             + self.top_k * self.hidden + inner * (self.top_k * self.expert_ffn * imbalance + self.shared_ffn)
 
     # -------------------------------------------------------------- reading a config
@@ -197,8 +253,28 @@ class ModelSpec:
                            ("kv heads", spec.kv_heads), ("vocab", spec.vocab), ("ffn", spec.ffn)):
             if value <= 0:
                 raise ModelConfigError(f"{where}: {key} must be > 0, got {value}")
-        spec = _with_experts(spec, config, where)
+        spec = _with_mla(_with_experts(spec, config, where), config, where)
         return _counted(spec, config, where) if meta else spec
+
+
+MLA_FIELDS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _with_mla(spec: ModelSpec, config, where: str) -> ModelSpec:
+    """`spec` with multi-head latent attention's widths when the config has a `kv_lora_rank` (DeepSeek-V2/V3)."""
+    kv_lora = getattr(config, "kv_lora_rank", None)
+    if not kv_lora:
+        return spec
+    nope, rope, v = (getattr(config, n, None) for n in MLA_FIELDS)
+    for name, value in zip(MLA_FIELDS, (nope, rope, v)):
+        least = 0 if name == "qk_nope_head_dim" else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ModelConfigError(f"{where}: '{name}' must be a whole number >= {least} with 'kv_lora_rank' set "
+                                   f"(multi-head latent attention), got {value!r}; set it in the config")
+    # every head gets its own k and v from the latent: as many kv heads as heads (the config's are unused)
+    return dataclasses.replace(spec, q_lora_rank=int(getattr(config, "q_lora_rank", None) or 0),
+                               kv_lora_rank=int(kv_lora), rope_dim=rope, qk_head_dim=nope + rope, v_head_dim=v,
+                               kv_heads=spec.heads)
 
 
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")

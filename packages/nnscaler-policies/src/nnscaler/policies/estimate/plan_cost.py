@@ -198,7 +198,7 @@ def estimate_plan(spec: ModelSpec, cluster: Cluster, work: Workload, plan: Plan)
     last = parts(last_p, last_e, -1, 1, True) if pp > 1 else first
     mem_parts = max(first, last, key=lambda d: sum(d.values()))
     memory = sum(mem_parts.values())
-    flops = costs.model_flops(spec.active_params, work.global_batch_tokens, spec.layers, spec.heads, spec.head_dim,
+    flops = costs.model_flops(spec.active_params, work.global_batch_tokens, spec.layers, spec.heads, spec.attn_dim,
                               seq)
     return Estimate(plan, nmicros, step_s, compute_s, bubble_s, tp_comm_s, pp_comm_s, dp_comm_s, optimizer_s,
                     memory, mem_parts, memory <= cluster.gpu.memory_gb * costs.GiB * costs.USABLE_MEMORY, flops,
