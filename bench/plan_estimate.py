@@ -3,6 +3,8 @@ its honesty on this machine (``--cluster local``).
 
     python bench/plan_estimate.py            # ~2-4 min -> bench/results/plan_estimate.json
     python bench/plan_estimate.py --smoke    # seconds: one published case, a tiny local model
+    python bench/plan_estimate.py --validation-only [--skip-search-time]  # ~1 min: the published cases (and
+        # the search time); what it does not run is kept from the results file (the timings need a quiet machine)
 
 1. **Published runs.** Each case is a model (its Hugging Face config, built on the meta device),
    a shipped cluster description, the GPU count, sequence length and global batch of a published
@@ -12,7 +14,10 @@ its honesty on this machine (``--cluster local``).
    pick's step time, and the prediction for the published settings (tp, pp, and recomputation /
    no distributed optimizer where the paper used them). Megatron-LM's 2021 figures count the
    recomputed forward (their FLOP formula has 4 passes where model FLOPs have 3): their MFU is
-   3/4 of the published utilisation.
+   3/4 of the published utilisation. DeepSeek's runs (67B dense, V2 and V3 mixtures of experts on
+   H800s) publish GPU hours per trillion tokens: that throughput is turned into an MFU with the
+   estimate's own model FLOPs, so predicted / published is the ratio of tokens a second; the 67B's
+   layout was not published (no family or published-settings prediction).
 2. **Search time** for Megatron-LM's 1T GPT on 3,072 A100s: building the meta model, then the search.
 3. **Local honesty.** A small Llama (HF, fp32) with ``--cluster local`` (this CPU measured: a matmul's
    rate, autodist's copy bandwidth and gloo profile) on 1 and 2 processes: the plan the search picks
@@ -63,9 +68,30 @@ KORTHIKANTI = ("Korthikanti et al. 2022, Reducing Activation Recomputation in La
                "end-to-end table (MFU; configurations and figures cited from memory)")
 KORTHIKANTI_ABSTRACT = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, abstract"
 LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4"
+# DeepSeek's configs as their Hugging Face config.json files give them (deepseek-ai/DeepSeek-V2, -V3,
+# deepseek-llm-67b-base; the routing-group fields do not change a cost)
+DEEPSEEK_V2 = {"model_type": "deepseek_v2", "hidden_size": 5120, "num_hidden_layers": 60, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+               "n_routed_experts": 160, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+               "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400, "max_position_embeddings": 4096}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+               "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+               "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 4096}
+DEEPSEEK_67B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 95, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "intermediate_size": 22016, "vocab_size": 102400,
+                "max_position_embeddings": 4096}
+DEEPSEEK2 = ("DeepSeek-AI 2024, DeepSeek-V2 technical report, sections 3.1.3-3.1.4 and 3.2.3 (cited from memory; "
+             "the GPU-hour figures checked against secondary pages)")
+DEEPSEEK3 = ("DeepSeek-AI 2024, DeepSeek-V3 technical report, sections 3.1-3.2 and 4.2 (cited from memory; "
+             "the GPU-hour figure checked against secondary pages)")
 
-# name, config, cluster, gpus, seq, sequences a step, published tp, pp, MFU, settings pinned for the
-# "published settings" prediction, source, note
+# name, config, cluster, gpus, seq, sequences a step, published tp, pp (None: not published), MFU (or
+# {"tokens_per_gpu_s": x}: a published throughput, its MFU counted as the estimate counts model FLOPs, so
+# predicted / published is the ratio of the throughputs), settings pinned for the "published settings"
+# prediction, source, note
 CASES = [
     ("Megatron GPT 18.4B", gpt(6144, 40, 48), "a100-80gb-sxm", 256, 2048, 1024, 8, 1, 0.43 * 0.75,
      {"recompute": True, "zero": 0}, NARAYANAN, "135 TFLOP/s = 43 % with recomputation counted"),
@@ -91,6 +117,19 @@ CASES = [
      "430 TFLOP/s, 43 % BF16 MFU"),
     ("Llama 3 405B, 16K GPUs", LLAMA3_405B, "h100-sxm", 16384, 8192, 2048, 8, 16, 0.41, {}, LLAMA3,
      "400 TFLOP/s, 41 % BF16 MFU"),
+    # GPU hours per trillion tokens -> tokens/s a GPU: 1e12 / (hours x 3600)
+    ("DeepSeek 67B (dense)", DEEPSEEK_67B, "h800", 1024, 4096, 4608, None, None,
+     {"tokens_per_gpu_s": 1e12 / (300.6e3 * 3600)}, {}, DEEPSEEK2,
+     "300.6K H800 GPU hours per trillion tokens (the V2 report's comparison); layout and GPU count not published, "
+     "1,024 assumed; batch 4,608 as DeepSeek LLM's"),
+    ("DeepSeek-V2 236B (MoE)", DEEPSEEK_V2, "h800", 1024, 4096, 9216, 1, 16,
+     {"tokens_per_gpu_s": 1e12 / (172.8e3 * 3600)}, {"ep": 8, "zero": 1}, DEEPSEEK2,
+     "172.8K H800 GPU hours per trillion tokens, BF16; PP16 (zero-bubble), EP8, ZeRO-1 DP; GPU count not "
+     "published, 1,024 assumed; batch 9,216 sequences (its final)"),
+    ("DeepSeek-V3 671B (MoE, FP8)", DEEPSEEK_V3, "h800", 2048, 4096, 15360, 1, 16,
+     {"tokens_per_gpu_s": 1e12 / (180e3 * 3600)}, {"ep": 64, "zero": 1}, DEEPSEEK3,
+     "180K H800 GPU hours per trillion tokens with FP8 GEMMs (the estimate prices BF16); PP16 (DualPipe), EP64 "
+     "over 8 nodes, ZeRO-1 DP; batch 15,360 sequences (its final)"),
 ]
 
 
@@ -103,35 +142,54 @@ def _plan(e) -> str:
     return e.plan.describe()
 
 
+def published_mfu(mfu_pub, best, peak_flops: float) -> float:
+    """A published MFU, or the MFU of a published throughput counted with the estimate's model FLOPs."""
+    if isinstance(mfu_pub, dict):
+        flops_per_token = best.model_flops / (best.tokens_per_s * best.step_s)
+        return flops_per_token * mfu_pub["tokens_per_gpu_s"] / peak_flops
+    return mfu_pub
+
+
+def _estimate_json(e, gpus: int) -> dict:
+    return {"plan": _plan(e), "mfu": e.mfu, "step_s": e.step_s, "tokens_per_gpu_s": e.tokens_per_s / gpus,
+            "breakdown_s": {"compute": e.compute_s, "bubble": e.bubble_s, "tp_comm": e.tp_comm_s,
+                            "pp_comm": e.pp_comm_s, "dp_comm": e.dp_comm_s, "ep_comm": e.ep_comm_s,
+                            "optimizer": e.optimizer_s}}
+
+
 def validation(cases) -> list:
     rows = []
-    for name, raw, cl, gpus, seq, seqs, tp, pp, mfu_pub, pinned, source, note in cases:
+    for name, raw, cl, gpus, seq, seqs, tp, pp, mfu_given, pinned, source, note in cases:
         spec, cluster, work = spec_of(raw), load_cluster(cl), Workload(gpus, seq, seqs * seq)
         t0 = time.perf_counter()
         res = search(spec, cluster, work)
         search_s = time.perf_counter() - t0
         best = res.best
-        fam = search(spec, cluster, work, fixed={"tp": tp, "pp": pp}).best
-        try:
-            pub = search(spec, cluster, work, fixed={"tp": tp, "pp": pp, **pinned}).best
-        except Exception as e:  # noqa: BLE001 - reported: the published settings do not fit our memory model
-            pub = None
-            pub_error = str(e)
-        same = (best.plan.tp, best.plan.pp) == (tp, pp)
-        rows.append({
+        mfu_pub = published_mfu(mfu_given, best, cluster.gpu.peak_flops)
+        row = {
             "case": name, "source": source, "published_note": note, "params_b": spec.total_params / 1e9,
+            "active_params_b": spec.active_params / 1e9,
             "cluster": cl, "gpus": gpus, "seq": seq, "global_batch_sequences": seqs,
-            "published": {"tp": tp, "pp": pp, "mfu": mfu_pub},
-            "chosen": {"plan": _plan(best), "mfu": best.mfu, "step_s": best.step_s, "memory_gb": best.memory_gb,
-                       "tflops_per_gpu": best.tflops_per_gpu},
+            "published": {"tp": tp, "pp": pp, "mfu": mfu_pub, **(mfu_given if isinstance(mfu_given, dict) else {})},
+            "chosen": dict(_estimate_json(best, gpus), memory_gb=best.memory_gb, tflops_per_gpu=best.tflops_per_gpu),
             "predicted_over_published": best.mfu / mfu_pub,
-            "published_family_best": {"plan": _plan(fam), "mfu": fam.mfu, "step_s": fam.step_s},
-            "family_matches": same or fam.step_s <= best.step_s * (1 + FAMILY_MARGIN),
-            "family_is_the_pick": same,
-            "published_settings": ({"plan": _plan(pub), "mfu": pub.mfu, "predicted_over_published": pub.mfu / mfu_pub}
-                                   if pub is not None else {"error": pub_error}),
-            "search_s": search_s, "plans_evaluated": res.evaluated,
-        })
+        }
+        if tp is not None:  # the published layout: its family's best, and the published settings pinned
+            fam = search(spec, cluster, work, fixed={"tp": tp, "pp": pp}).best
+            try:
+                pub = search(spec, cluster, work, fixed={"tp": tp, "pp": pp, **pinned}).best
+            except Exception as e:  # noqa: BLE001 - reported: the published settings do not fit our memory model
+                pub = None
+                pub_error = str(e)
+            same = (best.plan.tp, best.plan.pp) == (tp, pp)
+            row.update({
+                "published_family_best": {"plan": _plan(fam), "mfu": fam.mfu, "step_s": fam.step_s},
+                "family_matches": same or fam.step_s <= best.step_s * (1 + FAMILY_MARGIN),
+                "family_is_the_pick": same,
+                "published_settings": (dict(_estimate_json(pub, gpus), predicted_over_published=pub.mfu / mfu_pub)
+                                       if pub is not None else {"error": pub_error})})
+        row.update(search_s=search_s, plans_evaluated=res.evaluated)
+        rows.append(row)
     return rows
 
 
@@ -245,12 +303,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=2, help="runs of the local check (the spread)")
     parser.add_argument("--skip-search-time", action="store_true")
+    parser.add_argument("--validation-only", action="store_true",
+                        help="re-run the published cases (and the search time); keep the rest of --out")
     args = _common.parse_args(parser, {"cases": 1, "ranks": [1], "hidden": 32, "layers": 2, "seq": 16,
                                        "sequences": 4, "steps": 1, "repeats": 1, "skip_search_time": True}, "plan_estimate.json")
     out = _common.run_header()
     out["validation"] = validation(CASES[:args.cases])
     if not args.skip_search_time:
         out["search_time"] = search_time()
+    if args.validation_only:
+        import json
+        with open(args.out) as f:
+            old = json.load(f)
+        kept = [k for k in ("search_time", "local", "local_model") if k not in out and k in old]
+        note = old.get("kept_note") or old.get("validation_note")
+        out.update({k: old[k] for k in kept}, kept_note=f"{', '.join(kept)}: kept by --validation-only from the "
+                   f"results file of {old['timestamp']}" + (f" ({note})" if note else ""))
+        _print(out)
+        _common.save_results(args.out, out)
+        return
     mc = {"model_type": "llama", "hidden_size": args.hidden, "num_hidden_layers": args.layers,
           "num_attention_heads": max(1, args.hidden // 64), "num_key_value_heads": max(1, args.hidden // 128),
           "intermediate_size": int(args.hidden * 8 / 3) // 8 * 8, "vocab_size": 2048,
@@ -268,11 +339,13 @@ def main() -> None:
 def _print(out: dict) -> None:
     rows = []
     for r in out["validation"]:
-        ps = r["published_settings"]
-        rows.append([r["case"], f"{r['gpus']}", f"tp{r['published']['tp']} pp{r['published']['pp']}",
-                     f"{r['published']['mfu']:.1%}", r["chosen"]["plan"], f"{r['chosen']['mfu']:.1%}",
-                     f"{r['predicted_over_published']:.2f}", "yes" if r["family_matches"] else "no",
-                     f"{ps['mfu']:.1%} ({ps['predicted_over_published']:.2f})" if "mfu" in ps else "does not fit"])
+        ps, pub = r.get("published_settings", {}), r["published"]
+        layout = f"tp{pub['tp']} pp{pub['pp']}" if pub["tp"] is not None else "not published"
+        rows.append([r["case"], f"{r['gpus']}", layout, f"{pub['mfu']:.1%}", r["chosen"]["plan"],
+                     f"{r['chosen']['mfu']:.1%}", f"{r['predicted_over_published']:.2f}",
+                     "-" if "family_matches" not in r else "yes" if r["family_matches"] else "no",
+                     "-" if not ps else f"{ps['mfu']:.1%} ({ps['predicted_over_published']:.2f})" if "mfu" in ps
+                     else "does not fit"])
     print(_common.table(["case", "GPUs", "published plan", "published MFU", "chosen plan", "predicted MFU",
                          "ratio", "family", "published settings, predicted"], rows))
     if "search_time" in out:
