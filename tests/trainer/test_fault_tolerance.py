@@ -3,7 +3,8 @@ points (one inside a checkpoint's commit) is restarted by ``--max_restarts`` and
 the weights and step count of an uninterrupted run, bitwise; SIGTERM to one worker, then to the
 launcher, stops the run after the step in progress with a committed checkpoint and no traceback,
 and the run resumed (``resume_from: auto``) in between holds an uninterrupted run's state at the
-step it stopped, bitwise. One uninterrupted run (a checkpoint at every step) is the reference."""
+step it stopped, bitwise. One uninterrupted run (a checkpoint at every step, its ranks forked from the
+session's fork server: cli_workers.py) is the reference."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from cli_workers import train_in_workers
 from loop_helpers import config
 from test_cli import env, nnscaler
 
@@ -58,8 +60,9 @@ def _steps_saved(save_dir: Path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    # the command's worker side in forked workers: what the tests check is the launcher's, in the runs they start
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    r = nnscaler("train", "-f", _cfg(tmp, every=1), "--nproc", "2", cwd=tmp)
+    r = train_in_workers("-f", _cfg(tmp, every=1), "--nproc", "2", cwd=tmp)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return tmp / "ckpt"
 
