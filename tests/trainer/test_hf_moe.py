@@ -100,6 +100,8 @@ def _example(*overrides):
      ["num_experts_per_tok is 5 but the model has 4 experts (num_local_experts)", "between 1 and 4"]),
     (["--model.args.config.num_local_experts", "3"], "compute_config.plan_ngpus",
      ["3 experts (num_local_experts) over the expert-parallel size 2", "use plan_ngpus 3"]),
+    (["--model.args.config.num_local_experts", "3", "--compute_config.pas_config.ep_size", "1"],
+     None, []),  # ep_size 1: every expert on every rank, nothing to divide
     (["--model.args.config", "examples/trainer/hf_llama"], "pas_policy",
      ["'ep' splits the experts", "'llama' model of model.args.config has none", "use dp, tp"]),
     (["--model.args.config.num_local_experts", "8", "--compute_config.plan_ngpus", "4",

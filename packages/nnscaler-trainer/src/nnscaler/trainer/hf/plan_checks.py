@@ -71,8 +71,8 @@ def _check_ep(args, hf_config, experts: Optional[Experts]) -> None:
     cc = args.compute_config
     pp = (cc.pas_config or {}).get("pp_size", 1)
     pp = pp if isinstance(pp, int) and pp > 0 else 1
-    ep = cc.plan_ngpus // pp
-    if ep > 1 and experts.count % ep:
+    ep = cc.plan_ngpus // pp  # any ep_size but 1 stores the experts over all of a stage's devices
+    if ep > 1 and experts.count % ep and (cc.pas_config or {}).get("ep_size") != 1:
         sizes = [n for n in range(2, experts.count + 1) if experts.count % n == 0][:4]
         how = f"plan_ngpus {' or '.join(str(n * pp) for n in sizes)}" if sizes else "another plan"
         raise TrainerConfigError("compute_config.plan_ngpus",
