@@ -33,7 +33,7 @@ import torch
 
 from nnscaler.ir import (CROSS_ENTROPY, ROUTED_EXPERTS, SDPA, as_compute_config, IRGraph, Node, Replicate, Shard, atomic_write,
                          expert_group, is_guard, iter_refs)
-from nnscaler.ir.ops.moe import packed_expert_width
+from nnscaler.ir import packed_expert_width
 from nnscaler.ir.contracts import (Collective, ModuleReport, OpSplit, PlanReport, REPORT_JSON, REPORT_TEXT,
                                    UnannotatedOp)
 

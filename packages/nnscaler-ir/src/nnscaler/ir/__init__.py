@@ -36,14 +36,15 @@ from .ops.annotation import AnnotationError, parse_annotation
 from .ops.registry import REGISTRY, register_op  # (importing it registers the built-in annotations)
 from .ops.moe import (EXPERT_DIM, ROUTED_EXPERTS, expert_group, expert_group_dim, ExpertMLP, combine as combine_experts,
                       dispatch_order as experts_dispatch_order, expert_mlp, routed_experts,  # mixture of experts
-                      expert_capacity, slot_counts, kept_counts, drop_over_capacity, with_dropped)  # (capacity)
+                      expert_capacity, slot_counts, kept_counts, drop_over_capacity, with_dropped,  # (capacity)
+                      packed_expert_width)  # (ep_size k: the gathered experts' packing)
 from .tracer.moe_modules import experts_recorded_whole, set_capacity_factor  # transformers' experts modules
 from .ops.context_parallel import (CROSS_ENTROPY, RING_DIM, SDPA,  # attention with its sequence split (ring attention)
                                    SEQUENCE_LOSS_DIM)  # and the mean loss over a split sequence
 
 __all__ = [
     "EXPERT_DIM", "ROUTED_EXPERTS", "expert_group", "expert_group_dim", "ExpertMLP", "combine_experts", "experts_dispatch_order", "expert_mlp",
-    "routed_experts", "expert_capacity", "slot_counts", "kept_counts", "drop_over_capacity", "with_dropped",
+    "routed_experts", "expert_capacity", "slot_counts", "kept_counts", "drop_over_capacity", "with_dropped", "packed_expert_width",
     "experts_recorded_whole", "set_capacity_factor", "RING_DIM", "SDPA", "CROSS_ENTROPY", "SEQUENCE_LOSS_DIM",
     "ComputeConfig", "OptionalComputeConfig", "as_compute_config", "ConfigWarning", "warn_ineffective_settings",
     "NnScalerError", "NnScalerWarning", "ConfigError", "GenerationError", "TraceError", "TracingWarning",

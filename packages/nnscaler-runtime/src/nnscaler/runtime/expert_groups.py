@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from nnscaler.ir.ops.moe import packed_expert_width
+from nnscaler.ir import packed_expert_width
 
 from .comm.collectives import all_gather_rs
 from .comm.primitives import CommError

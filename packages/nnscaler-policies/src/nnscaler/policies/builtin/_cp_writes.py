@@ -72,7 +72,7 @@ class SequenceWrites:
         graph = self.graph
         if group.base is None:
             return None
-        base = self._base(group.base, group.root, along, n)
+        base = self._placed_base(group.base, group.root, along, n)
         if base is None:
             return None
         plan = {group.base.id: base}
@@ -103,7 +103,7 @@ class SequenceWrites:
                 return None
         return plan
 
-    def _base(self, node, root: int, along, n) -> Optional[Placed]:
+    def _placed_base(self, node, root: int, along, n) -> Optional[Placed]:
         """The base's placements split along the sequence, or None when it cannot be."""
         if node.target not in FACTORIES:
             return None
