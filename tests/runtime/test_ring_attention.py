@@ -81,10 +81,12 @@ def _bf16_errors(rank, ranks, causal, mask_kind, fused):
 
 def _job(rank, world, cases, bf16_cases=()):
     import torch.distributed as dist
-    from nnscaler.runtime import ring_attention
+    from nnscaler.runtime import ring_attention, ring_tiles
     from nnscaler.runtime.comm import count_collectives, group_for
     out = {}
+    default_tile = ring_tiles.TILE
     for label, ranks, seed, causal, mask_kind, *dv in cases:
+        ring_tiles.TILE = 1 if label.endswith("tile1") else default_tile  # masked blocks tiled to single rows / keys
         group_for(sorted(ranks))
         if rank not in ranks:
             continue
@@ -106,6 +108,7 @@ def _job(rank, world, cases, bf16_cases=()):
         diffs = [(got - want[:, :, rows]).abs().max().item()] + [
             (a.grad - b.grad[:, :, rows]).abs().max().item() for a, b in zip(leaves, full)]
         out[label] = (diffs, stats.calls("all_to_all"), (S // n, S) in saved, ring_attention.WORK["pairs"])
+    ring_tiles.TILE = default_tile
     for label, ranks, causal, mask_kind, fused in bf16_cases:
         group_for(sorted(ranks))
         if rank in ranks:
@@ -118,12 +121,15 @@ CASES = [("causal-4", (0, 1, 2, 3), 1, True, None), ("causal-2-unsorted", (3, 1)
          ("mask-bool-4", (0, 1, 2, 3), 3, False, "bool"), ("mask-float-2", (0, 2), 4, False, "float"),
          ("full-2", (1, 2), 5, False, None), ("packed-4", (0, 1, 2, 3), 6, False, "packed"),
          ("packed-2", (2, 0), 7, False, "packed"), ("keys-2", (1, 3), 8, False, "keys"),
+         ("packed-4-tile1", (0, 1, 2, 3), 6, False, "packed"), ("packed-2-tile1", (1, 3), 7, False, "packed"),
+         ("mask-bool-4-tile1", (3, 2, 1, 0), 3, False, "bool"),
          # a value head size other than the query / key one (DeepSeek-V3's MLA), larger and smaller
          ("causal-2-dv12", (0, 1), 9, True, None, 12), ("mask-bool-2-dv6", (3, 2), 10, False, "bool", 6)]
 # all-to-alls a call: balanced, q, k, v in and the output out, backward the output again (not kept twice),
 # dout in and dq, dk, dv out; a mask read as key intervals (causal-like) also its rows' intervals
 ALL_TO_ALL = {"causal-4": 9, "causal-2-unsorted": 9, "mask-bool-4": 10, "packed-4": 10, "packed-2": 10,
-              "causal-2-dv12": 9, "mask-bool-2-dv6": 10}
+              "causal-2-dv12": 9, "mask-bool-2-dv6": 10, "packed-4-tile1": 10, "packed-2-tile1": 10,
+              "mask-bool-4-tile1": 10}
 
 
 BF16 = [("bf16-causal-4-fused", (0, 1, 2, 3), True, None, True), ("bf16-causal-4-matrix", (0, 1, 2, 3), True, None, False),
@@ -151,6 +157,14 @@ def test_ring_attention_equals_one_process():
     # causal: every rank computes the same (query, key) pairs (packed documents: test_ring_masks.py)
     causal = [results[r]["causal-4"][3] for r in range(4)]
     assert len(set(causal)) == 1 and causal[0] > 0, causal
+    # masked blocks tiled to single rows / keys compute exactly the (row, key) pairs some sample's row
+    # sees (a tile is shared by the batch); whole masked blocks compute more
+    for label, ranks, seed, causal, mask_kind in [c for c in CASES if c[0].endswith("tile1")]:
+        seen = int(_problem(seed, mask_kind)[4].any(0).sum())
+        tiled = sum(results[r][label][3] for r in ranks)
+        base = next(c for c in CASES if c[0] == label[:-len("-tile1")])  # the same problem, default tiles
+        coarse = sum(results[r][base[0]][3] for r in base[1])
+        assert tiled == seen < coarse, (label, tiled, seen, coarse)
 
 
 def _layout_job(rank, world):

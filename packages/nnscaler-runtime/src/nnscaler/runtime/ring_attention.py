@@ -15,6 +15,11 @@ all-to-all, `comm.exchange`) so that rank i holds sequence chunks i and 2N-1-i o
 then computes the same number of block pairs (one diagonal pair and one full one per chunk), and
 the output is exchanged back.
 
+**Masks.** A causal, padding or packed-documents mask is read as key intervals (`ring_masks`): its
+rows are balanced as causal ones, blocks no row sees are skipped, and a block a boundary crosses is
+computed in tiles where some row sees a key (`ring_tiles`; the same tiles in backward, the merge on
+their rows only); the ring still sends one transfer per block. Other masks are sliced per block.
+
 Each block runs the fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``: no
 (L, L) matrix, its log-sum-exp returned), its backward the matching kernel given the merged output
 and log-sum-exp (which makes each block's gradients exactly its share); on other devices a plain
@@ -34,16 +39,19 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from . import failures
-from .comm.exchange import exchange_rows
 from .comm.primitives import CommError, as_ranks, resolve
 from . import ring_masks
+from .ring_layout import cat_like, chunks, zigzag
+from . import ring_tiles
 from .ring_masks import DIAG, FULL, MASKED
+from .ring_tiles import Tile
 
 __all__ = ["attention", "FUSED_CPU_KERNEL", "WORK"]
 
 WORK = {"calls": 0, "blocks": 0, "pairs": 0}
-"""What this process's ring attention forwards computed: calls, blocks, and (query row, key) pairs
-of those blocks (a skipped block counts nothing): the load balance across a unit's ranks (tests,
+"""What this process's ring attention forwards computed: calls, kernel calls (blocks and the tiles of
+masked blocks, `ring_tiles`), and the (query row, key) pairs they computed (a causal diagonal those on
+and below it; a skipped block or tile counts nothing): the load balance across a unit's ranks (tests,
 bench/long_context_packing.py). Reset it by assigning zeros."""
 FUSED_CPU_KERNEL = True
 """CPU blocks run torch's fused flash kernel; False: the matrix implementation other devices run
@@ -84,63 +92,15 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     holder: Optional[list] = None
     if balanced:
         like = query  # the output takes the caller's query layout (as F.scaled_dot_product_attention's)
-        query, key, value = (_zigzag(t, rs, forward=True) for t in (query, key, value))
-        iv = _zigzag(iv, rs, forward=True) if iv is not None else None
+        query, key, value = (zigzag(t, rs, forward=True) for t in (query, key, value))
+        iv = zigzag(iv, rs, forward=True) if iv is not None else None
         holder = []  # the output in the caller's order, which backward exchanges again instead of keeping a copy
     out = _Ring.apply(query, key, value, mask, iv, bool(is_causal), balanced, scale, rs, holder)
     if not balanced:
         return out
-    out = _zigzag(out, rs, forward=False, like=like)
+    out = zigzag(out, rs, forward=False, like=like)
     holder += [out.detach(), out._version]  # shares its storage with what the model keeps (o_proj's input)
     return out
-
-
-def _cat_like(parts, like: torch.Tensor, dim: int) -> torch.Tensor:
-    """``torch.cat(parts, dim)`` whose memory follows `like`'s dim order (as ``empty_like``), not the
-    default contiguous one: the output of ``F.scaled_dot_product_attention`` on the CPU has its
-    query's layout, which is (batch, sequence, heads, dim) in transformers' attention (the
-    projections viewed and transposed), so the model's ``transpose(1, 2).contiguous()`` after it
-    copies nothing; ring attention's output does the same."""
-    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))  # outermost first (stable on ties)
-    if order == list(range(like.dim())):
-        return torch.cat(parts, dim)
-    inverse = [order.index(d) for d in range(like.dim())]
-    return torch.cat([p.permute(order) for p in parts], order.index(dim % like.dim())).permute(inverse)
-
-
-# -- the zigzag layout -------------------------------------------------------------------------------
-
-def _owner(chunk: int, n: int) -> int:
-    return chunk if chunk < n else 2 * n - 1 - chunk
-
-
-def _zigzag(x: torch.Tensor, rs, forward: bool, like: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rows (dim -2) from the contiguous layout (piece i: sub-chunks 2i, 2i+1 of 2N) to the balanced
-    one (piece i: sub-chunks i, 2N-1-i), or back (in the memory layout of `like` when given).
-    Sub-chunks are equal, so every count is known."""
-    n, me = rs.n, rs.index
-    contiguous = lambda c: c // 2  # noqa: E731  (the piece holding sub-chunk c in each layout)
-    balanced = lambda c: _owner(c, n)  # noqa: E731
-    mine, want = ([2 * me, 2 * me + 1], [me, 2 * n - 1 - me]) if forward else ([me, 2 * n - 1 - me], [2 * me, 2 * me + 1])
-    dest, src = (balanced, contiguous) if forward else (contiguous, balanced)
-    half = x.shape[-2] // 2
-    parts = torch.split(x.movedim(-2, 0), half)
-    order = sorted(range(2), key=lambda i: (dest(mine[i]), mine[i]))  # every sender: by destination, then chunk
-    send, recv = [0] * n, [0] * n
-    for c in mine:
-        send[dest(c)] += half
-    for c in want:
-        recv[src(c)] += half
-    got = torch.split(exchange_rows(torch.cat([parts[i] for i in order]), send, recv, rs), half)
-    arrival = sorted(want, key=lambda c: (src(c), c))  # rows arrive by source piece, then its order
-    if like is not None:
-        return _cat_like([got[arrival.index(c)].movedim(0, -2) for c in want], like, -2)
-    return torch.cat([got[arrival.index(c)] for c in want]).movedim(0, -2)
-
-
-def _chunks(piece: int, n: int, balanced: bool) -> List[int]:
-    """Global chunk ids held by `piece`: (i, 2N-1-i) of 2N when balanced, else (i,) of N."""
-    return [piece, 2 * n - 1 - piece] if balanced else [piece]
 
 
 def _pairs(q_chunks: List[int], k_chunks: List[int], causal: bool) -> List[Tuple[int, int, str]]:
@@ -253,7 +213,7 @@ class _Ring(Function):
     def forward(ctx, q, k, v, mask, iv, causal, balanced, scale, rs, holder):
         n, me = rs.n, rs.index
         groups = q.shape[1] // k.shape[1]
-        q_chunks = _chunks(me, n, balanced)
+        q_chunks = chunks(me, n, balanced)
         q_parts = torch.chunk(q, len(q_chunks), dim=-2)
         iv_parts = torch.chunk(iv, len(q_chunks), dim=-2) if iv is not None else None
         acc: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(q_parts)
@@ -262,19 +222,21 @@ class _Ring(Function):
         for step in range(n):
             src = (me - step) % n
             pending = _shift(block, rs, step) if step < n - 1 else None
-            k_chunks = _chunks(src, n, balanced)
+            k_chunks = chunks(src, n, balanced)
             k_parts, v_parts = torch.chunk(block[0], len(k_chunks), -2), torch.chunk(block[1], len(k_chunks), -2)
-            for i, j, kind in _blocks(q_chunks, k_chunks, causal, iv_parts, k_parts[0].shape[-2]):
-                m = _block_mask(mask, iv_parts, i, k_chunks[j], k_parts[j].shape[-2], kind, block[0].shape[-2], src,
-                                q.dtype)
-                o, lse = _block_forward(q_parts[i], _expand(k_parts[j], groups), _expand(v_parts[j], groups), m,
-                                        kind == DIAG, scale)
-                WORK["blocks"] += 1
-                WORK["pairs"] += q_parts[i].shape[-2] * k_parts[j].shape[-2] // (2 if kind == DIAG else 1)
-                acc[i] = _merge(acc[i], o, lse)
+            width = k_parts[0].shape[-2]
+            for i, j, kind in _blocks(q_chunks, k_chunks, causal, iv_parts, width):
+                kb, vb = _expand(k_parts[j], groups), _expand(v_parts[j], groups)
+                for t in _tiles(kind, iv_parts, i, q_chunks[i], k_chunks[j], width, q_parts[i].shape[-2]):
+                    m = _block_mask(mask, iv_parts, i, t, k_chunks[j] * width, block[0].shape[-2], src, q.dtype)
+                    o, lse = _block_forward(q_parts[i][..., t.rows, :], kb[..., t.keys, :], vb[..., t.keys, :], m,
+                                            t.kind == DIAG, scale)
+                    WORK["blocks"] += 1
+                    WORK["pairs"] += t.pairs()
+                    acc[i] = _merge_rows(acc[i], o, lse, t.rows, q_parts[i].shape[-2])
             block = _finish(pending, rs) if pending is not None else block
         outs, lses = zip(*[_final(a, p, v.shape[-1]) for a, p in zip(acc, q_parts)])
-        out, lse = _cat_like(outs, q, -2), torch.cat(lses, dim=-1)  # out in q's layout, as the fused kernel
+        out, lse = cat_like(outs, q, -2), torch.cat(lses, dim=-1)  # out in q's layout, as the fused kernel
         # saved: q, k, v (in the ring's row order), the log-sum-exp, the output unless the caller's
         # reordered one stands in for it (`holder`), the general mask or the intervals (two ints a row)
         extra = [t for t in (mask, iv) if t is not None]
@@ -292,14 +254,14 @@ class _Ring(Function):
             if kept._version != version:
                 raise CommError("ring attention: its output was modified in place after the call; backward needs "
                                 "it as returned (copy it before modifying it)")
-            out = _zigzag(kept, rs, forward=True)  # the caller's output, back in the ring's order
+            out = zigzag(kept, rs, forward=True)  # the caller's output, back in the ring's order
         else:
             out, rest = rest[0], rest[1:]
         mask = rest.pop(0) if has_mask else None
         iv = rest.pop(0) if has_iv else None
         n, me = rs.n, rs.index
         groups = q.shape[1] // k.shape[1]
-        q_chunks = _chunks(me, n, balanced)
+        q_chunks = chunks(me, n, balanced)
         split = lambda t, dim=-2: torch.chunk(t, len(q_chunks), dim=dim)  # noqa: E731
         q_parts, o_parts, do_parts, l_parts = split(q), split(out), split(dout.contiguous()), split(lse, -1)
         iv_parts = split(iv) if iv is not None else None
@@ -308,16 +270,20 @@ class _Ring(Function):
         block = (k, v, torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
         for step in range(n):
             src = (me - step) % n
-            k_chunks = _chunks(src, n, balanced)
+            k_chunks = chunks(src, n, balanced)
             kb, vb, dkb, dvb = (torch.chunk(t, len(k_chunks), -2) for t in block)
-            for i, j, kind in _blocks(q_chunks, k_chunks, causal, iv_parts, kb[0].shape[-2]):
-                m = _block_mask(mask, iv_parts, i, k_chunks[j], kb[j].shape[-2], kind, block[0].shape[-2], src,
-                                q.dtype)
-                dq, dk, dv = _block_backward(do_parts[i], q_parts[i], _expand(kb[j], groups), _expand(vb[j], groups),
-                                             o_parts[i], l_parts[i], m, kind == DIAG, scale)
-                dq_parts[i] += dq
-                dkb[j].add_(_fold(dk.to(acc), groups))
-                dvb[j].add_(_fold(dv.to(acc), groups))
+            width = kb[0].shape[-2]
+            for i, j, kind in _blocks(q_chunks, k_chunks, causal, iv_parts, width):
+                kx, vx = _expand(kb[j], groups), _expand(vb[j], groups)
+                for t in _tiles(kind, iv_parts, i, q_chunks[i], k_chunks[j], width, q_parts[i].shape[-2]):
+                    m = _block_mask(mask, iv_parts, i, t, k_chunks[j] * width, block[0].shape[-2], src, q.dtype)
+                    r, c = t.rows, t.keys
+                    dq, dk, dv = _block_backward(do_parts[i][..., r, :], q_parts[i][..., r, :], kx[..., c, :],
+                                                 vx[..., c, :], o_parts[i][..., r, :], l_parts[i][..., r], m,
+                                                 t.kind == DIAG, scale)
+                    dq_parts[i][..., r, :] += dq
+                    dkb[j][..., c, :].add_(_fold(dk.to(acc), groups))
+                    dvb[j][..., c, :].add_(_fold(dv.to(acc), groups))
             if step < n - 1:
                 block = _finish(_shift(block, rs, n + step), rs)
         dk, dv = block[2], block[3]
@@ -335,9 +301,19 @@ def _blocks(q_chunks, k_chunks, causal, iv_parts, chunk: int):
     return _pairs(q_chunks, k_chunks, causal)
 
 
-def _block_mask(mask, iv_parts, i, k_chunk, width, kind, block_width, src, dtype):
+def _tiles(kind, iv_parts, i, q_chunk, k_chunk, width, rows) -> List[Tile]:
+    """The parts of a block to compute: the whole block, or a MASKED one's tiles (`ring_tiles`)."""
     if kind == MASKED:
-        return ring_masks.block_mask(iv_parts[i], k_chunk * width, width, dtype)
+        return ring_tiles.tiles(iv_parts[i], q_chunk * rows, k_chunk * width, width)
+    return [Tile(slice(0, rows), slice(0, width), kind)]
+
+
+def _block_mask(mask, iv_parts, i, tile, k0, block_width, src, dtype):
+    """A MASKED tile's additive mask from its rows' intervals (keys from global position `k0` + the
+    tile's offset), None for the other kinds, else the general mask's key block."""
+    if tile.kind == MASKED:
+        start, stop = tile.keys.start, tile.keys.stop
+        return ring_masks.block_mask(iv_parts[i][..., tile.rows, :], k0 + start, stop - start, dtype)
     if iv_parts is not None:
         return None
     return _mask_block(mask, block_width, src)
@@ -360,6 +336,20 @@ def _merge(acc, o, lse):
     keep = torch.where(torch.isfinite(new), torch.exp(total - new), torch.zeros_like(new))
     take = torch.where(torch.isfinite(new), torch.exp(lse - new), torch.zeros_like(new))
     return out * keep.unsqueeze(-1) + o * take.unsqueeze(-1), new
+
+
+def _merge_rows(acc, o, lse, rows: slice, total: int):
+    """`_merge` of a tile's (o, lse) into rows `rows` of its query part's (`total` rows): the other
+    rows' output and log-sum-exp stay as they are (none yet: 0 and -inf)."""
+    if rows.stop - rows.start == total:
+        return _merge(acc, o, lse)
+    if acc is None:
+        acc = (o.new_zeros(*o.shape[:-2], total, o.shape[-1]), lse.new_full((*lse.shape[:-1], total), float("-inf")))
+    out, sums = acc
+    part, part_sums = _merge((out[..., rows, :], sums[..., rows]), o, lse)
+    out[..., rows, :] = part
+    sums[..., rows] = part_sums
+    return out, sums
 
 
 def _final(acc, q_part, dv: int):

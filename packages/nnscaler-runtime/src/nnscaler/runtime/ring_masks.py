@@ -9,8 +9,9 @@ empty run: lo > hi), once per mask object: transformers builds one mask a forwar
 every layer, so the layers after the first reuse the result. Ring attention then keeps no mask for
 backward, balances the rows (zigzag) when the intervals are causal (no row sees a later key), skips
 the blocks no row of a pair sees, runs the fused kernel without a mask on blocks every row sees
-whole (or as a causal diagonal), and builds a block's additive mask (block rows x block keys) only
-where a document or padding boundary crosses the block, for that block's computation alone.
+whole (or as a causal diagonal), and computes a block a document or padding boundary crosses
+(MASKED) only where some row sees a key: `ring_tiles` splits it, each tile's additive mask (tile
+rows x tile keys) built for that tile's computation alone.
 Any other mask (per-head, biases, holes) takes the general path (its rows sliced per block).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["intervals", "plan_blocks", "block_mask", "FULL", "DIAG", "MASKED"]
+__all__ = ["intervals", "plan_blocks", "classify", "block_mask", "FULL", "DIAG", "MASKED"]
 
 FULL, DIAG, MASKED = "full", "diag", "masked"
 _ROWS_BYTES = 1 << 25  # the temporaries of one row chunk when reading a mask
@@ -67,22 +68,29 @@ def _read(mask: torch.Tensor, total_keys: int) -> Optional[torch.Tensor]:
 def plan_blocks(q_chunks, k_chunks, chunk: int, iv_parts) -> List[Tuple[int, int, str]]:
     """(q part, k part, kind) of the blocks some row sees, given each q part's intervals: FULL (every
     row sees every key of the block), DIAG (the causal diagonal: every row sees the block's keys up to
-    itself), MASKED (a boundary crosses it)."""
+    itself), MASKED (a boundary crosses it; `ring_tiles` computes only its part some row sees)."""
     out = []
     for i, cq in enumerate(q_chunks):
-        lo, hi = iv_parts[i][..., 0], iv_parts[i][..., 1]
         for j, ck in enumerate(k_chunks):
-            k0, k1 = ck * chunk, (ck + 1) * chunk - 1
-            if bool(((hi < k0) | (lo > k1) | (lo > hi)).all()):
-                continue
-            if bool(((lo <= k0) & (hi >= k1)).all()):
-                out.append((i, j, FULL))
-            elif cq == ck and bool((lo <= k0).all()) and \
-                    bool((hi == torch.arange(k0, k1 + 1, device=hi.device)).all()):
-                out.append((i, j, DIAG))
-            else:
-                out.append((i, j, MASKED))
+            kind = classify(iv_parts[i], cq * chunk, ck * chunk, chunk)
+            if kind is not None:
+                out.append((i, j, kind))
     return out
+
+
+def classify(iv: torch.Tensor, row0: int, k0: int, width: int) -> Optional[str]:
+    """The kind of the block of keys ``[k0, k0 + width)`` for rows with intervals `iv` (global
+    positions from `row0`): None when no row sees any of its keys, else FULL, DIAG or MASKED."""
+    lo, hi = iv[..., 0], iv[..., 1]
+    k1 = k0 + width - 1
+    if bool(((hi < k0) | (lo > k1) | (lo > hi)).all()):
+        return None
+    if bool(((lo <= k0) & (hi >= k1)).all()):
+        return FULL
+    if row0 == k0 and iv.shape[-2] == width and bool((lo <= k0).all()) and \
+            bool((hi == torch.arange(k0, k1 + 1, device=hi.device)).all()):
+        return DIAG
+    return MASKED
 
 
 def block_mask(iv_part: torch.Tensor, k0: int, width: int, dtype) -> torch.Tensor:
