@@ -1,6 +1,6 @@
 """nnscaler.runtime.ring_tiles (no processes): a masked block's tiles cover every (row, key) pair a row
 sees, once, and each holds a seen pair (padding and packed documents, two samples, tile sizes 1 to
-the block); one query part's attention over a key block computed tile by tile (log-sum-exp merged
+the block); a block's plan kept while its intervals are equal; one query part's attention over a key block computed tile by tile (log-sum-exp merged
 into the tiles' rows, dq / dk / dv of the tiles' rows and keys) equals torch's on the whole block
 (float64, 1e-12; fused CPU kernel and the matrix path)."""
 from __future__ import annotations
@@ -44,6 +44,16 @@ def test_tiles_cover_the_seen_pairs_once(tile, monkeypatch):
                 if t.kind == DIAG:
                     assert r0 + t.rows.start == k0 + t.keys.start and torch.equal(inside, inside.tril()), t
             assert (count <= 1).all() and (count[seen] == 1).all(), (tile, r0, k0)
+
+
+def test_plan_kept_while_the_intervals_are_the_same(monkeypatch):
+    monkeypatch.setattr(ring_tiles, "TILE", 2)
+    iv = ring_masks.intervals(_mask(), S, "kept")[:1, :, 12:]  # sample 0, rows 12..23
+    first = ring_tiles.tiles(iv, 12, 0, 12)  # keys 0..11: rows 12..15 see 5..11
+    assert first and ring_tiles.tiles(iv.clone(), 12, 0, 12) is first  # the next layer's (equal) intervals
+    other = iv.clone()
+    other[0, 0, :4, 0] = 12  # document 1 starts at row 12 instead of 5: no row sees keys 0..11
+    assert ring_tiles.tiles(other, 12, 0, 12) == []
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "matrix"])

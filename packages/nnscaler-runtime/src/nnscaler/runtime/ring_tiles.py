@@ -1,19 +1,20 @@
 """Ring attention's MASKED blocks (a document or padding boundary crosses them, `ring_masks`) computed
 only where some query row sees a key.
 
-`tiles` splits such a block into quadrants while it is larger than `TILE` on both sides, and
-classifies each again from the rows' key intervals: a quadrant no row sees is skipped, one every row
-sees whole (or as the causal diagonal) runs without a mask; at `TILE` what is still MASKED shrinks
-to the bounding rectangle of its seen (row, key) pairs (the rows that see any of its keys, the keys
-from the smallest lo to the largest hi) and runs with that rectangle's mask. Forward and backward
-plan the same tiles from the same intervals, so each tile's dq touches its rows and its dk / dv its
-keys only, and the log-sum-exp merge updates the tile's rows only. Packed documents shorter than a
-block then cost about their own (query, key) pairs instead of whole blocks; the ring's transfers
-stay one per block (tiles are computed, never sent).
+`tiles` shrinks such a block to the bounding rectangle of its seen (row, key) pairs (the rows that
+see any of its keys, the keys from the smallest lo to the largest hi), classifies it again from the
+rows' key intervals, and while it is still MASKED and larger than `TILE` on both sides splits it
+into quadrants, each treated the same way: a quadrant no row sees is skipped, one every row sees
+whole (or as the causal diagonal) runs without a mask, a MASKED one of at most `TILE` runs with its
+rectangle's mask. Forward and backward plan the same tiles from the same intervals (the plan is
+kept per block: every layer of a forward has the same intervals), so each tile's dq touches its rows
+and its dk / dv its keys only, and the log-sum-exp merge updates the tile's rows only. Packed
+documents shorter than a block then cost about their own (query, key) pairs instead of whole blocks;
+the ring's transfers stay one per block (tiles are computed, never sent).
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple
 
 import torch
 
@@ -24,6 +25,10 @@ __all__ = ["Tile", "tiles", "TILE"]
 TILE = 32
 """A MASKED tile is split into quadrants while both its sides exceed this (tokens): smaller tiles
 compute fewer unseen pairs but run more, smaller kernel calls."""
+
+
+_PLANS = 64  # tile plans kept: a rank's masked blocks of a forward (at most 4 x the cp size)
+_plans: Dict[tuple, tuple] = {}  # (row0, k0, width, shape) -> (intervals, TILE, tiles)
 
 
 class Tile(NamedTuple):
@@ -42,8 +47,16 @@ class Tile(NamedTuple):
 def tiles(iv: torch.Tensor, row0: int, k0: int, width: int) -> List[Tile]:
     """The tiles of the MASKED block of keys ``[k0, k0 + width)`` for the rows with intervals `iv`
     (B, 1, rows, 2) at global positions from `row0`, covering every (row, key) pair a row sees."""
+    key = (row0, k0, width, tuple(iv.shape))
+    hit = _plans.get(key)
+    if hit is not None and hit[1] == TILE and torch.equal(hit[0], iv.to(hit[0].device)):
+        return hit[2]  # every layer of a forward (and its backward) has the same intervals
+    iv = iv.to("cpu", copy=True)  # many small reductions: on the host, not one device sync each; kept
     out: List[Tile] = []
     _split(iv, row0, k0, 0, iv.shape[-2], 0, width, out)
+    if len(_plans) >= _PLANS:
+        _plans.clear()
+    _plans[key] = (iv, TILE, out)
     return out
 
 
@@ -52,16 +65,16 @@ def _split(iv, row0, k0, r0, r1, c0, c1, out):
     kind = classify(part, row0 + r0, k0 + c0, c1 - c0)
     if kind is None:
         return
-    if kind != MASKED:
+    if kind == MASKED:  # first to the rectangle its rows see (a document's rows past the block: whole)
+        tile = _clipped(part, row0, k0, r0, c0, c1)
+        (r0, r1), (c0, c1), kind = (tile.rows.start, tile.rows.stop), (tile.keys.start, tile.keys.stop), tile.kind
+    if kind != MASKED or r1 - r0 <= TILE or c1 - c0 <= TILE:
         out.append(Tile(slice(r0, r1), slice(c0, c1), kind))
         return
-    if r1 - r0 > TILE and c1 - c0 > TILE:
-        rm, cm = (r0 + r1) // 2, (c0 + c1) // 2
-        for rows in ((r0, rm), (rm, r1)):
-            for keys in ((c0, cm), (cm, c1)):
-                _split(iv, row0, k0, *rows, *keys, out)
-        return
-    out.append(_clipped(part, row0, k0, r0, c0, c1))
+    rm, cm = (r0 + r1) // 2, (c0 + c1) // 2
+    for rows in ((r0, rm), (rm, r1)):
+        for keys in ((c0, cm), (cm, c1)):
+            _split(iv, row0, k0, *rows, *keys, out)
 
 
 def _clipped(part, row0, k0, r0, c0, c1) -> Tile:
