@@ -1,6 +1,7 @@
 """The multi-process half of the Lite example test: examples/lightning/lite_boring.py run with
 Fabric's DDP and with nnscaler's Fabric strategy (dp, tp), recording what `all_gather` returned
-(every step's and every validation batch's loss) and the trained weights."""
+(every step's and every validation batch's loss), the trained weights, and the rank Lightning read
+when the worker started (tests/runtime/launch.py sets it: the fork server imported Lightning)."""
 from __future__ import annotations
 
 import os
@@ -21,6 +22,8 @@ def _example():
 
 def run(rank, world, root, kind, batch_size, epochs):
     ex = _example()
+    from lightning_utilities.core.rank_zero import rank_zero_only
+    rank_at_start = rank_zero_only.rank  # Lightning's rank before any strategy sets it: the launch's
 
     class Recording(ex.Lite):
         """The example's Lite, recording what passes through setup and all_gather."""
@@ -50,4 +53,4 @@ def run(rank, world, root, kind, batch_size, epochs):
         holder = Holder()
         holder.nnscaler_pmodule = lite.model._forward_module
         weights = full_weights(holder)
-    return dict(train=lite.gathered[0::2], val=lite.gathered[1::2], weights=weights)
+    return dict(train=lite.gathered[0::2], val=lite.gathered[1::2], weights=weights, rank_at_start=rank_at_start)

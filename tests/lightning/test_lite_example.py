@@ -17,10 +17,15 @@ def _per_step(gathered):
     return torch.stack([g.float().mean(0) for g in gathered])
 
 
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    """Rank 0's record of the example under Fabric's DDPStrategy: every case's reference, run once."""
+    return run_workers(lite_workers.run, 2, str(tmp_path_factory.mktemp("ddp")), "ddp", 1, EPOCHS, timeout=240)[0]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind,batch_size", [("dp", 1), ("tp", 2)])
-def test_lite_example_matches_fabric_ddp(tmp_path, kind, batch_size):
-    ddp = run_workers(lite_workers.run, 2, str(tmp_path), "ddp", 1, EPOCHS, timeout=240)[0]
+def test_lite_example_matches_fabric_ddp(tmp_path, kind, batch_size, ddp):
     ours = run_workers(lite_workers.run, 2, str(tmp_path), kind, batch_size, EPOCHS, timeout=240)
     r = ours[0]
     assert len(r["train"]) == len(ddp["train"]) == EPOCHS
@@ -38,3 +43,4 @@ def test_lite_example_matches_fabric_ddp(tmp_path, kind, batch_size):
     for key, ref in ddp["weights"].items():
         torch.testing.assert_close(r["weights"][key], ref, atol=TOL, rtol=0)
     assert ours[1]["weights"].keys() == r["weights"].keys()
+    assert [o["rank_at_start"] for o in ours] == [0, 1]  # rank_zero_only as an import in the worker sets it

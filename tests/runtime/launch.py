@@ -16,11 +16,13 @@ worker is gone; the workers connect to it as clients (MASTER_PORT names it). So 
 chosen, released and bound again later (the old `free_port()` race: another process could take
 the port in between).
 
-The workers are forked from multiprocessing's fork server, which has imported torch and nnscaler's
-parts once for the whole session (`PRELOAD`): a worker then starts in a few milliseconds instead of
-the 1.5 to 3 s a fresh interpreter takes to import them (on 2 cores, a 2-rank launch took 3.2 s
-before its function ran, a 4-rank one 6 s). The server imports modules only, runs no torch op and
-starts no thread, so a forked worker is what a spawned one would be after the same imports; its
+The workers are forked from multiprocessing's fork server, which has imported torch, nnscaler's
+parts, transformers' models and Lightning once for the whole session (`PRELOAD`): a worker then
+starts in a few milliseconds instead of the 1.5 to 3 s a fresh interpreter takes to import them (on
+2 cores, a 2-rank launch took 3.2 s before its function ran, a 4-rank one 6 s; Lightning adds 7 s of
+CPU a worker). The server imports modules only, runs no torch op and
+starts no Python thread, so a forked worker is what a spawned one would be after the same imports
+(Lightning's rank aside, which `_worker` sets: Lightning reads it when imported); its
 environment is the caller's at the call (passed along, as a spawned child would inherit it), and
 its working directory and `sys.path` the caller's, as with spawn. `NNSCALER_TEST_START_METHOD=spawn`
 starts fresh interpreters instead.
@@ -32,6 +34,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -45,7 +48,9 @@ PRELOAD = ["torch", "torch.distributed", "nnscaler.ir", "nnscaler.runtime", "nns
            # the Hugging Face models of tests/models (2.7 s a worker to import)
            "transformers", *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "mixtral", "qwen2_moe",
                                                                               "gpt2", "bert", "resnet", "vit",
-                                                                              "deepseek_v3", "gpt_oss"))]
+                                                                              "deepseek_v3", "gpt_oss")),
+           # tests/lightning's workers (7 s of CPU a worker to import); its rank is set in `_worker`
+           "lightning.pytorch", "lightning.fabric", "nnscaler.lightning"]
 
 
 class WorkerError(RuntimeError):
@@ -75,12 +80,22 @@ def _context():
     return ctx
 
 
+def _set_lightning_rank(rank: int) -> None:
+    """Lightning reads the process's rank from the environment once, when imported (its
+    `rank_zero_only.rank`); imported by the fork server, it read none. Set it as an import here,
+    with RANK set, would have."""
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
+    if rank_zero is not None:
+        rank_zero.rank_zero_only.rank = rank
+
+
 def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, timeout: float, out, env: dict) -> None:
     if os.environ != env:  # forked from the fork server: the caller's environment, as spawn gives it
         os.environ.clear()
         os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    _set_lightning_rank(rank)
     try:
         import torch
         import torch.distributed as dist
