@@ -1,5 +1,6 @@
 """The shipped example (examples/trainer/gpt_char.yaml) trains, validates, checkpoints and resumes on
-2 processes; the seed's own example config runs on 4."""
+2 processes through the README's commands; the seed's own example config runs on 4 (nnscaler train's
+worker side in forked workers)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import re
 
 import pytest
 
+from cli_workers import train_in_workers
 from test_cli import HERE, nnscaler
 
 pytestmark = pytest.mark.multiprocess
@@ -61,10 +63,11 @@ def test_gpt_char_example_trains_reruns_and_resumes(tmp_path):
 
 def test_seed_example_config_on_4_processes(tmp_path):
     # pas_policy as the seed has it: autodist (searching a plan over plan_ngpus=4)
-    r = nnscaler("train", "-f", os.path.join(HERE, "seed_example.yaml"), "--nproc", "4",
-                 "--compute_config.runtime_ngpus", "4", "--seed", "0", "--max_train_steps", "3",
-                 "--gen_savedir", str(tmp_path / "gen"), "--checkpoint.save_dir", str(tmp_path / "ckpt"),
-                 "--enable_progress_bar", "false", cwd=tmp_path, timeout=400)
+    # the command's worker side on 4 forked workers (cli_workers.py): the config is what is tested here
+    r = train_in_workers("-f", os.path.join(HERE, "seed_example.yaml"), "--nproc", "4",
+                         "--compute_config.runtime_ngpus", "4", "--seed", "0", "--max_train_steps", "3",
+                         "--gen_savedir", str(tmp_path / "gen"), "--checkpoint.save_dir", str(tmp_path / "ckpt"),
+                         "--enable_progress_bar", "false", cwd=tmp_path, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert len(losses(r.stdout)) == 3
     assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n[0].isdigit()) == ["0000-0001", "0000-0002", "0000-0003"]
